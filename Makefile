@@ -1,0 +1,32 @@
+# The two set-up commands: `make train` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEVICES ?= 8
+
+.PHONY: train test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# Core package (editable), re-installed when pyproject.toml changes.
+$(VENV)/.core: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# Test and MPI extras. mpi4jax builds from source against the mpich wheel, without build isolation.
+$(VENV)/.test: $(VENV)/.core
+	$(BIN)/pip install --quiet -e ".[test,bench]" mpich mpi4py nanobind cython wheel setuptools
+	bash scripts/install_mpi4jax.sh $(VENV)
+	touch $@
+
+train: $(VENV)/.core
+	$(BIN)/axonn-jax train --devices $(DEVICES) --model gpt-mini --steps 300 --batch-size 16 \
+		--seq-len 128 --lr 3e-3 --sample-tokens 200
+
+test: $(VENV)/.test
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""Orbax checkpoints of the train state, saved cooperatively by all processes."""
+from __future__ import annotations
+
+import pathlib
+
+import jax
+
+
+class Checkpointer:
+    """Saves the train state every `every` steps under `directory`; restores the latest one.
+
+    The state is a pytree of global jax.Arrays; each process writes the shards it owns, and restore
+    places every array with the sharding (and memory kind) of the template it is given.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        self.directory = pathlib.Path(directory).absolute()
+        self.every = every
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def maybe_save(self, step: int, state, force: bool = False) -> bool:
+        """Save after `step` steps if it is a multiple of `every` (or `force`)."""
+        import orbax.checkpoint as ocp
+
+        if not force and (self.every <= 0 or step % self.every):
+            return False
+        if step == self.latest_step():
+            return False
+        return self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+
+    def restore(self, template):
+        """The latest state, placed like `template` (a pytree of arrays or ShapeDtypeStructs).
+
+        Raises FileNotFoundError when the directory holds no checkpoint.
+        """
+        import orbax.checkpoint as ocp
+
+        step = self.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"--resume: no checkpoint found in {str(self.directory)!r}")
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
+        )
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:  # orbax raises many types for mismatched or damaged checkpoints
+            raise ValueError(
+                f"cannot restore checkpoint step {step} from {str(self.directory)!r} into this model/"
+                f"grid (was it written by a different configuration, or is it damaged?): {e}"
+            ) from e
+
+    def close(self):
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,85 @@
+"""The parallel grid: how many devices split each of the five axes."""
+from __future__ import annotations
+
+import dataclasses
+
+AXES: tuple[str, ...] = ("data", "pipe", "depth", "row", "col")
+"""Mesh axis names, outermost (slowest-changing device id, across hosts) first."""
+
+BATCH_AXES: tuple[str, ...] = ("data", "depth")
+"""Axes the batch is split over: `data` replicates the model, `depth` splits weights and batch."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the `data × pipe × depth × row × col` grid.
+
+    data:  batch split, gradients all-reduced (optionally compressed).
+    pipe:  the stack of layers split into stages.
+    depth: weights of every tensor-parallel layer split further (ZeRO-3 inside the TP group) and the
+           batch too.
+    row, col: each dense layer's output / input features (AxoNN's 2D tensor parallelism).
+    """
+
+    data: int = 1
+    pipe: int = 1
+    depth: int = 1
+    row: int = 1
+    col: int = 1
+
+    def __post_init__(self):
+        for name in AXES:
+            size = getattr(self, name)
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {size!r}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Axis sizes in mesh order `(data, pipe, depth, row, col)`."""
+        return tuple(getattr(self, name) for name in AXES)
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Devices in one tensor-parallel group (`depth · row · col`)."""
+        return self.depth * self.row * self.col
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in AXES}
+
+    def validate(self, num_devices: int) -> None:
+        """Raise ValueError unless the grid uses exactly `num_devices` devices."""
+        if self.num_devices != num_devices:
+            grid = " × ".join(f"{n}={getattr(self, n)}" for n in AXES)
+            raise ValueError(
+                f"the grid {grid} has {self.num_devices} devices but {num_devices} are available; "
+                f"the five sizes must multiply to the device count"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> "ParallelConfig":
+        """`'data=2,row=4'` -> ParallelConfig(data=2, row=4)."""
+        sizes = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            name, _, value = item.partition("=")
+            if name not in AXES or not value.strip().isdigit():
+                raise ValueError(f"bad grid entry {item!r}: expected NAME=INT with NAME in {AXES}")
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+
+def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: ParallelConfig) -> None:
+    """Raise ValueError naming the numbers unless `size` divides evenly over the product of `axes`."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    parts = 1
+    for axis in axes:
+        parts *= getattr(config, axis)
+    if size % parts:
+        split = " × ".join(f"{a}={getattr(config, a)}" for a in axes)
+        raise ValueError(f"{what} = {size} is not divisible by {split} (= {parts})")

@@ -1,0 +1,123 @@
+"""Corpus, byte-level tokenizer and a deterministic, sharded batch loader.
+
+Batches are a pure function of `(seed, step)`: a resumed run sees exactly the data it would have seen,
+and every process computes only the rows of the batch that its own devices hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+
+import numpy as np
+
+VOCAB_SIZE = 256
+"""Byte-level vocabulary: one token per byte value."""
+
+TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h")
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of `text` as a uint8 token array."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode(tokens) -> str:
+    """Tokens back to text; invalid UTF-8 sequences are replaced, never raised."""
+    return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def stdlib_sources() -> list[pathlib.Path]:
+    """The `.py` files of the running interpreter's standard library, in sorted order."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = [f for f in root.rglob("*.py") if "site-packages" not in f.parts and f.is_file()]
+    return sorted(files, key=lambda f: f.relative_to(root).as_posix())
+
+
+def _read_text_files(files: list[pathlib.Path]) -> np.ndarray:
+    chunks = [np.frombuffer(f.read_bytes(), dtype=np.uint8) for f in files]
+    if not chunks:
+        raise ValueError("no text files to read")
+    return np.concatenate(chunks)
+
+
+def load_tokens(path: str | pathlib.Path | None = None) -> np.ndarray:
+    """All tokens of a corpus as a 1-D integer array.
+
+    path: None for the default corpus (the standard library's `.py` sources); a text file; a
+    directory (its text files, recursively, in sorted order); or a `.npy` array of token ids in
+    [0, VOCAB_SIZE).
+    """
+    if path is None:
+        return _read_text_files(stdlib_sources())
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {str(path)!r} does not exist")
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"directory {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+        return _read_text_files(files)
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, allow_pickle=False)
+        except Exception as e:  # numpy raises several types for a damaged file
+            raise ValueError(f"cannot read token array {str(path)!r}: {e}") from e
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"{str(path)!r} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}"
+            )
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= VOCAB_SIZE):
+            raise ValueError(
+                f"{str(path)!r} holds token ids outside [0, {VOCAB_SIZE}): "
+                f"min {tokens.min()}, max {tokens.max()}"
+            )
+        return tokens
+    return _read_text_files([path])
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Train and validation token streams (validation is the last `val_fraction` of the corpus)."""
+
+    train: np.ndarray
+    val: np.ndarray
+
+    @classmethod
+    def load(cls, path=None, val_fraction: float = 0.05, min_tokens: int = 0) -> "Corpus":
+        tokens = load_tokens(path)
+        n_val = max(int(len(tokens) * val_fraction), min_tokens)
+        if len(tokens) - n_val < min_tokens:
+            raise ValueError(
+                f"corpus has {len(tokens)} tokens; need at least {2 * min_tokens} "
+                f"(train and validation each hold one sequence of {min_tokens})"
+            )
+        return cls(train=tokens[:-n_val], val=tokens[-n_val:])
+
+
+def batch_offsets(num_tokens: int, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """Start offsets `(batch_size,)` of the sequences of batch `step`: a pure function of its inputs."""
+    high = num_tokens - seq_len - 1
+    if high < 1:
+        raise ValueError(f"corpus of {num_tokens} tokens is too short for sequences of {seq_len}")
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, high, size=batch_size)
+
+
+def batch_rows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> np.ndarray:
+    """Rows `(len(offsets), seq_len + 1)` int32: inputs are `[:, :-1]`, targets `[:, 1:]`."""
+    idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
+    return tokens[idx].astype(np.int32)
+
+
+def global_batch(tokens, seed, step, batch_size, seq_len, sharding):
+    """Batch `step` as a global `(batch_size, seq_len + 1)` int32 jax.Array with `sharding`.
+
+    The batch axis is split over the sharding's batch axes (`data`, `depth`); each process builds
+    only the rows its addressable devices hold.
+    """
+    import jax
+
+    offsets = batch_offsets(len(tokens), seed, step, batch_size, seq_len)
+    shape = (batch_size, seq_len + 1)
+    return jax.make_array_from_callback(shape, sharding, lambda idx: batch_rows(tokens, offsets[idx[0]], seq_len))

@@ -1,0 +1,58 @@
+"""Building the five-axis device mesh, and simulated CPU devices for machines without accelerators."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from .config import AXES, ParallelConfig
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Make the CPU backend expose `n` devices. Must run before JAX initializes its backends.
+
+    Raises RuntimeError if JAX has already started with a different device count.
+    """
+    if n < 1:
+        raise ValueError(f"--devices must be positive, got {n}")
+    flags = os.environ.get("XLA_FLAGS", "")
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # The backend has started: fine if it already has the count we want.
+        if jax.default_backend() == "cpu" and jax.device_count() != n:
+            raise RuntimeError(
+                f"JAX already started with {jax.device_count()} devices; cannot switch to {n}. "
+                "Simulate devices before any JAX computation."
+            ) from None
+
+
+def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
+    """A `jax.sharding.Mesh` of shape `config.shape` with axes `('data','pipe','depth','row','col')`.
+
+    Devices are laid out in id order with the innermost axis (`col`) fastest, so tensor-parallel axes
+    stay inside a process/host and `data`/`pipe` span processes. Axes are `Auto` (GSPMD partitions
+    code outside explicit shard_maps).
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    if devices is None:
+        devices = jax.devices()
+    devices = list(devices)
+    config.validate(len(devices))
+    # Sort by (process, id) so each process owns a contiguous block of the outer axes.
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    return Mesh(np.asarray(devices, dtype=object).reshape(config.shape), AXES)
+
+
+def config_of(mesh) -> ParallelConfig:
+    """The ParallelConfig a mesh was built from."""
+    return ParallelConfig(**{name: int(mesh.shape[name]) for name in AXES})

@@ -1,0 +1,27 @@
+"""Every test runs on 8 simulated CPU devices; set before JAX starts."""
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, f"tests need 8 simulated devices, JAX sees {len(devs)}"
+    return devs
+
+
+def relative_difference(a, b):
+    """max |a - b| / max |b| over arrays or sequences of numbers."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))

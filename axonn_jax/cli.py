@@ -83,6 +83,79 @@ def _train(args) -> int:
     return 0
 
 
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from .models.gpt import PRESETS
+    from .parallel.comm_model import MACHINES
+
+    p.add_argument("--model", default="gpt-20b", choices=sorted(PRESETS))
+    p.add_argument("--devices", dest="num_devices", type=int, required=True,
+                   help="devices to plan for")
+    p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--machine", default="h100-4", choices=sorted(MACHINES),
+                   help="machine preset; the flags below override its fields")
+    p.add_argument("--devices-per-node", type=int)
+    p.add_argument("--intra-bw", type=float, metavar="GB/s", help="per device, one direction")
+    p.add_argument("--inter-bw", type=float, metavar="GB/s", help="per device, one direction")
+    p.add_argument("--device-memory", type=float, metavar="GB")
+    p.add_argument("--peak-tflops", type=float, metavar="T")
+    p.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach")
+    p.add_argument("--grid", default=None, help="only this grid, e.g. data=8,pipe=2,row=2,col=2")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--compress-bits", type=int, default=0)
+    p.add_argument("--top", type=int, default=10, help="grids to list (0: all)")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+def _plan(args) -> int:
+    import dataclasses
+    import json
+
+    from .config import ParallelConfig
+    from .models.gpt import get_config
+    from .parallel import comm_model as cm
+
+    machine = cm.MACHINES[args.machine]
+    overrides = {"devices_per_node": args.devices_per_node, "efficiency": args.efficiency,
+                 "intra_bw": args.intra_bw and args.intra_bw * 1e9,
+                 "inter_bw": args.inter_bw and args.inter_bw * 1e9,
+                 "device_memory": args.device_memory and args.device_memory * 1e9,
+                 "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
+    machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
+    work = cm.Workload(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+                       offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
+    grid = ParallelConfig.parse(args.grid) if args.grid else None
+    if grid:
+        grid.validate(args.num_devices)
+        if reason := cm.infeasible_reason(work, grid):
+            raise ValueError(f"grid {args.grid} cannot run {args.model}: {reason}")
+    ranked = cm.plan(work, args.num_devices, machine, grid)
+    if not ranked:
+        raise ValueError(f"no grid of {args.num_devices} devices fits {args.model} in "
+                         f"{machine.device_memory / 1e9:.0f} GB per device")
+    shown = ranked[: args.top] if args.top else ranked
+    if args.json:
+        print(json.dumps([p.as_dict() for p in shown], indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.model} on {args.num_devices} devices ({machine.name}), batch "
+                        f"{args.batch} × {args.seq_len}")
+    for col in ("rank", "data×pipe×depth×row×col", "M", "step s", "MFU", "compute s",
+                "exposed comm s", "bubble s", "memory GB", "comm GB/device"):
+        table.add_column(col, justify="right")
+    for i, p in enumerate(shown, 1):
+        table.add_row(str(i), "×".join(map(str, p.grid.shape)), str(p.microbatches),
+                      f"{p.step_time_s:.3f}", f"{p.mfu:.1%}", f"{p.compute_s:.3f}",
+                      f"{sum(p.exposed_comm_s.values()):.3f}", f"{p.bubble_s:.3f}",
+                      f"{p.memory_per_device_bytes / 1e9:.1f}",
+                      f"{sum(p.comm_bytes_per_device.values()) / 1e9:.2f}")
+    Console(width=150).print(table)
+    return 0
+
+
 def _not_yet(name):
     def run(args) -> int:
         raise NotImplementedError(f"`axonn-jax {name}` is not implemented yet")
@@ -95,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a GPT")
     _add_train_args(train)
     train.set_defaults(run=_train)
+    plan = sub.add_parser("plan", help="rank grids with the communication model")
+    _add_plan_args(plan)
+    plan.set_defaults(run=_plan)
     for name, help_ in (("bench", "benchmark against GSPMD baselines"),
-                        ("plan", "rank grids with the communication model"),
                         ("launch", "start several local processes")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,0 +1,348 @@
+"""AxoNN's communication model: bytes, time and memory of one training step on a given grid.
+
+For a GPT and a grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
+of every collective the axonn_jax train step issues (the same convention as
+`axonn_jax.parallel.hlo.collective_bytes`, so the two can be compared exactly), turns them into time
+with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
+faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
+The planner ranks every grid that fits in memory by that predicted step time.
+
+Byte convention ("wire bytes"): what one device sends for an operation on a buffer of S bytes in a
+group of g devices under the ring algorithm: all-reduce 2(g−1)/g·S; all-gather (g−1)/g·S (S the
+gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute S.
+Groups of one device move nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Iterable
+
+from ..config import AXES, ParallelConfig
+from ..models.gpt import GPTConfig
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """A cluster's links and devices. Bandwidths are bytes/s one device can send in one direction."""
+
+    name: str
+    devices_per_node: int
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    peak_flops: float = 989e12
+    device_memory: float = 80e9
+    host_bw: float = 50e9
+    efficiency: float = 0.6
+    """Fraction of peak the matmuls reach; compute time = FLOPs / (peak · efficiency)."""
+
+
+MACHINES: dict[str, Machine] = {
+    # Nodes of 4 H100s on NVLink 4 (450 GB/s per direction), one 200 Gb/s NIC per GPU.
+    "h100-4": Machine("4× H100 SXM per node, NVLink, 200 Gb/s NIC per GPU", 4, 450e9, 25e9),
+    # A DGX H100: 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
+    "h100-dgx": Machine("8× H100 SXM per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9),
+    # Perlmutter-like: 4 A100-40GB per node, NVLink 3, 4 × 200 Gb/s Slingshot per node.
+    "a100-4": Machine("4× A100 40GB per node, NVLink 3, 200 Gb/s per GPU", 4, 300e9, 25e9,
+                      peak_flops=312e12, device_memory=40e9, host_bw=25e9),
+    # A consumer node: 8 RTX 3090s talking over PCIe 4 through the host, 10 GbE between nodes.
+    "consumer-pcie": Machine("8× RTX 3090 per node, PCIe 4 only, 10 GbE between nodes", 8, 12e9,
+                             1.25e9 / 8, intra_latency=10e-6, inter_latency=30e-6,
+                             peak_flops=71e12, device_memory=24e9, host_bw=12e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one step computes: a GPT, the global batch (sequences), sequence length, dtypes."""
+
+    model: GPTConfig
+    batch: int
+    seq_len: int
+    compute_bytes: int = 2  # bf16 activations and matmul operands
+    param_bytes: int = 4  # fp32 parameters (and master weights)
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    compress_bits: int = 0
+    offload_optimizer: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def flops(self) -> float:
+        """Training FLOPs of the whole step (forward + backward, no recompute)."""
+        return self.model.flops_per_token(self.seq_len) * self.tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+    """One tensor-parallel dense layer of the model, `count` times (e.g. once per block)."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    transpose: bool
+    count: int
+    bias: bool = True
+
+
+def dense_layers(model: GPTConfig) -> list[DenseLayer]:
+    """The GPT's dense layers in the order the transform assigns `transpose`: q/k/v and mlp_up
+    normal (outputs over `row`), attn_out and mlp_down transposed (outputs back over `col`)."""
+    d, f, n = model.d_model, model.d_ff, model.num_layers
+    return [
+        DenseLayer("qkv", d, d, False, 3 * n),
+        DenseLayer("attn_out", d, d, True, n),
+        DenseLayer("mlp_up", d, f, False, n),
+        DenseLayer("mlp_down", f, d, True, n),
+        DenseLayer("head", d, model.vocab_size, False, 1, bias=False),
+    ]
+
+
+def _ring(kind: str, size: float, g: int) -> float:
+    """Wire bytes one device sends for a collective of buffer `size` over `g` devices."""
+    if g <= 1 or size == 0:
+        return 0.0
+    return {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g, "reduce-scatter": (g - 1) / g,
+            "all-to-all": (g - 1) / g, "collective-permute": 1.0}[kind] * size
+
+
+@dataclasses.dataclass
+class Collective:
+    """`count` collectives of one kind over one mesh axis (or several), each on `size` bytes."""
+
+    kind: str
+    axes: tuple[str, ...]
+    size: float
+    count: int = 1
+    overlappable: float = 0.0
+    """FLOPs of independent compute this collective can hide behind (per occurrence)."""
+
+    def group(self, grid: ParallelConfig) -> int:
+        return math.prod(getattr(grid, a) for a in self.axes)
+
+    def wire_bytes(self, grid: ParallelConfig) -> float:
+        return self.count * _ring(self.kind, self.size, self.group(grid))
+
+
+def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Every collective of one train step on one device (the most loaded stage for `pipe`)."""
+    m, g = work.model, grid
+    cb = work.compute_bytes
+    out: list[Collective] = []
+    layers_per_stage = m.num_layers // g.pipe
+    # Tokens one device's TP group works on per step: the batch is split over data and depth.
+    tokens = work.tokens / (g.data * g.depth)
+    for layer in dense_layers(m):
+        count = layer.count if layer.name == "head" else layer.count // m.num_layers * layers_per_stage
+        fin, fout = ("row", "col") if layer.transpose else ("col", "row")
+        nin, nout = getattr(g, fin), getattr(g, fout)
+        block = layer.fan_in * layer.fan_out / (nin * nout)  # kernel block after the depth gather
+        mm_flops = 2 * tokens * block  # one of the three matmuls of this layer on one device
+        out += [
+            # forward: gather the kernel over depth, partial sums over the input axis
+            Collective("all-gather", ("depth",), block * work.param_bytes, count),
+            Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count),
+            # backward: gather again, input gradient over the output axis (hidden behind the
+            # weight-gradient matmul), weight gradient reduce-scattered over depth
+            Collective("all-gather", ("depth",), block * work.param_bytes, count),
+            Collective("all-reduce", (fout,), tokens * layer.fan_in / nin * cb, count,
+                       overlappable=mm_flops),
+            Collective("reduce-scatter", ("depth",), block * work.param_bytes, count),
+        ]
+        if layer.bias:
+            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * work.param_bytes,
+                                  count))
+    # Data-parallel gradient all-reduce of this device's parameter shard (compressed: see CGX).
+    shard_params = parameters_per_device(work, grid)
+    grad_bytes = shard_params * work.param_bytes
+    if work.compress_bits:
+        # scatter-reduce as all_to_all of packed chunks, all_gather of the re-quantized result
+        packed = shard_params * work.compress_bits / 8
+        out += [Collective("all-to-all", ("data",), packed), Collective("all-gather", ("data",), packed)]
+    else:
+        out.append(Collective("all-reduce", ("data",), grad_bytes))
+    # Pipeline: every tick each stage sends one microbatch activation forward and one cotangent
+    # backward (the tick table of `axonn_jax.parallel.pipeline`).
+    if g.pipe > 1:
+        mb_act = tokens / work.microbatches * m.d_model / g.col * cb
+        ticks = 2 * (work.microbatches + g.pipe - 1)
+        out.append(Collective("collective-permute", ("pipe",), mb_act, 2 * ticks))
+    return out
+
+
+def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
+    """Wire bytes per device per step, by collective kind."""
+    totals = {k: 0.0 for k in KINDS}
+    for c in collectives(work, grid):
+        totals[c.kind] += c.wire_bytes(grid)
+    return totals
+
+
+def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
+    """Parameters one device holds: dense kernels split over pipe·depth·row·col; embeddings split
+    over row·depth·col (vocabulary-parallel); norms and biases replicated within a stage."""
+    m, g = work.model, grid
+    tp = g.depth * g.row * g.col
+    dense = sum(l.fan_in * l.fan_out * l.count for l in dense_layers(m) if l.name != "head")
+    small = m.num_layers * (9 * m.d_model + m.d_ff)  # biases (4d + f + d) and two norms (4d)
+    embed = (m.vocab_size + m.max_seq_len) * m.d_model + m.d_model * m.vocab_size
+    return (dense / tp + small) / g.pipe + embed / tp + 2 * m.d_model
+
+
+def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
+    """Bytes one device holds at peak: parameters, gradients, optimizer state and activations."""
+    m, g = work.model, grid
+    n = parameters_per_device(work, grid)
+    params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
+    grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
+    optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
+    tokens = work.tokens / (g.data * g.depth) / work.microbatches
+    # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
+    # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice.
+    per_block = (16 * tokens * m.d_model / (g.row * g.col)
+                 + 2 * tokens * work.seq_len * m.num_heads / g.row) * work.compute_bytes
+    stashed = {"gpipe": work.microbatches, "1f1b": g.pipe}[work.schedule] if g.pipe > 1 else 1
+    stash = stashed * tokens * m.d_model / g.col * work.compute_bytes
+    activations = per_block * (m.num_layers // g.pipe) + stash
+    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+            "total": params + grads + optimizer + activations}
+
+
+def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> float:
+    g = c.group(grid)
+    if g <= 1 or c.count == 0:
+        return 0.0
+    # An axis group spans nodes when its devices are further apart than one node: the stride of
+    # an axis is the product of the sizes of the axes inside it (mesh order, col fastest).
+    inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
+    outer_span = inner * math.prod(getattr(grid, a) for a in c.axes)
+    inter = outer_span > machine.devices_per_node
+    bw = machine.inter_bw if inter else machine.intra_bw
+    lat = machine.inter_latency if inter else machine.intra_latency
+    wire = _ring(c.kind, c.size, g)
+    ring = wire / bw + (2 * (g - 1) if c.kind == "all-reduce" else g - 1) * lat
+    if c.kind == "all-reduce":  # double binary tree: 2·S per device, 2·log2(g) latency steps
+        tree = 2 * c.size / bw + 2 * math.ceil(math.log2(g)) * lat
+        ring = min(ring, tree)
+    return c.count * ring
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One grid's predicted step: times in seconds, bytes per device."""
+
+    grid: ParallelConfig
+    microbatches: int
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: dict[str, float]
+    bubble_s: float
+    comm_bytes_per_device: dict[str, float]
+    memory_per_device_bytes: float
+    memory_breakdown: dict[str, float]
+    mfu: float
+
+    def as_dict(self) -> dict:
+        return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
+                "step_time_s": self.step_time_s,
+                "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
+                "bubble_s": self.bubble_s, "comm_bytes_per_device": self.comm_bytes_per_device,
+                "memory_per_device_bytes": self.memory_per_device_bytes,
+                "memory_breakdown": self.memory_breakdown, "mfu": self.mfu}
+
+
+def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
+    """Predicted step time on `machine`: compute + exposed communication + pipeline bubble.
+
+    Exposed communication: tensor-parallel collectives sit on the critical path, except the
+    backward input-gradient all-reduce, hidden up to the weight-gradient matmul it overlaps; the
+    data-parallel gradient exchange overlaps the backward pass (hidden up to its compute time);
+    pipeline messages are exposed. The bubble adds (P−1)/M of the per-stage compute.
+    """
+    rate = machine.peak_flops * machine.efficiency
+    devices = grid.num_devices
+    # The pipeline recomputes each stage's forward in its backward tick: 4 forwards' worth, not 3.
+    recompute = 4 / 3 if grid.pipe > 1 else 1.0
+    compute = work.flops() / devices / rate * recompute
+    backward = compute * 2 / 3
+    exposed = {k: 0.0 for k in KINDS}
+    data_time = 0.0
+    for c in collectives(work, grid):
+        t = _collective_time(c, grid, machine)
+        if c.axes == ("data",):
+            data_time += t
+            continue
+        if c.overlappable:
+            t = max(0.0, t - c.count * c.overlappable / rate)
+        exposed[c.kind] += t
+    exposed_data = max(0.0, data_time - backward)
+    for c in collectives(work, grid):
+        if c.axes == ("data",) and data_time:
+            exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
+    bubble = compute * (grid.pipe - 1) / work.microbatches if grid.pipe > 1 else 0.0
+    step = compute + sum(exposed.values()) + bubble
+    mem = memory_per_device(work, grid)
+    mfu = work.flops() / (step * devices * machine.peak_flops)
+    return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
+                      mem, mfu)
+
+
+def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, parts - 1):
+                yield (d, *rest)
+
+
+def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
+    """Why `grid` cannot run `work` (a dimension that does not divide), or None."""
+    m, g = work.model, grid
+    checks = [
+        ("num_layers", m.num_layers, g.pipe),
+        ("batch", work.batch, g.data * g.depth * work.microbatches),
+        ("num_heads", m.num_heads, g.row * g.col),
+        ("d_model", m.d_model, g.row * g.col * g.depth),
+        ("d_ff", m.d_ff, g.row * g.col * g.depth),
+        ("vocab_size", m.vocab_size, g.row * g.col * g.depth),
+    ]
+    for name, size, parts in checks:
+        if size % parts:
+            return f"{name} = {size} is not divisible by {parts}"
+    return None
+
+
+def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
+         microbatch_choices: Iterable[int] | None = None) -> list[Prediction]:
+    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
+
+    For each grid with pipe > 1 the number of microbatches is chosen among `microbatch_choices`
+    (default: pipe·{1, 2, 4, 8}) as the fastest that divides the batch and fits in memory.
+    Grids whose memory exceeds the device are dropped.
+    """
+    candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]
+    results = []
+    for g in candidates:
+        choices = [1] if g.pipe == 1 else list(microbatch_choices or (g.pipe * k for k in (1, 2, 4, 8)))
+        best = None
+        for mb in choices:
+            w = dataclasses.replace(work, microbatches=mb)
+            if infeasible_reason(w, g):
+                continue
+            p = predict(w, g, machine)
+            if p.memory_per_device_bytes > machine.device_memory:
+                continue
+            if best is None or p.step_time_s < best.step_time_s:
+                best = p
+        if best:
+            results.append(best)
+    return sorted(results, key=lambda p: p.step_time_s)

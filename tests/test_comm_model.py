@@ -1,0 +1,79 @@
+"""The communication model: its byte counts against the compiled HLO of the real train step, and
+the planner's behaviour."""
+import dataclasses
+import json
+
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.cli import main as cli_main
+from axonn_jax.models.gpt import get_config
+from axonn_jax.parallel import comm_model as cm
+from axonn_jax.parallel.hlo import collective_bytes
+from axonn_jax.train import TrainOptions, build_trainer
+
+import numpy as np
+
+
+def hlo_bytes_of_train_step(options, devices):
+    trainer = build_trainer(options, devices)
+    state = trainer.init_state()
+    tokens = np.arange(10_000) % 256
+    text = trainer.train_step.lower(state, trainer.batch(tokens, 0)).compile().as_text()
+    return collective_bytes(text, len(devices))
+
+
+def workload(options):
+    return cm.Workload(get_config(options.model), options.batch_size, options.seq_len,
+                       compute_bytes=4, param_bytes=4, microbatches=options.microbatches,
+                       schedule=options.schedule, compress_bits=options.compress_bits)
+
+
+@pytest.mark.parametrize("grid", [ParallelConfig(data=8), ParallelConfig(data=4)])
+def test_model_bytes_match_compiled_hlo(grid, devices):
+    options = TrainOptions(model="gpt-tiny", batch_size=16, seq_len=32, parallel=grid)
+    measured = hlo_bytes_of_train_step(options, devices[: grid.num_devices])
+    predicted = cm.bytes_by_kind(workload(options), grid)
+    for kind in cm.KINDS:
+        if predicted[kind] == 0 and measured[kind] == 0:
+            continue
+        assert measured[kind] == pytest.approx(predicted[kind], rel=0.05), kind
+
+
+def test_planner_ranks_feasible_grids_and_respects_memory():
+    work = cm.Workload(get_config("gpt-20b"), batch=1024, seq_len=2048)
+    machine = cm.MACHINES["h100-4"]
+    ranked = cm.plan(work, 64, machine)
+    assert ranked and all(p.grid.num_devices == 64 for p in ranked)
+    assert [p.step_time_s for p in ranked] == sorted(p.step_time_s for p in ranked)
+    assert all(p.memory_per_device_bytes <= machine.device_memory for p in ranked)
+    assert all(cm.infeasible_reason(dataclasses.replace(work, microbatches=p.microbatches), p.grid)
+               is None for p in ranked)
+    # 20B parameters with fp32 Adam state cannot live on one 80 GB device without sharding.
+    assert not cm.plan(work, 64, machine, ParallelConfig(data=64))
+
+
+def test_more_bandwidth_never_slower_and_compression_cuts_data_bytes():
+    work = cm.Workload(get_config("gpt-1.3b"), batch=64, seq_len=1024)
+    grid = ParallelConfig(data=8, row=2, col=2)
+    slow = cm.MACHINES["consumer-pcie"]
+    fast = dataclasses.replace(slow, inter_bw=slow.inter_bw * 10, intra_bw=slow.intra_bw * 10)
+    assert cm.predict(work, grid, fast).step_time_s < cm.predict(work, grid, slow).step_time_s
+    exact = cm.bytes_by_kind(work, grid)
+    packed = cm.bytes_by_kind(dataclasses.replace(work, compress_bits=4), grid)
+    assert packed["all-reduce"] < exact["all-reduce"]
+    assert packed["all-to-all"] + packed["all-gather"] - exact["all-gather"] < exact["all-reduce"] / 6
+
+
+def test_plan_cli_json(capsys):
+    rc = cli_main(["plan", "--model", "gpt-20b", "--devices", "64", "--devices-per-node", "4",
+                   "--batch", "1024", "--seq-len", "2048", "--json", "--top", "3"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 3
+    for row in rows:
+        assert set(row["grid"]) == {"data", "pipe", "depth", "row", "col"}
+        assert {"step_time_s", "memory_per_device_bytes", "comm_bytes_per_device"} <= set(row)
+        assert set(row["comm_bytes_per_device"]) == set(cm.KINDS)
+    rc = cli_main(["plan", "--devices", "8", "--batch", "8", "--grid", "data=3"])
+    assert rc == 2 and "has 3 devices but 8" in capsys.readouterr().err

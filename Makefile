@@ -17,8 +17,8 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 
 # Test and MPI extras. mpi4jax builds from source against the mpich wheel, without build isolation.
 $(VENV)/.test: $(VENV)/.core
-	$(BIN)/pip install --quiet -e ".[test,bench]" mpich mpi4py nanobind cython wheel setuptools
-	bash scripts/install_mpi4jax.sh $(VENV)
+	$(BIN)/pip install --quiet -e ".[test,bench]"
+	bash scripts/install_mpi_extra.sh $(VENV)
 	touch $@
 
 train: $(VENV)/.core

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build mpi4jax from source into the virtual environment $1 (DESIGN.md has the recipe).
+# Install the `mpi` extra (mpi4jax, built from source) into the virtual environment $1.
+# The build needs mpich, mpi4py, nanobind, cython in the venv first and no build isolation.
 # mpi4jax compiles against the MPI of the `mpich` wheel; if an `nvcc` is on PATH it also builds its
 # CUDA bridge, which needs CUDA_PATH to point at the toolkit root holding include/cuda_runtime.h.
 set -euo pipefail
@@ -14,4 +15,5 @@ if [[ -z "${CUDA_PATH:-}" ]] && command -v nvcc >/dev/null; then
     if [[ -f "$root/include/cuda_runtime.h" ]]; then export CUDA_PATH="$root"; break; fi
   done
 fi
-"$venv/bin/pip" install --no-build-isolation "mpi4jax>=0.9"
+"$venv/bin/pip" install --quiet mpich mpi4py nanobind cython wheel setuptools
+"$venv/bin/pip" install --quiet --no-build-isolation -e ".[mpi]"

@@ -9,19 +9,16 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from axonn_jax import ParallelConfig
+from axonn_jax import data as data_lib
 from axonn_jax.cli import main as cli_main
 from axonn_jax.models import gpt
 from axonn_jax.parallel.pipeline import make_schedule
-from axonn_jax.train import TrainOptions, build_trainer, pipelined_loss_and_grads, train
+from axonn_jax.train import TrainOptions, build_trainer, pipelined_loss_and_grads
 
 from conftest import relative_difference
 
 MODEL = "gpt-tiny-deep"  # 8 layers: splits over 2, 4 and 8 stages
 BASE = dict(model=MODEL, batch_size=16, seq_len=16, eval_batches=1, eval_every=100)
-
-
-def losses(summary):
-    return [r["loss"] for r in summary["history"]]
 
 
 # ---------------------------------------------------------------- schedule tables (pure Python)
@@ -65,78 +62,103 @@ def test_bad_schedule_name():
         make_schedule("zigzag", 2, 2)
 
 
-# ---------------------------------------------------------------- gradients equal the reference
+# ---------------------------------------------------------------- the single-device reference
+
+STEPS = 10
+
 
 @pytest.fixture(scope="module")
-def reference_grads(devices):
-    trainer = build_trainer(TrainOptions(**BASE), devices[:1])
-    params = trainer.init_state()["params"]
-    batch = np.random.default_rng(0).integers(0, 256, (16, 17)).astype(np.int32)
+def corpus_path(tmp_path_factory):
+    """A small token file (this file's bytes, repeated): quicker to load than the default corpus."""
+    path = tmp_path_factory.mktemp("corpus") / "tokens.npy"
+    text = open(__file__, "rb").read() * 4
+    np.save(path, np.frombuffer(text, np.uint8).astype(np.int32))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(devices, corpus_path):
+    """Initial state (host), a batch with its loss and gradients, and a 10-step loss trajectory."""
+    trainer = build_trainer(TrainOptions(**BASE, steps=STEPS), devices[:1])
+    corpus = data_lib.Corpus.load(corpus_path, min_tokens=BASE["seq_len"] + 2)
+    state = trainer.init_state()
+    initial = jax.device_get(state)
+    batch = np.asarray(trainer.batch(corpus.train, 0))
 
     def loss_fn(p):
-        logits = trainer.model.apply({"params": p}, batch[:, :-1])
-        return gpt.cross_entropy(logits, batch[:, 1:])
+        return gpt.cross_entropy(trainer.model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
 
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
-    return jax.device_get(params), batch, float(loss), jax.device_get(grads)
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state["params"])
+    trajectory = []
+    for step in range(STEPS):
+        state, metrics = trainer.train_step(state, trainer.batch(corpus.train, step))
+        trajectory.append(float(metrics["loss"]))
+    assert trajectory[-1] < trajectory[0]
+    return dict(initial=initial, batch=batch, loss=float(loss), grads=jax.device_get(grads),
+                trajectory=trajectory, corpus=corpus)
 
+
+def _pipeline_trainer(devices, grid, schedule, m):
+    config = ParallelConfig(**grid)
+    options = TrainOptions(**BASE, steps=STEPS, parallel=config, microbatches=m, schedule=schedule)
+    return build_trainer(options, devices[:config.num_devices])
+
+
+def _place(trainer, tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.device_put(x, NamedSharding(trainer.mesh, trainer.param_spec(path))), tree)
+
+
+# ---------------------------------------------------------------- gradients equal the reference
 
 @pytest.mark.parametrize("grid, schedule, m", [
-    (dict(pipe=2), "gpipe", 2),
-    (dict(pipe=4, data=2), "1f1b", 8),
+    (dict(pipe=4, data=2), "1f1b", 4),
     (dict(pipe=8), "gpipe", 16),
 ])
-def test_gradients_equal_reference(reference_grads, devices, grid, schedule, m):
-    params, batch, ref_loss, ref_grads = reference_grads
-    config = ParallelConfig(**grid)
-    options = TrainOptions(**BASE, parallel=config, microbatches=m, schedule=schedule)
-    trainer = build_trainer(options, devices[:config.num_devices])
-    fn, param_spec = pipelined_loss_and_grads(trainer.model, options, trainer.mesh)
-    placed = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(trainer.mesh, param_spec(path))), params)
-    loss, grads = jax.jit(fn)(placed, jax.device_put(batch, trainer.batch_sharding))
+def test_gradients_equal_reference(reference, devices, grid, schedule, m):
+    trainer = _pipeline_trainer(devices, grid, schedule, m)
+    fn, _ = pipelined_loss_and_grads(trainer.model, trainer.options, trainer.mesh)
+    params = _place(trainer, reference["initial"]["params"])
+    loss, grads = jax.jit(fn)(params, jax.device_put(reference["batch"], trainer.batch_sharding))
     assert grads["blocks"]["query"]["kernel"].sharding.spec == P("pipe")
-    assert relative_difference(float(loss), ref_loss) <= 1e-6
+    assert relative_difference(float(loss), reference["loss"]) <= 1e-6
+    assert jax.tree.structure(grads) == jax.tree.structure(reference["grads"])
     # One vector: some leaves (the key bias) have true gradient 0 and only round-off.
     flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
-    ref_flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(ref_grads)])
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    ref_flat = np.concatenate([np.ravel(g) for g in jax.tree.leaves(reference["grads"])])
     assert relative_difference(flat, ref_flat) <= 1e-5
 
 
 # ---------------------------------------------------------------- loss trajectories
 
-@pytest.fixture(scope="module")
-def reference_run(devices):
-    return losses(train(TrainOptions(**BASE, steps=10), devices=devices[:1]))
-
-
-def test_cli_pipeline_with_data_trajectory(reference_run, tmp_path):
-    """`--pipe 2 --microbatches 4 --schedule 1f1b` on 8 devices (data = 4), 10 steps."""
-    out = tmp_path / "m.jsonl"
-    rc = cli_main(["train", "--model", MODEL, "--steps", "10", "--batch-size", "16",
-                   "--seq-len", "16", "--eval-batches", "1", "--eval-every", "100",
-                   "--pipe", "2", "--microbatches", "4", "--schedule", "1f1b",
-                   "--metrics-out", str(out)])
-    assert rc == 0
-    got = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
-    assert len(got) == 10 and reference_run[-1] < reference_run[0]
-    assert relative_difference(got, reference_run) <= 1e-5
-
-
 @pytest.mark.parametrize("grid, schedule, m, steps", [
-    (dict(pipe=4, data=2), "gpipe", 4, 10),
+    (dict(pipe=4, data=2), "gpipe", 8, STEPS),
     (dict(pipe=8), "1f1b", 8, 3),
 ])
-def test_pipeline_trajectory(reference_run, devices, grid, schedule, m, steps):
-    config = ParallelConfig(**grid)
-    summary = train(TrainOptions(**{**BASE, "steps": 10}, stop_at=steps, parallel=config,
-                                 microbatches=m, schedule=schedule),
-                    devices=devices[:config.num_devices])
-    assert relative_difference(losses(summary), reference_run[:steps]) <= 1e-5
-    params = summary["state"]["params"]
-    assert params["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
-    assert params["wte"]["embedding"].sharding.spec == P()
+def test_pipeline_trajectory(reference, devices, grid, schedule, m, steps):
+    trainer = _pipeline_trainer(devices, grid, schedule, m)
+    state = _place(trainer, reference["initial"])
+    got = []
+    for step in range(steps):
+        state, metrics = trainer.train_step(state, trainer.batch(reference["corpus"].train, step))
+        got.append(float(metrics["loss"]))
+    assert relative_difference(got, reference["trajectory"][:steps]) <= 1e-5
+    # The update keeps the layout: blocks (and their Adam moments) split over pipe.
+    assert state["params"]["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
+    assert state["opt_state"][1][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
+    assert state["params"]["wte"]["embedding"].sharding.spec == P()
+
+
+def test_cli_pipeline_with_data_trajectory(reference, corpus_path, tmp_path):
+    """`--pipe 2 --microbatches 4 --schedule 1f1b` on 8 devices (data = 4), 10 steps."""
+    out = tmp_path / "m.jsonl"
+    rc = cli_main(["train", "--model", MODEL, "--steps", str(STEPS), "--batch-size", "16",
+                   "--seq-len", "16", "--eval-batches", "1", "--eval-every", "100",
+                   "--pipe", "2", "--microbatches", "4", "--schedule", "1f1b",
+                   "--data", corpus_path, "--metrics-out", str(out)])
+    assert rc == 0
+    got = [json.loads(line)["loss"] for line in out.read_text().splitlines()]
+    assert relative_difference(got, reference["trajectory"]) <= 1e-5
 
 
 # ---------------------------------------------------------------- memory

@@ -227,16 +227,12 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
 EMBED_PARAMS, STACK_PARAMS, HEAD_PARAMS = ("wte", "wpe"), "blocks", ("ln_f", "head")
 
 
-def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
-    """`(params, batch) -> (loss, grads)` through the pipeline engine, and the state layout.
-
-    The step is manual over `data` and `pipe`: block parameters (and their optimizer moments) are
-    split over `pipe` on their leading layer axis, everything else is replicated; the batch is split
-    over `data` and replicated over `pipe`. Embedding and head run on the first and last stage.
-    """
-    config = config_of(mesh)
-    sched = pipeline_lib.make_schedule(options.schedule, config.pipe, options.microbatches)
-    layers = pipeline_lib.check_layers(model.config.num_layers, config.pipe)
+def gpt_stage_functions(model: gpt.GPT, num_stages: int):
+    """The GPT cut for the pipeline engine: `embed_fn(embed_params, tokens) -> x`,
+    `stage_fn(block_params, x) -> x` for one stage's `num_layers/num_stages` blocks, and
+    `head_fn(head_params, x, targets) -> mean cross-entropy`. Parameter dicts use the GPT's own keys
+    (EMBED_PARAMS, the STACK_PARAMS subtree sliced to the stage, HEAD_PARAMS)."""
+    layers = pipeline_lib.check_layers(model.config.num_layers, num_stages)
     stage_model = gpt.GPT(dataclasses.replace(model.config, num_layers=layers), dtype=model.dtype,
                           block_wrapper=model.block_wrapper)
 
@@ -248,6 +244,20 @@ def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
 
     def head_fn(p, x, targets):
         return gpt.cross_entropy(model.apply({"params": p}, x, method=gpt.GPT.logits), targets)
+
+    return embed_fn, stage_fn, head_fn
+
+
+def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
+    """`(params, batch) -> (loss, grads)` through the pipeline engine, and the state layout.
+
+    The step is manual over `data` and `pipe`: block parameters (and their optimizer moments) are
+    split over `pipe` on their leading layer axis, everything else is replicated; the batch is split
+    over `data` and replicated over `pipe`. Embedding and head run on the first and last stage.
+    """
+    config = config_of(mesh)
+    sched = pipeline_lib.make_schedule(options.schedule, config.pipe, options.microbatches)
+    embed_fn, stage_fn, head_fn = gpt_stage_functions(model, config.pipe)
 
     def local_loss_and_grads(params, batch):
         params = ensure_varying(params, ("data", "pipe"))

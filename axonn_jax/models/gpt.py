@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data import VOCAB_SIZE
+from ..parallel.pipeline_module import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,8 @@ class GPT(nn.Module):
     """GPT language model. `tokens: (batch, seq) int32` -> logits `(batch, seq, vocab) float32`.
 
     block_wrapper: applied to the Block class before scanning (e.g. `nn.remat` with a policy).
+    mesh, microbatches: see `axonn_jax.pipeline` (the trainer's step uses the 1F1B-capable engine
+    instead and leaves `mesh` None).
     `embed`, `run_blocks` and `logits` are the three pieces `__call__` chains; the pipeline runs
     them on the first stage, on every stage (its slice of the layers), and on the last stage.
     """
@@ -116,18 +119,18 @@ class GPT(nn.Module):
     config: GPTConfig
     dtype: Any = jnp.float32
     block_wrapper: Callable[[type], type] | None = None
+    mesh: Any = None  # with pipe > 1: the blocks run as a GPipe pipeline of `microbatches`
+    microbatches: int = 1
 
     def setup(self):
         c = self.config
         self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype)
         self.wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype)
         block = self.block_wrapper(Block) if self.block_wrapper else Block
-        self.blocks = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.num_layers,
-        )(c, self.dtype)
+        # nn.scan over the blocks (params stacked on a leading layer axis), through the pipeline
+        # transform so that a `mesh` with pipe > 1 runs the stack as a pipeline.
+        self.blocks = pipeline(block, c.num_layers, mesh=self.mesh,
+                               microbatches=self.microbatches)(c, self.dtype)
         self.ln_f = nn.LayerNorm(dtype=self.dtype)
         self.head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
 

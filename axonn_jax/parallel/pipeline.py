@@ -253,3 +253,109 @@ def pipeline_loss_and_grads(
     # Only the first (last) stage has nonzero embedding (head) gradients; only the last has the loss.
     g_embed, g_head, loss = jax.lax.psum((g_embed, g_head, loss), axis)
     return loss, (g_embed, g_stage, g_head)
+
+
+def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
+                    *, mesh, num_microbatches: int, axis: str = PIPE_AXIS) -> jax.Array:
+    """`y = stage_{P−1}(… stage_0(x))`, the stages run as a GPipe pipeline over `axis`; differentiable.
+
+    params: a layer stack with a leading axis of length `P · layers_per_stage`, split over `axis`
+    (stage s gets its slice); stage_fn(stage_params, x_mb) -> same shape as x_mb.
+    x: `(b, ...)` replicated over `axis`, cut into `num_microbatches` microbatches; y likewise.
+    The forward streams microbatches through the stages; the backward (a `jax.custom_vjp`) recomputes
+    the stage inputs by a second forward pass and then streams cotangents back, one `jax.vjp` per
+    stage and microbatch. For 1F1B the loss must sit inside the pipeline: see
+    `pipeline_loss_and_grads`.
+    """
+    from jax.sharding import PartitionSpec as Spec
+
+    from .._compat import current_mesh, shard_map
+
+    p, m = int(mesh.shape[axis]), num_microbatches
+    if x.shape[0] % m:
+        raise ValueError(f"batch of {x.shape[0]} rows is not divisible by microbatches = {m}")
+    perm_up = [(i, i + 1) for i in range(p - 1)]
+    perm_down = [(i + 1, i) for i in range(p - 1)]
+
+    def forward_ticks(prm, xs, keep_inputs):
+        """Stage s runs microbatch t − s in tick t. Returns the last stage's outputs `(m, ...)`
+        (zeros elsewhere) and, if asked, this stage's inputs `(m, ...)`."""
+        s = jax.lax.axis_index(axis)
+        axes = varying_axes(jax.tree.leaves(prm)[0])
+        zero = _zeros_like_varying(xs[0], axes)
+
+        def tick(carry, t):
+            recv, outs, ins = carry
+            mb = t - s
+            valid = (mb >= 0) & (mb < m)
+            slot = jnp.clip(mb, 0, m - 1)
+            inp = jnp.where(s == 0, xs[slot], recv)
+            y = jax.lax.cond(valid, lambda: stage_fn(prm, inp), lambda: zero)
+            outs = outs.at[slot].set(jnp.where(valid & (s == p - 1), y, outs[slot]))
+            if keep_inputs:
+                ins = ins.at[slot].set(jnp.where(valid, inp, ins[slot]))
+            return (jax.lax.ppermute(y, axis, perm_up), outs, ins), None
+
+        stack = _zeros_like_varying(xs, axes)
+        init = (zero, stack, stack if keep_inputs else jnp.zeros((0,), xs.dtype))
+        (_, outs, ins), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+        return outs, ins
+
+    def split(a):
+        return a.reshape(m, a.shape[0] // m, *a.shape[1:])
+
+    def local_forward(prm, xb):
+        outs, _ = forward_ticks(prm, split(xb), keep_inputs=False)
+        return jax.lax.psum(outs, axis).reshape(xb.shape)
+
+    def local_backward(prm, xb, gb):
+        _, ins = forward_ticks(prm, split(xb), keep_inputs=True)
+        gs, s = split(gb), jax.lax.axis_index(axis)
+        axes = varying_axes(jax.tree.leaves(prm)[0])
+        zero = _zeros_like_varying(ins[0], axes)
+
+        def tick(carry, t):  # stage s runs the backward of microbatch t − (P−1−s) in tick t
+            recv, g_prm, g_xs = carry
+            mb = t - (p - 1 - s)
+            valid = (mb >= 0) & (mb < m)
+            slot = jnp.clip(mb, 0, m - 1)
+            g_out = jnp.where(s == p - 1, gs[slot], recv)
+
+            def backward():
+                _, vjp = jax.vjp(stage_fn, prm, ins[slot])
+                return vjp(g_out)
+
+            gp, gx = jax.lax.cond(valid, backward, lambda: (
+                jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm), zero))
+            g_prm = jax.tree.map(jnp.add, g_prm, gp)
+            g_xs = g_xs.at[slot].set(jnp.where(valid & (s == 0), gx, g_xs[slot]))
+            return (jax.lax.ppermute(gx, axis, perm_down), g_prm, g_xs), None
+
+        init = (zero, jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm),
+                _zeros_like_varying(ins, axes))
+        (_, g_prm, g_xs), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+        return g_prm, jax.lax.psum(g_xs, axis).reshape(xb.shape)
+
+    def sharded(fn, n_in, out_specs):
+        in_specs = (Spec(axis),) + (Spec(),) * (n_in - 1)
+        return shard_map(fn, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                         axis_names={axis})
+
+    def ensure(prm):
+        from .._compat import ensure_varying
+        return ensure_varying(prm, (axis,))
+
+    @jax.custom_vjp
+    def run(prm, xb):
+        return sharded(lambda a, b: local_forward(ensure(a), b), 2, Spec())(prm, xb)
+
+    def run_fwd(prm, xb):
+        return run(prm, xb), (prm, xb)
+
+    def run_bwd(res, g):
+        prm, xb = res
+        return sharded(lambda a, b, c: local_backward(ensure(a), b, c), 3,
+                       (Spec(axis), Spec()))(prm, xb, g)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(params, x)

@@ -187,11 +187,14 @@ def pipeline_loss_and_grads(
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(params)))
     act = jax.eval_shape(embed_fn, embed_params, inputs[0])
 
-    def stage_apply(prm, x_in, x_tokens, y_targets):
-        emb, blocks, head = prm
+    def stage_forward(prm, x_in, x_tokens):
+        emb, blocks, _ = prm
         x = jax.lax.cond(first, lambda: embed_fn(emb, x_tokens).astype(act.dtype), lambda: x_in)
-        y = stage_fn(blocks, x)
-        loss = jax.lax.cond(last, lambda: head_fn(head, y, y_targets).astype(jnp.float32),
+        return stage_fn(blocks, x)
+
+    def stage_apply(prm, x_in, x_tokens, y_targets):
+        y = stage_forward(prm, x_in, x_tokens)
+        loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, y_targets).astype(jnp.float32),
                             lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
         return y, loss
 
@@ -216,8 +219,7 @@ def pipeline_loss_and_grads(
         x_in = stash[mb % k_act]
 
         def forward(_):
-            y, _ = stage_apply(params, x_in, x_tokens, y_targets)
-            return y
+            return stage_forward(params, x_in, x_tokens)
 
         def backward(_):
             (y, mb_loss), vjp = jax.vjp(lambda prm, x: stage_apply(prm, x, x_tokens, y_targets),

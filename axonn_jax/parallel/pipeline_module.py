@@ -30,8 +30,9 @@ class Pipelined(nn.Module):
     block_args: tuple = ()
     block_kwargs: Any = None
 
-    def _stack(self, length: int):
-        return _scan(self.block, length)(*self.block_args, **(self.block_kwargs or {}))
+    def _stack(self, length: int, **module_kwargs):
+        return _scan(self.block, length)(*self.block_args, **(self.block_kwargs or {}),
+                                         **module_kwargs)
 
     @nn.compact
     def __call__(self, x, carry=None):
@@ -40,11 +41,12 @@ class Pipelined(nn.Module):
             layers = self._stack(self.length)
             nn.share_scope(self, layers)  # parameters directly under this module, as nn.scan has them
             return layers(x, carry)
-        per_stage = self._stack(check_layers(self.length, stages))
+        # One stage's slice of the stack, unbound: applied to that stage's parameters only.
+        per_stage = self._stack(check_layers(self.length, stages), parent=None)
         params = self.variables["params"]
 
         def stage_fn(stage_params, h):
-            return per_stage.clone(parent=None).apply({"params": stage_params}, h, carry)[0]
+            return per_stage.apply({"params": stage_params}, h, carry)[0]
 
         return pipelined_stack(stage_fn, params, x, mesh=self.mesh,
                                num_microbatches=self.microbatches), carry

@@ -2,6 +2,7 @@
 (CGX) and host-memory offload of optimizer state and activations (AxoNN, KARMA)."""
 from .config import AXES, ParallelConfig
 from .mesh import make_mesh, simulate_cpu_devices
+from .parallel.pipeline_module import pipeline
 
-__all__ = ["AXES", "ParallelConfig", "make_mesh", "simulate_cpu_devices"]
+__all__ = ["AXES", "ParallelConfig", "make_mesh", "pipeline", "simulate_cpu_devices"]
 __version__ = "0.1.0"

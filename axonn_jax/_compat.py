@@ -79,3 +79,26 @@ def current_mesh(default):
 
     abstract = jax.sharding.get_abstract_mesh()
     return default if abstract.empty else abstract
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes over which `x` varies inside a shard_map (empty outside one)."""
+    import jax
+
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # pragma: no cover - other JAX versions
+
+
+def ensure_varying(tree, axes: tuple[str, ...]):
+    """Like `to_varying`, but leaves already varying over some of `axes` (e.g. arrays split over
+    `pipe`) are cast over the missing axes only; `pcast` refuses an axis the input already varies in."""
+    import jax
+
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return to_varying(x, missing) if missing else x
+
+    return jax.tree.map(cast, tree)

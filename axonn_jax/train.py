@@ -23,10 +23,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import data as data_lib
-from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
+from ._compat import HOST_MEMORY_KIND, ensure_varying, memory_kind_of, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .parallel import pipeline as pipeline_lib
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -84,11 +85,11 @@ class TrainOptions:
 def unimplemented_options(options: TrainOptions) -> list[str]:
     """The flags of modes that are not built yet, as the user spelled them."""
     p, bad = options.parallel, []
-    for axis in ("pipe", "depth", "row", "col"):
+    for axis in ("depth", "row", "col"):
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
-    for name in ("microbatches", "schedule", "offload_optimizer", "remat", "memory_budget_gb",
+    for name in ("offload_optimizer", "remat", "memory_budget_gb",
                  "compress_bits", "transport"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
@@ -149,6 +150,7 @@ class Trainer:
     batch_sharding: NamedSharding
     train_step: Callable
     eval_loss: Callable
+    param_spec: Callable[[tuple], P] = lambda path: P()  # state key path -> PartitionSpec
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
@@ -159,9 +161,9 @@ class Trainer:
             return {"step": jnp.zeros((), jnp.int32), "params": params,
                     "opt_state": self.optimizer.init(params)}
 
-        replicated = NamedSharding(self.mesh, P())
         abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
-        shardings = jax.tree.map(lambda _: replicated, abstract)
+        shardings = jax.tree_util.tree_map_with_path(
+            lambda path, _: NamedSharding(self.mesh, self.param_spec(path)), abstract)
         return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
@@ -179,6 +181,15 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
                          f"{model_config.max_seq_len}")
     check_divisible("--batch-size", options.batch_size, ("data",), config)
+    if options.microbatches < 1:
+        raise ValueError(f"--microbatches must be positive, got {options.microbatches}")
+    if options.microbatches > 1 and config.pipe == 1:
+        raise ValueError(f"--microbatches {options.microbatches} needs --pipe > 1")
+    if config.pipe > 1:
+        pipeline_lib.check_layers(model_config.num_layers, config.pipe)
+        if options.batch_size % (config.data * options.microbatches):
+            raise ValueError(f"--batch-size = {options.batch_size} is not divisible by data × "
+                             f"microbatches = {config.data} × {options.microbatches}")
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
     optimizer, schedule = make_optimizer(options)
     batch_sharding = NamedSharding(mesh, P("data"))
@@ -195,6 +206,9 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
 
     loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
                                out_specs=(P(), P()), axis_names={"data"})
+    param_spec = lambda path: P()
+    if config.pipe > 1:
+        loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
 
     def step(state, batch):
         loss, grads = loss_and_grads(state["params"], batch)
@@ -206,7 +220,63 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
-                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss))
+                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
+                   param_spec=param_spec)
+
+
+EMBED_PARAMS, STACK_PARAMS, HEAD_PARAMS = ("wte", "wpe"), "blocks", ("ln_f", "head")
+
+
+def gpt_stage_functions(model: gpt.GPT, num_stages: int):
+    """The GPT cut for the pipeline engine: `embed_fn(embed_params, tokens) -> x`,
+    `stage_fn(block_params, x) -> x` for one stage's `num_layers/num_stages` blocks, and
+    `head_fn(head_params, x, targets) -> mean cross-entropy`. Parameter dicts use the GPT's own keys
+    (EMBED_PARAMS, the STACK_PARAMS subtree sliced to the stage, HEAD_PARAMS)."""
+    layers = pipeline_lib.check_layers(model.config.num_layers, num_stages)
+    stage_model = gpt.GPT(dataclasses.replace(model.config, num_layers=layers), dtype=model.dtype,
+                          block_wrapper=model.block_wrapper)
+
+    def embed_fn(p, tokens):
+        return model.apply({"params": p}, tokens, method=gpt.GPT.embed)
+
+    def stage_fn(p, x):
+        return stage_model.apply({"params": {STACK_PARAMS: p}}, x, method=gpt.GPT.run_blocks)
+
+    def head_fn(p, x, targets):
+        return gpt.cross_entropy(model.apply({"params": p}, x, method=gpt.GPT.logits), targets)
+
+    return embed_fn, stage_fn, head_fn
+
+
+def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
+    """`(params, batch) -> (loss, grads)` through the pipeline engine, and the state layout.
+
+    The step is manual over `data` and `pipe`: block parameters (and their optimizer moments) are
+    split over `pipe` on their leading layer axis, everything else is replicated; the batch is split
+    over `data` and replicated over `pipe`. Embedding and head run on the first and last stage.
+    """
+    config = config_of(mesh)
+    sched = pipeline_lib.make_schedule(options.schedule, config.pipe, options.microbatches)
+    embed_fn, stage_fn, head_fn = gpt_stage_functions(model, config.pipe)
+
+    def local_loss_and_grads(params, batch):
+        params = ensure_varying(params, ("data", "pipe"))
+        split = ({k: params[k] for k in EMBED_PARAMS}, params[STACK_PARAMS],
+                 {k: params[k] for k in HEAD_PARAMS})
+        loss, (g_embed, g_stack, g_head) = pipeline_lib.pipeline_loss_and_grads(
+            embed_fn, stage_fn, head_fn, split, batch[:, :-1], batch[:, 1:], sched)
+        grads = {**g_embed, STACK_PARAMS: g_stack, **g_head}
+        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+
+    specs = {k: P() for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("pipe")}
+    fn = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data")),
+                   out_specs=(P(), specs), axis_names={"data", "pipe"})
+
+    def param_spec(path) -> P:
+        keys = [getattr(k, "key", None) for k in path]
+        return P("pipe") if STACK_PARAMS in keys else P()
+
+    return fn, param_spec
 
 
 def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data import VOCAB_SIZE
+from ..parallel.pipeline_module import pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,8 @@ class GPTConfig:
 
 PRESETS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(num_layers=2, d_model=64, num_heads=4, max_seq_len=128),
+    # Eight thin layers: splits over pipe = 2, 4 or 8 stages in tests and benchmarks.
+    "gpt-tiny-deep": GPTConfig(num_layers=8, d_model=32, num_heads=2, max_seq_len=128),
     "gpt-mini": GPTConfig(num_layers=4, d_model=128, num_heads=4, max_seq_len=256),
     "gpt-small": GPTConfig(num_layers=12, d_model=768, num_heads=12, max_seq_len=1024),
     "gpt-1.3b": GPTConfig(num_layers=24, d_model=2048, num_heads=16, max_seq_len=2048, vocab_size=50304),
@@ -107,31 +110,49 @@ class GPT(nn.Module):
     """GPT language model. `tokens: (batch, seq) int32` -> logits `(batch, seq, vocab) float32`.
 
     block_wrapper: applied to the Block class before scanning (e.g. `nn.remat` with a policy).
+    mesh, microbatches: see `axonn_jax.pipeline` (the trainer's step uses the 1F1B-capable engine
+    instead and leaves `mesh` None).
+    `embed`, `run_blocks` and `logits` are the three pieces `__call__` chains; the pipeline runs
+    them on the first stage, on every stage (its slice of the layers), and on the last stage.
     """
 
     config: GPTConfig
     dtype: Any = jnp.float32
     block_wrapper: Callable[[type], type] | None = None
+    mesh: Any = None  # with pipe > 1: the blocks run as a GPipe pipeline of `microbatches`
+    microbatches: int = 1
 
-    @nn.compact
-    def __call__(self, tokens):
+    def setup(self):
         c = self.config
-        t = tokens.shape[1]
-        if t > c.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len {c.max_seq_len}")
-        x = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, name="wte")(tokens)
-        x = x + nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype, name="wpe")(jnp.arange(t))[None]
+        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype)
+        self.wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype)
         block = self.block_wrapper(Block) if self.block_wrapper else Block
-        blocks = nn.scan(
-            block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=c.num_layers,
-        )(c, self.dtype, name="blocks")
-        x, _ = blocks(x, None)
-        x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
-        logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, name="head")(x)
-        return logits.astype(jnp.float32)
+        # nn.scan over the blocks (params stacked on a leading layer axis), through the pipeline
+        # transform so that a `mesh` with pipe > 1 runs the stack as a pipeline.
+        self.blocks = pipeline(block, c.num_layers, mesh=self.mesh,
+                               microbatches=self.microbatches)(c, self.dtype)
+        self.ln_f = nn.LayerNorm(dtype=self.dtype)
+        self.head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
+
+    def embed(self, tokens):
+        """`(batch, seq) int32` -> `(batch, seq, d_model)` token plus position embeddings."""
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len "
+                             f"{self.config.max_seq_len}")
+        return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+
+    def run_blocks(self, x):
+        """The `num_layers` blocks: `(batch, seq, d_model)` -> same shape."""
+        x, _ = self.blocks(x, None)
+        return x
+
+    def logits(self, x):
+        """Final norm and output head: `(batch, seq, d_model)` -> `(batch, seq, vocab) float32`."""
+        return self.head(self.ln_f(x)).astype(jnp.float32)
+
+    def __call__(self, tokens):
+        return self.logits(self.run_blocks(self.embed(tokens)))
 
 
 def cross_entropy(logits, targets):

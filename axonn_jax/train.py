@@ -89,7 +89,7 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
     for name in ("microbatches", "schedule", "offload_optimizer", "remat", "memory_budget_gb",
-                 "compress_bits", "transport"):
+                 "compress_bits"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -149,6 +149,10 @@ class Trainer:
     batch_sharding: NamedSharding
     train_step: Callable
     eval_loss: Callable
+    # The two halves of `train_step`, unjitted, for steps that exchange gradients between them
+    # (parallel/mpi.py): (params, batch) -> (loss, grads) and (state, loss, grads) -> (state, metrics).
+    loss_and_grads: Callable | None = None
+    apply_grads: Callable | None = None
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
@@ -196,17 +200,20 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
                                out_specs=(P(), P()), axis_names={"data"})
 
-    def step(state, batch):
-        loss, grads = loss_and_grads(state["params"], batch)
+    def apply_grads(state, loss, grads):
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
+    def step(state, batch):
+        return apply_grads(state, *loss_and_grads(state["params"], batch))
+
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
-                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss))
+                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
+                   loss_and_grads=loss_and_grads, apply_grads=apply_grads)
 
 
 def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0,
@@ -273,9 +280,15 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     bad = unimplemented_options(options)
     if bad:
         raise NotImplementedError(f"not implemented yet: {', '.join(bad)}")
-    is_main = jax.process_index() == 0
+    if options.transport == "mpi":
+        from .parallel.mpi import build_mpi_trainer
+
+        trainer = build_mpi_trainer(options, devices)
+        is_main = trainer.rank == 0
+    else:
+        trainer = build_trainer(options, devices)
+        is_main = jax.process_index() == 0
     console = console or Console(quiet=not is_main)
-    trainer = build_trainer(options, devices)
     corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
     state = trainer.init_state()
     checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every) \

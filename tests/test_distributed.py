@@ -21,8 +21,18 @@ from conftest import relative_difference
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4
+DATA = str(REPO / "axonn_jax")  # a small corpus: the package's own sources load in milliseconds
 RUN = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1",
-       "--eval-every", "1000"]
+       "--eval-every", "1000", "--data", DATA]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for every child process of this module: compiling the
+    steps is most of a tiny job's time, and repeated jobs (a resumed run) then skip it."""
+    os.environ["AXONN_TEST_CACHE"] = str(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    del os.environ["AXONN_TEST_CACHE"]
 
 
 def child_env():
@@ -30,6 +40,10 @@ def child_env():
     executables (mpirun) first."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if "AXONN_TEST_CACHE" in env:
+        env.update(JAX_COMPILATION_CACHE_DIR=env["AXONN_TEST_CACHE"],
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                                 if not f.startswith("--xla_force_host_platform_device_count"))
     return env
@@ -56,7 +70,8 @@ def losses(path):
 def reference(devices):
     """The single-process trajectory on 8 devices."""
     summary = train(TrainOptions(steps=STEPS, batch_size=8, seq_len=16, eval_batches=1,
-                                 eval_every=1000, parallel=ParallelConfig(data=8)), devices=devices)
+                                 eval_every=1000, data_path=DATA, parallel=ParallelConfig(data=8)),
+                    devices=devices)
     return [r["loss"] for r in summary["history"]]
 
 
@@ -102,14 +117,15 @@ def test_killed_process_stops_the_job_quickly(tmp_path):
     logs = tmp_path / "logs"
     cmd = cli("launch", "--nprocs", "2", "--devices-per-proc", "1", "--log-dir", str(logs), "--",
               "train", "--steps", "100000", "--batch-size", "2", "--seq-len", "16",
-              "--eval-batches", "1", "--eval-every", "100000")
+              "--eval-batches", "1", "--eval-every", "100000", "--data", DATA)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         launcher = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=err)
         try:
             deadline = time.monotonic() + 240
-            while "validation loss at step 0" not in _read(logs / "proc0.log"):
+            # Kill once the processes are connected (their first collective has run).
+            while "[Gloo]" not in _read(logs / "proc1.log"):
                 assert launcher.poll() is None, _read(tmp_path / "err")
-                assert time.monotonic() < deadline, "training never started"
+                assert time.monotonic() < deadline, "the processes never connected"
                 time.sleep(0.5)
             pids = json.loads((logs / "launch.json").read_text())["pids"]
             os.kill(pids[1], signal.SIGKILL)
@@ -124,6 +140,29 @@ def test_killed_process_stops_the_job_quickly(tmp_path):
     assert "process 1 was killed by signal SIGKILL; stopped the other processes" in _read(tmp_path / "err")
     with pytest.raises(ProcessLookupError):
         os.kill(pids[0], 0)
+
+
+def test_ctrl_c_stops_all(tmp_path):
+    logs = tmp_path / "logs"
+    launcher = subprocess.Popen(cli("launch", "--nprocs", "2", "--log-dir", str(logs), "--",
+                                    "train", "--steps", "100000", "--data", DATA),
+                                cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (logs / "launch.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        pids = json.loads((logs / "launch.json").read_text())["pids"]
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 130
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "interrupted; stopped all processes" in launcher.stderr.read()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def _read(path):

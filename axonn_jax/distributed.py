@@ -28,12 +28,14 @@ SLURM_BASE_PORT = 41000
 @dataclasses.dataclass(frozen=True)
 class ProcessSpec:
     """Where this process sits in a job: `process_id` of `num_processes`, and the coordinator's
-    `host:port` (None under mpirun until it is agreed over MPI). `source` names where it came from."""
+    `host:port` (None under mpirun until it is agreed over MPI). `source` names where it came from;
+    `local_rank` is the process's index on its host when a scheduler (srun, mpirun) started it."""
 
     coordinator: str | None
     num_processes: int
     process_id: int
     source: str
+    local_rank: int | None = None
 
 
 def _int(environ: Mapping[str, str], name: str) -> int:
@@ -74,12 +76,19 @@ def detect(environ: Mapping[str, str] | None = None) -> ProcessSpec | None:
         port = SLURM_BASE_PORT + (int(env.get("SLURM_JOB_ID", "0")) * 7
                                   + int(env.get("SLURM_STEP_ID", "0") or 0)) % 20000
         return ProcessSpec(f"{first_slurm_host(nodes)}:{port}", _int(env, count),
-                           _int(env, "SLURM_PROCID"), "slurm")
-    for source, count, rank in (("openmpi", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
-                                ("mpich", "PMI_SIZE", "PMI_RANK")):
+                           _int(env, "SLURM_PROCID"), "slurm", _local_rank(env, "SLURM_LOCALID"))
+    for source, count, rank, local in (
+        ("openmpi", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("mpich", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID"),
+    ):
         if count in env and rank in env:
-            return ProcessSpec(None, _int(env, count), _int(env, rank), source)
+            return ProcessSpec(None, _int(env, count), _int(env, rank), source,
+                               _local_rank(env, local))
     return None
+
+
+def _local_rank(env: Mapping[str, str], name: str) -> int | None:
+    return _int(env, name) if name in env else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -127,8 +136,12 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         num_processes if num_processes is not None else (detected and detected.num_processes),
         process_id if process_id is not None else (detected and detected.process_id),
         "arguments" if detected is None else detected.source,
+        None if detected is None else detected.local_rank,
     )
     if spec.num_processes is None and spec.process_id is None:
+        if coordinator is not None:
+            raise ValueError(f"init_distributed: coordinator {coordinator!r} given without "
+                             "num_processes and process_id")
         return ProcessSpec(None, 1, 0, "single process")
     if spec.num_processes is None or spec.process_id is None:
         raise ValueError(f"init_distributed: num_processes={spec.num_processes} and "
@@ -147,9 +160,14 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         if spec.source not in ("openmpi", "mpich"):
             raise ValueError("init_distributed: the coordinator address (host:port) is not known")
         spec = dataclasses.replace(spec, coordinator=_coordinator_over_mpi())
-    # All three are decided here; JAX's own cluster detection would second-guess them under mpirun.
+    local_ids = None
+    if spec.local_rank is not None and "JAX_LOCAL_DEVICE_IDS" not in env:
+        # As JAX does under SLURM and Open MPI: a process started by the scheduler drives one
+        # accelerator, its local rank (this sets CUDA/ROCm visible devices; CPUs are unaffected).
+        local_ids = [spec.local_rank]
+    # Everything is decided here; JAX's own cluster detection would second-guess it.
     jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
-                               cluster_detection_method="deactivate")
+                               local_device_ids=local_ids, cluster_detection_method="deactivate")
     return spec
 
 

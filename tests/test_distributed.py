@@ -2,6 +2,7 @@
 single-process trajectory; a killed process stops the job; process grids from the environment."""
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -63,6 +64,10 @@ def run(cmd, timeout=300):
     return result
 
 
+def _grid_size(grid_flags):
+    return math.prod(int(v) for v in grid_flags[1::2])
+
+
 def _mpirun():
     return shutil.which("mpirun", path=child_env()["PATH"])
 
@@ -82,12 +87,14 @@ def reference(devices):
     return [r["loss"] for r in summary["history"]]
 
 
-@pytest.mark.parametrize("nprocs, per_proc", [(2, 4), (4, 2)])
-def test_launch_equals_single_process(nprocs, per_proc, reference, tmp_path):
+# Data-parallel grids today; tensor and pipeline grids (e.g. ["--row", "2"], ["--pipe", "2"]) join
+# this list when they land: every grid must reproduce the single-process trajectory.
+@pytest.mark.parametrize("nprocs, per_proc, grid", [(2, 4, []), (4, 2, [])])
+def test_launch_equals_single_process(nprocs, per_proc, grid, reference, tmp_path):
     metrics = tmp_path / "m.jsonl"
     launch = cli("launch", "--nprocs", str(nprocs), "--devices-per-proc", str(per_proc),
                  "--log-dir", str(tmp_path / "logs"), "--")
-    train_args = ["train", *RUN, "--metrics-out", str(metrics)]
+    train_args = ["train", *RUN, *grid, "--metrics-out", str(metrics)]
     if nprocs == 2:
         # Cooperative orbax checkpoint: stop after 2 steps, resume in a fresh job for the rest.
         ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
@@ -101,7 +108,7 @@ def test_launch_equals_single_process(nprocs, per_proc, reference, tmp_path):
         assert "resumed from step 2" in out
     else:
         out = run(launch + train_args).stdout
-    assert f"data={nprocs * per_proc} " in out  # one global grid over all processes' devices
+    assert f"data={nprocs * per_proc // _grid_size(grid)} " in out  # one grid over all processes
     assert relative_difference(losses(metrics), reference) <= 1e-5
     # Process 0 alone writes the metrics and the progress; the others' logs hold no progress bar.
     assert "train ━" in (tmp_path / "logs" / "proc0.log").read_text()
@@ -211,8 +218,10 @@ def test_launch_bad_input(argv, message, tmp_path, capsys):
     ({"JAX_COORDINATOR_ADDRESS": "j:2", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
      ProcessSpec("j:2", 2, 0, "JAX_*")),
     ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "gpu[007-010]",
-      "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0"}, ProcessSpec("gpu007:41700", 8, 5, "slurm")),
-    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}, ProcessSpec(None, 4, 1, "openmpi")),
+      "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1"},
+     ProcessSpec("gpu007:41700", 8, 5, "slurm", 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     ProcessSpec(None, 4, 1, "openmpi", 1)),
     ({"PMI_SIZE": "2", "PMI_RANK": "1"}, ProcessSpec(None, 2, 1, "mpich")),
     # The launcher's variables win over the scheduler's.
     ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "2", "AXONN_PROCESS_ID": "1",
@@ -235,6 +244,35 @@ def test_init_distributed_checks_the_grid():
     assert init_distributed(environ={}) == ProcessSpec(None, 1, 0, "single process")
     with pytest.raises(ValueError, match=r"process_id 4 is not in \[0, num_processes=4\)"):
         init_distributed("h:1", 4, 4, environ={})
+    with pytest.raises(ValueError, match="coordinator 'h:1' given without num_processes"):
+        init_distributed("h:1", environ={})
+
+
+class FakeProcess:
+    """`poll()` answers None until `finish_after` polls, then `code`."""
+
+    def __init__(self, code, finish_after):
+        self.code, self.polls, self.finish_after = code, 0, finish_after
+
+    def poll(self):
+        self.polls += 1
+        return self.code if self.polls > self.finish_after else None
+
+
+def test_watch_names_the_root_cause(monkeypatch):
+    from axonn_jax import launch
+
+    monkeypatch.setattr(launch, "POLL_S", 0.001)
+    assert launch._watch([FakeProcess(0, 2), FakeProcess(0, 5)]) is None
+    # The peer that lost its connection fails in the same poll as the killed process.
+    failure = launch._watch([FakeProcess(1, 3), FakeProcess(-9, 3)])
+    assert (failure.process_id, failure.exit_code) == (1, 137)
+    assert failure.message == "process 1 was killed by signal SIGKILL"
+    # A process stuck after its peers finished does not hang the launcher.
+    monkeypatch.setattr(launch, "FINISH_GRACE_S", 0.05)
+    failure = launch._watch([FakeProcess(0, 1), FakeProcess(0, 10**9)])
+    assert failure.message == "process 1 was still running 0 s after process 0 finished"
+    assert failure.exit_code == 1
 
 
 @pytest.mark.parametrize("nodelist, host", [

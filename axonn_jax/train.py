@@ -291,6 +291,8 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     console = console or Console(quiet=not is_main)
     corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
     state = trainer.init_state()
+    if options.transport == "mpi":
+        from .parallel.mpi import RankZeroCheckpointer as Checkpointer  # noqa: F811
     checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every) \
         if options.checkpoint_dir else None
     if options.resume:

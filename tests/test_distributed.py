@@ -122,9 +122,18 @@ def test_mpirun_transport_equals_single_process(nprocs, per_proc, reference, tmp
     if mpirun is None:
         pytest.skip("mpirun not found (install the `mpi` extra)")
     metrics = tmp_path / "m.jsonl"
-    out = run([mpirun, "-n", str(nprocs), *cli("train", *RUN, "--transport", "mpi", "--devices",
-                                                str(per_proc), "--metrics-out", str(metrics),
-                                                "--dump-hlo", str(tmp_path / "hlo"))]).stdout
+    job = [mpirun, "-n", str(nprocs), *cli("train", *RUN, "--transport", "mpi", "--devices",
+                                           str(per_proc), "--metrics-out", str(metrics),
+                                           "--dump-hlo", str(tmp_path / "hlo"))]
+    if nprocs == 2:
+        # Rank 0 writes the checkpoint, every rank reads it.
+        ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+        run(job + ckpt + ["--stop-at", "2"])
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+        out = run(job + ckpt + ["--resume"]).stdout
+        assert "resumed from step 2" in out
+    else:
+        out = run(job).stdout
     assert f"data={per_proc} " in out  # the local grid; processes meet only through MPI
     assert relative_difference(losses(metrics), reference) <= 1e-5
     hlo = (tmp_path / "hlo" / "train_step.hlo.txt").read_text()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from typing import Callable
 
 import jax
@@ -27,6 +28,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import data as data_lib
+from ..checkpoint import Checkpointer
 from ..distributed import ENV_NUM_PROCESSES
 from ..train import Trainer, TrainOptions, build_trainer
 
@@ -175,8 +177,6 @@ def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
     if options.parallel.pipe > 1:
         raise NotImplementedError("--transport mpi with --pipe > 1 (a process per pipeline stage, "
                                   "message-driven) is not implemented yet")
-    if options.checkpoint_dir:
-        raise NotImplementedError("--checkpoint-dir with --transport mpi is not implemented yet")
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")
@@ -191,3 +191,24 @@ def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
     trainer.eval_loss = lambda params, batch: mean_loss(
         jax.device_put(base.eval_loss(params, batch), first))
     return trainer
+
+
+class RankZeroCheckpointer(Checkpointer):
+    """Checkpoints of a `--transport mpi` job. The processes are separate JAX programs holding the
+    same replicated state, so rank 0 writes it (orbax, single-process) and every rank reads it."""
+
+    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        comm, self.rank, _ = world()
+        if self.rank == 0:
+            super().__init__(directory, every, keep)
+        comm.Barrier()  # the directory exists before the readers open it
+        if self.rank != 0:
+            self.directory = pathlib.Path(directory).absolute()
+            self.every = every
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+    def maybe_save(self, step: int, state, force: bool = False) -> bool:
+        return self.rank == 0 and super().maybe_save(step, state, force)

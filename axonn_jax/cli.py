@@ -110,7 +110,7 @@ def _add_launch_parser(sub) -> None:
                              "[--log-dir DIR] -- train ...")
     p.add_argument("--nprocs", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-proc", type=int, default=None,
-                   help="simulated CPU devices per process")
+                   help="devices per process: simulated CPU devices, or its share of the GPUs")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--log-dir", default="axonn-launch-logs",
                    help="where proc<i>.log of every process is written")

@@ -1,8 +1,10 @@
 """axonn_jax: hybrid data × pipeline × 2D/3D tensor parallelism for JAX, with compressed gradients
 (CGX) and host-memory offload of optimizer state and activations (AxoNN, KARMA)."""
 from .config import AXES, ParallelConfig
+from .distributed import init_distributed
 from .mesh import make_mesh, simulate_cpu_devices
 from .parallel.pipeline_module import pipeline
 
-__all__ = ["AXES", "ParallelConfig", "make_mesh", "pipeline", "simulate_cpu_devices"]
+__all__ = ["AXES", "ParallelConfig", "init_distributed", "make_mesh", "pipeline",
+           "simulate_cpu_devices"]
 __version__ = "0.1.0"

@@ -171,12 +171,32 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank grids with the communication model")
     _add_plan_args(plan)
     plan.set_defaults(run=_plan)
-    for name, help_ in (("bench", "benchmark against GSPMD baselines"),
-                        ("launch", "start several local processes")):
+    for name, help_ in (("bench", "benchmark against GSPMD baselines"),):
         p = sub.add_parser(name, help=help_)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(run=_not_yet(name))
+    _add_launch_parser(sub)
     return parser
+
+
+def _add_launch_parser(sub) -> None:
+    p = sub.add_parser("launch", help="run several processes of one job on this machine",
+                       usage="axonn-jax launch --nprocs P [--devices-per-proc K] [--port N] "
+                             "[--log-dir DIR] -- train ...")
+    p.add_argument("--nprocs", type=int, required=True, help="number of processes")
+    p.add_argument("--devices-per-proc", type=int, default=None,
+                   help="devices per process: simulated CPU devices, or its share of the GPUs")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--log-dir", default="axonn-launch-logs",
+                   help="where proc<i>.log of every process is written")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="`-- train ...`")
+
+    def run(args) -> int:
+        from .launch import main as launch_main
+
+        return launch_main(args)
+
+    p.set_defaults(run=run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
 
         simulate_cpu_devices(args.devices)
     try:
+        if args.command == "train" and args.transport == "xla":
+            # Joins the job described by the environment (`axonn-jax launch`, srun, mpirun), if any.
+            from .distributed import init_distributed
+
+            init_distributed(local_device_count=args.devices)
         return args.run(args)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"axonn-jax {args.command}: error: {e}", file=sys.stderr)

@@ -89,8 +89,7 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
-    for name in ("offload_optimizer", "remat", "memory_budget_gb",
-                 "compress_bits", "transport"):
+    for name in ("offload_optimizer", "remat", "memory_budget_gb", "compress_bits"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -151,6 +150,10 @@ class Trainer:
     train_step: Callable
     eval_loss: Callable
     param_spec: Callable[[tuple], P] = lambda path: P()  # state key path -> PartitionSpec
+    # The two halves of `train_step`, unjitted, for steps that exchange gradients between them
+    # (parallel/mpi.py): (params, batch) -> (loss, grads) and (state, loss, grads) -> (state, metrics).
+    loss_and_grads: Callable | None = None
+    apply_grads: Callable | None = None
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
@@ -210,18 +213,21 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     if config.pipe > 1:
         loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
 
-    def step(state, batch):
-        loss, grads = loss_and_grads(state["params"], batch)
+    def apply_grads(state, loss, grads):
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
+    def step(state, batch):
+        return apply_grads(state, *loss_and_grads(state["params"], batch))
+
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
                    train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
-                   param_spec=param_spec)
+                   param_spec=param_spec, loss_and_grads=loss_and_grads,
+                   apply_grads=apply_grads)
 
 
 EMBED_PARAMS, STACK_PARAMS, HEAD_PARAMS = ("wte", "wpe"), "blocks", ("ln_f", "head")
@@ -343,11 +349,19 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     bad = unimplemented_options(options)
     if bad:
         raise NotImplementedError(f"not implemented yet: {', '.join(bad)}")
-    is_main = jax.process_index() == 0
+    if options.transport == "mpi":
+        from .parallel.mpi import build_mpi_trainer
+
+        trainer = build_mpi_trainer(options, devices)
+        is_main = trainer.rank == 0
+    else:
+        trainer = build_trainer(options, devices)
+        is_main = jax.process_index() == 0
     console = console or Console(quiet=not is_main)
-    trainer = build_trainer(options, devices)
     corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
     state = trainer.init_state()
+    if options.transport == "mpi":
+        from .parallel.mpi import RankZeroCheckpointer as Checkpointer  # noqa: F811
     checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every) \
         if options.checkpoint_dir else None
     if options.resume:

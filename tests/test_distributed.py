@@ -1,0 +1,312 @@
+"""Multi-process training: `axonn-jax launch` (jax.distributed + gloo) and `mpirun` + mpi4jax give the
+single-process trajectory; a killed process stops the job; process grids from the environment."""
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from axonn_jax import ParallelConfig, make_mesh
+from axonn_jax.distributed import (ProcessSpec, axes_crossing_processes, detect, first_slurm_host,
+                                   init_distributed)
+from axonn_jax.train import TrainOptions, train
+
+from conftest import relative_difference
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS = 4
+DATA = str(REPO / "axonn_jax")  # a small corpus: the package's own sources load in milliseconds
+RUN = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1",
+       "--eval-every", "1000", "--data", DATA]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for every child process of this module: compiling the
+    steps is most of a tiny job's time, and repeated jobs (a resumed run) then skip it."""
+    os.environ["AXONN_TEST_CACHE"] = str(tmp_path_factory.mktemp("jax-cache"))
+    yield
+    del os.environ["AXONN_TEST_CACHE"]
+
+
+def child_env():
+    """The test's environment minus its 8-device XLA flag, with this checkout and the venv's
+    executables (mpirun) first."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if "AXONN_TEST_CACHE" in env:
+        env.update(JAX_COMPILATION_CACHE_DIR=env["AXONN_TEST_CACHE"],
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    # LLVM optimization level 0 halves the children's compile time; their losses agree with the
+    # default level's to ~1e-7.
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
+                                 if not f.startswith("--xla_force_host_platform_device_count")]
+                                + ["--xla_backend_optimization_level=0"])
+    return env
+
+
+def cli(*args):
+    return [sys.executable, "-m", "axonn_jax.cli", *args]
+
+
+def run(cmd, timeout=300):
+    result = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _grid_size(grid_flags):
+    return math.prod(int(v) for v in grid_flags[1::2])
+
+
+def _mpirun():
+    return shutil.which("mpirun", path=child_env()["PATH"])
+
+
+def losses(path):
+    records = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    """The single-process trajectory on 8 devices."""
+    summary = train(TrainOptions(steps=STEPS, batch_size=8, seq_len=16, eval_batches=1,
+                                 eval_every=1000, data_path=DATA, parallel=ParallelConfig(data=8)),
+                    devices=devices)
+    return [r["loss"] for r in summary["history"]]
+
+
+# Data-parallel grids today; tensor and pipeline grids (e.g. ["--row", "2"], ["--pipe", "2"]) join
+# this list when they land: every grid must reproduce the single-process trajectory.
+@pytest.mark.parametrize("nprocs, per_proc, grid", [(2, 4, []), (4, 2, [])])
+def test_launch_equals_single_process(nprocs, per_proc, grid, reference, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    launch = cli("launch", "--nprocs", str(nprocs), "--devices-per-proc", str(per_proc),
+                 "--log-dir", str(tmp_path / "logs"), "--")
+    train_args = ["train", *RUN, *grid, "--metrics-out", str(metrics)]
+    if nprocs == 2:
+        # Cooperative orbax checkpoint: stop after 2 steps, resume in a fresh job for the rest.
+        ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+        run(launch + train_args + ckpt + ["--stop-at", "2"])
+        assert (tmp_path / "ckpt" / "2").is_dir()
+        # The second job starts under mpirun where there is one: init_distributed then finds the
+        # grid in MPICH's / Open MPI's variables and agrees on a coordinator over mpi4py.
+        mpirun = _mpirun()
+        relaunch = [mpirun, "-n", "2", *cli()] if mpirun else launch
+        out = run(relaunch + train_args + ckpt + ["--resume", "--devices", str(per_proc)]).stdout
+        assert "resumed from step 2" in out
+    else:
+        out = run(launch + train_args).stdout
+    assert f"data={nprocs * per_proc // _grid_size(grid)} " in out  # one grid over all processes
+    assert relative_difference(losses(metrics), reference) <= 1e-5
+    # Process 0 alone writes the metrics and the progress; the others' logs hold no progress bar.
+    assert "train ━" in (tmp_path / "logs" / "proc0.log").read_text()
+    assert "train ━" not in (tmp_path / "logs" / "proc1.log").read_text()
+
+
+@pytest.mark.parametrize("nprocs, per_proc", [(2, 4), (4, 2)])
+def test_mpirun_transport_equals_single_process(nprocs, per_proc, reference, tmp_path):
+    pytest.importorskip("mpi4jax")
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("mpirun not found (install the `mpi` extra)")
+    metrics = tmp_path / "m.jsonl"
+    job = [mpirun, "-n", str(nprocs), *cli("train", *RUN, "--transport", "mpi", "--devices",
+                                           str(per_proc), "--metrics-out", str(metrics),
+                                           "--dump-hlo", str(tmp_path / "hlo"))]
+    if nprocs == 2:
+        # Rank 0 writes the checkpoint, every rank reads it.
+        ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+        run(job + ckpt + ["--stop-at", "2"])
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2"]
+        out = run(job + ckpt + ["--resume"]).stdout
+        assert "resumed from step 2" in out
+    else:
+        out = run(job).stdout
+    assert f"data={per_proc} " in out  # the local grid; processes meet only through MPI
+    assert relative_difference(losses(metrics), reference) <= 1e-5
+    hlo = (tmp_path / "hlo" / "train_step.hlo.txt").read_text()
+    assert hlo.count("mpi_allreduce") == 1  # the whole gradient pytree in one message
+
+
+def test_killed_process_stops_the_job_quickly(tmp_path):
+    logs = tmp_path / "logs"
+    cmd = cli("launch", "--nprocs", "2", "--devices-per-proc", "1", "--log-dir", str(logs), "--",
+              "train", "--steps", "100000", "--batch-size", "2", "--seq-len", "16",
+              "--eval-batches", "1", "--eval-every", "100000", "--data", DATA)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=err)
+        try:
+            deadline = time.monotonic() + 240
+            # Kill once the processes are connected (their first collective has run).
+            while "[Gloo]" not in _read(logs / "proc1.log"):
+                assert launcher.poll() is None, _read(tmp_path / "err")
+                assert time.monotonic() < deadline, "the processes never connected"
+                time.sleep(0.5)
+            pids = json.loads((logs / "launch.json").read_text())["pids"]
+            os.kill(pids[1], signal.SIGKILL)
+            killed = time.monotonic()
+            rc = launcher.wait(timeout=60)
+            elapsed = time.monotonic() - killed
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    assert rc == 128 + signal.SIGKILL
+    assert elapsed < 60
+    assert "process 1 was killed by signal SIGKILL; stopped the other processes" in _read(tmp_path / "err")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+def test_ctrl_c_stops_all(tmp_path):
+    logs = tmp_path / "logs"
+    launcher = subprocess.Popen(cli("launch", "--nprocs", "2", "--log-dir", str(logs), "--",
+                                    "train", "--steps", "100000", "--data", DATA),
+                                cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (logs / "launch.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        pids = json.loads((logs / "launch.json").read_text())["pids"]
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 130
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "interrupted; stopped all processes" in launcher.stderr.read()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _read(path):
+    try:
+        return pathlib.Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def test_failing_process_reports_its_error(tmp_path):
+    result = subprocess.run(cli("launch", "--nprocs", "2", "--log-dir", str(tmp_path), "--",
+                                "train", "--model", "no-such-model"),
+                            cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "exited with code 2" in result.stderr
+    assert "invalid choice: 'no-such-model'" in result.stderr  # the tail of the failing log
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nprocs", "0", "--", "train"], "--nprocs must be positive, got 0"),
+    (["--nprocs", "2", "--devices-per-proc", "0", "--", "train"], "--devices-per-proc must be positive"),
+    (["--nprocs", "2"], "nothing to launch"),
+])
+def test_launch_bad_input(argv, message, tmp_path, capsys):
+    from axonn_jax.cli import main
+
+    assert main(["launch", "--log-dir", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None),
+    ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "4", "AXONN_PROCESS_ID": "3"},
+     ProcessSpec("h:1", 4, 3, "AXONN_*")),
+    ({"JAX_COORDINATOR_ADDRESS": "j:2", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     ProcessSpec("j:2", 2, 0, "JAX_*")),
+    ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "gpu[007-010]",
+      "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1"},
+     ProcessSpec("gpu007:41700", 8, 5, "slurm", 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     ProcessSpec(None, 4, 1, "openmpi", 1)),
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, ProcessSpec(None, 2, 1, "mpich")),
+    # The launcher's variables win over the scheduler's.
+    ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "2", "AXONN_PROCESS_ID": "1",
+      "PMI_SIZE": "4", "PMI_RANK": "3"}, ProcessSpec("h:1", 2, 1, "AXONN_*")),
+])
+def test_detect(env, expected):
+    assert detect(env) == expected
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"AXONN_COORDINATOR": "h:1", "AXONN_PROCESS_ID": "0"}, "AXONN_NUM_PROCESSES missing"),
+    ({"PMI_SIZE": "two", "PMI_RANK": "0"}, "PMI_SIZE='two' is not an integer"),
+])
+def test_detect_bad_environment(env, message):
+    with pytest.raises(ValueError, match=message):
+        detect(env)
+
+
+def test_init_distributed_checks_the_grid():
+    assert init_distributed(environ={}) == ProcessSpec(None, 1, 0, "single process")
+    with pytest.raises(ValueError, match=r"process_id 4 is not in \[0, num_processes=4\)"):
+        init_distributed("h:1", 4, 4, environ={})
+    with pytest.raises(ValueError, match="coordinator 'h:1' given without num_processes"):
+        init_distributed("h:1", environ={})
+
+
+class FakeProcess:
+    """`poll()` answers None until `finish_after` polls, then `code`."""
+
+    def __init__(self, code, finish_after):
+        self.code, self.polls, self.finish_after = code, 0, finish_after
+
+    def poll(self):
+        self.polls += 1
+        return self.code if self.polls > self.finish_after else None
+
+
+def test_watch_names_the_root_cause(monkeypatch):
+    from axonn_jax import launch
+
+    monkeypatch.setattr(launch, "POLL_S", 0.001)
+    assert launch._watch([FakeProcess(0, 2), FakeProcess(0, 5)]) is None
+    # The peer that lost its connection fails in the same poll as the killed process.
+    failure = launch._watch([FakeProcess(1, 3), FakeProcess(-9, 3)])
+    assert (failure.process_id, failure.exit_code) == (1, 137)
+    assert failure.message == "process 1 was killed by signal SIGKILL"
+    # A process stuck after its peers finished does not hang the launcher.
+    monkeypatch.setattr(launch, "FINISH_GRACE_S", 0.05)
+    failure = launch._watch([FakeProcess(0, 1), FakeProcess(0, 10**9)])
+    assert failure.message == "process 1 was still running 0 s after process 0 finished"
+    assert failure.exit_code == 1
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("node1", "node1"), ("gpu[007-010,12],cpu1", "gpu007"), ("a[3,5]", "a3"), ("x-y-1,x-y-2", "x-y-1"),
+])
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    id: int
+    process_index: int
+    platform: str = "cpu"
+
+
+@pytest.mark.parametrize("config, crossing", [
+    (ParallelConfig(data=2, row=2, col=2), ["data"]),
+    (ParallelConfig(data=1, pipe=2, row=4), ["pipe"]),
+    (ParallelConfig(data=4, col=2), ["data"]),
+    (ParallelConfig(data=1, row=8), ["row"]),  # a tensor group larger than a process must cross
+])
+def test_process_boundaries_on_outer_axes(config, crossing):
+    # Two processes of four devices, listed out of order: make_mesh sorts by (process, id).
+    devices = [FakeDevice(i + 2048 * p, p) for p in (1, 0) for i in (3, 1, 2, 0)]
+    mesh = make_mesh(config, devices)
+    assert axes_crossing_processes(mesh) == crossing
+    assert [d.process_index for d in mesh.devices.flat] == [0] * 4 + [1] * 4

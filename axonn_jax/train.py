@@ -27,8 +27,10 @@ from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .offload import optimizer as offload_opt
+from .offload import precision
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass
@@ -88,8 +90,8 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
-    for name in ("microbatches", "schedule", "offload_optimizer", "remat", "memory_budget_gb",
-                 "compress_bits", "transport"):
+    for name in ("microbatches", "schedule", "remat", "memory_budget_gb", "compress_bits",
+                 "transport"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -97,6 +99,12 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
 
 def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
     """AdamW with linear warmup and cosine decay, after global-norm gradient clipping."""
+    adamw, schedule = make_adamw(options)
+    return optax.chain(optax.clip_by_global_norm(options.clip_norm), adamw), schedule
+
+
+def make_adamw(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
+    """The elementwise part of the optimizer (AdamW and its schedule), without clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=options.lr,
@@ -104,11 +112,7 @@ def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation,
         decay_steps=max(options.steps, options.warmup + 1),
         end_value=options.lr * 0.1,
     )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(options.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=options.weight_decay),
-    )
-    return optimizer, schedule
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=options.weight_decay), schedule
 
 
 def tree_bytes(tree, memory_kind: str | None = None) -> int:
@@ -149,6 +153,7 @@ class Trainer:
     batch_sharding: NamedSharding
     train_step: Callable
     eval_loss: Callable
+    offloaded: offload_opt.HostOffloadedOptimizer | None = None
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
@@ -156,12 +161,15 @@ class Trainer:
 
         def init(key):
             params = self.model.init(key, dummy)["params"]
-            return {"step": jnp.zeros((), jnp.int32), "params": params,
-                    "opt_state": self.optimizer.init(params)}
+            return offload_opt.initial_state(params, optimizer=self.optimizer,
+                                             offloaded=self.offloaded, dtype=self.options.dtype)
 
         replicated = NamedSharding(self.mesh, P())
         abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
         shardings = jax.tree.map(lambda _: replicated, abstract)
+        if self.offloaded:  # master weights and moments in pinned_host, sharded like their params
+            shardings["opt_state"] = self.offloaded.state_shardings(abstract["opt_state"],
+                                                                    shardings["params"])
         return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
@@ -181,32 +189,36 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     check_divisible("--batch-size", options.batch_size, ("data",), config)
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
     optimizer, schedule = make_optimizer(options)
+    offloaded = offload_opt.HostOffloadedOptimizer(
+        make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
+        guard=options.dtype != "float32") if options.offload_optimizer else None
     batch_sharding = NamedSharding(mesh, P("data"))
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
         return gpt.cross_entropy(logits, batch[:, 1:])
 
-    def local_loss_and_grads(params, batch):
+    def local_loss_and_grads(params, batch, scale):
         # Varying over `data`: each shard keeps its own gradients until the explicit reduction.
         params = to_varying(params, ("data",))
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        # `scale`: the fp16 loss scale (1 otherwise); gradients stay scaled until the update.
+        loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
+        return jax.lax.pmean(loss, "data") / scale, jax.lax.pmean(grads, "data")
 
-    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
+    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data"), P()),
                                out_specs=(P(), P()), axis_names={"data"})
 
     def step(state, batch):
-        loss, grads = loss_and_grads(state["params"], batch)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        loss, grads = loss_and_grads(state["params"], batch, precision.scale_of(state))
+        new_state, metrics = offload_opt.apply_gradients(state, grads, optimizer=optimizer,
+                                                         offloaded=offloaded, dtype=options.dtype)
+        return new_state, {"loss": loss, **metrics, "lr": schedule(state["step"])}
 
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
-                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss))
+                   train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
+                   offloaded=offloaded)
 
 
 def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0,

@@ -27,6 +27,7 @@ from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .offload import activations
 from .offload import optimizer as offload_opt
 from .offload import precision
 
@@ -90,8 +91,7 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
-    for name in ("microbatches", "schedule", "remat", "memory_budget_gb", "compress_bits",
-                 "transport"):
+    for name in ("microbatches", "schedule", "compress_bits", "transport"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -154,6 +154,7 @@ class Trainer:
     train_step: Callable
     eval_loss: Callable
     offloaded: offload_opt.HostOffloadedOptimizer | None = None
+    activation_plan: activations.Plan | None = None
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
@@ -187,7 +188,9 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
                          f"{model_config.max_seq_len}")
     check_divisible("--batch-size", options.batch_size, ("data",), config)
-    model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
+    activation_plan = activations.make_plan(options, model_config, devices, build_trainer)
+    model = gpt.GPT(model_config, dtype=DTYPES[options.dtype],
+                    layer_groups=activation_plan.layer_groups() if activation_plan else None)
     optimizer, schedule = make_optimizer(options)
     offloaded = offload_opt.HostOffloadedOptimizer(
         make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
@@ -218,7 +221,7 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
                    train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
-                   offloaded=offloaded)
+                   offloaded=offloaded, activation_plan=activation_plan)
 
 
 def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0,
@@ -252,14 +255,25 @@ def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0
     return data_lib.decode(out)
 
 
+def compiled_peak_bytes(compiled) -> int:
+    """Peak bytes per device of a compiled program, from its memory analysis.
+
+    The CPU backend's `peak_memory_in_bytes` leaves out the temporaries (it can be smaller than the
+    temp allocation); there the live-bytes bound arguments + outputs - aliased + temporaries is used.
+    """
+    mem = compiled.memory_analysis()
+    peak = getattr(mem, "peak_memory_in_bytes", 0)
+    if peak < mem.temp_size_in_bytes or not peak:
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes)
+    return int(peak)
+
+
 def state_report(trainer: Trainer, state, compiled) -> dict[str, int]:
     """Train-state bytes per device by memory kind, parameter count and the compiled peak."""
     from ._compat import DEVICE_MEMORY_KIND
 
-    mem = compiled.memory_analysis()
-    peak = getattr(mem, "peak_memory_in_bytes", 0) or (
-        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes)
+    peak = compiled_peak_bytes(compiled)
     return {
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
@@ -311,6 +325,8 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
         f"{report['peak_bytes_compiled'] / 2**20:.1f} MiB; corpus {len(corpus.train):,} train / "
         f"{len(corpus.val):,} validation tokens"
     )
+    if trainer.activation_plan is not None:
+        console.print(trainer.activation_plan.describe(report["peak_bytes_compiled"]))
     eval_every = options.eval_every or max(1, options.steps // 10)
     metrics_file = open(options.metrics_out, "a" if options.resume else "w") \
         if options.metrics_out and is_main else None

@@ -156,8 +156,9 @@ class Trainer:
     offloaded: offload_opt.HostOffloadedOptimizer | None = None
     activation_plan: activations.Plan | None = None
 
-    def init_state(self):
-        """Fresh state, created directly in its sharded placement."""
+    def init_state(self, abstract: bool = False):
+        """Fresh state, created directly in its sharded placement (`abstract`: ShapeDtypeStructs
+        with those shardings, nothing allocated)."""
         dummy = jnp.zeros((1, self.options.seq_len), jnp.int32)
 
         def init(key):
@@ -166,12 +167,14 @@ class Trainer:
                                              offloaded=self.offloaded, dtype=self.options.dtype)
 
         replicated = NamedSharding(self.mesh, P())
-        abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
-        shardings = jax.tree.map(lambda _: replicated, abstract)
+        shapes = jax.eval_shape(init, jax.random.key(self.options.seed))
+        shardings = jax.tree.map(lambda _: replicated, shapes)
         if self.offloaded:  # master weights and moments in pinned_host, sharded like their params
-            shardings["opt_state"] = self.offloaded.state_shardings(abstract["opt_state"],
+            shardings["opt_state"] = self.offloaded.state_shardings(shapes["opt_state"],
                                                                     shardings["params"])
-        return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
+        init = jax.jit(init, out_shardings=shardings)
+        key = jax.random.key(self.options.seed)
+        return init.eval_shape(key) if abstract else init(key)
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
         o = self.options

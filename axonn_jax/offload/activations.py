@@ -273,7 +273,7 @@ def make_plan(options, model_config: gpt.GPTConfig, devices, build_trainer) -> P
     if options.remat in ("full", "offload"):
         return uniform("recompute" if options.remat == "full" else "offload", layers)
     base = build_trainer(dataclasses.replace(options, remat="full", memory_budget_gb=None), devices)
-    state = jax.eval_shape(base.init_state)
+    state = base.init_state(abstract=True)
     batch = jax.ShapeDtypeStruct((options.batch_size, options.seq_len + 1), jnp.int32,
                                  sharding=base.batch_sharding)
     base_peak = compiled_peak_bytes(base.train_step.lower(state, batch).compile())

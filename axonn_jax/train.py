@@ -141,6 +141,9 @@ class Trainer:
 
     State is a dict `{'step': int32[], 'params': pytree, 'opt_state': pytree}` of global arrays;
     parameters are replicated over `data` (and sharded over the tensor axes by their layers).
+    Mixed precision adds `'precision'` (loss scale, skipped steps); with `offloaded`, `params` are
+    the device copy in the compute dtype and `opt_state` holds the fp32 masters and moments in
+    `pinned_host` (see `offload.optimizer`).
     Batches are `(batch_size, seq_len + 1)` int32 split over `data`.
     """
 
@@ -197,7 +200,7 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     optimizer, schedule = make_optimizer(options)
     offloaded = offload_opt.HostOffloadedOptimizer(
         make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
-        guard=options.dtype != "float32") if options.offload_optimizer else None
+        guard=precision.uses_guard(options.dtype)) if options.offload_optimizer else None
     batch_sharding = NamedSharding(mesh, P("data"))
 
     def loss_fn(params, batch):

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import data as data_lib
-from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
+from ._compat import HOST_MEMORY_KIND, memory_kind_of, pmean, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
@@ -212,7 +212,7 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         params = to_varying(params, ("data",))
         # `scale`: the fp16 loss scale (1 otherwise); gradients stay scaled until the update.
         loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
-        return jax.lax.pmean(loss, "data") / scale, jax.lax.pmean(grads, "data")
+        return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
 
     loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data"), P()),
                                out_specs=(P(), P()), axis_names={"data"})

@@ -101,8 +101,10 @@ def test_bf16_device_state_bytes_per_parameter(devices):
 
 
 def test_fp16_step_with_inf_gradients_is_skipped(devices):
-    options = TrainOptions(**SMALL, dtype="float16", offload_optimizer=True)
-    trainer = build_trainer(options, devices[:1])
+    # Two data shards: 16-bit gradients cross an all-reduce (see `_compat.pmean`).
+    options = TrainOptions(**SMALL, dtype="float16", offload_optimizer=True,
+                           parallel=ParallelConfig(data=2))
+    trainer = build_trainer(options, devices[:2])
     state = trainer.init_state()
     step = trainer.train_step.lower(state, trainer.batch(TOKENS, 0)).compile()
     state, metrics = step(state, trainer.batch(TOKENS, 0))

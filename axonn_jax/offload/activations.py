@@ -18,7 +18,9 @@ It picks the counts with the least predicted extra step time whose predicted pea
 
     predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
 
-calibrated by compiling the train step once with every block recomputed.
+calibrated by compiling the train step with every block recomputed and with every block kept (the
+latter sets a kept block's bytes, so both ends are exact). On CPU, host and device memory are one
+pool, so the compiled peak of a plan with offloaded blocks also counts their host residuals.
 """
 from __future__ import annotations
 
@@ -261,7 +263,7 @@ def make_plan(options, model_config: gpt.GPTConfig, devices, build_trainer) -> P
     """The activation plan of a run's `--remat` (None for `none`).
 
     options: `train.TrainOptions`; build_trainer: `train.build_trainer`, used by `auto` to compile
-    the all-recompute step once for the base peak.
+    the all-recompute and all-keep steps for calibration.
     """
     from ..config import BATCH_AXES
     from ..train import DTYPES, compiled_peak_bytes
@@ -272,15 +274,24 @@ def make_plan(options, model_config: gpt.GPTConfig, devices, build_trainer) -> P
         return None
     if options.remat in ("full", "offload"):
         return uniform("recompute" if options.remat == "full" else "offload", layers)
-    base = build_trainer(dataclasses.replace(options, remat="full", memory_budget_gb=None), devices)
-    state = base.init_state(abstract=True)
-    batch = jax.ShapeDtypeStruct((options.batch_size, options.seq_len + 1), jnp.int32,
-                                 sharding=base.batch_sharding)
-    base_peak = compiled_peak_bytes(base.train_step.lower(state, batch).compile())
+
+    def peak(remat: str) -> int:
+        trainer = build_trainer(dataclasses.replace(options, remat=remat, memory_budget_gb=None),
+                                devices)
+        batch = jax.ShapeDtypeStruct((options.batch_size, options.seq_len + 1), jnp.int32,
+                                     sharding=trainer.batch_sharding)
+        return compiled_peak_bytes(trainer.train_step.lower(trainer.init_state(abstract=True),
+                                                            batch).compile())
+
+    base_peak, keep_peak = peak("full"), peak("none")
     rows = options.batch_size
     for axis in BATCH_AXES:
         rows //= getattr(options.parallel, axis)
     dtype = DTYPES[options.dtype]
     param_dtype = dtype if options.offload_optimizer else jnp.float32
     cost = block_cost(model_config, dtype, param_dtype, rows, options.seq_len)
+    # What a kept block adds in the whole program (XLA's buffers, not only autodiff's residuals),
+    # so that the prediction is exact for all-keep and all-recompute.
+    keep = cost.device_bytes["recompute"] + max(0, keep_peak - base_peak) // layers
+    cost = dataclasses.replace(cost, device_bytes={**cost.device_bytes, "keep": keep})
     return plan(cost, layers, int(options.memory_budget_gb * 1e9), base_peak, device_spec())

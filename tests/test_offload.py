@@ -213,3 +213,21 @@ def test_auto_plan_end_to_end(devices):
 def test_bad_remat_flags(devices, kw, message):
     with pytest.raises(ValueError, match=message):
         build_trainer(TrainOptions(**SMALL, **kw), devices[:1])
+
+
+def test_offloaded_state_checkpoint_round_trip(devices, tmp_path):
+    from axonn_jax.checkpoint import Checkpointer
+
+    trainer = build_trainer(TrainOptions(**SMALL, dtype="bfloat16", offload_optimizer=True),
+                            devices[:1])
+    state = trainer.init_state()
+    writer = Checkpointer(tmp_path, 1)
+    writer.maybe_save(1, state, force=True)
+    writer.close()
+    reader = Checkpointer(tmp_path, 1)
+    restored = reader.restore(state)
+    reader.close()
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored["opt_state"]["master"])} == {
+        "pinned_host"}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored, state)

@@ -102,3 +102,24 @@ def ensure_varying(tree, axes: tuple[str, ...]):
         return to_varying(x, missing) if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def pmean(tree, axis: str):
+    """`jax.lax.pmean` of every array of `tree` over `axis`.
+
+    On CPU, 16-bit float arrays are averaged in fp32 and cast back: XLA:CPU's all-reduce promotion
+    pass aborts the process ("Invalid binary instruction opcode copy") on a bf16/fp16 all-reduce
+    inside a partially manual shard_map, whose reducer ends in a sharding annotation (JAX 0.10.2).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if jax.devices()[0].platform != "cpu":
+        return jax.lax.pmean(tree, axis)
+
+    def one(x):
+        if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 16:
+            return jax.lax.pmean(x.astype(jnp.float32), axis).astype(x.dtype)
+        return jax.lax.pmean(x, axis)
+
+    return jax.tree.map(one, tree)

@@ -23,8 +23,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype; parameters stay float32")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype; fp32 master weights (float16: dynamic loss scaling)")
     p.add_argument("--data", dest="data_path", default=None, metavar="PATH",
                    help="text file, directory of text files, or .npy token array "
                         "(default: the Python standard library's sources)")

@@ -23,13 +23,16 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import data as data_lib
-from ._compat import HOST_MEMORY_KIND, ensure_varying, memory_kind_of, shard_map, to_varying
+from ._compat import HOST_MEMORY_KIND, ensure_varying, memory_kind_of, pmean, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .offload import activations
+from .offload import optimizer as offload_opt
+from .offload import precision
 from .parallel import pipeline as pipeline_lib
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass
@@ -89,7 +92,7 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
-    for name in ("offload_optimizer", "remat", "memory_budget_gb", "compress_bits"):
+    for name in ("compress_bits",):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -97,6 +100,12 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
 
 def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
     """AdamW with linear warmup and cosine decay, after global-norm gradient clipping."""
+    adamw, schedule = make_adamw(options)
+    return optax.chain(optax.clip_by_global_norm(options.clip_norm), adamw), schedule
+
+
+def make_adamw(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
+    """The elementwise part of the optimizer (AdamW and its schedule), without clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=options.lr,
@@ -104,11 +113,7 @@ def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation,
         decay_steps=max(options.steps, options.warmup + 1),
         end_value=options.lr * 0.1,
     )
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(options.clip_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=options.weight_decay),
-    )
-    return optimizer, schedule
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=options.weight_decay), schedule
 
 
 def tree_bytes(tree, memory_kind: str | None = None) -> int:
@@ -137,6 +142,9 @@ class Trainer:
 
     State is a dict `{'step': int32[], 'params': pytree, 'opt_state': pytree}` of global arrays;
     parameters are replicated over `data` (and sharded over the tensor axes by their layers).
+    Mixed precision adds `'precision'` (loss scale, skipped steps); with `offloaded`, `params` are
+    the device copy in the compute dtype and `opt_state` holds the fp32 masters and moments in
+    `pinned_host` (see `offload.optimizer`).
     Batches are `(batch_size, seq_len + 1)` int32 split over `data`.
     """
 
@@ -154,20 +162,28 @@ class Trainer:
     # (parallel/mpi.py): (params, batch) -> (loss, grads) and (state, loss, grads) -> (state, metrics).
     loss_and_grads: Callable | None = None
     apply_grads: Callable | None = None
+    offloaded: offload_opt.HostOffloadedOptimizer | None = None
+    activation_plan: activations.Plan | None = None
 
-    def init_state(self):
-        """Fresh state, created directly in its sharded placement."""
+    def init_state(self, abstract: bool = False):
+        """Fresh state, created directly in its sharded placement (`abstract`: ShapeDtypeStructs
+        with those shardings, nothing allocated)."""
         dummy = jnp.zeros((1, self.options.seq_len), jnp.int32)
 
         def init(key):
             params = self.model.init(key, dummy)["params"]
-            return {"step": jnp.zeros((), jnp.int32), "params": params,
-                    "opt_state": self.optimizer.init(params)}
+            return offload_opt.initial_state(params, optimizer=self.optimizer,
+                                             offloaded=self.offloaded, dtype=self.options.dtype)
 
-        abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
+        shapes = jax.eval_shape(init, jax.random.key(self.options.seed))
         shardings = jax.tree_util.tree_map_with_path(
-            lambda path, _: NamedSharding(self.mesh, self.param_spec(path)), abstract)
-        return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
+            lambda path, _: NamedSharding(self.mesh, self.param_spec(path)), shapes)
+        if self.offloaded:  # master weights and moments in pinned_host, sharded like their params
+            shardings["opt_state"] = self.offloaded.state_shardings(shapes["opt_state"],
+                                                                    shardings["params"])
+        init = jax.jit(init, out_shardings=shardings)
+        key = jax.random.key(self.options.seed)
+        return init.eval_shape(key) if abstract else init(key)
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
         o = self.options
@@ -193,41 +209,50 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         if options.batch_size % (config.data * options.microbatches):
             raise ValueError(f"--batch-size = {options.batch_size} is not divisible by data × "
                              f"microbatches = {config.data} × {options.microbatches}")
-    model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
+        for flag, used in (("--offload-optimizer", options.offload_optimizer),
+                           (f"--remat {options.remat}", options.remat != "none")):
+            if used:
+                raise NotImplementedError(f"{flag} with --pipe > 1 is not implemented yet")
+    activation_plan = activations.make_plan(options, model_config, devices, build_trainer)
+    model = gpt.GPT(model_config, dtype=DTYPES[options.dtype],
+                    layer_groups=activation_plan.layer_groups() if activation_plan else None)
     optimizer, schedule = make_optimizer(options)
+    offloaded = offload_opt.HostOffloadedOptimizer(
+        make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
+        guard=precision.uses_guard(options.dtype)) if options.offload_optimizer else None
     batch_sharding = NamedSharding(mesh, P("data"))
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
         return gpt.cross_entropy(logits, batch[:, 1:])
 
-    def local_loss_and_grads(params, batch):
+    def local_loss_and_grads(params, batch, scale):
         # Varying over `data`: each shard keeps its own gradients until the explicit reduction.
         params = to_varying(params, ("data",))
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        # `scale`: the fp16 loss scale (1 otherwise); gradients stay scaled until the update.
+        loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
+        return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
 
-    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
+    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data"), P()),
                                out_specs=(P(), P()), axis_names={"data"})
     param_spec = lambda path: P()
     if config.pipe > 1:
         loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
 
     def apply_grads(state, loss, grads):
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state, metrics = offload_opt.apply_gradients(state, grads, optimizer=optimizer,
+                                                         offloaded=offloaded, dtype=options.dtype)
+        return new_state, {"loss": loss, **metrics, "lr": schedule(state["step"])}
 
     def step(state, batch):
-        return apply_grads(state, *loss_and_grads(state["params"], batch))
+        return apply_grads(state, *loss_and_grads(state["params"], batch, precision.scale_of(state)))
 
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
     return Trainer(options, mesh, model, model_config, optimizer, schedule, batch_sharding,
                    train_step=jax.jit(step, donate_argnums=0), eval_loss=jax.jit(eval_loss),
                    param_spec=param_spec, loss_and_grads=loss_and_grads,
-                   apply_grads=apply_grads)
+                   apply_grads=apply_grads, offloaded=offloaded, activation_plan=activation_plan)
 
 
 EMBED_PARAMS, STACK_PARAMS, HEAD_PARAMS = ("wte", "wpe"), "blocks", ("ln_f", "head")
@@ -265,17 +290,19 @@ def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
     sched = pipeline_lib.make_schedule(options.schedule, config.pipe, options.microbatches)
     embed_fn, stage_fn, head_fn = gpt_stage_functions(model, config.pipe)
 
-    def local_loss_and_grads(params, batch):
+    def local_loss_and_grads(params, batch, scale):
         params = ensure_varying(params, ("data", "pipe"))
         split = ({k: params[k] for k in EMBED_PARAMS}, params[STACK_PARAMS],
                  {k: params[k] for k in HEAD_PARAMS})
+        # `scale`: the fp16 loss scale (1 otherwise); gradients stay scaled until the update.
+        scaled_head = lambda p, x, t: head_fn(p, x, t) * scale  # noqa: E731
         loss, (g_embed, g_stack, g_head) = pipeline_lib.pipeline_loss_and_grads(
-            embed_fn, stage_fn, head_fn, split, batch[:, :-1], batch[:, 1:], sched)
+            embed_fn, stage_fn, scaled_head, split, batch[:, :-1], batch[:, 1:], sched)
         grads = {**g_embed, STACK_PARAMS: g_stack, **g_head}
-        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
 
     specs = {k: P() for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("pipe")}
-    fn = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data")),
+    fn = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data"), P()),
                    out_specs=(P(), specs), axis_names={"data", "pipe"})
 
     def param_spec(path) -> P:
@@ -316,14 +343,25 @@ def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0
     return data_lib.decode(out)
 
 
+def compiled_peak_bytes(compiled) -> int:
+    """Peak bytes per device of a compiled program, from its memory analysis.
+
+    The CPU backend's `peak_memory_in_bytes` leaves out the temporaries (it can be smaller than the
+    temp allocation); there the live-bytes bound arguments + outputs - aliased + temporaries is used.
+    """
+    mem = compiled.memory_analysis()
+    peak = getattr(mem, "peak_memory_in_bytes", 0)
+    if peak < mem.temp_size_in_bytes or not peak:
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes)
+    return int(peak)
+
+
 def state_report(trainer: Trainer, state, compiled) -> dict[str, int]:
     """Train-state bytes per device by memory kind, parameter count and the compiled peak."""
     from ._compat import DEVICE_MEMORY_KIND
 
-    mem = compiled.memory_analysis()
-    peak = getattr(mem, "peak_memory_in_bytes", 0) or (
-        mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes)
+    peak = compiled_peak_bytes(compiled)
     return {
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
@@ -383,6 +421,8 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
         f"{report['peak_bytes_compiled'] / 2**20:.1f} MiB; corpus {len(corpus.train):,} train / "
         f"{len(corpus.val):,} validation tokens"
     )
+    if trainer.activation_plan is not None:
+        console.print(trainer.activation_plan.describe(report["peak_bytes_compiled"]))
     eval_every = options.eval_every or max(1, options.steps // 10)
     metrics_file = open(options.metrics_out, "a" if options.resume else "w") \
         if options.metrics_out and is_main else None

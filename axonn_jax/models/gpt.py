@@ -12,6 +12,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..data import VOCAB_SIZE
 from ..parallel.pipeline_module import pipeline
@@ -84,6 +85,11 @@ def causal_attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+ACTIVATION_NAMES = ("ln1", "q", "k", "v", "attn", "attn_proj", "ln2", "mlp_up")
+"""`checkpoint_name`s of a block's intermediates that remat policies may save or offload; what they
+leave out (softmax, GELU, residual sums, norm statistics) is cheap to recompute from them."""
+
+
 class Block(nn.Module):
     """One pre-LayerNorm transformer block. `x: (batch, seq, d_model)` -> same shape."""
 
@@ -94,14 +100,15 @@ class Block(nn.Module):
     def __call__(self, x, _=None):
         c = self.config
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
-        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        h = checkpoint_name(nn.LayerNorm(dtype=self.dtype, name="ln1")(x), "ln1")
         b, t, _d = h.shape
-        heads = lambda y: y.reshape(b, t, c.num_heads, c.head_dim)
-        q, k, v = (heads(dense(c.d_model, n)(h)) for n in ("query", "key", "value"))
-        y = causal_attention(q, k, v).reshape(b, t, c.d_model)
-        x = x + dense(c.d_model, "attn_out")(y)
-        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
-        h = nn.gelu(dense(c.d_ff, "mlp_up")(h))
+        heads = lambda y, n: checkpoint_name(y.reshape(b, t, c.num_heads, c.head_dim), n)
+        q, k, v = (heads(dense(c.d_model, n)(h), s)
+                   for n, s in (("query", "q"), ("key", "k"), ("value", "v")))
+        y = checkpoint_name(causal_attention(q, k, v).reshape(b, t, c.d_model), "attn")
+        x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
+        h = checkpoint_name(nn.LayerNorm(dtype=self.dtype, name="ln2")(x), "ln2")
+        h = nn.gelu(checkpoint_name(dense(c.d_ff, "mlp_up")(h), "mlp_up"))
         x = x + dense(c.d_model, "mlp_down")(h)
         return x, None
 
@@ -114,6 +121,10 @@ class GPT(nn.Module):
     instead and leaves `mesh` None).
     `embed`, `run_blocks` and `logits` are the three pieces `__call__` chains; the pipeline runs
     them on the first stage, on every stage (its slice of the layers), and on the last stage.
+    layer_groups: per-layer activation handling, `((count, wrap), ...)` over consecutive layers
+        (counts sum to `num_layers`); `wrap` maps a block function `f(layer_params, x) -> x` to
+        another (e.g. `jax.checkpoint` with a policy), None keeps it as is. The parameters stay one
+        stack under `blocks`, whatever the groups.
     """
 
     config: GPTConfig
@@ -121,6 +132,7 @@ class GPT(nn.Module):
     block_wrapper: Callable[[type], type] | None = None
     mesh: Any = None  # with pipe > 1: the blocks run as a GPipe pipeline of `microbatches`
     microbatches: int = 1
+    layer_groups: tuple[tuple[int, Callable | None], ...] | None = None
 
     def setup(self):
         c = self.config
@@ -144,8 +156,12 @@ class GPT(nn.Module):
 
     def run_blocks(self, x):
         """The `num_layers` blocks: `(batch, seq, d_model)` -> same shape."""
-        x, _ = self.blocks(x, None)
-        return x
+        if self.layer_groups is None or self.is_initializing():
+            x, _ = self.blocks(x, None)
+            return x
+        block = self.block_wrapper(Block) if self.block_wrapper else Block
+        return scan_layer_groups(block(self.config, self.dtype, parent=None),
+                                 self.variables["params"]["blocks"], x, self.layer_groups)
 
     def logits(self, x):
         """Final norm and output head: `(batch, seq, d_model)` -> `(batch, seq, vocab) float32`."""
@@ -153,6 +169,28 @@ class GPT(nn.Module):
 
     def __call__(self, tokens):
         return self.logits(self.run_blocks(self.embed(tokens)))
+
+
+def scan_layer_groups(block: nn.Module, stacked, x, groups):
+    """Run the stacked layers as one `lax.scan` per group of consecutive layers.
+
+    A remat policy is fixed when a scan body is traced, so layers with different decisions (keep /
+    offload / recompute) need different scans; slicing one parameter stack keeps the parameter
+    tree independent of the plan. block: unbound Block; stacked: its parameters with a leading
+    layer axis; x: `(batch, seq, d_model)`; groups: see `GPT.layer_groups`.
+    """
+    def layer(p, h):
+        return block.apply({"params": p}, h)[0]
+
+    start = 0
+    for count, wrap in groups:
+        f = layer if wrap is None else wrap(layer)
+        part = jax.tree.map(lambda a: a[start:start + count], stacked)
+        x, _ = jax.lax.scan(lambda h, p: (f(p, h), None), x, part)
+        start += count
+    if start != block.config.num_layers:
+        raise ValueError(f"layer groups cover {start} layers, the model has {block.config.num_layers}")
+    return x
 
 
 def cross_entropy(logits, targets):

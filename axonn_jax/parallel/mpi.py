@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import data as data_lib
 from ..checkpoint import Checkpointer
 from ..distributed import ENV_NUM_PROCESSES
+from ..offload import precision
 from ..train import Trainer, TrainOptions, build_trainer
 
 
@@ -91,7 +92,7 @@ class CompiledMpiStep:
     replicated: NamedSharding
 
     def __call__(self, state, batch):
-        loss, grads = self.grads(state["params"], batch)
+        loss, grads = self.grads(state["params"], batch, precision.scale_of(state))
         loss, grads = self.exchange(*jax.device_put((loss, grads), self.first_device))
         return self.update(state, *jax.device_put((loss, grads), self.replicated))
 
@@ -119,8 +120,9 @@ class MpiTrainStep:
         mesh = self.trainer.mesh
         first = mesh.devices.flat[0]
         replicated = NamedSharding(mesh, P())
-        grads = jax.jit(self.trainer.loss_and_grads).lower(state["params"], batch).compile()
-        out = jax.eval_shape(self.trainer.loss_and_grads, state["params"], batch)
+        scale = precision.scale_of(state)
+        grads = jax.jit(self.trainer.loss_and_grads).lower(state["params"], batch, scale).compile()
+        out = jax.eval_shape(self.trainer.loss_and_grads, state["params"], batch, scale)
         on = lambda sharding: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), out)
         exchange = jax.jit(exchange_fn(self.reduce))

@@ -1,0 +1,297 @@
+"""Per-block activation handling (KARMA): keep, offload to `pinned_host`, or recompute.
+
+Decisions, per transformer block of the scanned stack:
+- `keep`: no rematerialization; the backward reads every residual autodiff saved.
+- `offload`: the block's named intermediates (`gpt.ACTIVATION_NAMES`) are moved to `pinned_host`
+  in the forward and fetched back for the backward (`save_and_offload_only_these_names`); what they
+  leave out (softmax, GELU, sums, norm statistics) is recomputed from them.
+- `recompute`: only the block input stays (on the device); the block's forward runs again in the
+  backward (`nothing_saveable`).
+
+`--remat auto` is the planner: it measures one block — device and host residual bytes per decision
+(`saved_residuals`), forward matmul FLOPs and the extra backward matmul FLOPs each decision costs
+(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device spec
+(GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
+blocks take each decision; offloaded blocks come first (their activations are needed last in the
+backward, so fetching them back has the most time to overlap), then recomputed, then kept ones.
+It picks the counts with the least predicted extra step time whose predicted peak fits the budget:
+
+    predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
+
+calibrated by compiling the train step with every block recomputed and with every block kept (the
+latter sets a kept block's bytes, so both ends are exact). On CPU, host and device memory are one
+pool, so the compiled peak of a plan with offloaded blocks also counts their host residuals.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models import gpt
+
+DECISIONS = ("keep", "offload", "recompute")
+REMAT_MODES = ("none", "full", "offload", "auto")
+
+
+def policy(decision: str):
+    """The `jax.checkpoint` policy of a decision (None for `keep`: no checkpoint at all)."""
+    cp = jax.checkpoint_policies
+    if decision == "keep":
+        return None
+    if decision == "recompute":
+        return cp.nothing_saveable
+    if decision == "offload":
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(gpt.ACTIVATION_NAMES),
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"unknown activation decision {decision!r}; expected one of {DECISIONS}")
+
+
+def wrapper(decision: str):
+    """`f(params, x) -> x` wrapper for `GPT.layer_groups` (None for `keep`)."""
+    pol = policy(decision)
+    return None if pol is None else (lambda f: jax.checkpoint(f, policy=pol))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """Device FLOP rate (FLOP/s) and host-link bandwidth (bytes/s, each direction)."""
+
+    name: str
+    flops_per_s: float
+    host_bytes_per_s: float
+
+
+SPECS = {
+    # Dense bf16 peak and PCIe Gen5 x16 (~55 GB/s achievable per direction).
+    "h100": DeviceSpec("h100", 989e12, 55e9),
+    "h200": DeviceSpec("h200", 989e12, 55e9),
+}
+
+
+def calibrate(size: int = 512, repeats: int = 4) -> DeviceSpec:
+    """Measure the default device: a `size`² f32 matmul's FLOP rate, a `pinned_host` round trip."""
+    dev = jax.devices()[0]
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a = mm(a) * 1e-3
+    a.block_until_ready()
+    flops = 2 * size**3 * repeats / (time.perf_counter() - t0)
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    big = jax.device_put(jnp.ones((16 * 2**20 // 4,), jnp.float32), dev)
+    jax.device_put(big, host).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        jax.device_put(big, host).block_until_ready()
+    bandwidth = big.nbytes * repeats / (time.perf_counter() - t0)
+    return DeviceSpec(f"calibrated {dev.platform}", flops, bandwidth)
+
+
+def device_spec() -> DeviceSpec:
+    """The named spec of the default device's kind, else a calibration of it."""
+    kind = jax.devices()[0].device_kind.lower()
+    for name, spec in SPECS.items():
+        if name in kind:
+            return spec
+    return calibrate()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """One block's measured costs per decision: device and host residual bytes, extra backward FLOPs
+    over `keep`; and its forward FLOPs. Bytes are per device (the local batch)."""
+
+    device_bytes: dict
+    host_bytes: dict
+    extra_flops: dict
+    forward_flops: float
+
+
+def _saved_residuals(f, *args):
+    # The helper behind the public `jax.ad_checkpoint.print_saved_residuals`.
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return saved_residuals(f, *args)
+
+
+def matmul_flops(jaxpr) -> float:
+    """FLOPs of the `dot_general`s of a jaxpr, sub-jaxprs (jit, scan, remat, custom rules) included.
+
+    Counted on the jaxpr rather than the compiled program because XLA's CSE may merge a recomputed
+    forward with the original one in a small test program, hiding the cost of recomputation."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+            total += 2.0 * np.prod(out.shape) * np.prod([lhs.shape[i] for i in contract])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += matmul_flops(inner) * (eqn.params.get("length", 1)
+                                                    if eqn.primitive.name == "scan" else 1)
+    return total
+
+
+def block_cost(config: gpt.GPTConfig, dtype, param_dtype, batch: int, seq_len: int) -> BlockCost:
+    """Measure one block on a local batch `(batch, seq_len)` in compute `dtype`, with parameters in
+    `param_dtype` (the device copy: fp32, or the compute dtype under optimizer offload)."""
+    block = gpt.Block(config, dtype, parent=None)
+    x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), dtype)
+    params = jax.eval_shape(block.init, jax.random.key(0), x)["params"]
+    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, param_dtype), params)
+
+    def layer(p, h):
+        return block.apply({"params": p}, h)[0]
+
+    dev, host, extra = {}, {}, {}
+    grad_flops = {}
+    for d in DECISIONS:
+        w = wrapper(d)
+        f = layer if w is None else w(layer)
+        dev[d] = host[d] = 0
+        for aval, where in _saved_residuals(f, params, x):
+            if where.startswith("from the argument p"):  # parameters are state, not activations
+                continue
+            nbytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
+            if "Host" in str(getattr(aval, "memory_space", "")):
+                host[d] += nbytes
+            else:
+                dev[d] += nbytes
+        train = lambda p, h, ct, f=f: jax.vjp(f, p, h)[1](ct)
+        grad_flops[d] = matmul_flops(jax.make_jaxpr(train)(params, x, x).jaxpr)
+    for d in DECISIONS:
+        extra[d] = max(0.0, grad_flops[d] - grad_flops["keep"])
+    return BlockCost(dev, host, extra, matmul_flops(jax.make_jaxpr(layer)(params, x).jaxpr))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-layer decisions, first layer first; predictions in bytes per device and seconds."""
+
+    decisions: tuple[str, ...]
+    predicted_peak: int | None = None
+    predicted_extra_s: float | None = None
+    budget: int | None = None
+
+    def groups(self) -> tuple[tuple[int, str], ...]:
+        """Runs of equal decisions: `((count, decision), ...)`."""
+        out: list[list] = []
+        for d in self.decisions:
+            if out and out[-1][1] == d:
+                out[-1][0] += 1
+            else:
+                out.append([1, d])
+        return tuple((n, d) for n, d in out)
+
+    def layer_groups(self):
+        """`GPT.layer_groups` for this plan."""
+        return tuple((n, wrapper(d)) for n, d in self.groups())
+
+    def describe(self, compiled_peak: int | None = None) -> str:
+        text = "activation plan: " + ", ".join(f"{n}×{d}" for n, d in self.groups())
+        if self.predicted_peak is not None:
+            text += (f"; predicted peak {self.predicted_peak / 2**20:.1f} MiB"
+                     f", predicted extra time {self.predicted_extra_s * 1e3:.2f} ms/step")
+        if self.budget is not None:
+            text += f" (budget {self.budget / 2**20:.1f} MiB)"
+        if compiled_peak is not None:
+            text += f"; compiled peak {compiled_peak / 2**20:.1f} MiB"
+        return text
+
+
+def extra_time(cost: BlockCost, decision: str, spec: DeviceSpec) -> float:
+    """Predicted extra step time of one block taking `decision`: its extra FLOPs, plus the part of
+    its host transfers (out in the forward, back in the backward) that the block's own forward
+    (resp. ~2× longer backward) compute does not hide."""
+    t = cost.extra_flops[decision] / spec.flops_per_s
+    move = cost.host_bytes[decision] / spec.host_bytes_per_s
+    compute = cost.forward_flops / spec.flops_per_s
+    return t + max(0.0, move - compute) + max(0.0, move - 2 * compute)
+
+
+def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: DeviceSpec) -> Plan:
+    """The fastest plan whose predicted peak fits `budget` bytes.
+
+    base_peak: compiled peak with every block recomputed. Raises ValueError naming the smallest
+    feasible budget when none fits.
+    """
+    per = {d: cost.device_bytes[d] - cost.device_bytes["recompute"] for d in DECISIONS}
+    best = None
+    for n_off in range(num_layers + 1):
+        for n_rc in range(num_layers + 1 - n_off):
+            n_keep = num_layers - n_off - n_rc
+            peak = base_peak + n_keep * per["keep"] + n_off * per["offload"] + n_rc * per["recompute"]
+            t = sum(n * extra_time(cost, d, spec)
+                    for n, d in ((n_off, "offload"), (n_rc, "recompute"), (n_keep, "keep")))
+            key = (t, peak)
+            if peak <= budget and (best is None or key < best[0]):
+                best = (key, ("offload",) * n_off + ("recompute",) * n_rc + ("keep",) * n_keep)
+    if best is None:
+        smallest = base_peak + num_layers * min(per.values())
+        raise ValueError(
+            f"--memory-budget {budget / 1e9:.4g} GB is infeasible: the smallest feasible budget for "
+            f"this model, batch and grid is {smallest / 1e9:.4g} GB ({smallest:,} bytes per device, "
+            f"every block {min(per, key=per.get)})")
+    (t, peak), decisions = best
+    return Plan(decisions, int(peak), t, budget)
+
+
+def uniform(decision: str, num_layers: int) -> Plan:
+    return Plan((decision,) * num_layers)
+
+
+def check_options(remat: str, memory_budget_gb: float | None) -> None:
+    """Reject flag combinations that would be silently ignored."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"--remat must be one of {REMAT_MODES}, got {remat!r}")
+    if memory_budget_gb is not None and remat != "auto":
+        raise ValueError(f"--memory-budget is used by --remat auto only (got --remat {remat})")
+    if remat == "auto" and (memory_budget_gb is None or memory_budget_gb <= 0):
+        raise ValueError(f"--remat auto needs a positive --memory-budget GB, got {memory_budget_gb}")
+
+
+def make_plan(options, model_config: gpt.GPTConfig, devices, build_trainer) -> Plan | None:
+    """The activation plan of a run's `--remat` (None for `none`).
+
+    options: `train.TrainOptions`; build_trainer: `train.build_trainer`, used by `auto` to compile
+    the all-recompute and all-keep steps for calibration.
+    """
+    from ..config import BATCH_AXES
+    from ..train import DTYPES, compiled_peak_bytes
+
+    check_options(options.remat, options.memory_budget_gb)
+    layers = model_config.num_layers
+    if options.remat == "none":
+        return None
+    if options.remat in ("full", "offload"):
+        return uniform("recompute" if options.remat == "full" else "offload", layers)
+
+    def peak(remat: str) -> int:
+        trainer = build_trainer(dataclasses.replace(options, remat=remat, memory_budget_gb=None),
+                                devices)
+        batch = jax.ShapeDtypeStruct((options.batch_size, options.seq_len + 1), jnp.int32,
+                                     sharding=trainer.batch_sharding)
+        return compiled_peak_bytes(trainer.train_step.lower(trainer.init_state(abstract=True),
+                                                            batch).compile())
+
+    base_peak, keep_peak = peak("full"), peak("none")
+    rows = options.batch_size
+    for axis in BATCH_AXES:
+        rows //= getattr(options.parallel, axis)
+    dtype = DTYPES[options.dtype]
+    param_dtype = dtype if options.offload_optimizer else jnp.float32
+    cost = block_cost(model_config, dtype, param_dtype, rows, options.seq_len)
+    # What a kept block adds in the whole program (XLA's buffers, not only autodiff's residuals),
+    # so that the prediction is exact for all-keep and all-recompute.
+    keep = cost.device_bytes["recompute"] + max(0, keep_peak - base_peak) // layers
+    cost = dataclasses.replace(cost, device_bytes={**cost.device_bytes, "keep": keep})
+    return plan(cost, layers, int(options.memory_budget_gb * 1e9), base_peak, device_spec())

@@ -1,0 +1,271 @@
+"""Host-resident optimizer state (AxoNN): fp32 master weights and optimizer moments in `pinned_host`.
+
+Layout of the train state with offload:
+- `params`: the parameters the model computes with, in the compute dtype (bf16 / fp16 / fp32), in
+  device memory, sharded as the model shards them.
+- `opt_state["master"]`: fp32 master parameters, and `opt_state["inner"]`: the elementwise
+  optimizer's state (AdamW's `mu`, `nu`), both in `pinned_host` memory with the sharding of their
+  parameter; the inner state's scalars (`count`) stay on the device.
+
+The update streams the host state through the device in pieces: one `fori_loop` iteration per layer
+of the stacked `blocks` parameters (leading layer axis), then buckets of at most `bucket_bytes` of
+the other parameters. Each piece is `device_put` to the device, updated, and put back to
+`pinned_host`, so the compiled program holds one piece of fp32 state on the device at a time and
+XLA can overlap the transfers of one piece with the arithmetic of the next.
+
+Global gradient-norm clipping needs every gradient, so it runs first on the device (gradients live
+there); the per-piece transform must be elementwise apart from shared scalars (AdamW is).
+
+On CPU, `device_put` inside `jit` lowers to nothing (JAX 0.10 emits the placement annotations only
+for GPU/TPU); host and device share memory there. `lowered_for_gpu` lowers a step for CUDA so its
+per-piece transfers can be inspected without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from .._compat import HOST_MEMORY_KIND
+from . import precision
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class _Role:
+    """Marks a leaf of the optimizer state: the index of the parameter it belongs to, or None for a
+    shared scalar such as `count` (a plain object, so it stays a pytree leaf)."""
+
+    def __init__(self, param: int | None):
+        self.param = param
+
+
+def _none_is_leaf(x) -> bool:
+    return x is None
+
+
+def _roles(inner: optax.GradientTransformation, state, params) -> list[_Role]:
+    """One `_Role` per leaf of `state` (in `jax.tree.leaves` order)."""
+    index = jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params))))
+    roles = optax.tree_map_params(inner, lambda _, j: _Role(j), state, index,
+                                  transform_non_params=lambda _: _Role(None))
+    return jax.tree.leaves(roles, is_leaf=lambda x: isinstance(x, _Role))
+
+
+def stacked_mask(params, key: str, num_layers: int) -> list[bool]:
+    """Per parameter leaf: True for leaves under `key` whose leading axis is the layer axis."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [bool(path) and getattr(path[0], "key", None) == key and x.ndim >= 1
+            and x.shape[0] == num_layers for path, x in flat]
+
+
+def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Group parameter `indices` greedily, in order, into lists of at most `bucket_bytes` bytes
+    (by fp32 master size `sizes[i]`); a leaf larger than a bucket is a bucket of its own."""
+    groups: list[list[int]] = []
+    used = 0
+    for i in indices:
+        if groups and used + sizes[i] <= bucket_bytes:
+            groups[-1].append(i)
+            used += sizes[i]
+        else:
+            groups.append([i])
+            used = sizes[i]
+    return groups
+
+
+@dataclasses.dataclass(frozen=True)
+class HostOffloadedOptimizer:
+    """Clip by global norm on the device, then `inner` (elementwise, e.g. AdamW) streamed per piece
+    over state that lives in `pinned_host`.
+
+    compute_dtype: dtype of the device parameters (the model's compute dtype).
+    num_layers: length of the leading axis of the stacked `stacked_key` parameters.
+    guard: skip (leave params and state unchanged) a step whose gradients are not finite.
+    """
+
+    inner: optax.GradientTransformation
+    clip_norm: float
+    compute_dtype: Any
+    num_layers: int
+    stacked_key: str = "blocks"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    guard: bool = False
+
+    def init(self, params):
+        """fp32 `params` -> (device params in `compute_dtype`, opt_state {'master', 'inner'})."""
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        device = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+        return device, {"master": master, "inner": self.inner.init(master)}
+
+    def state_shardings(self, opt_state, param_shardings):
+        """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
+        on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
+        host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY_KIND), param_shardings)
+        any_sharding = jax.tree.leaves(param_shardings)[0]
+        scalar = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
+        inner = optax.tree_map_params(self.inner, lambda _, s: s, opt_state["inner"], host,
+                                      transform_non_params=lambda _: scalar)
+        return {"master": host, "inner": inner}
+
+    def update(self, grads, params, opt_state, grad_scale=None):
+        """One optimizer step.
+
+        grads: like `params` (compute dtype), multiplied by `grad_scale` (None: unscaled).
+        Returns (params, opt_state, stats) with stats {'grad_norm': f32, 'finite': bool}.
+        """
+        param_leaves, param_def = jax.tree.flatten(params)
+        grad_leaves = jax.tree.leaves(grads)
+        master = jax.tree.leaves(opt_state["master"])
+        state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
+        roles = _roles(self.inner, opt_state["inner"], params)
+
+        def unscale(g):
+            g = g.astype(jnp.float32)
+            return g if grad_scale is None else g / grad_scale
+
+        # Same arithmetic as optax.clip_by_global_norm, so fp32 runs match the on-device optimizer.
+        norm = optax.tree.norm([unscale(g) for g in grad_leaves])
+        finite = jnp.isfinite(norm)
+
+        def clip(g):
+            return jnp.where(norm < self.clip_norm, g, (g / norm.astype(g.dtype)) * self.clip_norm)
+
+        def update_piece(index: list[int], pick: Callable, scalars: list):
+            """Update parameters `index`; `pick` takes a leaf's piece. Returns new pieces (master,
+            state by role, device params) on the device, and the new shared scalars."""
+            chosen = set(index)
+            sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
+            g = [None if x is None else clip(unscale(x)) for x in sel(grad_leaves)]
+            m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
+                 for x in sel(master)]
+            s_in, scalar_iter = [], iter(scalars)
+            for r, x in zip(roles, state_leaves):
+                if r.param is None:
+                    s_in.append(next(scalar_iter))
+                else:
+                    s_in.append(jax.device_put(pick(x), jax.memory.Space.Device)
+                                if r.param in chosen else None)
+            g_tree, m_tree = jax.tree.unflatten(param_def, g), jax.tree.unflatten(param_def, m)
+            updates, new_state = self.inner.update(g_tree, jax.tree.unflatten(state_def, s_in),
+                                                   m_tree)
+            new_m = jax.tree.leaves(optax.apply_updates(m_tree, updates), is_leaf=_none_is_leaf)
+            new_s = jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
+            if self.guard:
+                new_m = [None if a is None else jnp.where(finite, a, b) for a, b in zip(new_m, m)]
+                new_s = [None if a is None else jnp.where(finite, a, b) for a, b in zip(new_s, s_in)]
+            return new_m, new_s
+
+        scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
+        new_scalars = scalars
+        to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+        stacked = stacked_mask(params, self.stacked_key, self.num_layers)
+
+        def write(new_m, new_s, put, master, state_leaves, param_leaves):
+            master = [x if a is None else put(x, to_host(a)) for x, a in zip(master, new_m)]
+            param_leaves = [x if a is None else put(x, a.astype(x.dtype))
+                            for x, a in zip(param_leaves, new_m)]
+            state_leaves = [x if r.param is None or a is None else put(x, to_host(a))
+                            for r, x, a in zip(roles, state_leaves, new_s)]
+            return master, state_leaves, param_leaves
+
+        layer_index = [j for j, s in enumerate(stacked) if s]
+        if layer_index:
+            def body(i, carry):
+                master, state_leaves, param_leaves, _ = carry
+                pick = lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+                put = lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x, i, 0)
+                new_m, new_s = update_piece(layer_index, pick, scalars)
+                out = write(new_m, new_s, put, master, state_leaves, param_leaves)
+                return (*out, [a for r, a in zip(roles, new_s) if r.param is None])
+
+            master, state_leaves, param_leaves, new_scalars = jax.lax.fori_loop(
+                0, self.num_layers, body, (master, state_leaves, param_leaves, scalars))
+
+        sizes = [x.size * 4 for x in param_leaves]
+        for group in buckets(sizes, [j for j, s in enumerate(stacked) if not s], self.bucket_bytes):
+            new_m, new_s = update_piece(group, lambda x: x, scalars)
+            master, state_leaves, param_leaves = write(new_m, new_s, lambda full, x: x,
+                                                       master, state_leaves, param_leaves)
+            new_scalars = [a for r, a in zip(roles, new_s) if r.param is None]
+
+        scalar_iter = iter(new_scalars)
+        state_leaves = [next(scalar_iter) if r.param is None else x
+                        for r, x in zip(roles, state_leaves)]
+        new_opt_state = {"master": jax.tree.unflatten(param_def, master),
+                         "inner": jax.tree.unflatten(state_def, state_leaves)}
+        return (jax.tree.unflatten(param_def, param_leaves), new_opt_state,
+                {"grad_norm": norm, "finite": finite})
+
+
+def guarded_update(optimizer: optax.GradientTransformation, grads, params, opt_state,
+                   grad_scale=None, guard: bool = False):
+    """The on-device update: `optimizer` (the full chain, clipping included) on unscaled fp32
+    gradients; with `guard`, a step with non-finite gradients leaves params and state unchanged.
+    Returns (params, opt_state, stats) like `HostOffloadedOptimizer.update`."""
+    if grad_scale is not None:
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / grad_scale, grads)
+    norm = optax.tree.norm(grads)
+    updates, new_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(norm)
+    if guard:
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_params, new_state = keep(new_params, params), keep(new_state, opt_state)
+    return new_params, new_state, {"grad_norm": norm, "finite": finite}
+
+
+def apply_gradients(state: dict, grads, *, optimizer, offloaded: HostOffloadedOptimizer | None,
+                    dtype: str):
+    """New train state after one step from `grads` (scaled by the state's loss scale).
+
+    Advances `step`, the parameters and the optimizer state (on the host when `offloaded`), and
+    the precision state (loss scale, skipped steps) for mixed precision. Returns (state, metrics).
+    """
+    mp = state.get("precision")
+    scale = None if mp is None or dtype != "float16" else mp["scale"]
+    if offloaded is not None:
+        params, opt_state, stats = offloaded.update(grads, state["params"], state["opt_state"], scale)
+    else:
+        params, opt_state, stats = guarded_update(optimizer, grads, state["params"],
+                                                  state["opt_state"], scale,
+                                                  guard=precision.uses_guard(dtype))
+    new = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    metrics = {"grad_norm": stats["grad_norm"]}
+    if mp is not None:
+        new["precision"] = precision.advance(mp, stats["finite"], dynamic=dtype == "float16")
+        metrics.update(loss_scale=mp["scale"], skipped_steps=new["precision"]["skipped_steps"])
+    return new, metrics
+
+
+def lowered_for_gpu(jitted, *args) -> str:
+    """StableHLO text of `jitted(*args)` lowered for CUDA, where in-jit `device_put`s between memory
+    kinds appear as `annotate_device_placement` custom calls (CPU drops them)."""
+    return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def placement_transfers(hlo_text: str) -> list[tuple[str, str]]:
+    """(destination memory kind, tensor type) of every placement annotation in lowered StableHLO."""
+    import re
+
+    pattern = re.compile(r"annotate_device_placement.*_xla_buffer_placement = \"(\w+)\".*"
+                         r"-> (tensor<[^>]*>)")
+    return [m.groups() for m in pattern.finditer(hlo_text)]
+
+
+def initial_state(params, *, optimizer: optax.GradientTransformation,
+                  offloaded: HostOffloadedOptimizer | None, dtype: str) -> dict:
+    """The train state for fp32 `params`: {'step', 'params', 'opt_state'} and, for mixed
+    precision, 'precision' (see `precision.init`)."""
+    if offloaded is not None:
+        params, opt_state = offloaded.init(params)
+    else:
+        opt_state = optimizer.init(params)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
+    mp = precision.init(dtype)
+    if mp is not None:
+        state["precision"] = mp
+    return state

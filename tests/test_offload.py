@@ -1,0 +1,233 @@
+"""Host-offloaded optimizer state, mixed precision, and the activation keep/offload/recompute planner."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.models import gpt
+from axonn_jax.offload import activations
+from axonn_jax.offload.optimizer import guarded_update, lowered_for_gpu, placement_transfers
+from axonn_jax.train import TrainOptions, build_trainer, state_report
+
+from conftest import relative_difference
+
+STEPS = 3
+TOKENS = (np.arange(4096, dtype=np.int64) * 7919 % 251).astype(np.int32)
+SMALL = dict(model="gpt-tiny", steps=STEPS, batch_size=4, seq_len=16, lr=1e-2)
+
+
+def run(devices, steps=STEPS, **kw):
+    """(losses, final state, trainer, compiled step) of `steps` steps on a fixed token array."""
+    options = TrainOptions(**{**SMALL, **kw})
+    trainer = build_trainer(options, devices)
+    state = trainer.init_state()
+    compiled = trainer.train_step.lower(state, trainer.batch(TOKENS, 0)).compile()
+    losses = []
+    for step in range(steps):
+        state, metrics = compiled(state, trainer.batch(TOKENS, step))
+        losses.append(float(metrics["loss"]))
+    return losses, state, trainer, compiled
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return run(devices[:2], parallel=ParallelConfig(data=2))
+
+
+def test_offloaded_optimizer_gives_identical_losses_and_lives_on_host(reference, devices):
+    losses, state, trainer, compiled = run(devices[:2], parallel=ParallelConfig(data=2),
+                                           offload_optimizer=True)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    assert relative_difference(losses, reference[0]) <= 1e-6
+    kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+    assert kinds(state["params"]) == {"device"}
+    assert kinds(state["opt_state"]["master"]) == {"pinned_host"}
+    adam = state["opt_state"]["inner"][0]
+    assert kinds(adam.mu) == kinds(adam.nu) == {"pinned_host"}
+    assert adam.count.sharding.memory_kind == "device"
+    # Host copies are partitioned exactly like their parameters.
+    for p, m in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state["opt_state"]["master"])):
+        assert m.sharding.spec == p.sharding.spec and m.dtype == jnp.float32
+    report = state_report(trainer, state, compiled)
+    n = report["num_params"]
+    assert report["state_bytes_host"] == 3 * 4 * n  # master, mu, nu in fp32
+    assert report["state_bytes_device"] < 4.1 * n
+
+
+def test_update_moves_state_per_layer_not_in_bulk(devices):
+    """Lowered for a GPU (CPU drops in-jit placements): every transfer is one layer's slice or one
+    small parameter, and their number does not grow with the number of layers."""
+    counts = {}
+    for model in ("gpt-tiny", "gpt-mini"):
+        trainer = build_trainer(TrainOptions(model=model, batch_size=2, seq_len=8, dtype="bfloat16",
+                                             offload_optimizer=True), devices[:1])
+        state = trainer.init_state(abstract=True)
+        batch = jax.ShapeDtypeStruct((2, 9), jnp.int32, sharding=trainer.batch_sharding)
+        moves = placement_transfers(lowered_for_gpu(trainer.train_step, state, batch))
+        params = state["params"]
+        layers = trainer.model_config.num_layers
+        block_slices = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
+        others = {tuple(x.shape) for k, v in params.items() if k != "blocks"
+                  for x in jax.tree.leaves(v)}
+        shapes = {tuple(int(d) for d in t[len("tensor<"):-1].split("x")[:-1]) for _, t in moves}
+        assert shapes <= block_slices | others
+        assert not any(s and s[0] == layers and s[1:] in block_slices for s in shapes)
+        by_kind = collections.Counter(kind for kind, _ in moves)
+        leaves = len(jax.tree.leaves(params))
+        # master, mu and nu of each parameter leaf: once in the loop body or its bucket, each way.
+        assert by_kind == {"device": 3 * leaves, "pinned_host": 3 * leaves}
+        counts[layers] = len(moves)
+    assert counts[2] == counts[4]
+
+
+def test_bf16_device_state_bytes_per_parameter(devices):
+    """AdamW + bf16: device-resident parameters + gradients + optimizer state per parameter."""
+    per_param = {}
+    for offload in (False, True):
+        trainer = build_trainer(TrainOptions(**SMALL, dtype="bfloat16", offload_optimizer=offload),
+                                devices[:1])
+        state = trainer.init_state(abstract=True)
+        nbytes = lambda x: x.size * x.dtype.itemsize
+        n = sum(x.size for x in jax.tree.leaves(state["params"]))
+        device = sum(nbytes(x) for x in jax.tree.leaves(state) if x.sharding.memory_kind == "device")
+        grads = sum(nbytes(x) for x in jax.tree.leaves(state["params"]))  # in the params' dtype
+        per_param[offload] = (device + grads) / n
+    assert per_param[True] <= 4.5
+    assert per_param[False] >= 16
+
+
+def test_fp16_step_with_inf_gradients_is_skipped(devices):
+    # Two data shards: 16-bit gradients cross an all-reduce (see `_compat.pmean`).
+    options = TrainOptions(**SMALL, dtype="float16", offload_optimizer=True,
+                           parallel=ParallelConfig(data=2))
+    trainer = build_trainer(options, devices[:2])
+    state = trainer.init_state()
+    step = trainer.train_step.lower(state, trainer.batch(TOKENS, 0)).compile()
+    state, metrics = step(state, trainer.batch(TOKENS, 0))
+    assert int(metrics["skipped_steps"]) == 0 and np.isfinite(float(metrics["loss"]))
+    # A loss scale near fp32's maximum overflows the scaled loss: the step must change nothing.
+    state["precision"]["scale"] = jnp.asarray(3e38, jnp.float32)
+    before = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
+    state, metrics = step(state, trainer.batch(TOKENS, 1))
+    after = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
+    assert int(metrics["skipped_steps"]) == 1 and int(state["precision"]["skipped_steps"]) == 1
+    assert float(state["precision"]["scale"]) == pytest.approx(1.5e38)
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+    state, metrics = step(state, trainer.batch(TOKENS, 2))  # scale still huge: skipped again
+    assert int(metrics["skipped_steps"]) == 2
+
+
+def test_on_device_guard_skips_non_finite_updates():
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1))
+    params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
+    state = optimizer.init(params)
+    bad = {"w": jnp.array([1.0, jnp.inf, 0.0]), "b": jnp.ones((2,))}
+    new_params, new_state, stats = guarded_update(optimizer, bad, params, state, guard=True)
+    assert not bool(stats["finite"])
+    jax.tree.map(np.testing.assert_array_equal, (new_params, new_state), (params, state))
+    good = jax.tree.map(jnp.ones_like, params)
+    new_params, _, stats = guarded_update(optimizer, good, params, state, jnp.float32(4.0), True)
+    assert bool(stats["finite"]) and float(stats["grad_norm"]) == pytest.approx(np.sqrt(5) / 4)
+    assert not np.allclose(new_params["w"], params["w"])
+
+
+def test_layer_groups_keep_the_model_function(devices):
+    """Mixed per-layer decisions (offload, recompute, keep) change memory, not loss or gradients."""
+    config = gpt.GPTConfig(num_layers=3, d_model=32, num_heads=2, max_seq_len=16)
+    tokens = jnp.asarray(TOKENS[:64].reshape(4, 16))
+    params = jax.jit(gpt.GPT(config).init)(jax.random.key(0), tokens[:, :-1])["params"]
+    plan = activations.Plan(("offload", "recompute", "keep"))
+    assert plan.groups() == ((1, "offload"), (1, "recompute"), (1, "keep"))
+
+    def loss_and_grads(model):
+        loss = lambda p: gpt.cross_entropy(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    ref = loss_and_grads(gpt.GPT(config))
+    got = loss_and_grads(gpt.GPT(config, layer_groups=plan.layer_groups()))
+    assert relative_difference(got[0], ref[0]) <= 1e-6
+    for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
+        assert relative_difference(g, r) <= 1e-5
+
+
+SPEC = activations.DeviceSpec("test", flops_per_s=1e12, host_bytes_per_s=1e9)
+
+
+@pytest.fixture(scope="module")
+def block_cost():
+    return activations.block_cost(gpt.get_config("gpt-tiny"), jnp.float32, jnp.float32, 8, 64)
+
+
+def test_block_cost_measurements(block_cost):
+    c = block_cost
+    assert c.device_bytes["keep"] > 10 * c.device_bytes["recompute"] > 0
+    assert c.device_bytes["offload"] == c.device_bytes["recompute"]  # the block input only
+    assert c.host_bytes["offload"] > 0 and c.host_bytes["keep"] == c.host_bytes["recompute"] == 0
+    assert 0 < c.extra_flops["offload"] < c.extra_flops["recompute"] <= c.forward_flops
+    assert c.extra_flops["keep"] == 0
+
+
+def test_planner_moves_with_the_budget(block_cost):
+    layers, base = 6, 50 * 2**20
+    keep_all = base + layers * (block_cost.device_bytes["keep"] - block_cost.device_bytes["recompute"])
+    plans = [activations.plan(block_cost, layers, budget, base, SPEC)
+             for budget in np.linspace(keep_all * 1.01, base * 1.001, 12).astype(int)]
+    assert plans[0].decisions == ("keep",) * layers and plans[0].predicted_extra_s == 0
+    kept = [p.decisions.count("keep") for p in plans]
+    assert kept == sorted(kept, reverse=True) and kept[-1] == 0 and len(set(kept)) > 2
+    times = [p.predicted_extra_s for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        assert p.predicted_peak <= p.budget
+        # Offloaded blocks first, then recomputed, then kept.
+        order = [activations.DECISIONS.index(d) for d in p.decisions]
+        assert sorted(order, key=[1, 2, 0].index) == order
+
+
+def test_planner_infeasible_budget_names_the_smallest(block_cost):
+    base = 50 * 2**20
+    smallest = base  # offloaded and recomputed blocks keep only their input, as in the base
+    with pytest.raises(ValueError, match=f"smallest feasible budget .* \\({smallest:,} bytes"):
+        activations.plan(block_cost, 6, base - 1, base, SPEC)
+    assert activations.plan(block_cost, 6, smallest, base, SPEC).predicted_peak == smallest
+
+
+def test_auto_plan_end_to_end(devices):
+    """`--remat auto` measures the all-recompute step's compiled peak and plans within the budget."""
+    budget_gb = 0.0200
+    trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=16, seq_len=64,
+                                         remat="auto", memory_budget_gb=budget_gb), devices[:1])
+    plan = trainer.activation_plan
+    assert plan.predicted_peak <= budget_gb * 1e9 and "keep" not in plan.decisions
+    assert "predicted peak" in plan.describe()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(remat="full", memory_budget_gb=1.0), "--memory-budget is used by --remat auto only"),
+    (dict(remat="auto"), "--remat auto needs a positive --memory-budget"),
+])
+def test_bad_remat_flags(devices, kw, message):
+    with pytest.raises(ValueError, match=message):
+        build_trainer(TrainOptions(**SMALL, **kw), devices[:1])
+
+
+def test_offloaded_state_checkpoint_round_trip(devices, tmp_path):
+    from axonn_jax.checkpoint import Checkpointer
+
+    trainer = build_trainer(TrainOptions(**SMALL, dtype="bfloat16", offload_optimizer=True),
+                            devices[:1])
+    state = trainer.init_state()
+    writer = Checkpointer(tmp_path, 1)
+    writer.maybe_save(1, state, force=True)
+    writer.close()
+    reader = Checkpointer(tmp_path, 1)
+    restored = reader.restore(state)
+    reader.close()
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored["opt_state"]["master"])} == {
+        "pinned_host"}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored, state)

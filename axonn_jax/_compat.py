@@ -79,3 +79,25 @@ def current_mesh(default):
 
     abstract = jax.sharding.get_abstract_mesh()
     return default if abstract.empty else abstract
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which the traced array `x` varies (its `vma` type)."""
+    import jax
+
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:  # JAX 0.10 keeps it on `manual_axis_type`
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def all_gather_invariant(x, axis_name):
+    """`all_gather` whose result is typed invariant (replicated) over `axis_name`.
+
+    Plain `all_gather` returns a value typed varying, which a shard_map cannot return under an
+    unsplit out_spec; the invariant variant is still private in JAX 0.10.
+    """
+    from jax._src.lax import parallel
+
+    return parallel.all_gather_invariant(x, axis_name)

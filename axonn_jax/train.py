@@ -27,6 +27,7 @@ from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .parallel import compression
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -89,7 +90,7 @@ def unimplemented_options(options: TrainOptions) -> list[str]:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
     for name in ("microbatches", "schedule", "offload_optimizer", "remat", "memory_budget_gb",
-                 "compress_bits", "transport"):
+                 "transport"):
         if getattr(options, name) != getattr(defaults, name):
             bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
     return bad
@@ -137,6 +138,8 @@ class Trainer:
 
     State is a dict `{'step': int32[], 'params': pytree, 'opt_state': pytree}` of global arrays;
     parameters are replicated over `data` (and sharded over the tensor axes by their layers).
+    With `--compress-bits` and error feedback it also holds `'compression'`: the residuals, each
+    leaf `[data, *param.shape]` split over `data` (one residual per data shard).
     Batches are `(batch_size, seq_len + 1)` int32 split over `data`.
     """
 
@@ -156,18 +159,26 @@ class Trainer:
 
         def init(key):
             params = self.model.init(key, dummy)["params"]
-            return {"step": jnp.zeros((), jnp.int32), "params": params,
-                    "opt_state": self.optimizer.init(params)}
+            state = {"step": jnp.zeros((), jnp.int32), "params": params,
+                     "opt_state": self.optimizer.init(params)}
+            if _uses_error_feedback(self.options):
+                state["compression"] = compression.init_residual(params, self.options.parallel.data)
+            return state
 
-        replicated = NamedSharding(self.mesh, P())
+        replicated, per_shard = NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P("data"))
         abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
-        shardings = jax.tree.map(lambda _: replicated, abstract)
+        shardings = {k: jax.tree.map(lambda _: per_shard if k == "compression" else replicated, v)
+                     for k, v in abstract.items()}
         return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
         o = self.options
         return data_lib.global_batch(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len,
                                      self.batch_sharding)
+
+
+def _uses_error_feedback(options: TrainOptions) -> bool:
+    return options.compress_bits > 0 and options.error_feedback
 
 
 def build_trainer(options: TrainOptions, devices=None) -> Trainer:
@@ -182,26 +193,45 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
     optimizer, schedule = make_optimizer(options)
     batch_sharding = NamedSharding(mesh, P("data"))
+    if options.compress_bits:
+        compression.check_args(options.compress_bits, options.compress_bucket)
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
         return gpt.cross_entropy(logits, batch[:, 1:])
 
-    def local_loss_and_grads(params, batch):
+    def local_loss_and_grads(params, batch, step, residual):
         # Varying over `data`: each shard keeps its own gradients until the explicit reduction.
         params = to_varying(params, ("data",))
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        if not options.compress_bits:
+            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data"), residual
+        # With error feedback the residual carries nearest rounding's bias into the next step
+        # (measured better than stochastic + feedback at 2 bits); without it, stochastic rounding
+        # keeps the mean unbiased, its noise a pure function of (seed, step).
+        key = None if options.error_feedback else \
+            jax.random.fold_in(jax.random.key(options.seed), step)
+        local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
+        grads, local = compression.compressed_pmean(
+            grads, "data", bits=options.compress_bits, bucket_size=options.compress_bucket,
+            key=key, residual=local)
+        residual = None if local is None else jax.tree.map(lambda r: r[None], local)
+        return jax.lax.pmean(loss, "data"), grads, residual
 
-    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
-                               out_specs=(P(), P()), axis_names={"data"})
+    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh,
+                               in_specs=(P(), P("data"), P(), P("data")),
+                               out_specs=(P(), P(), P("data")), axis_names={"data"})
 
     def step(state, batch):
-        loss, grads = loss_and_grads(state["params"], batch)
+        loss, grads, residual = loss_and_grads(state["params"], batch, state["step"],
+                                               state.get("compression"))
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if residual is not None:
+            new_state["compression"] = residual
+        return new_state, metrics
 
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})

@@ -72,6 +72,9 @@ def test_bad_arguments_are_clear():
         C.check_args(9, 1024)
     with pytest.raises(ValueError, match="multiple of 8.*got 100"):
         C.check_args(4, 100)
+    with pytest.raises(ValueError, match="bit width for 'w' must be an integer in 0..8.*got 12"):
+        jax.eval_shape(lambda t: C.compressed_psum(t, "data", overrides={"w": 12}),
+                       {"w": jnp.zeros((64, 64))})
 
 
 @pytest.fixture(scope="module")

@@ -204,19 +204,17 @@ def compressed_psum(tree, axis_name: str, bits: int = 4, bucket_size: int = DEFA
     at most sum_i scale_i / 2 + scale_sum / 2 with nearest rounding.
     """
     check_args(bits, bucket_size)
-    n = jax.lax.axis_size(axis_name)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    widths = [bits_for_leaf(_path_str(p), x, bits, min_size, overrides) for p, x in paths_leaves]
+    for (p, _), w in zip(paths_leaves, widths):
+        if not isinstance(w, int) or not 0 <= w <= 8:
+            raise ValueError(f"bit width for {_path_str(p)!r} must be an integer in 0..8 "
+                             f"(0: exact), got {w!r}")
+    n = jax.lax.axis_size(axis_name)
     leaves = [leaf for _, leaf in paths_leaves]
     res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
     leaves = [x if r is None else x + r.astype(x.dtype) for x, r in zip(leaves, res)]
     leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,)) for x in leaves]
-    widths = [bits_for_leaf(_path_str(p), x, bits, min_size, overrides)
-              for (p, _), x in zip(paths_leaves, leaves)]
-    for (p, _), w in zip(paths_leaves, widths):
-        if w:
-            check_args(w, bucket_size)
-        elif w != 0:
-            raise ValueError(f"bit-width override for {_path_str(p)!r} must be 0..8, got {w!r}")
 
     out: list[Any] = [None] * len(leaves)
     new_res: list[Any] = [None] * len(leaves)

@@ -71,7 +71,6 @@ def wire_and_step_time(model, seq_len, batch_size, bits, devices):
 def exchange_time(bits, devices, matrices=8, side=1024):
     """Median time of the gradient exchange alone on `matrices` fp32 [side, side] tensors per shard."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from axonn_jax import ParallelConfig, make_mesh

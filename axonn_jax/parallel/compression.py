@@ -91,6 +91,13 @@ def quantize(x: jax.Array, bits: int, bucket_size: int = DEFAULT_BUCKET_SIZE, ke
     stored in `dtype` (default `x.dtype`) and the integers are computed from the stored values, so
     the error bounds hold for what the receiver sees.
     """
+    qx, _ = _quantize_with_error(x, bits, bucket_size, key, dtype)
+    return qx
+
+
+def _quantize_with_error(x, bits, bucket_size, key, dtype):
+    """`quantize(...)` and `x - dequantize(...)` ([n_buckets, bucket_size], fp32), without
+    unpacking the bits again."""
     check_args(bits, bucket_size)
     if x.size % bucket_size:
         raise ValueError(f"quantize: {x.size} elements is not a multiple of bucket_size {bucket_size}")
@@ -106,8 +113,9 @@ def quantize(x: jax.Array, bits: int, bucket_size: int = DEFAULT_BUCKET_SIZE, ke
         t = jnp.round(t)
     else:
         t = jnp.floor(t + jax.random.uniform(key, t.shape, jnp.float32))
-    q = jnp.clip(t, 0, levels).astype(jnp.uint8)
-    return Quantized(pack_bits(q, bits), scale, offset)
+    q = jnp.clip(t, 0, levels)
+    error = xb - (o + q * s)
+    return Quantized(pack_bits(q.astype(jnp.uint8), bits), scale, offset), error
 
 
 def dequantize(qx: Quantized, bits: int, dtype=jnp.float32) -> jax.Array:
@@ -159,8 +167,8 @@ def _reduce_group(xs: list[jax.Array], axis_name: str, n: int, bits: int, bucket
     flat = jnp.pad(flat, (0, (-n_buckets % n) * bucket_size))
     per_shard = flat.size // bucket_size // n
 
-    q1 = quantize(flat, bits, bucket_size, keys[0])
-    error = flat - dequantize(q1, bits, dtype).ravel()
+    q1, error = _quantize_with_error(flat, bits, bucket_size, keys[0], dtype)
+    error = error.astype(dtype).ravel()
 
     def exchange(qx: Quantized, collective) -> Quantized:
         packed = collective(qx.packed.reshape(-1, per_shard, qx.packed.shape[-1]))

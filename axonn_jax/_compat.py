@@ -123,3 +123,14 @@ def pmean(tree, axis: str):
         return jax.lax.pmean(x, axis)
 
     return jax.tree.map(one, tree)
+
+
+def all_gather_invariant(x, axis_name):
+    """`all_gather` whose result is typed invariant (replicated) over `axis_name`.
+
+    Plain `all_gather` returns a value typed varying, which a shard_map cannot return under an
+    unsplit out_spec; the invariant variant is still private in JAX 0.10.
+    """
+    from jax._src.lax import parallel
+
+    return parallel.all_gather_invariant(x, axis_name)

@@ -31,6 +31,7 @@ from .offload import activations
 from .offload import optimizer as offload_opt
 from .offload import precision
 from .parallel import pipeline as pipeline_lib
+from .parallel import compression
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -145,6 +146,8 @@ class Trainer:
     Mixed precision adds `'precision'` (loss scale, skipped steps); with `offloaded`, `params` are
     the device copy in the compute dtype and `opt_state` holds the fp32 masters and moments in
     `pinned_host` (see `offload.optimizer`).
+    With `--compress-bits` and error feedback it also holds `'compression'`: the residuals, each
+    leaf `[data, *param.shape]` split over `data` (one residual per data shard).
     Batches are `(batch_size, seq_len + 1)` int32 split over `data`.
     """
 
@@ -172,12 +175,17 @@ class Trainer:
 
         def init(key):
             params = self.model.init(key, dummy)["params"]
-            return offload_opt.initial_state(params, optimizer=self.optimizer,
-                                             offloaded=self.offloaded, dtype=self.options.dtype)
+            state = offload_opt.initial_state(params, optimizer=self.optimizer,
+                                              offloaded=self.offloaded, dtype=self.options.dtype)
+            if _uses_error_feedback(self.options):
+                state["compression"] = compression.init_residual(params, self.options.parallel.data)
+            return state
 
         shapes = jax.eval_shape(init, jax.random.key(self.options.seed))
+        # Error-feedback residuals: one per data shard, `[data, *param.shape]` split over `data`.
+        spec = lambda path: P("data") if path[0].key == "compression" else self.param_spec(path)  # noqa: E731
         shardings = jax.tree_util.tree_map_with_path(
-            lambda path, _: NamedSharding(self.mesh, self.param_spec(path)), shapes)
+            lambda path, _: NamedSharding(self.mesh, spec(path)), shapes)
         if self.offloaded:  # master weights and moments in pinned_host, sharded like their params
             shardings["opt_state"] = self.offloaded.state_shardings(shapes["opt_state"],
                                                                     shardings["params"])
@@ -189,6 +197,10 @@ class Trainer:
         o = self.options
         return data_lib.global_batch(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len,
                                      self.batch_sharding)
+
+
+def _uses_error_feedback(options: TrainOptions) -> bool:
+    return options.compress_bits > 0 and options.error_feedback
 
 
 def build_trainer(options: TrainOptions, devices=None) -> Trainer:
@@ -210,7 +222,8 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
             raise ValueError(f"--batch-size = {options.batch_size} is not divisible by data × "
                              f"microbatches = {config.data} × {options.microbatches}")
         for flag, used in (("--offload-optimizer", options.offload_optimizer),
-                           (f"--remat {options.remat}", options.remat != "none")):
+                           (f"--remat {options.remat}", options.remat != "none"),
+                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
             if used:
                 raise NotImplementedError(f"{flag} with --pipe > 1 is not implemented yet")
     activation_plan = activations.make_plan(options, model_config, devices, build_trainer)
@@ -221,31 +234,53 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
         guard=precision.uses_guard(options.dtype)) if options.offload_optimizer else None
     batch_sharding = NamedSharding(mesh, P("data"))
+    if options.compress_bits:
+        compression.check_args(options.compress_bits, options.compress_bucket)
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
         return gpt.cross_entropy(logits, batch[:, 1:])
 
-    def local_loss_and_grads(params, batch, scale):
+    def reduce_gradients(grads, step, residual):
+        """Mean of the data shards' gradients: exact, or CGX-compressed (`--compress-bits`)."""
+        if not options.compress_bits:
+            return pmean(grads, "data"), residual
+        # With error feedback the residual carries nearest rounding's bias into the next step
+        # (measured better than stochastic + feedback at 2 bits); without it, stochastic rounding
+        # keeps the mean unbiased, its noise a pure function of (seed, step).
+        key = None if options.error_feedback else \
+            jax.random.fold_in(jax.random.key(options.seed), step)
+        local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
+        grads, local = compression.compressed_pmean(
+            grads, "data", bits=options.compress_bits, bucket_size=options.compress_bucket,
+            key=key, residual=local)
+        return grads, None if local is None else jax.tree.map(lambda r: r[None], local)
+
+    def local_loss_and_grads(params, batch, scale, step, residual):
         # Varying over `data`: each shard keeps its own gradients until the explicit reduction.
         params = to_varying(params, ("data",))
         # `scale`: the fp16 loss scale (1 otherwise); gradients stay scaled until the update.
         loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
-        return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
+        grads, residual = reduce_gradients(grads, step, residual)
+        return jax.lax.pmean(loss, "data") / scale, grads, residual
 
-    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data"), P()),
-                               out_specs=(P(), P()), axis_names={"data"})
+    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh,
+                               in_specs=(P(), P("data"), P(), P(), P("data")),
+                               out_specs=(P(), P(), P("data")), axis_names={"data"})
     param_spec = lambda path: P()
     if config.pipe > 1:
         loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
 
-    def apply_grads(state, loss, grads):
+    def apply_grads(state, loss, grads, residual=None):
         new_state, metrics = offload_opt.apply_gradients(state, grads, optimizer=optimizer,
                                                          offloaded=offloaded, dtype=options.dtype)
+        if residual is not None:
+            new_state["compression"] = residual
         return new_state, {"loss": loss, **metrics, "lr": schedule(state["step"])}
 
     def step(state, batch):
-        return apply_grads(state, *loss_and_grads(state["params"], batch, precision.scale_of(state)))
+        return apply_grads(state, *loss_and_grads(state["params"], batch, precision.scale_of(state),
+                                                  state["step"], state.get("compression")))
 
     eval_loss = shard_map(lambda p, b: jax.lax.pmean(loss_fn(p, b), "data"), mesh=mesh,
                           in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})
@@ -302,8 +337,11 @@ def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
         return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
 
     specs = {k: P() for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("pipe")}
-    fn = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data"), P()),
-                   out_specs=(P(), specs), axis_names={"data", "pipe"})
+    pipelined = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data"), P()),
+                          out_specs=(P(), specs), axis_names={"data", "pipe"})
+
+    def fn(params, batch, scale, step, residual):  # the trainer's signature; no compression here
+        return (*pipelined(params, batch, scale), residual)
 
     def param_spec(path) -> P:
         keys = [getattr(k, "key", None) for k in path]

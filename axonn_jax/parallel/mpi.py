@@ -92,7 +92,8 @@ class CompiledMpiStep:
     replicated: NamedSharding
 
     def __call__(self, state, batch):
-        loss, grads = self.grads(state["params"], batch, precision.scale_of(state))
+        loss, grads, _ = self.grads(state["params"], batch, precision.scale_of(state),
+                                    state["step"], None)
         loss, grads = self.exchange(*jax.device_put((loss, grads), self.first_device))
         return self.update(state, *jax.device_put((loss, grads), self.replicated))
 
@@ -121,8 +122,9 @@ class MpiTrainStep:
         first = mesh.devices.flat[0]
         replicated = NamedSharding(mesh, P())
         scale = precision.scale_of(state)
-        grads = jax.jit(self.trainer.loss_and_grads).lower(state["params"], batch, scale).compile()
-        out = jax.eval_shape(self.trainer.loss_and_grads, state["params"], batch, scale)
+        args = (state["params"], batch, scale, state["step"], None)
+        grads = jax.jit(self.trainer.loss_and_grads).lower(*args).compile()
+        out = jax.eval_shape(self.trainer.loss_and_grads, *args)[:2]
         on = lambda sharding: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), out)
         exchange = jax.jit(exchange_fn(self.reduce))

@@ -15,7 +15,7 @@ from axonn_jax import data as data_lib
 from axonn_jax.cli import main as cli_main
 from axonn_jax.models import gpt
 from axonn_jax.parallel.pipeline import make_schedule
-from axonn_jax.train import TrainOptions, build_trainer, pipelined_loss_and_grads
+from axonn_jax.train import TrainOptions, build_trainer
 
 from conftest import relative_difference
 
@@ -119,13 +119,14 @@ def _place(trainer, tree):
 ])
 def test_gradients_equal_reference(reference, devices, grid, schedule, m):
     trainer = _pipeline_trainer(devices, grid, schedule, m)
-    fn, _ = pipelined_loss_and_grads(trainer.model, trainer.options, trainer.mesh)
     params = _place(trainer, reference["initial"]["params"])
     batch = jax.device_put(reference["batch"], trainer.batch_sharding)
-    compiled = jax.jit(fn).lower(params, batch).compile()
+    # (params, batch, loss scale, step, compression residual) -> (loss, grads, residual)
+    args = (params, batch, np.float32(1.0), np.int32(0), None)
+    compiled = jax.jit(trainer.loss_and_grads).lower(*args).compile()
     # Activations and cotangents cross stages as point-to-point messages.
     assert "collective-permute" in compiled.as_text()
-    loss, grads = compiled(params, batch)
+    loss, grads, _ = compiled(*args)
     assert grads["blocks"]["query"]["kernel"].sharding.spec == P("pipe")
     assert relative_difference(float(loss), reference["loss"]) <= 1e-6
     assert jax.tree.structure(grads) == jax.tree.structure(reference["grads"])

@@ -49,7 +49,7 @@ def wire_and_step_time(model, seq_len, batch_size, bits, devices):
     import numpy as np
 
     from axonn_jax import ParallelConfig
-    from axonn_jax.parallel.hlo import collective_bytes
+    from axonn_jax.parallel.hlo import wire_bytes
     from axonn_jax.train import TrainOptions, build_trainer
 
     trainer = build_trainer(TrainOptions(model=model, seq_len=seq_len, batch_size=batch_size,
@@ -58,7 +58,7 @@ def wire_and_step_time(model, seq_len, batch_size, bits, devices):
     state = trainer.init_state()
     batch = jax.device_put(np.zeros((batch_size, seq_len + 1), np.int32), trainer.batch_sharding)
     compiled = trainer.train_step.lower(state, batch).compile()
-    counted = collective_bytes(compiled.as_text(), len(devices))
+    counted = wire_bytes(compiled.as_text())
     holder = {"state": state}
 
     def step():  # the step donates its state: thread it through
@@ -76,7 +76,7 @@ def exchange_time(bits, devices, matrices=8, side=1024):
     from axonn_jax import ParallelConfig, make_mesh
     from axonn_jax._compat import shard_map
     from axonn_jax.parallel.compression import compressed_pmean
-    from axonn_jax.parallel.hlo import collective_bytes
+    from axonn_jax.parallel.hlo import wire_bytes
 
     n = len(devices)
     mesh = make_mesh(ParallelConfig(data=n), devices)
@@ -91,7 +91,7 @@ def exchange_time(bits, devices, matrices=8, side=1024):
     sharding = NamedSharding(mesh, P("data"))
     tree = [jax.device_put(jax.random.normal(jax.random.key(i), (n, side, side)), sharding)
             for i in range(matrices)]
-    counted = collective_bytes(f.lower(tree).compile().as_text(), n)
+    counted = wire_bytes(f.lower(tree).compile().as_text())
     return sum(counted.values()), median_time(f, (tree,), repeats=10)
 
 

@@ -9,7 +9,7 @@ from axonn_jax import ParallelConfig
 from axonn_jax.cli import main as cli_main
 from axonn_jax.models.gpt import get_config
 from axonn_jax.parallel import comm_model as cm
-from axonn_jax.parallel.hlo import collective_bytes
+from axonn_jax.parallel.hlo import wire_bytes
 from axonn_jax.train import TrainOptions, build_trainer
 
 import numpy as np
@@ -20,7 +20,7 @@ def hlo_bytes_of_train_step(options, devices):
     state = trainer.init_state()
     tokens = np.arange(10_000) % 256
     text = trainer.train_step.lower(state, trainer.batch(tokens, 0)).compile().as_text()
-    return collective_bytes(text, len(devices))
+    return wire_bytes(text)
 
 
 def workload(options):

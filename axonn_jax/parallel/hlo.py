@@ -1,165 +1,174 @@
-"""Bytes moved by the collectives of a compiled XLA program, read from its optimized HLO text.
+"""Collective bytes per device, parsed from compiled (optimized, SPMD-partitioned) HLO text.
 
 This is how every communication claim in axonn_jax is measured: exact, and independent of the
-machine. Collectives inside `while` loops (a `lax.scan` over layers or pipeline ticks) are counted
-once per iteration, from the trip count XLA records on the loop; of a `conditional`'s branches the
-heaviest is counted (the most loaded device runs it).
+machine. `jax.jit(f).lower(...).compile().as_text()` is the per-device program, so every
+collective's result shape is already the per-device buffer. Conventions, per device and per run:
 
-Per operation, with S the bytes of its buffer and g the devices in its group, one device sends under
-the ring algorithm ("wire bytes"): all-reduce 2(g−1)/g·S; all-gather (g−1)/g·S (S the gathered
-result); reduce-scatter (g−1)·S (S the scattered result, so (g−1)/g of the input); all-to-all
-(g−1)/g·S; collective-permute S. `axonn_jax.parallel.comm_model` predicts the same quantities.
+- `bytes`: the size of the full buffer the collective works on: the result of an all-reduce,
+  all-gather, all-to-all or collective-permute, the input of a reduce-scatter (its result × the
+  group size). Collectives over groups of one device are skipped (they move nothing).
+- `wire_bytes`: what a ring algorithm sends from each device: all-reduce 2(n−1)/n·bytes,
+  all-gather / reduce-scatter / all-to-all (n−1)/n·bytes, collective-permute bytes.
+
+Collectives inside `while` loops (`lax.scan` over layers or pipeline ticks) count once per
+iteration, from XLA's `known_trip_count` (a loop without one raises ValueError); of a
+`conditional`'s branches only the heaviest counts (the busiest device runs it); asynchronous pairs
+(`all-gather-start` / `-done`) count once. `axonn_jax.parallel.comm_model` predicts the same
+quantities.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-               "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_OP = re.compile(r"=\s*(\(.*?\)|[\w\[\]{},:]+)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
-_ARRAY = re.compile(r"\b(" + "|".join(map(re.escape, DTYPE_BYTES)) + r")\[([\d,]*)\]")
-_WHILE = re.compile(r"\bwhile\(.*?body=%([\w.\-]+)")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
+_CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLS = re.compile(r"\b(?:call|fusion|async-start)\(.*?(?:calls|to_apply)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRUE_FALSE = re.compile(r"(?:true|false)_computation=%([\w.\-]+)")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
 
-@dataclasses.dataclass
-class Traffic:
-    """Collectives of one kind: how many ran, their buffer bytes, and the wire bytes one device sent."""
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the program."""
 
-    count: int = 0
-    buffer_bytes: float = 0.0
-    wire_bytes: float = 0.0
+    kind: str  # one of KINDS
+    name: str  # HLO instruction name
+    bytes: int  # full-buffer bytes per execution (see the module docstring)
+    group_size: int  # devices taking part together (2 for a permute's pair)
+    executions: int  # times it runs per program run (loop trip counts multiplied)
 
-    def add(self, other: "Traffic", times: int = 1) -> None:
-        self.count += other.count * times
-        self.buffer_bytes += other.buffer_bytes * times
-        self.wire_bytes += other.wire_bytes * times
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.executions
+
+    @property
+    def wire_bytes(self) -> float:
+        n = self.group_size
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
+        return factor * self.total_bytes
 
 
-def _array_bytes(shape_text: str) -> list[float]:
-    sizes = []
+def _array_bytes(shape_text: str) -> list[int]:
+    out = []
     for dtype, dims in _ARRAY.findall(shape_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        sizes.append(n * DTYPE_BYTES[dtype])
-    return sizes
+        if dtype in _DTYPE_BYTES:
+            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+            out.append(int(n * _DTYPE_BYTES[dtype]))
+    return out
 
 
 def _group_size(attrs: str, num_devices: int) -> int:
-    if m := _GROUPS_LIST.search(attrs):
-        return len(m.group(1).split(","))
-    if m := _GROUPS_IOTA.search(attrs):
-        return int(m.group(2))
-    return num_devices  # `replica_groups={}`: every device
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups, size]<=[...]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\})", attrs)
+    if m:
+        first = m.group(1).strip("{}")
+        return len(first.split(",")) if first else num_devices
+    if "source_target_pairs" in attrs:
+        return 2
+    return num_devices
 
 
-def _wire_factor(kind: str, g: int) -> float:
-    if kind == "collective-permute":
-        return 1.0
-    if g <= 1:
-        return 0.0
-    return {"all-reduce": 2 * (g - 1) / g, "all-gather": (g - 1) / g, "all-to-all": (g - 1) / g,
-            "reduce-scatter": g - 1}[kind]
-
-
-def _op_traffic(line: str, num_devices: int) -> tuple[str, Traffic] | None:
-    m = _OP.search(line)
-    if not m:
-        return None
-    shape, kind, start, attrs = m.groups()
-    sizes = _array_bytes(shape)
-    if start and kind in ("all-gather", "collective-permute") and len(sizes) > 1:
-        # async start ops return (operands..., results..., [contexts]): keep the results
-        arrays = len(sizes) - (2 if kind == "collective-permute" and len(sizes) >= 4 else 0)
-        sizes = sizes[arrays // 2: arrays]
-    size = float(sum(sizes))
-    g = _group_size(attrs, num_devices)
-    return kind, Traffic(1, size, size * _wire_factor(kind, g))
-
-
-def _split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    computations: dict[str, list[str]] = {}
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
-        if current is None:
-            m = _COMPUTATION.match(line.strip())
-            if m:
-                current = m.group(1)
-                computations[current] = []
-                if line.lstrip().startswith("ENTRY"):
-                    entry = current
+        header = _COMP_HEADER.match(line)
+        if header:
+            current = header.group(2)
+            comps[current] = []
+            if header.group(1):
+                entry = current
         elif line.strip() == "}":
             current = None
-        else:
-            computations[current].append(line)
-    return computations, entry
-
-
-def collective_traffic(hlo_text: str, num_devices: int) -> dict[str, Traffic]:
-    """Per collective kind, the traffic of one execution of the program on the busiest device.
-
-    hlo_text: optimized HLO (`jax.jit(f).lower(...).compile().as_text()`); num_devices: the group
-    size of a collective that lists no replica groups.
-    """
-    computations, entry = _split_computations(hlo_text)
-    memo: dict[str, dict[str, Traffic]] = {}
-
-    def total(name: str, stack: tuple[str, ...] = ()) -> dict[str, Traffic]:
-        if name in memo:
-            return memo[name]
-        out = {k: Traffic() for k in KINDS}
-        if name in stack or name not in computations:
-            return out
-        for line in computations[name]:
-            op = _op_traffic(line, num_devices)
-            if op:
-                out[op[0]].add(op[1])
-                continue
-            if m := _WHILE.search(line):
-                trip = _TRIP.search(line)
-                times = int(trip.group(1)) if trip else 1
-                for k, t in total(m.group(1), stack + (name,)).items():
-                    out[k].add(t, times)
-                continue
-            branches = _TRUE_FALSE.findall(line)
-            if m := _BRANCHES.search(line):
-                branches = [b.strip().lstrip("%") for b in m.group(1).split(",")]
-            if branches:
-                heaviest = max((total(b, stack + (name,)) for b in branches),
-                               key=lambda t: sum(x.wire_bytes for x in t.values()))
-                for k, t in heaviest.items():
-                    out[k].add(t)
-                continue
-            if m := _CALLS.search(line):
-                for k, t in total(m.group(1), stack + (name,)).items():
-                    out[k].add(t)
-        memo[name] = out
-        return out
-
+        elif current is not None:
+            comps[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    return total(entry)
+    return comps, entry
 
 
-def collective_bytes(hlo_text: str, num_devices: int) -> dict[str, float]:
-    """Wire bytes one device sends per execution, by collective kind (see the module docstring)."""
-    return {k: t.wire_bytes for k, t in collective_traffic(hlo_text, num_devices).items()}
+def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int):
+    kind = opcode.removesuffix("-start")
+    if kind not in KINDS or opcode.endswith("-done"):
+        return None
+    group = _group_size(rest, num_devices)
+    sizes = _array_bytes(shape)
+    if opcode.endswith("-start") and kind != "all-reduce":
+        # (operands..., results..., [contexts]): keep the results
+        sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
+    nbytes = sum(sizes) * (group if kind == "reduce-scatter" else 1)
+    return Collective(kind, name, nbytes, group, 1) if group > 1 and nbytes else None
 
 
-def compiled_collective_bytes(jitted, *args, num_devices: int | None = None) -> dict[str, float]:
-    """`collective_bytes` of `jitted` compiled for `args` (`jitted` a `jax.jit` function)."""
-    import jax
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module with its per-device bytes and execution count."""
+    m = re.search(r"num_partitions=(\d+)", hlo_text)
+    num_devices = int(m.group(1)) if m else 1
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, list[Collective]] = {}
 
-    text = jitted.lower(*args).compile().as_text()
-    return collective_bytes(text, num_devices or jax.device_count())
+    def scaled(found: list[Collective], times: int) -> list[Collective]:
+        return [dataclasses.replace(c, executions=c.executions * times) for c in found]
+
+    def walk(comp: str, stack: tuple[str, ...] = ()) -> list[Collective]:
+        if comp in memo:
+            return memo[comp]
+        if comp in stack or comp not in comps:
+            return []
+        found: list[Collective] = []
+        for line in comps[comp]:
+            instr = _INSTR.match(line)
+            if not instr:
+                continue
+            name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
+            if c := _collective(name, shape, opcode, rest, num_devices):
+                found.append(c)
+                continue
+            inner = stack + (comp,)
+            if opcode == "while":
+                trip = _TRIP.search(rest)
+                if not trip:
+                    raise ValueError(f"while loop {name} has no known_trip_count; cannot count "
+                                     "the collectives inside it")
+                body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
+                found += scaled(walk(body, inner), int(trip.group(1)))
+            elif opcode == "conditional":
+                m = _BRANCHES.search(rest)
+                names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
+                    [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
+                branches = [walk(b, inner) for b in names]
+                found += max(branches, key=lambda b: sum(c.wire_bytes for c in b), default=[])
+            elif opcode in ("call", "fusion", "async-start"):
+                for key, callee in _CALLEE.findall(rest):
+                    if key in ("calls", "to_apply"):
+                        found += walk(callee, inner)
+        memo[comp] = found
+        return found
+
+    return walk(entry)
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """`{kind: full-buffer bytes per device per program run}` for every kind in KINDS (0 if absent)."""
+    out = dict.fromkeys(KINDS, 0)
+    for c in collectives(hlo_text):
+        out[c.kind] += c.total_bytes
+    return out
+
+
+def wire_bytes(hlo_text: str) -> dict[str, float]:
+    """`{kind: bytes a ring algorithm sends per device per program run}`."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for c in collectives(hlo_text):
+        out[c.kind] += c.wire_bytes
+    return out

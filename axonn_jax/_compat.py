@@ -79,3 +79,14 @@ def current_mesh(default):
 
     abstract = jax.sharding.get_abstract_mesh()
     return default if abstract.empty else abstract
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside a shard_map (its `vma` type; empty outside)."""
+    import jax
+
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    mat = getattr(aval, "mat", None)  # JAX 0.10.2 spells it `aval.mat.varying`
+    return frozenset(mat.varying) if mat is not None else frozenset()

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -27,6 +28,7 @@ from ._compat import HOST_MEMORY_KIND, memory_kind_of, shard_map, to_varying
 from .config import ParallelConfig, check_divisible
 from .mesh import config_of, make_mesh
 from .models import gpt
+from .transform import parallelize
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -84,7 +86,7 @@ class TrainOptions:
 def unimplemented_options(options: TrainOptions) -> list[str]:
     """The flags of modes that are not built yet, as the user spelled them."""
     p, bad = options.parallel, []
-    for axis in ("pipe", "depth", "row", "col"):
+    for axis in ("pipe",):
         if getattr(p, axis) != 1:
             bad.append(f"--{axis} {getattr(p, axis)}")
     defaults = TrainOptions()
@@ -152,22 +154,35 @@ class Trainer:
 
     def init_state(self):
         """Fresh state, created directly in its sharded placement."""
-        dummy = jnp.zeros((1, self.options.seq_len), jnp.int32)
+        dummy = jnp.zeros((config_of(self.mesh).depth, self.options.seq_len), jnp.int32)
 
         def init(key):
             params = self.model.init(key, dummy)["params"]
             return {"step": jnp.zeros((), jnp.int32), "params": params,
                     "opt_state": self.optimizer.init(params)}
 
-        replicated = NamedSharding(self.mesh, P())
+        # Tensor-parallel parameters (and the optimizer state mirroring them) come boxed with their
+        # partition specs; everything else is replicated.
         abstract = jax.eval_shape(init, jax.random.key(self.options.seed))
-        shardings = jax.tree.map(lambda _: replicated, abstract)
-        return jax.jit(init, out_shardings=shardings)(jax.random.key(self.options.seed))
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                                 nn.get_partition_spec(abstract))
+        return jax.jit(lambda key: nn.unbox(init(key)), out_shardings=shardings)(
+            jax.random.key(self.options.seed))
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
         o = self.options
         return data_lib.global_batch(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len,
                                      self.batch_sharding)
+
+
+def check_tensor_parallel(c: gpt.GPTConfig, config: ParallelConfig) -> None:
+    """Raise ValueError naming the numbers unless the GPT's dimensions split over the TP grid."""
+    check_divisible("d_model", c.d_model, ("col", "depth"), config)
+    check_divisible("d_model", c.d_model, ("row", "depth"), config)
+    check_divisible("d_ff", c.d_ff, ("row", "depth"), config)
+    check_divisible("num_heads", c.num_heads, ("row",), config)
+    check_divisible("vocab_size", c.vocab_size, ("row", "depth"), config)
+    check_divisible("max_seq_len", c.max_seq_len, ("row", "depth"), config)
 
 
 def build_trainer(options: TrainOptions, devices=None) -> Trainer:
@@ -178,10 +193,13 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     if options.seq_len > model_config.max_seq_len:
         raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
                          f"{model_config.max_seq_len}")
-    check_divisible("--batch-size", options.batch_size, ("data",), config)
+    check_divisible("--batch-size", options.batch_size, ("data", "depth"), config)
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype])
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(model_config, config)
+        model = parallelize(model, mesh)
     optimizer, schedule = make_optimizer(options)
-    batch_sharding = NamedSharding(mesh, P("data"))
+    batch_sharding = NamedSharding(mesh, P(("data", "depth")))
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
@@ -195,6 +213,10 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
 
     loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(P(), P("data")),
                                out_specs=(P(), P()), axis_names={"data"})
+    if config.data == 1 and config.tensor_parallel_size > 1:
+        # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of gradients
+        # that come out of the tensor-parallel shard_maps.
+        loss_and_grads = jax.value_and_grad(loss_fn)
 
     def step(state, batch):
         loss, grads = loss_and_grads(state["params"], batch)
@@ -213,7 +235,7 @@ def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0
            temperature: float = 0.8) -> str:
     """Continue `prompt` by `num_tokens` sampled bytes (a fixed window of `seq_len` tokens)."""
     o, mesh = trainer.options, trainer.mesh
-    rows = config_of(mesh).data
+    rows = config_of(mesh).data * config_of(mesh).depth
     window = o.seq_len
     tokens = np.zeros((rows, window), np.int32)
     prompt_tokens = data_lib.encode(prompt)[-window:]

@@ -127,6 +127,8 @@ class GPT(nn.Module):
             variable_axes={"params": 0},
             split_rngs={"params": True},
             length=c.num_layers,
+            # The stacked layer axis is not split by the tensor-parallel layers' partitioning.
+            metadata_params={nn.PARTITION_NAME: None},
         )(c, self.dtype, name="blocks")
         x, _ = blocks(x, None)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)

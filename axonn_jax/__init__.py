@@ -2,6 +2,8 @@
 (CGX) and host-memory offload of optimizer state and activations (AxoNN, KARMA)."""
 from .config import AXES, ParallelConfig
 from .mesh import make_mesh, simulate_cpu_devices
+from . import layers
+from .transform import parallelize
 
-__all__ = ["AXES", "ParallelConfig", "make_mesh", "simulate_cpu_devices"]
+__all__ = ["AXES", "ParallelConfig", "layers", "make_mesh", "parallelize", "simulate_cpu_devices"]
 __version__ = "0.1.0"

@@ -83,6 +83,30 @@ def _train(args) -> int:
     return 0
 
 
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per variant (median)")
+    p.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                   help="writes tp_vs_gspmd.json and .md here")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulate N CPU devices (set before JAX starts); the benchmark needs 8")
+
+
+def _bench(args) -> int:
+    from .benchmark import Workload, run, write
+
+    w = Workload(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
+                 seq=args.seq_len)
+    js, md = write(run(w, repeats=args.repeats), args.out)
+    print(md.read_text())
+    print(f"wrote {js} and {md}")
+    return 0
+
+
 def _not_yet(name):
     def run(args) -> int:
         raise NotImplementedError(f"`axonn-jax {name}` is not implemented yet")
@@ -95,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a GPT")
     _add_train_args(train)
     train.set_defaults(run=_train)
-    for name, help_ in (("bench", "benchmark against GSPMD baselines"),
-                        ("plan", "rank grids with the communication model"),
+    bench = sub.add_parser("bench", help="benchmark tensor-parallel grids against GSPMD baselines")
+    _add_bench_args(bench)
+    bench.set_defaults(run=_bench)
+    for name, help_ in (("plan", "rank grids with the communication model"),
                         ("launch", "start several local processes")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("rest", nargs=argparse.REMAINDER)

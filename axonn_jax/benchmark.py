@@ -39,7 +39,7 @@ AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4),
 @dataclasses.dataclass(frozen=True)
 class Workload:
     d_model: int = 1024
-    layers: int = 1
+    layers: int = 2
     heads: int = 16
     batch: int = 8
     seq: int = 16
@@ -178,9 +178,12 @@ def measure(name, step, params, x, repeats: int) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(params, x))
         times.append(time.perf_counter() - t0)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     by_kind = collective_bytes(text)
     return {"name": name, "collective_bytes": by_kind, "total_bytes": sum(by_kind.values()),
             "wire_bytes": sum(wire_bytes(text).values()), "peak_bytes": int(peak),
+            "flops_per_device": float((cost or {}).get("flops", 0.0)),
             "step_time_s": statistics.median(times), "loss": loss}
 
 
@@ -219,8 +222,8 @@ def markdown(report: dict) -> str:
              "(`axonn_jax.benchmark.analytic_bytes`).", "",
              "| variant | all-reduce MiB | all-gather MiB | reduce-scatter MiB | all-to-all MiB | "
              "permute MiB | total MiB | analytic MiB | measured/analytic | ring wire MiB | "
-             "peak MiB | step ms |",
-             "|---|" + "---:|" * 11]
+             "peak MiB | GFLOP/device | step ms |",
+             "|---|" + "---:|" * 12]
     mib = lambda b: f"{b / 2**20:.2f}"
     for r in report["results"]:
         c = r["collective_bytes"]
@@ -228,7 +231,8 @@ def markdown(report: dict) -> str:
             f"| {r['name']} | " + " | ".join(mib(c[k]) for k in KINDS) + f" | {mib(r['total_bytes'])} | "
             + (f"{mib(r['analytic_total'])} | {r['measured_over_analytic']:.3f}" if "analytic_total" in r
                else "– | –")
-            + f" | {mib(r['wire_bytes'])} | {mib(r['peak_bytes'])} | {r['step_time_s'] * 1e3:.0f} |")
+            + f" | {mib(r['wire_bytes'])} | {mib(r['peak_bytes'])} | {r['flops_per_device'] / 1e9:.2f}"
+            + f" | {r['step_time_s'] * 1e3:.0f} |")
     return "\n".join(lines) + "\n"
 
 

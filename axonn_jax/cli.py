@@ -85,7 +85,8 @@ def _train(args) -> int:
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2,
+                   help="scanned blocks (with 1, XLA unrolls the loop and reuses the forward all-gather)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=16)

@@ -37,7 +37,7 @@ def sharded_init(model, mesh):
     return jax.jit(lambda k: nn.unbox(init(k)), out_shardings=shardings)(jax.random.key(0))
 
 
-@pytest.mark.parametrize("grid", [(2, 2, 2), (2, 4, 1)], ids=lambda g: "row%d_col%d_depth%d" % g)
+@pytest.mark.parametrize("grid", [(2, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g)
 def test_gpt_parallelized_equals_original(grid, reference, devices):
     row, col, depth = grid
     model, ref_params, (ref_loss, ref_grads) = reference
@@ -88,7 +88,7 @@ class MLP(nn.Module):
 
 
 def test_small_mlp_with_dense_general_and_rmsnorm(devices):
-    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    mesh = make_mesh(ParallelConfig(row=1, col=2, depth=4), devices)
     x = jax.random.normal(jax.random.key(2), (4, 8))
     model = MLP()
     params = model.init(jax.random.key(0), x)

@@ -172,8 +172,9 @@ def measure(name, step, params, x, repeats: int) -> dict:
     peak = getattr(mem, "peak_memory_in_bytes", 0) or (
         mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
         - mem.alias_size_in_bytes)
-    loss = float(jax.block_until_ready(compiled(params, x))[0])  # warm-up
-    times = []
+    loss, times = None, []
+    if repeats:  # repeats = 0: bytes and memory only, nothing runs
+        loss = float(jax.block_until_ready(compiled(params, x))[0])  # warm-up
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(params, x))
@@ -184,7 +185,7 @@ def measure(name, step, params, x, repeats: int) -> dict:
     return {"name": name, "collective_bytes": by_kind, "total_bytes": sum(by_kind.values()),
             "wire_bytes": sum(wire_bytes(text).values()), "peak_bytes": int(peak),
             "flops_per_device": float((cost or {}).get("flops", 0.0)),
-            "step_time_s": statistics.median(times), "loss": loss}
+            "step_time_s": statistics.median(times) if times else None, "loss": loss}
 
 
 def run(w: Workload, devices=None, repeats: int = 3, grids=None, baselines=None, log=print) -> dict:
@@ -199,14 +200,13 @@ def run(w: Workload, devices=None, repeats: int = 3, grids=None, baselines=None,
         r["analytic_total"] = sum(r["analytic_bytes"].values())
         r["measured_over_analytic"] = r["total_bytes"] / r["analytic_total"]
         rows.append(r)
-        log(f"{r['name']}: {r['total_bytes'] / 2**20:.2f} MiB (analytic {r['analytic_total'] / 2**20:.2f}),"
-            f" {r['step_time_s'] * 1e3:.0f} ms")
+        log(f"{r['name']}: {r['total_bytes'] / 2**20:.2f} MiB (analytic {r['analytic_total'] / 2**20:.2f})")
     for name in baselines or GSPMD_BASELINES:
         r = measure(*gspmd_variant(w, name, devices), repeats)
         rows.append(r)
-        log(f"{r['name']}: {r['total_bytes'] / 2**20:.2f} MiB, {r['step_time_s'] * 1e3:.0f} ms")
-    losses = {round(r["loss"], 5) for r in rows}
-    if max(r["loss"] for r in rows) - min(r["loss"] for r in rows) > 1e-4 * abs(rows[0]["loss"]):
+        log(f"{r['name']}: {r['total_bytes'] / 2**20:.2f} MiB")
+    losses = [r["loss"] for r in rows if r["loss"] is not None]
+    if losses and max(losses) - min(losses) > 1e-4 * abs(losses[0]):
         raise RuntimeError(f"variants disagree on the loss: {sorted(losses)}")
     device = f"{len(devices)} simulated CPU devices" if devices[0].platform == "cpu" \
         else f"{len(devices)} × {devices[0].device_kind}"
@@ -232,14 +232,43 @@ def markdown(report: dict) -> str:
             + (f"{mib(r['analytic_total'])} | {r['measured_over_analytic']:.3f}" if "analytic_total" in r
                else "– | –")
             + f" | {mib(r['wire_bytes'])} | {mib(r['peak_bytes'])} | {r['flops_per_device'] / 1e9:.2f}"
-            + f" | {r['step_time_s'] * 1e3:.0f} |")
+            + (f" | {r['step_time_s'] * 1e3:.0f} |" if r["step_time_s"] is not None else " | not run |"))
     return "\n".join(lines) + "\n"
 
 
+def plot(report: dict, path: pathlib.Path) -> None:
+    """Bar chart of per-device collective bytes (full buffers and ring wire bytes) per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    names = [r["name"].replace("axonn ", "axonn\n").replace("gspmd ", "gspmd\n") for r in rows]
+    y = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    ax.barh(y - 0.2, [r["total_bytes"] / 2**20 for r in rows], 0.4, label="collective buffers")
+    ax.barh(y + 0.2, [r["wire_bytes"] / 2**20 for r in rows], 0.4, label="ring wire bytes")
+    ax.set_yticks(y, names, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("MiB per device per step")
+    ax.invert_yaxis()
+    ax.legend()
+    ax.set_title(f"d_model={report['workload']['d_model']}, {report['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(report: dict, out_dir: str, stem: str = "tp_vs_gspmd") -> tuple[pathlib.Path, pathlib.Path]:
+    """Write `stem.json`, `stem.md` and (when matplotlib is installed) `stem.png` under out_dir."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / f"{stem}.json", out / f"{stem}.md"
     js.write_text(json.dumps(report, indent=1) + "\n")
     md.write_text(markdown(report))
+    try:
+        plot(report, out / f"{stem}.png")
+    except ImportError:  # matplotlib is the optional `bench` extra
+        pass
     return js, md

@@ -90,7 +90,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per variant (median)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per variant (median); 0: compile only (bytes, memory)")
+    p.add_argument("--name", default="tp_vs_gspmd", help="file stem of the results")
     p.add_argument("--out", default="benchmarks/results", metavar="DIR",
                    help="writes tp_vs_gspmd.json and .md here")
     p.add_argument("--devices", type=int, default=None,
@@ -102,7 +104,7 @@ def _bench(args) -> int:
 
     w = Workload(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
                  seq=args.seq_len)
-    js, md = write(run(w, repeats=args.repeats), args.out)
+    js, md = write(run(w, repeats=args.repeats), args.out, args.name)
     print(md.read_text())
     print(f"wrote {js} and {md}")
     return 0

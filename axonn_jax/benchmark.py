@@ -5,7 +5,7 @@ Workload: `layers` scanned GPT blocks (`axonn_jax.models.gpt.Block`, hidden `d_m
 returned sharded like the parameters. Every variant computes the same function; only placement and
 collectives differ.
 
-- axonn_jax: `parallelize` on a `(row, col, depth)` grid (data = 1).
+- axonn_jax: `parallelize` on a `(row, col, depth)` grid, with or without `data`.
 - GSPMD baselines, `jax.jit` + `NamedSharding` only: 1D Megatron TP, FSDP (ZeRO-3), FSDP × TP,
   DP × TP, DP.
 
@@ -27,13 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ._compat import shard_map, to_varying
 from .config import ParallelConfig
 from .mesh import make_mesh
 from .models import gpt
 from .parallel.hlo import KINDS, collective_bytes, wire_bytes
 from .transform import parallelize
 
-AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8)]
+AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8),
+               (4, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (2, 1, 1, 4), (1, 1, 2, 4)]
+"""(row, col, depth[, data]) grids of 8 devices."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,7 @@ def _loss(model):
     return lambda params, x: jnp.mean(jnp.square(model.apply({"params": params}, x)))
 
 
-def analytic_bytes(w: Workload, row: int, col: int, depth: int) -> dict[str, int]:
+def analytic_bytes(w: Workload, row: int, col: int, depth: int, data: int = 1) -> dict[str, int]:
     """Per-device collective bytes per step of AxoNN's algorithm (HLO byte convention of
     `axonn_jax.parallel.hlo`: full buffers, fp32). Dense layers per block: query/key/value and
     mlp_up normal (in over col, out over row), attn_out and mlp_down transposed; per layer:
@@ -74,13 +77,17 @@ def analytic_bytes(w: Workload, row: int, col: int, depth: int) -> dict[str, int
     all-gather again, input-gradient all-reduce over the output axis, kernel-gradient reduce-scatter
     and bias-gradient all-reduce over depth. The two LayerNorms: feature statistics all-reduced over
     col (mean and mean of squares forward, two reductions backward), scale/bias gradients over depth.
+    With data > 1 the batch is split `data` ways more and each device's gradient shards are
+    all-reduced over `data` (plus the loss).
     """
-    h, f, n = w.d_model, 4 * w.d_model, w.batch * w.seq
+    h, f, n = w.d_model, 4 * w.d_model, w.batch * w.seq // data
     dense = [(h, h, False)] * 3 + [(h, h, True), (h, f, False), (f, h, True)]
     out = dict.fromkeys(KINDS, 0)
     for i, o, transpose in dense:
         a_in, a_out = (row, col) if transpose else (col, row)
         block = i * o // (a_in * a_out)
+        if data > 1:
+            out["all-reduce"] += block // depth + o // a_out
         if depth > 1:
             out["all-gather"] += 2 * block
             out["reduce-scatter"] += block
@@ -93,7 +100,11 @@ def analytic_bytes(w: Workload, row: int, col: int, depth: int) -> dict[str, int
         out["all-reduce"] += 2 * 4 * n // depth
     if depth > 1:
         out["all-reduce"] += 2 * 2 * h // col
-    return {k: 4 * v * w.layers for k, v in out.items()}
+    if data > 1:
+        out["all-reduce"] += 2 * 2 * h // col
+    out = {k: 4 * v * w.layers for k, v in out.items()}
+    out["all-reduce"] += 4 if data > 1 else 0  # the loss
+    return out
 
 
 def _init_placed(model, mesh, specs_fn, w: Workload):
@@ -106,17 +117,27 @@ def _init_placed(model, mesh, specs_fn, w: Workload):
     return params, shardings
 
 
-def axonn_variant(w: Workload, grid: tuple[int, int, int], devices):
-    """(name, jitted step, params, x) for AxoNN on grid (row, col, depth)."""
-    row, col, depth = grid
-    mesh = make_mesh(ParallelConfig(row=row, col=col, depth=depth), devices)
+def axonn_variant(w: Workload, grid: tuple[int, ...], devices):
+    """(name, jitted step, params, x) for AxoNN on grid (row, col, depth[, data]); with data > 1 the
+    step is the trainer's: manual over `data`, gradients all-reduced explicitly."""
+    row, col, depth, data = (*grid, 1)[:4]
+    mesh = make_mesh(ParallelConfig(data=data, row=row, col=col, depth=depth), devices)
     model = parallelize(Blocks(w.config), mesh)
     params, shardings = _init_placed(model, mesh, nn.get_partition_spec, w)
-    x_sharding = NamedSharding(mesh, P("depth", None, "col"))
-    step = jax.jit(jax.value_and_grad(_loss(model)), in_shardings=(shardings, x_sharding),
+    x_sharding = NamedSharding(mesh, P(("data", "depth"), None, "col"))
+    local_grads = loss_and_grads = jax.value_and_grad(_loss(model))
+    if data > 1:
+        def local(params, x):
+            loss, grads = local_grads(to_varying(params, ("data",)), x)
+            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+
+        loss_and_grads = shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                                   axis_names={"data"})
+    step = jax.jit(loss_and_grads, in_shardings=(shardings, x_sharding),
                    out_shardings=(NamedSharding(mesh, P()), shardings))
     x = jax.device_put(jax.random.normal(jax.random.key(1), (w.batch, w.seq, w.d_model)), x_sharding)
-    return f"axonn row={row} col={col} depth={depth}", step, params, x
+    name = f"axonn row={row} col={col} depth={depth}" + (f" data={data}" if data > 1 else "")
+    return name, step, params, x
 
 
 # Megatron layout per dense layer: column-parallel (out split) or row-parallel (in split).

@@ -59,7 +59,7 @@ def test_loop_without_trip_count_is_an_error():
         collectives(HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""))
 
 
-@pytest.mark.parametrize("grid", [(2, 2, 2), (1, 2, 4)], ids=lambda g: "row%d_col%d_depth%d" % g)
+@pytest.mark.parametrize("grid", [(2, 2, 2), (2, 1, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g[:3] + ("_data%d" % g[3] if len(g) > 3 else ""))
 def test_axonn_bytes_match_the_analytic_count(grid, devices):
     w = Workload(d_model=64, layers=2, heads=4, batch=8, seq=8)
     _, step, params, x = axonn_variant(w, grid, devices)

@@ -138,7 +138,9 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False):
     `mesh` must have axes `depth, row, col` (inside an enclosing shard_map its context mesh is used).
     """
     _check_dense(x, kernel, bias, mesh, transpose)
-    fn = _dense_fn(mesh, bool(transpose), x.ndim, bias is not None)
+    # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
+    # the data-manual step (its shard_maps must name the enclosing abstract mesh).
+    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None)
     if bias is None:
         # custom_vjp needs array arguments; the unused bias slot gets a zero-size placeholder.
         return fn(x, kernel, jnp.zeros((0,), x.dtype))
@@ -212,4 +214,4 @@ def tp_embed(tokens, table, mesh=None):
     for what, n, parts, axes in checks:
         if n % parts:
             raise ValueError(f"tp_embed: {what} = {n} is not divisible by {axes} = {parts}")
-    return _embed_fn(mesh, tokens.ndim, batched)(tokens, table)
+    return _embed_fn(current_mesh(mesh), tokens.ndim, batched)(tokens, table)

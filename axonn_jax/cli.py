@@ -94,7 +94,7 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="timed steps per variant (median); 0: compile only (bytes, memory)")
     p.add_argument("--name", default="tp_vs_gspmd", help="file stem of the results")
     p.add_argument("--out", default="benchmarks/results", metavar="DIR",
-                   help="writes tp_vs_gspmd.json and .md here")
+                   help="writes NAME.json, NAME.md and NAME.png here")
     p.add_argument("--devices", type=int, default=None,
                    help="simulate N CPU devices (set before JAX starts); the benchmark needs 8")
 

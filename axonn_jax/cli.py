@@ -156,10 +156,32 @@ def _plan(args) -> int:
     return 0
 
 
-def _not_yet(name):
-    def run(args) -> int:
-        raise NotImplementedError(f"`axonn-jax {name}` is not implemented yet")
-    return run
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2,
+                   help="scanned blocks (with 1, XLA unrolls the loop and reuses the forward all-gather)")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed steps per variant (median); 0: compile only (bytes, memory)")
+    p.add_argument("--name", default="tp_vs_gspmd", help="file stem of the results")
+    p.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                   help="writes NAME.json, NAME.md and NAME.png here")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulate N CPU devices (set before JAX starts); the benchmark needs 8")
+
+
+def _bench(args) -> int:
+    from .benchmark import Workload, run, write
+
+    w = Workload(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
+                 seq=args.seq_len)
+    js, md = write(run(w, repeats=args.repeats), args.out, args.name)
+    print(md.read_text())
+    print(f"wrote {js} and {md}")
+    return 0
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,10 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="rank grids with the communication model")
     _add_plan_args(plan)
     plan.set_defaults(run=_plan)
-    for name, help_ in (("bench", "benchmark against GSPMD baselines"),):
-        p = sub.add_parser(name, help=help_)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(run=_not_yet(name))
+    bench = sub.add_parser("bench", help="benchmark tensor-parallel grids against GSPMD baselines")
+    _add_bench_args(bench)
+    bench.set_defaults(run=_bench)
     _add_launch_parser(sub)
     return parser
 

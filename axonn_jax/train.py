@@ -19,6 +19,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -32,6 +33,7 @@ from .offload import optimizer as offload_opt
 from .offload import precision
 from .parallel import pipeline as pipeline_lib
 from .parallel import compression
+from .transform import parallelize
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -84,19 +86,6 @@ class TrainOptions:
     @property
     def warmup(self) -> int:
         return max(1, self.steps // 20) if self.warmup_steps < 0 else self.warmup_steps
-
-
-def unimplemented_options(options: TrainOptions) -> list[str]:
-    """The flags of modes that are not built yet, as the user spelled them."""
-    p, bad = options.parallel, []
-    for axis in ("depth", "row", "col"):
-        if getattr(p, axis) != 1:
-            bad.append(f"--{axis} {getattr(p, axis)}")
-    defaults = TrainOptions()
-    for name in ("compress_bits",):
-        if getattr(options, name) != getattr(defaults, name):
-            bad.append(f"--{name.replace('_', '-').replace('-gb', '')} {getattr(options, name)}")
-    return bad
 
 
 def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
@@ -171,10 +160,10 @@ class Trainer:
     def init_state(self, abstract: bool = False):
         """Fresh state, created directly in its sharded placement (`abstract`: ShapeDtypeStructs
         with those shardings, nothing allocated)."""
-        dummy = jnp.zeros((1, self.options.seq_len), jnp.int32)
+        dummy = jnp.zeros((config_of(self.mesh).depth, self.options.seq_len), jnp.int32)
 
         def init(key):
-            params = self.model.init(key, dummy)["params"]
+            params = nn.unbox(self.model.init(key, dummy)["params"])
             state = offload_opt.initial_state(params, optimizer=self.optimizer,
                                               offloaded=self.offloaded, dtype=self.options.dtype)
             if _uses_error_feedback(self.options):
@@ -182,8 +171,21 @@ class Trainer:
             return state
 
         shapes = jax.eval_shape(init, jax.random.key(self.options.seed))
-        # Error-feedback residuals: one per data shard, `[data, *param.shape]` split over `data`.
-        spec = lambda path: P("data") if path[0].key == "compression" else self.param_spec(path)  # noqa: E731
+        # Tensor-parallel layers create their parameters boxed with partition specs; every state
+        # leaf that mirrors a parameter (optimizer moments, host masters) is placed like it.
+        boxed = jax.eval_shape(lambda k: self.model.init(k, dummy)["params"],
+                               jax.random.key(self.options.seed))
+        by_param = _specs_by_path(nn.get_partition_spec(boxed))
+
+        def spec(path):
+            if path[0].key == "compression":  # error-feedback residuals: one per data shard
+                return P("data")
+            names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+            for start in range(1, len(names)):
+                if names[start:] in by_param:
+                    return by_param[names[start:]]
+            return self.param_spec(path)
+
         shardings = jax.tree_util.tree_map_with_path(
             lambda path, _: NamedSharding(self.mesh, spec(path)), shapes)
         if self.offloaded:  # master weights and moments in pinned_host, sharded like their params
@@ -203,6 +205,22 @@ def _uses_error_feedback(options: TrainOptions) -> bool:
     return options.compress_bits > 0 and options.error_feedback
 
 
+def check_tensor_parallel(c: gpt.GPTConfig, config: ParallelConfig) -> None:
+    """Raise ValueError naming the numbers unless the GPT's dimensions split over the TP grid."""
+    check_divisible("d_model", c.d_model, ("col", "depth"), config)
+    check_divisible("d_model", c.d_model, ("row", "depth"), config)
+    check_divisible("d_ff", c.d_ff, ("row", "depth"), config)
+    check_divisible("num_heads", c.num_heads, ("row",), config)
+    check_divisible("vocab_size", c.vocab_size, ("row", "depth"), config)
+    check_divisible("max_seq_len", c.max_seq_len, ("row", "depth"), config)
+
+
+def _specs_by_path(specs) -> dict[tuple[str, ...], P]:
+    """`{('blocks', 'query', 'kernel'): PartitionSpec, ...}` from a tree of PartitionSpecs."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))
+    return {tuple(k.key for k in path): spec for path, spec in flat}
+
+
 def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     """Validate `options` against the devices and build the jitted train and eval steps."""
     config = options.parallel
@@ -211,7 +229,7 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     if options.seq_len > model_config.max_seq_len:
         raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
                          f"{model_config.max_seq_len}")
-    check_divisible("--batch-size", options.batch_size, ("data",), config)
+    check_divisible("--batch-size", options.batch_size, ("data", "depth"), config)
     if options.microbatches < 1:
         raise ValueError(f"--microbatches must be positive, got {options.microbatches}")
     if options.microbatches > 1 and config.pipe == 1:
@@ -229,11 +247,18 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     activation_plan = activations.make_plan(options, model_config, devices, build_trainer)
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype],
                     layer_groups=activation_plan.layer_groups() if activation_plan else None)
+    if config.tensor_parallel_size > 1:
+        check_tensor_parallel(model_config, config)
+        for flag, used in ((f"--pipe {config.pipe}", config.pipe > 1),
+                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
+            if used:
+                raise NotImplementedError(f"{flag} with --row/--col/--depth is not implemented yet")
+        model = parallelize(model, mesh)
     optimizer, schedule = make_optimizer(options)
     offloaded = offload_opt.HostOffloadedOptimizer(
         make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
         guard=precision.uses_guard(options.dtype)) if options.offload_optimizer else None
-    batch_sharding = NamedSharding(mesh, P("data"))
+    batch_sharding = NamedSharding(mesh, P(("data", "depth")))
     if options.compress_bits:
         compression.check_args(options.compress_bits, options.compress_bucket)
 
@@ -267,6 +292,12 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh,
                                in_specs=(P(), P("data"), P(), P(), P("data")),
                                out_specs=(P(), P(), P("data")), axis_names={"data"})
+    if config.data == 1 and config.tensor_parallel_size > 1:
+        # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of gradients
+        # that come out of the tensor-parallel shard_maps.
+        def loss_and_grads(params, batch, scale, step, residual):
+            loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
+            return loss / scale, grads, residual
     param_spec = lambda path: P()
     if config.pipe > 1:
         loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
@@ -354,7 +385,7 @@ def sample(trainer: Trainer, params, prompt: str, num_tokens: int, seed: int = 0
            temperature: float = 0.8) -> str:
     """Continue `prompt` by `num_tokens` sampled bytes (a fixed window of `seq_len` tokens)."""
     o, mesh = trainer.options, trainer.mesh
-    rows = config_of(mesh).data
+    rows = config_of(mesh).data * config_of(mesh).depth
     window = o.seq_len
     tokens = np.zeros((rows, window), np.int32)
     prompt_tokens = data_lib.encode(prompt)[-window:]
@@ -422,9 +453,6 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
 
     from .checkpoint import Checkpointer
 
-    bad = unimplemented_options(options)
-    if bad:
-        raise NotImplementedError(f"not implemented yet: {', '.join(bad)}")
     if options.transport == "mpi":
         from .parallel.mpi import build_mpi_trainer
 

@@ -1,11 +1,76 @@
-"""The HLO byte counter against collectives whose sizes are known by construction."""
+"""The HLO collective-bytes parser on hand-written and compiled programs, and AxoNN's analytic byte
+count against the compiled program."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from axonn_jax.benchmark import Workload, analytic_bytes, axonn_variant
 from axonn_jax.parallel.hlo import collective_bytes, collectives, wire_bytes
+
+HLO = """HloModule jit_step, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %w = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %ag = f32[16,8]{1,0} all-gather(%w), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %rs = f32[1,8]{1,0} reduce-scatter(%w), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %w)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[4,8], y: bf16[2,2]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %y = bf16[2,2]{1,0} parameter(1)
+  %ar = (f32[4,8]{1,0}, bf16[2,2]{1,0}) all-reduce(%x, %y), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add
+  %one = f32[4,8]{1,0} all-reduce(%x), channel_id=4, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add
+  %cps = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[4,8]{1,0} collective-permute-done(%cps)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%c0, %x)
+  %loop = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_parser_counts_kinds_groups_and_loop_trips():
+    found = {c.name: c for c in collectives(HLO)}
+    assert set(found) == {"ar", "cps", "ag", "rs"}  # the group-of-one all-reduce moves nothing
+    assert (found["ar"].bytes, found["ar"].group_size, found["ar"].executions) == (128 + 8, 2, 1)
+    assert (found["ag"].bytes, found["ag"].group_size, found["ag"].executions) == (512, 4, 3)
+    assert (found["rs"].bytes, found["rs"].group_size) == (32 * 4, 4)  # input = result × group
+    assert found["cps"].bytes == 128
+    assert collective_bytes(HLO) == {"all-reduce": 136, "all-gather": 1536, "reduce-scatter": 384,
+                                     "all-to-all": 0, "collective-permute": 128}
+    wire = wire_bytes(HLO)
+    assert wire["all-reduce"] == pytest.approx(136.0) and wire["all-gather"] == pytest.approx(1152.0)
+
+
+def test_loop_without_trip_count_is_an_error():
+    with pytest.raises(ValueError, match="no known_trip_count"):
+        collectives(HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""))
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2), (2, 1, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g[:3] + ("_data%d" % g[3] if len(g) > 3 else ""))
+def test_axonn_bytes_match_the_analytic_count(grid, devices):
+    w = Workload(d_model=64, layers=2, heads=4, batch=8, seq=8)
+    _, step, params, x = axonn_variant(w, grid, devices)
+    measured = collective_bytes(step.lower(params, x).compile().as_text())
+    expected = analytic_bytes(w, *grid)
+    for kind, n in expected.items():
+        assert measured[kind] == pytest.approx(n, rel=0.05), kind
 
 
 @pytest.fixture(scope="module")

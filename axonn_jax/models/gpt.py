@@ -196,4 +196,7 @@ def scan_layer_groups(block: nn.Module, stacked, x, groups):
 def cross_entropy(logits, targets):
     """Mean token cross-entropy. logits `(b, t, v)` float32, targets `(b, t)` int32."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    # A one-hot contraction (exact: the other terms are zeros), not a gather: XLA's SPMD partitioner
+    # aborts on a gather from a vocabulary split over `row` inside the data-manual train step.
+    picked = jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
+    return -jnp.mean(picked)

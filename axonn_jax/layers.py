@@ -1,0 +1,146 @@
+"""Tensor-parallel Flax linen layers: `Dense`, vocabulary-parallel `Embed`, and `LayerNorm` for
+feature-sharded activations.
+
+Parameters are created with `nn.with_partitioning`, so `init` returns `nn.Partitioned` boxes whose
+`nn.get_partition_spec` gives each array's placement on the `('depth','row','col')` axes; initialize
+under `jax.jit(..., out_shardings=...)` and no device ever holds a full copy. The names, shapes and
+initializers are those of `nn.Dense` / `nn.Embed` / `nn.LayerNorm`, and the `*_call` functions below
+are shared with `axonn_jax.parallelize`, which runs them on Flax's own layers.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .parallel.tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
+
+_default_kernel_init = nn.initializers.lecun_normal()
+_default_embed_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+
+
+def _names(spec: P) -> tuple:
+    return tuple(spec)
+
+
+def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
+    """Create (or read) `m`'s `kernel (in, features)` and `bias (features,)` and apply `tp_dense`.
+
+    `m` is a linen module inside its own method, with the attributes of `nn.Dense` (`use_bias,
+    dtype, param_dtype, kernel_init, bias_init, precision`). x: `(batch, ..., in)`, features split
+    over `col` (`row` when `transpose`); returns `(batch, ..., features)` split over `row` (`col`).
+    """
+    kernel = m.param("kernel", nn.with_partitioning(m.kernel_init, _names(kernel_spec(transpose))),
+                     (x.shape[-1], features), m.param_dtype)
+    bias = None
+    if m.use_bias:
+        bias = m.param("bias", nn.with_partitioning(m.bias_init, _names(bias_spec(transpose))),
+                       (features,), m.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=m.dtype)
+    return tp_dense(x, kernel, bias, mesh, transpose)
+
+
+def embed_param(m: nn.Module):
+    """Create (or read) `m.embedding (num_embeddings, features)`, vocab over (`row`,`depth`),
+    features over `col`. For use in `setup`, like `nn.Embed`."""
+    return m.param("embedding", nn.with_partitioning(m.embedding_init, _names(embed_spec())),
+                   (m.num_embeddings, m.features), m.param_dtype)
+
+
+def embed_call(m: nn.Module, embedding, tokens, mesh):
+    """`embedding[tokens]` with `tp_embed`: tokens `(batch, ...)` int, batch over `depth` (1-D
+    tokens are unbatched) -> `(*tokens.shape, features)`, features over `col`. Tokens outside
+    `[0, num_embeddings)` give zeros."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"Embed: input type must be an integer, got {tokens.dtype}")
+    (embedding,) = nn.dtypes.promote_dtype(embedding, dtype=m.dtype, inexact=False)
+    return tp_embed(tokens, embedding, mesh)
+
+
+def norm_call(m: nn.Module, x, axis: str, rms: bool = False):
+    """LayerNorm (or RMSNorm when `rms`) over the last dim of `x (batch, ..., features)` whose
+    features are split over `axis`: `scale`/`bias` `(features,)` are split the same way, and GSPMD
+    turns the feature mean into an all-reduce over `axis`. Numerics follow Flax's norms
+    (float32 statistics, `use_fast_variance`)."""
+    features = x.shape[-1]
+    spec = (axis,)
+    stats_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    xf = x.astype(stats_dtype)
+    mean2 = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    if rms:
+        mean, var = 0.0, mean2
+    else:
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = (jnp.maximum(0.0, mean2 - jnp.square(mean)) if m.use_fast_variance
+               else jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True))
+    mul = jax.lax.rsqrt(var + m.epsilon)
+    if m.use_scale:
+        mul = mul * m.param("scale", nn.with_partitioning(m.scale_init, spec), (features,), m.param_dtype)
+    y = (xf - mean) * mul
+    if not rms and m.use_bias:
+        y = y + m.param("bias", nn.with_partitioning(m.bias_init, spec), (features,), m.param_dtype)
+    dtype = m.dtype or jnp.result_type(x.dtype, m.param_dtype)
+    return y.astype(dtype)
+
+
+class Dense(nn.Module):
+    """Tensor-parallel `nn.Dense`. `x (batch, ..., in)` -> `(batch, ..., features)`.
+
+    Normal: input features over `col`, output over `row`; `transpose=True` swaps them, so a normal
+    layer followed by a transposed one needs no re-layout. The kernel is further split over `depth`
+    (all-gathered just before use) and the batch over `depth`. `mesh`: the device mesh (axes
+    `depth, row, col` at least).
+    """
+
+    features: int
+    mesh: Any = None
+    transpose: bool = False
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Callable = _default_kernel_init
+    bias_init: Callable = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x):
+        return dense_call(self, x, self.features, self.mesh, self.transpose)
+
+
+class Embed(nn.Module):
+    """Vocabulary-parallel `nn.Embed`: table `(num_embeddings, features)`, vocab over (`row`,
+    `depth`), features over `col`. `tokens (batch, ...)` -> `(batch, ..., features)` over `col`."""
+
+    num_embeddings: int
+    features: int
+    mesh: Any = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    embedding_init: Callable = _default_embed_init
+
+    def setup(self):
+        self.embedding = embed_param(self)
+
+    def __call__(self, tokens):
+        return embed_call(self, self.embedding, tokens, self.mesh)
+
+
+class LayerNorm(nn.Module):
+    """`nn.LayerNorm` over the last dim of activations whose features are split over `axis`
+    (`col` for the residual stream of a parallelized transformer)."""
+
+    axis: str = "col"
+    epsilon: float = 1e-6
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    use_fast_variance: bool = True
+    bias_init: Callable = nn.initializers.zeros_init()
+    scale_init: Callable = nn.initializers.ones_init()
+
+    @nn.compact
+    def __call__(self, x):
+        return norm_call(self, x, self.axis)

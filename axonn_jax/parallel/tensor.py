@@ -1,0 +1,217 @@
+"""AxoNN's 2D/3D tensor-parallel matmul and vocabulary-parallel embedding, on global arrays.
+
+Each function opens its own `shard_map`, manual over the tensor-parallel axes `('depth','row','col')`
+and automatic over the rest, so it works at top level and nested inside the trainer's data-manual
+step. Gradients come from a `jax.custom_vjp` whose backward opens its own shard_map with explicit
+collectives (plain autodiff of a nested partial-manual shard_map does not lower in JAX 0.10).
+
+Layout (Flax's `(in, out)` kernel layout; `transpose=True` swaps `row` and `col`):
+
+    x       (batch, ..., in)   batch over `depth`, `in` over `col`, replicated over `row`
+    kernel  (in, out)          `in` over (`col`, `depth`), `out` over `row`
+    bias    (out,)             over `row`, replicated over `col` and `depth`
+    y       (batch, ..., out)  batch over `depth`, `out` over `row`, replicated over `col`
+
+Forward: all-gather the kernel over `depth`, local matmul, all-reduce over `col`.
+Backward: all-gather the kernel over `depth` again (it is not kept), input gradient all-reduced over
+`row`, kernel gradient reduce-scattered over `depth`, bias gradient all-reduced over `depth` (the only
+axis whose devices hold different rows of the batch; the `col` copies already hold the full sum).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .._compat import current_mesh, shard_map, varying_axes
+
+TP_AXES = ("depth", "row", "col")
+
+
+def feature_axes(transpose: bool) -> tuple[str, str]:
+    """(axis splitting the input features, axis splitting the output features) of a layer."""
+    return ("row", "col") if transpose else ("col", "row")
+
+
+def kernel_spec(transpose: bool = False) -> P:
+    """PartitionSpec of a `(in, out)` kernel: `in` over (in-axis, `depth`), `out` over out-axis."""
+    fin, fout = feature_axes(transpose)
+    return P((fin, "depth"), fout)
+
+
+def bias_spec(transpose: bool = False) -> P:
+    """PartitionSpec of a `(out,)` bias: split like the layer's outputs."""
+    return P(feature_axes(transpose)[1])
+
+
+def activation_spec(ndim: int, features: str | None, batch: bool = True) -> P:
+    """PartitionSpec of a `(batch, ..., features)` activation: batch over `depth`, features over
+    `features` (None: replicated)."""
+    return P("depth" if batch else None, *([None] * (ndim - 2)), features)
+
+
+def _sm(f, mesh, in_specs, out_specs):
+    return shard_map(f, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                     axis_names=set(TP_AXES), check_vma=False)
+
+
+def _varying_like(y, *like):
+    """`y` marked varying over the enclosing manual axes (e.g. the trainer's `data`) that any of
+    `like` varies over. The inner shard_maps run with check_vma=False, so their results lose that
+    type, and a custom_vjp cotangent must carry exactly its primal's."""
+    missing = tuple(sorted(frozenset().union(*map(varying_axes, like)) - varying_axes(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+
+def _gather_depth(w_shard):
+    """The `(in/in-axis, out/out-axis)` block of the kernel from its `depth` shards."""
+    return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
+
+
+def _check_dense(x, kernel, bias, mesh, transpose):
+    fin, fout = feature_axes(transpose)
+    sizes = dict(current_mesh(mesh).shape)
+    if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"tp_dense: x {x.shape} does not match kernel {kernel.shape} (in, out)")
+    if x.ndim < 2:
+        raise ValueError(f"tp_dense: x must be (batch, ..., features), got shape {x.shape}")
+    checks = [("kernel in-features", kernel.shape[0], sizes[fin] * sizes["depth"], f"{fin}×depth"),
+              ("kernel out-features", kernel.shape[1], sizes[fout], fout),
+              ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
+    for what, n, parts, axes in checks:
+        if n % parts:
+            raise ValueError(f"tp_dense: {what} = {n} is not divisible by {axes} = {parts}")
+    if bias is not None and bias.shape != (kernel.shape[1],):
+        raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape}")
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
+    fin, fout = feature_axes(transpose)
+    x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
+    w_spec, b_spec = kernel_spec(transpose), bias_spec(transpose)
+    contract = (((ndim - 1,), (0,)), ((), ()))
+
+    def local_forward(x, w, *b):
+        y = jax.lax.psum(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
+        return y + b[0] if b else y
+
+    def forward(x, w, b):
+        args, specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else ((x, w), (x_spec, w_spec))
+        return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
+
+    def local_backward(x, w, dy):
+        dx = jax.lax.psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (1,)), ((), ()))), fout)
+        rows = tuple(range(ndim - 1))
+        dw = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())))
+        dw = jax.lax.psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
+        if not has_bias:
+            return dx, dw
+        return dx, dw, jax.lax.psum(jnp.sum(dy, axis=rows), "depth")
+
+    @jax.custom_vjp
+    def dense(x, w, b):
+        return forward(x, w, b)
+
+    def fwd(x, w, b):
+        return forward(x, w, b), (x, w, b)
+
+    def bwd(res, dy):
+        x, w, b = res
+        out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
+        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
+        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
+        return grads if has_bias else (*grads, None)
+
+    dense.defvjp(fwd, bwd)
+    return jax.jit(dense)  # eager partial-manual shard_map is unsupported; under jit it inlines
+
+
+def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False):
+    """`x @ kernel + bias` with AxoNN's 2D/3D tensor-parallel algorithm (see the module docstring).
+
+    x: `(batch, ..., in)`; kernel: `(in, out)`; bias: `(out,)` or None; all global arrays, placed by
+    the shard_map's in_specs (GSPMD re-lays them out if they arrive otherwise). Returns
+    `(batch, ..., out)`: batch over `depth`, features over `row` (`col` when `transpose`).
+    `mesh` must have axes `depth, row, col` (inside an enclosing shard_map its context mesh is used).
+    """
+    _check_dense(x, kernel, bias, mesh, transpose)
+    # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
+    # the data-manual step (its shard_maps must name the enclosing abstract mesh).
+    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None)
+    if bias is None:
+        # custom_vjp needs array arguments; the unused bias slot gets a zero-size placeholder.
+        return fn(x, kernel, jnp.zeros((0,), x.dtype))
+    return fn(x, kernel, bias)
+
+
+def embed_spec() -> P:
+    """PartitionSpec of a `(vocab, features)` table: vocab over (`row`, `depth`), features over `col`."""
+    return P(("row", "depth"), "col")
+
+
+@functools.lru_cache(maxsize=None)
+def _embed_fn(mesh, ndim: int, batched: bool):
+    t_spec = P("depth" if batched else None, *([None] * (ndim - 1)))
+    y_spec = activation_spec(ndim + 1, "col", batch=batched)
+
+    def local_rows(tokens, vocab_local):
+        local = tokens - jax.lax.axis_index("row") * vocab_local
+        hit = (local >= 0) & (local < vocab_local)
+        return jnp.clip(local, 0, vocab_local - 1), hit
+
+    def local_forward(tokens, table):
+        table = _gather_depth(table)
+        idx, hit = local_rows(tokens, table.shape[0])
+        return jax.lax.psum(jnp.where(hit[..., None], table[idx], 0), "row")
+
+    def local_backward(tokens, dy, table_shard):
+        vocab_local = table_shard.shape[0] * jax.lax.axis_size("depth")
+        idx, hit = local_rows(tokens, vocab_local)
+        dy = jnp.where(hit[..., None], dy, 0).reshape(-1, dy.shape[-1])
+        dt = jnp.zeros((vocab_local, dy.shape[-1]), dy.dtype).at[idx.reshape(-1)].add(dy)
+        if batched:  # depth devices saw different rows of the batch
+            return jax.lax.psum_scatter(dt, "depth", scatter_dimension=0, tiled=True)
+        n = table_shard.shape[0]  # every depth device saw all tokens: keep its own block
+        return jax.lax.dynamic_slice_in_dim(dt, jax.lax.axis_index("depth") * n, n, axis=0)
+
+    @jax.custom_vjp
+    def embed(tokens, table):
+        y = _sm(local_forward, mesh, (t_spec, embed_spec()), y_spec)(tokens, table)
+        return _varying_like(y, tokens, table)
+
+    def fwd(tokens, table):
+        return embed(tokens, table), (tokens, table)
+
+    def bwd(res, dy):
+        tokens, table = res
+        dt = _sm(local_backward, mesh, (t_spec, y_spec, embed_spec()), embed_spec())(tokens, dy, table)
+        return None, _varying_like(dt.astype(table.dtype), table)
+
+    embed.defvjp(fwd, bwd)
+    return jax.jit(embed)
+
+
+def tp_embed(tokens, table, mesh=None):
+    """Vocabulary-parallel lookup `table[tokens]`.
+
+    tokens: int `(batch, ...)`, batch over `depth` (a 1-D `(n,)` array, e.g. positions, is taken as
+    unbatched and replicated); table: `(vocab, features)`, vocab over (`row`, `depth`), features over
+    `col`. Each `row` device looks up the tokens of its vocabulary slice and an all-reduce over `row`
+    combines them. Returns `(*tokens.shape, features)`: batch over `depth`, features over `col`.
+    """
+    sizes = dict(current_mesh(mesh).shape)
+    batched = tokens.ndim >= 2
+    vocab, features = table.shape
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tp_embed: tokens must be integers, got {tokens.dtype}")
+    checks = [("vocabulary", vocab, sizes["row"] * sizes["depth"], "row×depth"),
+              ("features", features, sizes["col"], "col")]
+    if batched:
+        checks.append(("batch (leading dim of tokens)", tokens.shape[0], sizes["depth"], "depth"))
+    for what, n, parts, axes in checks:
+        if n % parts:
+            raise ValueError(f"tp_embed: {what} = {n} is not divisible by {axes} = {parts}")
+    return _embed_fn(current_mesh(mesh), tokens.ndim, batched)(tokens, table)

@@ -1,0 +1,29 @@
+"""`train` with tensor parallelism follows the data-parallel loss trajectory."""
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.cli import main as cli_main
+from axonn_jax.train import TrainOptions, train
+
+from conftest import relative_difference
+
+OPTS = dict(steps=10, batch_size=16, seq_len=32, eval_batches=1, eval_every=10)
+
+
+def test_tensor_parallel_trajectory_equals_data_parallel(devices):
+    ref = train(TrainOptions(**OPTS, parallel=ParallelConfig(data=8)), devices=devices)
+    tp = train(TrainOptions(**OPTS, parallel=ParallelConfig(data=2, depth=2, row=2)), devices=devices)
+    losses = lambda s: [r["loss"] for r in s["history"]]
+    assert len(losses(tp)) == 10 and losses(ref)[-1] < losses(ref)[0]
+    assert relative_difference(losses(tp), losses(ref)) <= 1e-5
+    # Parameters and optimizer state are split over depth·row = 4 (up to small replicated vectors).
+    assert tp["state_bytes_device"] < 0.3 * ref["state_bytes_device"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--row", "8"], "num_heads = 4 is not divisible by row=8"),
+    (["--depth", "8", "--batch-size", "4"], "--batch-size = 4 is not divisible by data=1 × depth=8"),
+])
+def test_cli_tensor_parallel_bad_grid(argv, message, capsys):
+    assert cli_main(["train", "--steps", "1", *argv]) == 2
+    assert message in capsys.readouterr().err

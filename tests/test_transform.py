@@ -1,0 +1,131 @@
+"""`axonn_jax.parallelize` on the GPT and small linen models: same parameter tree, parameters move
+both ways, outputs and gradients equal the original's, parameters created sharded, clear errors."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+import axonn_jax
+from axonn_jax import ParallelConfig, make_mesh
+from axonn_jax.models import gpt
+from axonn_jax.transform import transpose_plan
+
+from conftest import relative_difference
+
+CONFIG = gpt.GPTConfig(num_layers=2, d_model=32, num_heads=4, max_seq_len=16)
+TOKENS = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab_size)
+DENSE_KERNELS = ("query", "key", "value", "attn_out", "mlp_up", "mlp_down")
+
+
+def loss(model):
+    return lambda p: gpt.cross_entropy(model.apply({"params": p}, TOKENS[:, :-1]), TOKENS[:, 1:])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = gpt.GPT(CONFIG)
+    params = model.init(jax.random.key(0), TOKENS[:, :-1])["params"]
+    return model, params, jax.jit(jax.value_and_grad(loss(model)))(params)
+
+
+def sharded_init(model, mesh):
+    """Init straight into the partition specs (the trainer's recipe)."""
+    init = lambda key: model.init(key, TOKENS[:, :-1])["params"]
+    specs = nn.get_partition_spec(jax.eval_shape(init, jax.random.key(0)))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.jit(lambda k: nn.unbox(init(k)), out_shardings=shardings)(jax.random.key(0))
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g)
+def test_gpt_parallelized_equals_original(grid, reference, devices):
+    row, col, depth = grid
+    model, ref_params, (ref_loss, ref_grads) = reference
+    mesh = make_mesh(ParallelConfig(row=row, col=col, depth=depth), devices)
+    pmodel = axonn_jax.parallelize(model, mesh)
+    assert isinstance(pmodel, gpt.GPT) and pmodel.config == model.config
+
+    params = sharded_init(pmodel, mesh)
+    # Same tree, same global shapes, same values (same initializers and RNG streams).
+    assert jax.tree.structure(params) == jax.tree.structure(ref_params)
+    for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+        assert p.shape == r.shape and relative_difference(p, r) <= 1e-6  # jit vs eager rounding
+    # Dense kernels: each device holds 1 / (row·col·depth) of them.
+    for name in DENSE_KERNELS:
+        kernel = params["blocks"][name]["kernel"]
+        assert {s.data.nbytes for s in kernel.addressable_shards} == {kernel.nbytes // (row * col * depth)}
+
+    value, grads = jax.jit(jax.value_and_grad(loss(pmodel)))(ref_params)  # the original's params
+    assert relative_difference(value, ref_loss) <= 1e-5
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        r = ref_grads
+        for k in path:
+            r = r[k.key]
+        if jax.tree_util.keystr(path) == "['blocks']['key']['bias']":
+            # softmax is invariant to a key bias: its true gradient is 0, the reference is rounding
+            assert float(jnp.max(jnp.abs(g))) <= 1e-5 * scale
+        else:
+            assert relative_difference(g, r) <= 1e-5, jax.tree_util.keystr(path)
+    # ... and the original model runs on the parallelized model's parameters.
+    assert relative_difference(jax.jit(loss(model))(params), ref_loss) <= 1e-5
+
+
+def test_gpt_layers_alternate_transpose(devices):
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    plan = transpose_plan(gpt.GPT(CONFIG), mesh, TOKENS[:, :-1])
+    assert plan == {"blocks/query": False, "blocks/key": False, "blocks/value": False,
+                    "blocks/attn_out": True, "blocks/mlp_up": False, "blocks/mlp_down": True,
+                    "head": False}
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16, name="up")(x))
+        x = nn.DenseGeneral(8, name="down")(x)
+        return nn.Dense(16, name="again")(nn.RMSNorm(name="norm")(x))
+
+
+def test_small_mlp_with_dense_general_and_rmsnorm(devices):
+    mesh = make_mesh(ParallelConfig(row=1, col=2, depth=4), devices)
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+    model = MLP()
+    params = model.init(jax.random.key(0), x)
+    pmodel = axonn_jax.parallelize(model, mesh)
+    assert transpose_plan(model, mesh, x) == {"up": False, "down": True, "again": False}
+    f = lambda m: lambda p: jnp.sum(m.apply(p, x) ** 2)
+    ref, ref_g = jax.value_and_grad(f(model))(params)
+    out, g = jax.jit(jax.value_and_grad(f(pmodel)))(params)
+    assert relative_difference(out, ref) <= 1e-5
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        assert relative_difference(a, b) <= 1e-5
+
+
+class WithConv(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Conv(4, (3,), name="conv")(x)
+
+
+class WithHeads(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.DenseGeneral((2, 4), name="heads")(x)
+
+
+class Odd(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(6, name="odd")(x)
+
+
+@pytest.mark.parametrize("module, error, message", [
+    (WithConv(), NotImplementedError, "cannot run layer 'conv' \\(Conv\\)"),
+    (WithHeads(), NotImplementedError, "layer 'heads' \\(DenseGeneral features=\\(2, 4\\)"),
+    (Odd(), ValueError, "layer 'odd' \\(Dense\\): tp_dense: kernel out-features = 6 is not divisible by row = 4"),
+])
+def test_unsupported_layers_are_named(module, error, message, devices):
+    mesh = make_mesh(ParallelConfig(row=4, col=2), devices)
+    with pytest.raises(error, match=message):
+        axonn_jax.parallelize(module, mesh).init(jax.random.key(0), jnp.ones((2, 8, 8)))

@@ -85,9 +85,9 @@ def causal_attention(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-ACTIVATION_NAMES = ("ln1", "q", "k", "v", "attn", "attn_proj", "ln2", "mlp_up")
+ACTIVATION_NAMES = ("q", "k", "v", "attn", "attn_proj", "mlp_up")
 """`checkpoint_name`s of a block's intermediates that remat policies may save or offload; what they
-leave out (softmax, GELU, residual sums, norm statistics) is cheap to recompute from them."""
+leave out (norm outputs, softmax, GELU, residual sums) is cheap to recompute from them."""
 
 
 class Block(nn.Module):
@@ -100,14 +100,16 @@ class Block(nn.Module):
     def __call__(self, x, _=None):
         c = self.config
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
-        h = checkpoint_name(nn.LayerNorm(dtype=self.dtype, name="ln1")(x), "ln1")
+        # The norms' outputs carry no name (they are recomputed): a name between a norm and a
+        # tensor-parallel layer hides the feature split from GSPMD, which then moves data around.
+        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
         b, t, _d = h.shape
         heads = lambda y, n: checkpoint_name(y.reshape(b, t, c.num_heads, c.head_dim), n)
         q, k, v = (heads(dense(c.d_model, n)(h), s)
                    for n, s in (("query", "q"), ("key", "k"), ("value", "v")))
         y = checkpoint_name(causal_attention(q, k, v).reshape(b, t, c.d_model), "attn")
         x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
-        h = checkpoint_name(nn.LayerNorm(dtype=self.dtype, name="ln2")(x), "ln2")
+        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
         h = nn.gelu(checkpoint_name(dense(c.d_ff, "mlp_up")(h), "mlp_up"))
         x = x + dense(c.d_model, "mlp_down")(h)
         return x, None

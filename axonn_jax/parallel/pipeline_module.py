@@ -10,7 +10,9 @@ from .pipeline import PIPE_AXIS, check_layers, pipelined_stack
 
 
 def _scan(block, length: int):
-    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length)
+    # The stacked layer axis is not split by the tensor-parallel layers' partitioning.
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+                   metadata_params={nn.PARTITION_NAME: None})
 
 
 class Pipelined(nn.Module):

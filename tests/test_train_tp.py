@@ -8,19 +8,33 @@ from axonn_jax.train import TrainOptions, train
 from conftest import relative_difference
 
 OPTS = dict(steps=10, batch_size=16, seq_len=32, eval_batches=1, eval_every=10)
+losses = lambda s: [r["loss"] for r in s["history"]]  # noqa: E731
 
 
 def test_tensor_parallel_trajectory_equals_data_parallel(devices):
     ref = train(TrainOptions(**OPTS, parallel=ParallelConfig(data=8)), devices=devices)
     tp = train(TrainOptions(**OPTS, parallel=ParallelConfig(data=2, depth=2, row=2)), devices=devices)
-    losses = lambda s: [r["loss"] for r in s["history"]]
     assert len(losses(tp)) == 10 and losses(ref)[-1] < losses(ref)[0]
     assert relative_difference(losses(tp), losses(ref)) <= 1e-5
     # Parameters and optimizer state are split over depth·row = 4 (up to small replicated vectors).
     assert tp["state_bytes_device"] < 0.3 * ref["state_bytes_device"]
 
 
+@pytest.mark.parametrize("mode", [dict(offload_optimizer=True), dict(remat="offload")],
+                         ids=["offload-optimizer", "remat-offload"])
+def test_tensor_parallel_composes_with_memory_modes(mode, devices):
+    short = dict(OPTS, steps=3, batch_size=8)
+    ref = train(TrainOptions(**short, parallel=ParallelConfig(data=2)), devices=devices[:2])
+    got = train(TrainOptions(**short, **mode, parallel=ParallelConfig(data=2, row=2, col=2)),
+                devices=devices)
+    assert relative_difference(losses(got), losses(ref)) <= 1e-5
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--pipe", "2", "--row", "2", "--model", "gpt-tiny-deep"],
+     "--pipe 2 with --row/--col/--depth is not implemented yet"),
+    (["--compress-bits", "4", "--row", "2"],
+     "--compress-bits 4 with --row/--col/--depth is not implemented yet"),
     (["--row", "8"], "num_heads = 4 is not divisible by row=8"),
     (["--depth", "8", "--batch-size", "4"], "--batch-size = 4 is not divisible by data=1 × depth=8"),
 ])

@@ -181,10 +181,12 @@ class Trainer:
             if path[0].key == "compression":  # error-feedback residuals: one per data shard
                 return P("data")
             names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+            stage = self.param_spec(path)  # P('pipe') for the stacked blocks with pipe > 1
             for start in range(1, len(names)):
                 if names[start:] in by_param:
-                    return by_param[names[start:]]
-            return self.param_spec(path)
+                    tp = by_param[names[start:]]
+                    return P(*stage, *tp[len(stage):]) if stage else tp
+            return stage
 
         shardings = jax.tree_util.tree_map_with_path(
             lambda path, _: NamedSharding(self.mesh, spec(path)), shapes)
@@ -249,8 +251,7 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
                     layer_groups=activation_plan.layer_groups() if activation_plan else None)
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(model_config, config)
-        for flag, used in ((f"--pipe {config.pipe}", config.pipe > 1),
-                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
+        for flag, used in ((f"--compress-bits {options.compress_bits}", options.compress_bits),):
             if used:
                 raise NotImplementedError(f"{flag} with --row/--col/--depth is not implemented yet")
         model = parallelize(model, mesh)
@@ -332,6 +333,8 @@ def gpt_stage_functions(model: gpt.GPT, num_stages: int):
     layers = pipeline_lib.check_layers(model.config.num_layers, num_stages)
     stage_model = gpt.GPT(dataclasses.replace(model.config, num_layers=layers), dtype=model.dtype,
                           block_wrapper=model.block_wrapper)
+    if hasattr(model, "axonn_mesh"):  # tensor-parallel stages
+        stage_model = parallelize(stage_model, model.axonn_mesh)
 
     def embed_fn(p, tokens):
         return model.apply({"params": p}, tokens, method=gpt.GPT.embed)

@@ -30,9 +30,18 @@ def test_tensor_parallel_composes_with_memory_modes(mode, devices):
     assert relative_difference(losses(got), losses(ref)) <= 1e-5
 
 
+def test_tensor_parallel_pipeline_stages(devices):
+    short = dict(OPTS, model="gpt-tiny-deep", steps=4, batch_size=8)
+    ref = train(TrainOptions(**short, parallel=ParallelConfig(data=2)), devices=devices[:2])
+    got = train(TrainOptions(**short, microbatches=2, schedule="1f1b",
+                             parallel=ParallelConfig(pipe=2, row=2, data=2)), devices=devices)
+    assert relative_difference(losses(got), losses(ref)) <= 1e-5
+    # Each stage's blocks are split over pipe (layers) and row (output features).
+    kernel = got["state"]["params"]["blocks"]["query"]["kernel"]  # (8 layers, 32, 32)
+    assert {s.data.shape for s in kernel.addressable_shards} == {(4, 32, 16)}
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--pipe", "2", "--row", "2", "--model", "gpt-tiny-deep"],
-     "--pipe 2 with --row/--col/--depth is not implemented yet"),
     (["--compress-bits", "4", "--row", "2"],
      "--compress-bits 4 with --row/--col/--depth is not implemented yet"),
     (["--row", "8"], "num_heads = 4 is not divisible by row=8"),

@@ -87,15 +87,16 @@ def reference(devices):
     return [r["loss"] for r in summary["history"]]
 
 
-# Data-parallel grids today; tensor and pipeline grids (e.g. ["--row", "2"], ["--pipe", "2"]) join
-# this list when they land: every grid must reproduce the single-process trajectory.
-@pytest.mark.parametrize("nprocs, per_proc, grid", [(2, 4, []), (4, 2, [])])
+# Data, tensor (inside each process, data across) and pipeline grids (stages across processes):
+# every grid must reproduce the single-process trajectory.
+@pytest.mark.parametrize("nprocs, per_proc, grid", [
+    (2, 4, []), (2, 4, ["--row", "2", "--col", "2"]), (4, 2, ["--pipe", "2"])])
 def test_launch_equals_single_process(nprocs, per_proc, grid, reference, tmp_path):
     metrics = tmp_path / "m.jsonl"
     launch = cli("launch", "--nprocs", str(nprocs), "--devices-per-proc", str(per_proc),
                  "--log-dir", str(tmp_path / "logs"), "--")
     train_args = ["train", *RUN, *grid, "--metrics-out", str(metrics)]
-    if nprocs == 2:
+    if not grid:
         # Cooperative orbax checkpoint: stop after 2 steps, resume in a fresh job for the rest.
         ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
         run(launch + train_args + ckpt + ["--stop-at", "2"])

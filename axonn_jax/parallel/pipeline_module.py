@@ -10,7 +10,9 @@ from .pipeline import PIPE_AXIS, check_layers, pipelined_stack
 
 
 def _scan(block, length: int):
-    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length)
+    # Tensor-parallel parameters are boxed with partition names; the stacked layer axis gets none.
+    return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+                   metadata_params={nn.PARTITION_NAME: None})
 
 
 class Pipelined(nn.Module):

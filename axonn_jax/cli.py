@@ -46,6 +46,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       help="data-parallel size (default: devices / (pipe·depth·row·col))")
     for axis in AXES[1:]:
         grid.add_argument(f"--{axis}", type=int, default=1)
+    grid.add_argument("--auto-grid", action="store_true",
+                      help="let the communication model's planner choose the grid (and microbatches)")
     modes = p.add_argument_group("modes")
     modes.add_argument("--microbatches", type=int, default=1)
     modes.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
@@ -71,12 +73,48 @@ def _parallel_config(args, num_devices: int):
     return ParallelConfig(data=data, pipe=args.pipe, depth=args.depth, row=args.row, col=args.col)
 
 
+def _auto_grid(args, num_devices: int):
+    """The planner's fastest grid for these options on `num_devices` (the `cpu` machine preset
+    for the CPU backend's simulated devices, else one H100 node per 8 devices), among the grids
+    the trainer runs: tensor parallelism without pipe or compression; pipe without compression,
+    offload or remat. Returns (grid, microbatches)."""
+    import jax
+
+    from .models.gpt import get_config
+    from .parallel import comm_model as cm
+
+    explicit = [f"--{a}" for a in AXES[1:] if getattr(args, a) != 1] + (["--data"] if args.data else [])
+    if explicit:
+        raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
+    machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
+    nbytes = {"float32": 4}.get(args.dtype, 2)
+    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+                       schedule=args.schedule, compress_bits=args.compress_bits,
+                       offload_optimizer=args.offload_optimizer)
+    choices = [args.microbatches] if args.microbatches > 1 else None
+    for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
+        g = p.grid
+        tp = g.depth * g.row * g.col > 1
+        if tp and (g.pipe > 1 or args.compress_bits):
+            continue
+        if g.pipe > 1 and (args.compress_bits or args.offload_optimizer or args.remat != "none"):
+            continue
+        return g, p.microbatches
+    raise ValueError(f"--auto-grid: no grid of {num_devices} devices runs {args.model} with "
+                     f"--batch-size {args.batch_size}")
+
+
 def _train(args) -> int:
     import jax
 
     from .train import TrainOptions, train
 
-    config = _parallel_config(args, jax.device_count())
+    if args.auto_grid:
+        config, args.microbatches = _auto_grid(args, jax.device_count())
+        grid = ",".join(f"{k}={v}" for k, v in config.as_dict().items())
+        print(f"--auto-grid: {grid}, {args.microbatches} microbatch(es)", file=sys.stderr)
+    else:
+        config = _parallel_config(args, jax.device_count())
     fields = {k: v for k, v in vars(args).items()
               if k in TrainOptions.__dataclass_fields__ and k != "parallel"}
     train(TrainOptions(parallel=config, **fields))

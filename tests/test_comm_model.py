@@ -111,3 +111,28 @@ def test_plan_cli_json(capsys):
         assert set(row["comm_bytes_per_device"]) == set(cm.KINDS)
     rc = cli_main(["plan", "--devices", "8", "--batch", "8", "--grid", "data=3"])
     assert rc == 2 and "has 3 devices but 8" in capsys.readouterr().err
+
+
+def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
+    from axonn_jax.cli import _auto_grid, build_parser
+
+    argv = ["train", "--batch-size", "16", "--seq-len", "32"]
+    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="gpipe")
+    best = cm.plan(work, 8, cm.MACHINES["cpu"])[0]
+    assert _auto_grid(build_parser().parse_args(argv), 8) == (best.grid, best.microbatches)
+    # 1.3B parameters need their state split 8 ways on the cpu preset's 8 GB devices; the planner
+    # prefers tensor parallelism, which the trainer refuses with compression (and pipe with it).
+    big = ["train", "--model", "gpt-1.3b", "--batch-size", "16", "--seq-len", "32"]
+    big_work = cm.Workload(get_config("gpt-1.3b"), 16, 32, compute_bytes=4, compress_bits=4)
+    assert cm.plan(big_work, 8, cm.MACHINES["cpu"])[0].grid.tensor_parallel_size > 1
+    with pytest.raises(ValueError, match="no grid of 8 devices runs gpt-1.3b"):
+        _auto_grid(build_parser().parse_args(big + ["--compress-bits", "4"]), 8)
+    assert _auto_grid(build_parser().parse_args(big), 8)[0].tensor_parallel_size > 1
+    metrics = tmp_path / "m.jsonl"
+    rc = cli_main(argv + ["--auto-grid", "--steps", "1", "--eval-batches", "1",
+                          "--metrics-out", str(metrics)])
+    grid = ",".join(f"{k}={v}" for k, v in best.grid.as_dict().items())
+    assert rc == 0 and f"--auto-grid: {grid}" in capsys.readouterr().err
+    assert metrics.read_text()
+    assert cli_main(["train", "--auto-grid", "--row", "2", "--steps", "1"]) == 2
+    assert "drop --row" in capsys.readouterr().err

@@ -54,6 +54,10 @@ MACHINES: dict[str, Machine] = {
     "consumer-pcie": Machine("8× RTX 3090 per node, PCIe 4 only, 10 GbE between nodes", 8, 12e9,
                              1.25e9 / 8, intra_latency=10e-6, inter_latency=30e-6,
                              peak_flops=71e12, device_memory=24e9, host_bw=12e9),
+    # Simulated devices of one host (`--xla_force_host_platform_device_count`): every "link" is a
+    # memory copy on the same CPU, and the devices share its cores.
+    "cpu": Machine("simulated CPU devices of one host", 1024, 5e9, 5e9, intra_latency=20e-6,
+                   inter_latency=20e-6, peak_flops=20e9, device_memory=8e9, efficiency=0.5),
 }
 
 

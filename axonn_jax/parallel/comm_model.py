@@ -1,8 +1,10 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
 For a GPT and a grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
-of every collective the axonn_jax train step issues (the same convention as
-`axonn_jax.parallel.hlo.collective_bytes`, so the two can be compared exactly), turns them into time
+of every collective the axonn_jax train step issues, component by component (dense layers,
+vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends; the
+same convention as `axonn_jax.parallel.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
+per collective kind on the grids of tests/test_comm_model.py), turns them into time
 with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
 faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
 The planner ranks every grid that fits in memory by that predicted step time.

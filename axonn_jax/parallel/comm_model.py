@@ -250,15 +250,18 @@ COMPRESS_MIN_SIZE = 1024
 
 
 def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, float]:
-    """(elements reduced exactly, packed bytes exchanged) for compressed data-parallel gradients
-    on the data-only grids the trainer compresses: tensors of one dimension or fewer than
-    COMPRESS_MIN_SIZE elements stay exact; the rest are padded to whole buckets, each bucket
-    packed at `compress_bits` with a scale and an offset, and the buffer padded to `data` shards."""
-    m, n = work.model, work.model.num_layers
+    """(elements reduced exactly, packed bytes exchanged) for compressed data-parallel gradients:
+    tensors of one dimension or fewer than COMPRESS_MIN_SIZE elements stay exact; the rest are
+    padded to whole buckets, each bucket packed at `compress_bits` with a scale and an offset, and
+    the buffer padded to `data` shards. Exact on data-only grids (the ones the trainer compresses);
+    elsewhere kernels and tables count their tensor-parallel shard, biases and norms in full."""
+    m, g = work.model, grid
+    n = m.num_layers // g.pipe
     d, f, v = m.d_model, m.d_ff, m.vocab_size
-    # (elements, ndim) of every parameter tensor; block parameters are stacked over layers
-    tensors = [(v * d, 2), (m.max_seq_len * d, 2), (d * v, 2), (d, 1), (d, 1)]
-    tensors += [(n * d * d, 3)] * 4 + [(n * d * f, 3)] * 2
+    tp = g.depth * g.row * g.col
+    # (elements on this device, ndim) of every parameter tensor; block ones stacked over layers
+    tensors = [(v * d / tp, 2), (m.max_seq_len * d / tp, 2), (d * v / tp, 2), (d, 1), (d, 1)]
+    tensors += [(n * d * d / tp, 3)] * 4 + [(n * d * f / tp, 3)] * 2
     tensors += [(n * d, 2)] * 4 + [(n * f, 2), (n * d, 2)] + [(n * d, 2)] * 4
     exact = sum(size for size, ndim in tensors if ndim <= 1 or size < COMPRESS_MIN_SIZE)
     buckets = sum(math.ceil(size / COMPRESS_BUCKET) for size, ndim in tensors

@@ -46,6 +46,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       help="data-parallel size (default: devices / (pipe·depth·row·col))")
     for axis in AXES[1:]:
         grid.add_argument(f"--{axis}", type=int, default=1)
+    grid.add_argument("--auto-grid", action="store_true",
+                      help="let the communication model's planner choose the grid (and microbatches)")
     modes = p.add_argument_group("modes")
     modes.add_argument("--microbatches", type=int, default=1)
     modes.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
@@ -71,16 +73,56 @@ def _parallel_config(args, num_devices: int):
     return ParallelConfig(data=data, pipe=args.pipe, depth=args.depth, row=args.row, col=args.col)
 
 
+def _auto_grid(args, num_devices: int):
+    """The planner's fastest grid for these options on `num_devices` (the `cpu` machine preset
+    for the CPU backend's simulated devices, else one H100 node per 8 devices), among the grids
+    the trainer runs (`train.unsupported_combination`). Returns (grid, microbatches)."""
+    import dataclasses
+
+    import jax
+
+    from .models.gpt import get_config
+    from .parallel import comm_model as cm
+    from .train import TrainOptions, unsupported_combination
+
+    explicit = [f"--{a}" for a in AXES[1:] if getattr(args, a) != 1] + (["--data"] if args.data else [])
+    if explicit:
+        raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
+    machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
+    nbytes = {"float32": 4}.get(args.dtype, 2)
+    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+                       schedule=args.schedule, compress_bits=args.compress_bits,
+                       offload_optimizer=args.offload_optimizer)
+    choices = [args.microbatches] if args.microbatches > 1 else None
+    options = TrainOptions(**_option_fields(args))
+    for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
+        if not unsupported_combination(p.grid, dataclasses.replace(options, microbatches=p.microbatches)):
+            return p.grid, p.microbatches
+    raise ValueError(f"--auto-grid: no grid of {num_devices} devices runs {args.model} with "
+                     f"--batch-size {args.batch_size}")
+
+
 def _train(args) -> int:
     import jax
 
     from .train import TrainOptions, train
 
-    config = _parallel_config(args, jax.device_count())
-    fields = {k: v for k, v in vars(args).items()
-              if k in TrainOptions.__dataclass_fields__ and k != "parallel"}
-    train(TrainOptions(parallel=config, **fields))
+    if args.auto_grid:
+        config, args.microbatches = _auto_grid(args, jax.device_count())
+        grid = ",".join(f"{k}={v}" for k, v in config.as_dict().items())
+        print(f"--auto-grid: {grid}, {args.microbatches} microbatch(es)", file=sys.stderr)
+    else:
+        config = _parallel_config(args, jax.device_count())
+    train(TrainOptions(parallel=config, **_option_fields(args)))
     return 0
+
+
+def _option_fields(args) -> dict:
+    """The `TrainOptions` fields among the parsed `train` arguments (all but the grid)."""
+    from .train import TrainOptions
+
+    return {k: v for k, v in vars(args).items()
+            if k in TrainOptions.__dataclass_fields__ and k != "parallel"}
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:

@@ -207,6 +207,20 @@ def _uses_error_feedback(options: TrainOptions) -> bool:
     return options.compress_bits > 0 and options.error_feedback
 
 
+def unsupported_combination(config: ParallelConfig, options: TrainOptions) -> str | None:
+    """The combination of modes on `config` that the trainer does not run yet, spelled as flags, or
+    None when it runs."""
+    if config.pipe > 1:
+        for flag, used in (("--offload-optimizer", options.offload_optimizer),
+                           (f"--remat {options.remat}", options.remat != "none"),
+                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
+            if used:
+                return f"{flag} with --pipe > 1"
+    if config.tensor_parallel_size > 1 and options.compress_bits:
+        return f"--compress-bits {options.compress_bits} with --row/--col/--depth"
+    return None
+
+
 def check_tensor_parallel(c: gpt.GPTConfig, config: ParallelConfig) -> None:
     """Raise ValueError naming the numbers unless the GPT's dimensions split over the TP grid."""
     check_divisible("d_model", c.d_model, ("col", "depth"), config)
@@ -232,6 +246,8 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
                          f"{model_config.max_seq_len}")
     check_divisible("--batch-size", options.batch_size, ("data", "depth"), config)
+    if reason := unsupported_combination(config, options):
+        raise NotImplementedError(f"{reason} is not implemented yet")
     if options.microbatches < 1:
         raise ValueError(f"--microbatches must be positive, got {options.microbatches}")
     if options.microbatches > 1 and config.pipe == 1:
@@ -241,19 +257,11 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         if options.batch_size % (config.data * options.microbatches):
             raise ValueError(f"--batch-size = {options.batch_size} is not divisible by data × "
                              f"microbatches = {config.data} × {options.microbatches}")
-        for flag, used in (("--offload-optimizer", options.offload_optimizer),
-                           (f"--remat {options.remat}", options.remat != "none"),
-                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
-            if used:
-                raise NotImplementedError(f"{flag} with --pipe > 1 is not implemented yet")
     activation_plan = activations.make_plan(options, model_config, devices, build_trainer)
     model = gpt.GPT(model_config, dtype=DTYPES[options.dtype],
                     layer_groups=activation_plan.layer_groups() if activation_plan else None)
     if config.tensor_parallel_size > 1:
         check_tensor_parallel(model_config, config)
-        for flag, used in ((f"--compress-bits {options.compress_bits}", options.compress_bits),):
-            if used:
-                raise NotImplementedError(f"{flag} with --row/--col/--depth is not implemented yet")
         model = parallelize(model, mesh)
     optimizer, schedule = make_optimizer(options)
     offloaded = offload_opt.HostOffloadedOptimizer(

@@ -56,7 +56,11 @@ class _Interceptor:
 
     def _dense(self, m, x, features: int):
         path = _path(m)
-        transpose = self.overrides.get(path, self._input_axis(x) == "row")
+        # Record the input's layout so that sibling layers on the same input (query/key/value on
+        # one norm output that `checkpoint_name` re-wrapped) agree instead of alternating.
+        axis = self._input_axis(x)
+        self._mark(x, axis)
+        transpose = self.overrides.get(path, axis == "row")
         self.decisions[path] = transpose
         try:
             y = layers.dense_call(m, x, features, self.mesh, transpose)

@@ -1,8 +1,10 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
 For a GPT and a grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
-of every collective the axonn_jax train step issues (the same convention as
-`axonn_jax.parallel.hlo.collective_bytes`, so the two can be compared exactly), turns them into time
+of every collective the axonn_jax train step issues, component by component (dense layers,
+vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends; the
+same convention as `axonn_jax.parallel.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
+per collective kind on the grids of tests/test_comm_model.py), turns them into time
 with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
 faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
 The planner ranks every grid that fits in memory by that predicted step time.
@@ -54,6 +56,10 @@ MACHINES: dict[str, Machine] = {
     "consumer-pcie": Machine("8× RTX 3090 per node, PCIe 4 only, 10 GbE between nodes", 8, 12e9,
                              1.25e9 / 8, intra_latency=10e-6, inter_latency=30e-6,
                              peak_flops=71e12, device_memory=24e9, host_bw=12e9),
+    # Simulated devices of one host (`--xla_force_host_platform_device_count`): every "link" is a
+    # memory copy on the same CPU, and the devices share its cores.
+    "cpu": Machine("simulated CPU devices of one host", 1024, 5e9, 5e9, intra_latency=20e-6,
+                   inter_latency=20e-6, peak_flops=20e9, device_memory=8e9, efficiency=0.5),
 }
 
 
@@ -132,49 +138,147 @@ class Collective:
 
 
 def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
-    """Every collective of one train step on one device (the most loaded stage for `pipe`)."""
-    m, g = work.model, grid
-    cb = work.compute_bytes
+    """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
+    compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py).
+    Scalar reductions of the loss and the gradient norm (a few bytes) are left out."""
+    return [*_dense_collectives(work, grid), *_embedding_collectives(work, grid),
+            *_norm_collectives(work, grid), *_loss_collectives(work, grid),
+            *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
+
+
+def _local_tokens(work: Workload, grid: ParallelConfig) -> float:
+    """Tokens one device's tensor-parallel group works on per step (batch split over data·depth)."""
+    return work.tokens / (grid.data * grid.depth)
+
+
+def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """AxoNN's 3D dense layers (`axonn_jax.parallel.tensor`): kernels split over (in, out) axes and
+    over depth, activations split over the input axis."""
+    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    tokens = _local_tokens(work, grid)
     out: list[Collective] = []
-    layers_per_stage = m.num_layers // g.pipe
-    # Tokens one device's TP group works on per step: the batch is split over data and depth.
-    tokens = work.tokens / (g.data * g.depth)
     for layer in dense_layers(m):
-        count = layer.count if layer.name == "head" else layer.count // m.num_layers * layers_per_stage
+        head = layer.name == "head"
+        count = layer.count if head else layer.count // m.num_layers * (m.num_layers // g.pipe)
         fin, fout = ("row", "col") if layer.transpose else ("col", "row")
         nin, nout = getattr(g, fin), getattr(g, fout)
         block = layer.fan_in * layer.fan_out / (nin * nout)  # kernel block after the depth gather
         mm_flops = 2 * tokens * block  # one of the three matmuls of this layer on one device
         out += [
             # forward: gather the kernel over depth, partial sums over the input axis
-            Collective("all-gather", ("depth",), block * work.param_bytes, count),
+            Collective("all-gather", ("depth",), block * pb, count),
             Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count),
-            # backward: gather again, input gradient over the output axis (hidden behind the
-            # weight-gradient matmul), weight gradient reduce-scattered over depth
-            Collective("all-gather", ("depth",), block * work.param_bytes, count),
+            # backward: input gradient over the output axis (hidden behind the weight-gradient
+            # matmul), weight gradient reduce-scattered over depth
             Collective("all-reduce", (fout,), tokens * layer.fan_in / nin * cb, count,
                        overlappable=mm_flops),
-            Collective("reduce-scatter", ("depth",), block * work.param_bytes, count),
+            Collective("reduce-scatter", ("depth",), block * pb, count),
         ]
+        if not head:
+            # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
+            # head's forward and backward share one computation, where XLA reuses the gather.
+            out.append(Collective("all-gather", ("depth",), block * pb, count))
         if layer.bias:
-            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * work.param_bytes,
-                                  count))
-    # Data-parallel gradient all-reduce of this device's parameter shard (compressed: see CGX).
-    shard_params = parameters_per_device(work, grid)
-    grad_bytes = shard_params * work.param_bytes
-    if work.compress_bits:
-        # scatter-reduce as all_to_all of packed chunks, all_gather of the re-quantized result
-        packed = shard_params * work.compress_bits / 8
-        out += [Collective("all-to-all", ("data",), packed), Collective("all-gather", ("data",), packed)]
-    else:
-        out.append(Collective("all-reduce", ("data",), grad_bytes))
-    # Pipeline: every tick each stage sends one microbatch activation forward and one cotangent
-    # backward (the tick table of `axonn_jax.parallel.pipeline`).
-    if g.pipe > 1:
-        mb_act = tokens / work.microbatches * m.d_model / g.col * cb
-        ticks = 2 * (work.microbatches + g.pipe - 1)
-        out.append(Collective("collective-permute", ("pipe",), mb_act, 2 * ticks))
+            # the bias is replicated over depth, whose devices saw different tokens
+            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * pb, count))
     return out
+
+
+def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Vocabulary-parallel token and position tables: rows split over row, features over col,
+    both over depth (gathered for the lookup like a dense kernel)."""
+    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    tokens = _local_tokens(work, grid)
+    wte = m.vocab_size * m.d_model / (g.row * g.col)
+    wpe = m.max_seq_len * m.d_model / (g.row * g.col)
+    return [
+        Collective("all-gather", ("depth",), wte * pb),
+        Collective("all-gather", ("depth",), wpe * pb),
+        # each row shard looks up the ids it owns (zeros elsewhere); the sum over row completes
+        # the token embeddings, and the positions' once per sequence position
+        Collective("all-reduce", ("row",), (tokens + work.seq_len) * m.d_model / g.col * cb),
+        # token-table gradient scattered back over depth; the position gradient is first summed
+        # over the batch, which depth splits
+        Collective("reduce-scatter", ("depth",), wte * pb),
+        Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb),
+    ]
+
+
+def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """LayerNorms (two per block and the final one) on activations whose features are split over
+    col: per-token statistics are sums over col; the scale and bias are replicated over depth."""
+    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    tokens = _local_tokens(work, grid)
+    norms = 2 * (m.num_layers // g.pipe) + 1
+    return [
+        Collective("all-reduce", ("col",), 2 * tokens * cb, norms),  # forward: mean, mean of squares
+        Collective("all-reduce", ("col",), 2 * tokens * cb, norms),  # backward: the two matching sums
+        Collective("all-reduce", ("depth",), 2 * m.d_model / g.col * pb, norms),  # scale, bias grads
+    ]
+
+
+def _loss_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Cross-entropy on logits whose vocabulary is split over row (the head is a normal layer):
+    forward max, sum of exponentials and picked log-probability, backward the softmax's sum."""
+    tokens = _local_tokens(work, grid)
+    return [Collective("all-reduce", ("row",), tokens * work.compute_bytes, 4)]
+
+
+def _gradient_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Data-parallel gradient exchange of this device's parameter shard, exact or compressed (CGX,
+    `axonn_jax.parallel.compression`), and the pipeline's sum of the embedding, final norm and head
+    gradients, which every stage holds but only the first and last use."""
+    m, g, pb = work.model, grid, work.param_bytes
+    out: list[Collective] = []
+    if work.compress_bits:
+        exact, packed = _compression_split(work, grid)
+        # scatter-reduce as all_to_all of packed chunks, all_gather of the re-quantized result;
+        # small tensors take an exact psum
+        out += [Collective("all-to-all", ("data",), packed), Collective("all-gather", ("data",), packed),
+                Collective("all-reduce", ("data",), exact * pb)]
+    else:
+        out.append(Collective("all-reduce", ("data",), parameters_per_device(work, grid) * pb))
+    if g.pipe > 1:
+        outside = (2 * m.vocab_size + m.max_seq_len) * m.d_model + 2 * m.d_model
+        out.append(Collective("all-reduce", ("pipe",), outside * pb))
+    return out
+
+
+COMPRESS_BUCKET = 1024
+COMPRESS_MIN_SIZE = 1024
+"""`axonn_jax.parallel.compression` defaults: values per bucket, smallest tensor compressed."""
+
+
+def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, float]:
+    """(elements reduced exactly, packed bytes exchanged) for compressed data-parallel gradients:
+    tensors of one dimension or fewer than COMPRESS_MIN_SIZE elements stay exact; the rest are
+    padded to whole buckets, each bucket packed at `compress_bits` with a scale and an offset, and
+    the buffer padded to `data` shards. Exact on data-only grids (the ones the trainer compresses);
+    elsewhere kernels and tables count their tensor-parallel shard, biases and norms in full."""
+    m, g = work.model, grid
+    n = m.num_layers // g.pipe
+    d, f, v = m.d_model, m.d_ff, m.vocab_size
+    tp = g.depth * g.row * g.col
+    # (elements on this device, ndim) of every parameter tensor; block ones stacked over layers
+    tensors = [(v * d / tp, 2), (m.max_seq_len * d / tp, 2), (d * v / tp, 2), (d, 1), (d, 1)]
+    tensors += [(n * d * d / tp, 3)] * 4 + [(n * d * f / tp, 3)] * 2
+    tensors += [(n * d, 2)] * 4 + [(n * f, 2), (n * d, 2)] + [(n * d, 2)] * 4
+    exact = sum(size for size, ndim in tensors if ndim <= 1 or size < COMPRESS_MIN_SIZE)
+    buckets = sum(math.ceil(size / COMPRESS_BUCKET) for size, ndim in tensors
+                  if not (ndim <= 1 or size < COMPRESS_MIN_SIZE))
+    buckets = math.ceil(buckets / grid.data) * grid.data
+    return exact, buckets * (COMPRESS_BUCKET * work.compress_bits / 8 + 2 * work.param_bytes)
+
+
+def _pipeline_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Every tick each stage sends one microbatch activation forward and one cotangent backward
+    (the tick table of `axonn_jax.parallel.pipeline`)."""
+    m, g = work.model, grid
+    if g.pipe == 1:
+        return []
+    mb_act = _local_tokens(work, grid) / work.microbatches * m.d_model / g.col * work.compute_bytes
+    ticks = 2 * (work.microbatches + g.pipe - 1)
+    return [Collective("collective-permute", ("pipe",), mb_act, 2 * ticks)]
 
 
 def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:

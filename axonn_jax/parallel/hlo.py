@@ -69,6 +69,12 @@ def _group_size(attrs: str, num_devices: int) -> int:
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups, size]<=[...]
     if m:
         return int(m.group(1).split(",")[-1])
+    # Mesh form: `mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}`, the braces naming the
+    # mesh axes each group spans.
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
     m = re.search(r"replica_groups=\{(\{[0-9,]*\})", attrs)
     if m:
         first = m.group(1).strip("{}")

@@ -485,7 +485,7 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     start = int(state["step"])
 
     compiled = trainer.train_step.lower(state, trainer.batch(corpus.train, start)).compile()
-    if options.dump_hlo:
+    if options.dump_hlo and is_main:
         out = pathlib.Path(options.dump_hlo)
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_step.hlo.txt").write_text(compiled.as_text())

@@ -1,0 +1,80 @@
+"""Compressed against exact data-parallel gradients across processes on this machine.
+
+Each configuration runs as `axonn-jax launch --nprocs P --devices-per-proc 1 -- train ...`: P
+processes with one CPU device each, their collectives over loopback (gloo). Wire bytes come from
+the compiled train step's HLO (`--dump-hlo`); step time is the median `step_time_s` of process 0's
+metrics after two warm-up steps. Results: benchmarks/results/compression_multiproc.{json,md}.
+
+    python benchmarks/bench_compression_multiproc.py [--models gpt-mini gpt-small] [--nprocs 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from axonn_jax.parallel.hlo import wire_bytes
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(model: str, bits: int, nprocs: int, steps: int, batch: int, seq: int, work: pathlib.Path):
+    """(median step seconds, wire bytes per device per step) of one multi-process training run."""
+    tag = f"{model}-{bits or 'exact'}"
+    metrics, hlo = work / f"{tag}.jsonl", work / f"hlo-{tag}"
+    cmd = [sys.executable, "-m", "axonn_jax.cli", "launch", "--nprocs", str(nprocs),
+           "--devices-per-proc", "1", "--log-dir", str(work / f"logs-{tag}"), "--",
+           "train", "--model", model, "--steps", str(steps), "--batch-size", str(batch),
+           "--seq-len", str(seq), "--eval-batches", "1", "--eval-every", str(steps),
+           "--data", str(REPO / "axonn_jax"), "--metrics-out", str(metrics), "--dump-hlo", str(hlo)]
+    if bits:
+        cmd += ["--compress-bits", str(bits)]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, text=True)
+    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines()][2:]
+    wire = sum(wire_bytes((hlo / "train_step.hlo.txt").read_text()).values())
+    return statistics.median(times), wire
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["gpt-mini", "gpt-small"])
+    p.add_argument("--bits", nargs="+", type=int, default=[0, 4])
+    p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for bits in args.bits:
+                step_s, wire = run(model, bits, args.nprocs, args.steps, args.batch_size,
+                                   args.seq_len, pathlib.Path(tmp))
+                rows.append({"model": model, "bits": bits, "step_s": step_s, "wire_bytes": wire})
+                print(rows[-1], flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = f"{args.nprocs} processes × 1 CPU device, loopback (gloo), {platform.machine()}"
+    (out / "compression_multiproc.json").write_text(json.dumps({"device": device, **vars(args),
+                                                                "rows": rows}, indent=1))
+    lines = [f"# Compressed gradients across processes ({device})", "",
+             f"batch {args.batch_size} × {args.seq_len} tokens, median of steps 3–{args.steps}.", "",
+             "| model | bits | wire bytes/device/step | vs exact | step ms | vs exact |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["bits"] == 0)
+        lines.append(f"| {r['model']} | {r['bits'] or 'exact'} | {r['wire_bytes']:,.0f} | "
+                     f"{r['wire_bytes'] / base['wire_bytes']:.3f} | {r['step_s'] * 1e3:.0f} | "
+                     f"{r['step_s'] / base['step_s']:.2f} |")
+    (out / "compression_multiproc.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

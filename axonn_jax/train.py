@@ -137,7 +137,7 @@ class Trainer:
     `pinned_host` (see `offload.optimizer`).
     With `--compress-bits` and error feedback it also holds `'compression'`: the residuals, each
     leaf `[data, *param.shape]` split over `data` (one residual per data shard).
-    Batches are `(batch_size, seq_len + 1)` int32 split over `data`.
+    Batches are `(batch_size, seq_len + 1)` int32 split over `data` and `depth`.
     """
 
     options: TrainOptions
@@ -151,7 +151,8 @@ class Trainer:
     eval_loss: Callable
     param_spec: Callable[[tuple], P] = lambda path: P()  # state key path -> PartitionSpec
     # The two halves of `train_step`, unjitted, for steps that exchange gradients between them
-    # (parallel/mpi.py): (params, batch) -> (loss, grads) and (state, loss, grads) -> (state, metrics).
+    # (parallel/mpi.py): (params, batch, loss scale, step, compression residual) -> (loss, grads,
+    # residual) and (state, loss, grads, residual=None) -> (state, metrics).
     loss_and_grads: Callable | None = None
     apply_grads: Callable | None = None
     offloaded: offload_opt.HostOffloadedOptimizer | None = None

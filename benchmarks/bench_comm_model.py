@@ -15,18 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def trainer_runs(grid, work) -> bool:
-    """The combinations `build_trainer` accepts (tensor parallelism without pipe or compression)."""
-    tp = grid.depth * grid.row * grid.col > 1
-    return not (tp and (grid.pipe > 1 or work.compress_bits))
+from timing import median_step_time  # noqa: E402  (benchmarks/timing.py)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -53,32 +47,25 @@ def main() -> None:
 
     from axonn_jax.models.gpt import get_config
     from axonn_jax.parallel import comm_model as cm
-    from axonn_jax.train import TrainOptions, build_trainer
+    from axonn_jax.train import TrainOptions, build_trainer, unsupported_combination
 
     machine = cm.MACHINES["cpu"]
     work = cm.Workload(get_config(args.model), args.batch, args.seq_len, compute_bytes=4,
                        schedule="gpipe")
-    ranked = [q for q in cm.plan(work, 8, machine) if trainer_runs(q.grid, work)]
+    ranked = cm.plan(work, 8, machine)
     tokens = np.arange(100_000) % 256
     rows = []
     for q in ranked:
         options = TrainOptions(model=args.model, batch_size=args.batch, seq_len=args.seq_len,
                                parallel=q.grid, microbatches=q.microbatches, schedule="gpipe")
+        if unsupported_combination(q.grid, options):
+            continue
         trainer = build_trainer(options, jax.devices())
-        state = trainer.init_state()
-        batch = trainer.batch(tokens, 0)
         # The jitted step (not a lowered executable): it re-places the state it returns.
-        step = trainer.train_step
-        state, _ = step(state, batch)  # compile and warm up
-        jax.block_until_ready(state)
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            state, _ = step(state, batch)
-            jax.block_until_ready(state)
-            times.append(time.perf_counter() - t0)
+        measured, _ = median_step_time(trainer.train_step, trainer.init_state(),
+                                       trainer.batch(tokens, 0), args.steps)
         row = {"grid": {k: v for k, v in q.grid.as_dict().items()}, "microbatches": q.microbatches,
-               "predicted_s": q.step_time_s, "measured_s": statistics.median(times)}
+               "predicted_s": q.step_time_s, "measured_s": measured}
         rows.append(row)
         print(json.dumps(row), flush=True)
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])

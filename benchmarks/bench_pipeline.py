@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from timing import median_step_time  # noqa: E402  (benchmarks/timing.py)
 
 
 def _op_time(fn, *args, repeats: int) -> float:
@@ -131,9 +132,7 @@ def main(argv=None) -> int:
 
     simulate_cpu_devices(8)
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding
 
     from axonn_jax import ParallelConfig
     from axonn_jax.parallel.pipeline import make_schedule
@@ -153,14 +152,8 @@ def main(argv=None) -> int:
             trainer.batch_sharding)
         compiled = trainer.train_step.lower(state, batch).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        state, _ = compiled(state, batch)  # warm-up
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times), temp
+        seconds, _ = median_step_time(compiled, state, batch, args.steps)
+        return seconds, temp
 
     costs = None
     for m in (p, 2 * p, 4 * p, 8 * p):

@@ -118,10 +118,10 @@ def test_launch_equals_single_process(nprocs, per_proc, grid, reference, tmp_pat
 
 @pytest.mark.parametrize("nprocs, per_proc", [(2, 4), (4, 2)])
 def test_mpirun_transport_equals_single_process(nprocs, per_proc, reference, tmp_path):
-    pytest.importorskip("mpi4jax")
+    import mpi4jax  # noqa: F401  (`make test` installs the `mpi` extra: its absence is a failure)
+
     mpirun = _mpirun()
-    if mpirun is None:
-        pytest.skip("mpirun not found (install the `mpi` extra)")
+    assert mpirun, "mpirun not found next to this Python: install the `mpi` extra (make test does)"
     metrics = tmp_path / "m.jsonl"
     job = [mpirun, "-n", str(nprocs), *cli("train", *RUN, "--transport", "mpi", "--devices",
                                            str(per_proc), "--metrics-out", str(metrics),

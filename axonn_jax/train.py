@@ -212,8 +212,7 @@ def unsupported_combination(config: ParallelConfig, options: TrainOptions) -> st
     """The combination of modes on `config` that the trainer does not run yet, spelled as flags, or
     None when it runs."""
     if config.pipe > 1:
-        for flag, used in (("--offload-optimizer", options.offload_optimizer),
-                           (f"--remat {options.remat}", options.remat != "none"),
+        for flag, used in ((f"--remat {options.remat}", options.remat != "none"),
                            (f"--compress-bits {options.compress_bits}", options.compress_bits)):
             if used:
                 return f"{flag} with --pipe > 1"
@@ -267,7 +266,8 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     optimizer, schedule = make_optimizer(options)
     offloaded = offload_opt.HostOffloadedOptimizer(
         make_adamw(options)[0], options.clip_norm, DTYPES[options.dtype], model_config.num_layers,
-        guard=precision.uses_guard(options.dtype)) if options.offload_optimizer else None
+        num_stages=config.pipe, guard=precision.uses_guard(options.dtype)) \
+        if options.offload_optimizer else None
     batch_sharding = NamedSharding(mesh, P(("data", "depth")))
     if options.compress_bits:
         compression.check_args(options.compress_bits, options.compress_bucket)

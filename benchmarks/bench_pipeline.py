@@ -18,7 +18,7 @@ the batch grows with M) and each schedule it reports:
 - wall-clock step time of the pipelined step and of the same devices used for data parallelism
   only (same global batch), medians after warm-up; on a shared 2-core host these wall times measure
   total work under contention, not parallel speed.
-Results go to benchmarks/results/pipeline.json and pipeline.png.
+Results go to benchmarks/results/<name>.json, <name>.md and <name>.png (`--name`, default pipeline).
 """
 from __future__ import annotations
 
@@ -91,22 +91,15 @@ def operation_costs(trainer, rows: int, seq_len: int, repeats: int) -> dict[str,
 
 
 def replay(schedule, costs: dict[str, float]) -> dict[str, float]:
-    """Step time and stage busy times of a tick table under the lockstep tick model."""
+    """Step time and bubble of a tick table when every tick lasts as long as its slowest stage."""
     import numpy as np
 
     p = schedule.num_stages
-
-    def cost(t, s):
-        if schedule.forward[t, s] >= 0:
-            # The engine skips the last stage's forward: its backward recomputes it.
-            return 0.0 if s == p - 1 else costs["F_first" if s == 0 else "F_middle"]
-        if schedule.backward[t, s] >= 0:
-            return costs["B_first" if s == 0 else "B_last" if s == p - 1 else "B_middle"]
-        return 0.0
-
-    table = np.array([[cost(t, s) for s in range(p)] for t in range(schedule.num_ticks)])
-    step = float(table.max(axis=1).sum())
-    busy = table.sum(axis=0)
+    # The engine skips the last stage's forward: its backward recomputes it.
+    forward = [costs["F_first"]] + [costs["F_middle"]] * (p - 2) + [0.0]
+    backward = [costs["B_first"]] + [costs["B_middle"]] * (p - 2) + [costs["B_last"]]
+    step = schedule.step_time(forward, backward)
+    busy = (schedule.busy_ticks() * np.stack([forward, backward], axis=1)).sum(axis=1)
     return {"modeled_step_s": step, "measured_bubble": float(1 - busy.mean() / step)}
 
 
@@ -118,14 +111,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--model", default="gpt-tiny-deep")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--steps", type=int, default=5, help="timed train steps per configuration")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed train steps per configuration (0: compile and replay only)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default="pipeline", help="file name stem of the results")
     ap.add_argument("--replot", action="store_true",
-                    help="only redraw the plot and table from the saved pipeline.json")
+                    help="only redraw the plot and table from the saved <name>.json")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     if args.replot:
-        write_report(json.loads((out / "pipeline.json").read_text()), out)
+        write_report(json.loads((out / f"{args.name}.json").read_text()), out, args.name)
         return 0
 
     from axonn_jax.mesh import simulate_cpu_devices
@@ -152,6 +147,8 @@ def main(argv=None) -> int:
             trainer.batch_sharding)
         compiled = trainer.train_step.lower(state, batch).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
+        if not args.steps:
+            return None, temp
         seconds, _ = median_step_time(compiled, state, batch, args.steps)
         return seconds, temp
 
@@ -186,16 +183,16 @@ def main(argv=None) -> int:
             print(json.dumps(row))
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline.json").write_text(json.dumps(results, indent=1))
-    write_report(results, out)
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    write_report(results, out, args.name)
     return 0
 
 
-def write_report(results, out: pathlib.Path) -> None:
-    """pipeline.png (memory and bubble against M) and pipeline.md (the table)."""
+def write_report(results, out: pathlib.Path, name: str) -> None:
+    """<name>.png (memory and bubble against M) and <name>.md (the table)."""
     from axonn_jax.parallel.pipeline import make_schedule
 
-    plot(results, out / "pipeline.png")
+    plot(results, out / f"{name}.png")
     p, costs = results["pipe"], results["operation_costs_s"]
     # The bubble left when M is large: unequal stage costs (embedding on the first stage, head and
     # loss on the last) and, for 1F1B, ticks in which one stage runs a forward while its neighbour
@@ -229,23 +226,26 @@ def write_report(results, out: pathlib.Path) -> None:
         lines.append(
             f"| {r['schedule']} | {r['microbatches']} | {r['ticks']} | {r['predicted_bubble']:.3f} "
             f"| {r['measured_bubble']:.3f} | {even_bubble:.3f} | {r['stash_slots']} | {r['stash_bytes'] / 1024:.0f} "
-            f"| {r['temp_bytes'] / 2**20:.2f} | {r['step_time_s'] * 1e3:.1f} "
-            f"| {r['no_pipeline_step_time_s'] * 1e3:.1f} | {r['no_pipeline_temp_bytes'] / 2**20:.2f} |")
+            f"| {r['temp_bytes'] / 2**20:.2f} | {_ms(r['step_time_s'])} "
+            f"| {_ms(r['no_pipeline_step_time_s'])} | {r['no_pipeline_temp_bytes'] / 2**20:.2f} |")
     lines += [
         "",
-        "Notes. Memory: at a fixed microbatch size 1F1B's compiled temporary bytes stay flat (its "
-        "stash is min(P, M) stage inputs) while GPipe's grow by one stage input per microbatch, and "
-        "the unpipelined step's grow with the whole batch. Bubble: the engine ends every tick with "
-        "a ppermute, so a tick lasts as long as its slowest stage. GPipe's ticks are all-forward or "
-        "all-backward, and with even stages its bubble is (P−1)/(M+P−1) plus the last stage's "
-        "skipped forwards (its backward recomputes them). In 1F1B's steady state neighbouring "
-        "stages run a forward and a backward (recompute + vjp, 3–4× longer) in the same tick, so "
-        "1F1B buys its memory bound with a bubble that does not vanish as M grows. Step times are "
-        "wall-clock medians on a 2-core host shared with other jobs, with all 8 simulated devices "
-        "on those cores: they measure total work under contention, not parallel speed.",
+        "Notes. Memory: at a fixed microbatch size 1F1B's compiled temporary bytes stay flat once "
+        "M ≥ 2P−3 (its stash is min(M, 2P−3) stage inputs) while GPipe's grow by one stage input "
+        "per microbatch, and the unpipelined step's grow with the whole batch. Bubble: the engine "
+        "ends every tick with a ppermute, so a tick lasts as long as its slowest stage; a tick "
+        "holds at most one forward and one backward per stage, so with even stages both schedules "
+        "leave exactly (P−1)/(M+P−1) idle ('even stages' column). What the measured column adds "
+        "is stage imbalance: the first stage also embeds, the last also runs the head and the loss. "
+        "Step times (when measured) are wall-clock medians on a 2-core host with all simulated "
+        "devices on those cores: they measure total work under contention, not parallel speed.",
     ]
-    (out / "pipeline.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'pipeline.json'}, pipeline.png and pipeline.md")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / name}.json, .png and .md")
+
+
+def _ms(seconds) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def plot(results, path) -> None:

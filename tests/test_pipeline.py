@@ -14,6 +14,7 @@ from axonn_jax import ParallelConfig
 from axonn_jax import data as data_lib
 from axonn_jax.cli import main as cli_main
 from axonn_jax.models import gpt
+from axonn_jax.parallel import hlo
 from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
@@ -32,7 +33,6 @@ def test_schedule_table(name, p, factor):
     m = factor * p
     s = make_schedule(name, p, m)
     f, b = s.forward, s.backward
-    assert not ((f >= 0) & (b >= 0)).any(), "one operation per stage per tick"
     tick = {}
     for stage in range(p):
         assert sorted(f[:, stage][f[:, stage] >= 0]) == list(range(m))
@@ -48,15 +48,19 @@ def test_schedule_table(name, p, factor):
                 assert tick["F", mb, stage] > tick["F", mb, stage - 1]
             if stage < p - 1:
                 assert tick["B", mb, stage] > tick["B", mb, stage + 1]
-            assert tick["B", mb, stage] > tick["F", mb, stage]
+            assert tick["B", mb, stage] >= tick["F", mb, stage]  # F runs first within a tick
         if name == "gpipe":
-            assert tick["B", mb, p - 1] > max(tick["F", i, p - 1] for i in range(m))
-    # Both schedules take 2(M+P-1) ticks: a stage is busy 2M of them, the bubble is (P-1)/(M+P-1).
-    assert s.num_ticks == 2 * (m + p - 1)
-    assert (s.busy_ticks().sum(1) == 2 * m).all()
-    assert 1 - 2 * m / s.num_ticks == pytest.approx(s.predicted_bubble())
-    # Stashed stage inputs: all M for GPipe, at most P (the stage count) for 1F1B.
-    assert s.stash_slots == (m if name == "gpipe" else min(p, m))
+            assert tick["B", mb, p - 1] >= max(tick["F", i, p - 1] for i in range(m))
+    # With every stage costing the same, the lockstep ticks leave exactly (P−1)/(M+P−1) idle,
+    # whatever a backward costs against a forward.
+    for backward_cost in (1.0, 2.0, 3.0):
+        step = s.step_time(1.0, backward_cost)
+        assert 1 - m * (1 + backward_cost) / step == pytest.approx(s.predicted_bubble())
+    # Stashed stage inputs: all M for GPipe, at most 2P−3 (bounded by stages) for 1F1B.
+    if name == "gpipe":
+        assert s.stash_slots == m
+    else:
+        assert s.stash_slots == (1 if p <= 2 else min(m, 2 * p - 3))
 
 
 def test_bad_schedule_name():
@@ -154,6 +158,28 @@ def test_pipeline_trajectory(reference, devices, grid, schedule, m, steps):
     assert state["params"]["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
     assert state["opt_state"][1][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
     assert state["params"]["wte"]["embedding"].sharding.spec == P()
+
+
+def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
+    """Host-resident masters and moments with `--pipe 4 --data 2`: the same trajectory as one
+    device, the state on the host split over `pipe` like its parameters, and an update that moves
+    no block state between stages (no all-gather or all-to-all in the compiled step)."""
+    config = ParallelConfig(pipe=4, data=2)
+    trainer = build_trainer(TrainOptions(**BASE, steps=3, parallel=config, microbatches=4,
+                                         offload_optimizer=True), devices)
+    state = trainer.init_state()
+    # The update alone: only the gradient norm's all-reduce, no block state crossing stages.
+    update = jax.jit(trainer.apply_grads).lower(state, np.float32(0), state["params"]).compile()
+    assert {c.kind for c in hlo.collectives(update.as_text())} <= {"all-reduce"}
+    batch = trainer.batch(reference["corpus"].train, 0)
+    compiled = trainer.train_step.lower(state, batch).compile()
+    got = []
+    for step in range(3):
+        state, metrics = compiled(state, trainer.batch(reference["corpus"].train, step))
+        got.append(float(metrics["loss"]))
+    assert relative_difference(got, reference["trajectory"][:3]) <= 1e-5
+    master = state["opt_state"]["master"]["blocks"]["mlp_up"]["kernel"]
+    assert master.sharding.memory_kind == "pinned_host" and master.sharding.spec == P("pipe")
 
 
 def test_cli_pipeline_with_data_trajectory(reference, corpus_path, tmp_path):

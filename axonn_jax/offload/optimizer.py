@@ -9,7 +9,9 @@ Layout of the train state with offload:
 
 The update streams the host state through the device in pieces: one `fori_loop` iteration per layer
 of the stacked `blocks` parameters (leading layer axis), then buckets of at most `bucket_bytes` of
-the other parameters. Each piece is `device_put` to the device, updated, and put back to
+the other parameters. With pipeline stages the layer axis is split over `pipe`, so iteration `i`
+updates layer `i` of every stage at once (the stack viewed as `(stages, layers per stage, …)`) and
+no state crosses between stages. Each piece is `device_put` to the device, updated, and put back to
 `pinned_host`, so the compiled program holds one piece of fp32 state on the device at a time and
 XLA can overlap the transfers of one piece with the arithmetic of the next.
 
@@ -84,6 +86,8 @@ class HostOffloadedOptimizer:
 
     compute_dtype: dtype of the device parameters (the model's compute dtype).
     num_layers: length of the leading axis of the stacked `stacked_key` parameters.
+    num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration updates
+      one layer per stage.
     guard: skip (leave params and state unchanged) a step whose gradients are not finite.
     """
 
@@ -91,6 +95,7 @@ class HostOffloadedOptimizer:
     clip_norm: float
     compute_dtype: Any
     num_layers: int
+    num_stages: int = 1
     stacked_key: str = "blocks"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     guard: bool = False
@@ -174,16 +179,21 @@ class HostOffloadedOptimizer:
 
         layer_index = [j for j, s in enumerate(stacked) if s]
         if layer_index:
+            stages = self.num_stages
+            per_stage = lambda x: x.reshape(stages, self.num_layers // stages, *x.shape[1:])
+
             def body(i, carry):
                 master, state_leaves, param_leaves, _ = carry
-                pick = lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-                put = lambda full, x: jax.lax.dynamic_update_index_in_dim(full, x, i, 0)
+                # Layer i of every stage, `(stages, ...)`: local to each stage under `pipe`.
+                pick = lambda x: jax.lax.dynamic_index_in_dim(per_stage(x), i, 1, keepdims=False)
+                put = lambda full, x: jax.lax.dynamic_update_index_in_dim(
+                    per_stage(full), x, i, 1).reshape(full.shape)
                 new_m, new_s = update_piece(layer_index, pick, scalars)
                 out = write(new_m, new_s, put, master, state_leaves, param_leaves)
                 return (*out, [a for r, a in zip(roles, new_s) if r.param is None])
 
             master, state_leaves, param_leaves, new_scalars = jax.lax.fori_loop(
-                0, self.num_layers, body, (master, state_leaves, param_leaves, scalars))
+                0, self.num_layers // stages, body, (master, state_leaves, param_leaves, scalars))
 
         sizes = [x.size * 4 for x in param_leaves]
         for group in buckets(sizes, [j for j, s in enumerate(stacked) if not s], self.bucket_bytes):

@@ -23,6 +23,7 @@ from typing import Iterable
 
 from ..config import AXES, ParallelConfig
 from ..models.gpt import GPTConfig
+from .pipeline import make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -277,7 +278,7 @@ def _pipeline_collectives(work: Workload, grid: ParallelConfig) -> list[Collecti
     if g.pipe == 1:
         return []
     mb_act = _local_tokens(work, grid) / work.microbatches * m.d_model / g.col * work.compute_bytes
-    ticks = 2 * (work.microbatches + g.pipe - 1)
+    ticks = make_schedule(work.schedule, g.pipe, work.microbatches).num_ticks
     return [Collective("collective-permute", ("pipe",), mb_act, 2 * ticks)]
 
 
@@ -312,7 +313,7 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice.
     per_block = (16 * tokens * m.d_model / (g.row * g.col)
                  + 2 * tokens * work.seq_len * m.num_heads / g.row) * work.compute_bytes
-    stashed = {"gpipe": work.microbatches, "1f1b": g.pipe}[work.schedule] if g.pipe > 1 else 1
+    stashed = make_schedule(work.schedule, g.pipe, work.microbatches).stash_slots if g.pipe > 1 else 1
     stash = stashed * tokens * m.d_model / g.col * work.compute_bytes
     activations = per_block * (m.num_layers // g.pipe) + stash
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,

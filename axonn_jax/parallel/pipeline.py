@@ -2,22 +2,30 @@
 
 The stack of layers is split into `P` stages over the `pipe` mesh axis (stage `s` holds layers
 `s·L/P … (s+1)·L/P − 1`). The batch is cut into `M` microbatches. Time advances in clock ticks; in
-every tick each stage performs at most one operation — the forward (F) or the backward (B) of one
-microbatch — chosen from a static table computed here in Python, and then every stage hands its
+every tick each stage runs at most one forward (F) and then at most one backward (B), each of one
+microbatch, chosen from a static table computed here in Python, and then every stage hands its
 output activation to the next stage and its input cotangent to the previous one with two
 `jax.lax.ppermute`s over `pipe`. The whole loop is one `lax.scan` over ticks inside a shard_map that
 is manual over `pipe` (and over `data` when the caller's step is).
 
+Because the stages run in lockstep, a tick lasts as long as the slowest stage's work in it. Letting
+a tick hold one F *and* one B is what makes the bubble (P−1)/(M+P−1) whatever the F:B cost ratio:
+warm-up ticks hold only forwards, steady-state ticks one forward and one backward on every stage,
+drain ticks only backwards, so the step lasts (M+P−1)·(F+B) against M·(F+B) of work per stage.
+(A tick holding either an F or a B, as in an asynchronous 1F1B, would run a forward on one stage
+beside a 3× longer backward on its neighbour and waste most of the steady state.)
+
 Schedules (per stage, in the order the stage runs its operations):
 - `gpipe`: all M forwards, then all M backwards. A stage keeps the inputs of all M microbatches.
-- `1f1b`:  `P−1−s` warm-up forwards, then one forward and one backward alternate, then the
-  remaining backwards. A stage keeps at most `P` microbatches' inputs, whatever M is.
+- `1f1b`:  `2(P−1−s)` warm-up forwards (a microbatch's forward and its cotangent need one tick per
+  hop to the last stage and back), then one forward and one backward per tick, then the remaining
+  backwards. A stage keeps at most `2P−3` microbatches' inputs (P ≥ 2), whatever M is.
 
 The backward is scheduled by hand, not by autodiff of the loop: the B operation of microbatch m on
 stage s runs `jax.vjp` of the stage function at the stage input stashed by its forward, i.e. the
 stage forward is recomputed inside the backward tick. Keeping `jax.vjp` residuals instead would
 store every intermediate of `L/P` blocks (about 16·b·t·d floats plus the `b·h·t²` attention
-probabilities per block) for each of up to M (GPipe) or P (1F1B) microbatches; the stash of stage
+probabilities per block) for each of up to M (GPipe) or 2P−3 (1F1B) microbatches; the stash of stage
 inputs is one `b·t·d` activation per microbatch, for one extra stage forward per microbatch (B costs
 about 3 forwards instead of 2). That is the trade AxoNN and GPipe make for large models.
 
@@ -29,6 +37,7 @@ at the end. Block-parameter gradients stay on their stage (split over `pipe` lik
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -46,9 +55,10 @@ class Schedule:
     """A static pipeline timetable.
 
     forward[t, s] / backward[t, s]: the microbatch stage `s` runs forward / backward in tick `t`,
-    or -1. At most one of the two is set per (t, s). stash_slots: the most microbatch inputs any stage
-    holds at once (arrived, not yet backwarded); cotangent_slots: likewise for cotangents that
-    arrived before their backward could run.
+    or -1 (both may be set: the forward runs first). stash_slots: the most microbatch inputs any
+    stage that receives activations holds at once (arrived, not yet backwarded; the first stage
+    embeds its tokens again instead); cotangent_slots: likewise for cotangents that arrived before
+    their backward could run.
     """
 
     name: str
@@ -64,11 +74,22 @@ class Schedule:
         return self.forward.shape[0]
 
     def busy_ticks(self) -> np.ndarray:
-        """Ticks each stage spends on forwards and on backwards: `(num_stages, 2)`."""
+        """Ticks in which each stage runs a forward and a backward: `(num_stages, 2)`."""
         return np.stack([(self.forward >= 0).sum(0), (self.backward >= 0).sum(0)], axis=1)
 
+    def step_time(self, forward_cost, backward_cost) -> float:
+        """Duration of the timetable when every tick waits for its slowest stage.
+
+        forward_cost / backward_cost: seconds of one operation, a number or a `(num_stages,)`
+        array (stages differ: the first embeds, the last runs the head and the loss).
+        """
+        f = np.broadcast_to(np.asarray(forward_cost, float), (self.num_stages,))
+        b = np.broadcast_to(np.asarray(backward_cost, float), (self.num_stages,))
+        per_tick = (self.forward >= 0) * f + (self.backward >= 0) * b
+        return float(per_tick.max(axis=1).sum())
+
     def predicted_bubble(self) -> float:
-        """(P−1)/(M+P−1): the idle fraction of a stage when F and B each take one tick."""
+        """(P−1)/(M+P−1): the idle fraction of a stage when all stages cost the same."""
         p, m = self.num_stages, self.num_microbatches
         return (p - 1) / (m + p - 1)
 
@@ -77,16 +98,20 @@ def _stage_order(name: str, num_stages: int, num_microbatches: int, stage: int) 
     m = num_microbatches
     if name == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(num_stages - 1 - stage, m)
+    # B(i) on stage s can run 2(P−1−s) ticks after F(i) at the earliest (one tick per hop to the
+    # last stage and back): that many forwards first keep every steady-state tick full.
+    warmup = min(2 * (num_stages - 1 - stage), m)
     ops = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         ops += [("F", warmup + i), ("B", i)]
     return ops + [("B", i) for i in range(m - warmup, m)]
 
 
+@functools.lru_cache(maxsize=256)
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Run each stage's operation list as early as its inputs allow: F(m, s) one tick after
-    F(m, s−1), B(m, s) one tick after B(m, s+1) (the last stage: after its own F(m))."""
+    """Run each stage's operation list as early as its inputs allow, at most one F and one B per
+    tick: F(m, s) one tick after F(m, s−1), B(m, s) one tick after B(m, s+1) (the last stage: in
+    the tick of its own F(m) or later)."""
     if name not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
     p, m = num_stages, num_microbatches
@@ -97,41 +122,43 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule
     position = [0] * p
     forward_rows, backward_rows = [], []
     tick = 0
+
+    def ready(op, mb, s):
+        if op == "F":
+            return s == 0 or done.get(("F", mb, s - 1), tick) < tick
+        if s == p - 1:
+            return ("F", mb, s) in done  # this tick's forward runs before its backward
+        return done.get(("B", mb, s + 1), tick) < tick
+
     while any(position[s] < len(orders[s]) for s in range(p)):
-        f_row, b_row = [-1] * p, [-1] * p
+        rows = {"F": [-1] * p, "B": [-1] * p}
         for s in range(p):
-            if position[s] == len(orders[s]):
-                continue
-            op, mb = orders[s][position[s]]
-            if op == "F":
-                dep = ("F", mb, s - 1) if s > 0 else None
-            else:
-                dep = ("B", mb, s + 1) if s < p - 1 else ("F", mb, s)
-            if dep is None or done.get(dep, tick) < tick:
-                (f_row if op == "F" else b_row)[s] = mb
-        for s in range(p):
-            for op, row in (("F", f_row), ("B", b_row)):
-                if row[s] >= 0:
-                    done[(op, row[s], s)] = tick
-                    position[s] += 1
-        forward_rows.append(f_row)
-        backward_rows.append(b_row)
+            while position[s] < len(orders[s]):
+                op, mb = orders[s][position[s]]
+                if rows[op][s] >= 0 or not ready(op, mb, s):
+                    break
+                rows[op][s] = mb
+                done[(op, mb, s)] = tick
+                position[s] += 1
+        forward_rows.append(rows["F"])
+        backward_rows.append(rows["B"])
         tick += 1
         if tick > 4 * (m + p) + 4:  # pragma: no cover - the orders above never deadlock
             raise RuntimeError(f"schedule {name} with P={p}, M={m} does not terminate")
     forward, backward = np.asarray(forward_rows, np.int32), np.asarray(backward_rows, np.int32)
+    receivers = range(1, p) if p > 1 else range(p)
     stash = _max_live(lambda mb, s: done[("F", mb, s - 1)] + 1 if s else done[("F", mb, s)],
-                      lambda mb, s: done[("B", mb, s)], p, m)
+                      lambda mb, s: done[("B", mb, s)], receivers, m)
     cot = _max_live(lambda mb, s: done[("B", mb, s + 1)] + 1 if s < p - 1 else done[("B", mb, s)],
-                    lambda mb, s: done[("B", mb, s)], p, m)
+                    lambda mb, s: done[("B", mb, s)], range(p), m)
     return Schedule(name, p, m, forward, backward, stash, cot)
 
 
-def _max_live(arrive: Callable, leave: Callable, p: int, m: int) -> int:
-    """Most microbatches any stage holds in [arrive, leave]. Microbatches arrive and leave every
-    stage in order (FIFO), so slot `mb % slots` never holds two live microbatches."""
+def _max_live(arrive: Callable, leave: Callable, stages, m: int) -> int:
+    """Most microbatches any of `stages` holds in [arrive, leave]. Microbatches arrive and leave
+    every stage in order (FIFO), so slot `mb % slots` never holds two live microbatches."""
     most = 1
-    for s in range(p):
+    for s in stages:
         spans = [(arrive(mb, s), leave(mb, s)) for mb in range(m)]
         assert all(a <= b for a, b in spans) and spans == sorted(spans), (s, spans)
         for t in {a for a, _ in spans}:
@@ -214,17 +241,16 @@ def pipeline_loss_and_grads(
         cots = cots.at[slot].set(jnp.where(got_cot >= 0, cot_in, cots[slot]))
 
         f_mb, b_mb = forward_table[t, stage], backward_table[t, stage]
-        mb = jnp.maximum(jnp.maximum(f_mb, b_mb), 0)
-        x_tokens, y_targets = inputs[mb], targets[mb]
-        x_in = stash[mb % k_act]
+        f_slot, b_slot = jnp.maximum(f_mb, 0), jnp.maximum(b_mb, 0)
 
         def forward(_):
-            return stage_forward(params, x_in, x_tokens)
+            return stage_forward(params, stash[f_slot % k_act], inputs[f_slot])
 
         def backward(_):
+            x_tokens, y_targets = inputs[b_slot], targets[b_slot]
             (y, mb_loss), vjp = jax.vjp(lambda prm, x: stage_apply(prm, x, x_tokens, y_targets),
-                                        params, x_in)
-            g_y = jnp.where(last, jnp.zeros_like(y), cots[mb % k_cot])
+                                        params, stash[b_slot % k_act])
+            g_y = jnp.where(last, jnp.zeros_like(y), cots[b_slot % k_cot])
             g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
             g_params, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
             return g_params, g_x, mb_loss

@@ -8,22 +8,18 @@ initializers are Flax's, so the parameter tree is the original's: `init` returns
 `nn.Partitioned` (`nn.get_partition_spec` gives the placement, `nn.unbox` the plain tree, which the
 original module accepts), and `apply` accepts the original's parameters and lays them out as it goes.
 
-Choosing `transpose`: the interceptor follows the layout of activations through the trace. A layer
-whose input is known to be split over `col` (a norm, an embedding or a transposed layer produced it)
-is normal; one whose input is split over `row` is transposed. When the input came through other
-code (attention, an activation function), it is taken to carry the layout of the most recent dense
-layer's output. In a transformer block this gives query/key/value and mlp_up normal, attn_out and
-mlp_down transposed, and the residual stream stays split over `col` with no re-layout.
+Choosing `transpose` follows the layout of activations through the trace (`axonn_jax._layout`).
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Mapping
+from typing import Mapping
 
 import flax.linen as nn
 
 from . import layers
+from ._layout import Layout
 
 _ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.GroupNorm,
@@ -36,38 +32,20 @@ def _path(m: nn.Module) -> str:
 
 
 class _Interceptor:
-    """One trace's worth of layout bookkeeping and the method interceptor itself."""
+    """The method interceptor of one trace, choosing layouts with a `Layout`."""
 
     def __init__(self, mesh, transpose: Mapping[str, bool]):
         self.mesh = mesh
-        self.overrides = dict(transpose)
-        self.layout: dict[int, tuple[str, Any]] = {}  # id(array) -> (axis, array kept alive)
-        self.last_dense_out: str | None = None
-        self.decisions: dict[str, bool] = {}
-
-    def _mark(self, y, axis: str):
-        self.layout[id(y)] = (axis, y)
-        return y
-
-    def _input_axis(self, x) -> str:
-        if id(x) in self.layout:
-            return self.layout[id(x)][0]
-        return self.last_dense_out or "col"
+        self.layout = Layout(transpose)
 
     def _dense(self, m, x, features: int):
         path = _path(m)
-        # Record the input's layout so that sibling layers on the same input (query/key/value on
-        # one norm output that `checkpoint_name` re-wrapped) agree instead of alternating.
-        axis = self._input_axis(x)
-        self._mark(x, axis)
-        transpose = self.overrides.get(path, axis == "row")
-        self.decisions[path] = transpose
+        transpose = self.layout.dense(path, x)
         try:
             y = layers.dense_call(m, x, features, self.mesh, transpose)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{path}' ({type(m).__name__}): {e}") from None
-        self.last_dense_out = "col" if transpose else "row"
-        return self._mark(y, self.last_dense_out)
+        return self.layout.dense_output(y, transpose)
 
     def __call__(self, next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
@@ -82,7 +60,7 @@ class _Interceptor:
                 return None
             if method == "__call__":
                 try:
-                    return self._mark(layers.embed_call(m, m.embedding, args[0], self.mesh), "col")
+                    return self.layout.mark(layers.embed_call(m, m.embedding, args[0], self.mesh), "col")
                 except ValueError as e:
                     raise ValueError(f"parallelize: layer '{_path(m)}' (Embed): {e}") from None
             raise NotImplementedError(f"parallelize: Embed.{method} of layer '{_path(m)}' (e.g. "
@@ -109,8 +87,8 @@ class _Interceptor:
                     f"parallelize: layer '{_path(m)}' ({type(m).__name__}) normalizes over "
                     f"reduction_axes={m.reduction_axes}, feature_axes={m.feature_axes}, "
                     f"axis_name={m.axis_name}; only the last axis, without axis_name, is supported")
-            axis = self._input_axis(x)
-            return self._mark(layers.norm_call(m, x, axis, rms=isinstance(m, nn.RMSNorm)), axis)
+            axis = self.layout.norm(_path(m), x)
+            return self.layout.mark(layers.norm_call(m, x, axis, rms=isinstance(m, nn.RMSNorm)), axis)
         return next_fun(*args, **kwargs)
 
     @staticmethod
@@ -170,4 +148,4 @@ def transpose_plan(module: nn.Module, mesh, *args, **kwargs) -> dict[str, bool]:
             return module.init(key, *args, **kwargs)
 
     jax.eval_shape(init, jax.random.key(0))
-    return dict(interceptor.decisions)
+    return dict(interceptor.layout.decisions)

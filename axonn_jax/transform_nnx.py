@@ -21,6 +21,7 @@ import math
 from typing import Mapping
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -136,7 +137,9 @@ def _check_divisible(path: str, kind: str, name: str, shape, spec: P, mesh):
 def _place(value, sharding: NamedSharding):
     if isinstance(value, jax.ShapeDtypeStruct):  # an abstract model stays abstract
         return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-    return jax.device_put(value, sharding)
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return jax.device_put(value, sharding)
+    return value  # a Python scalar in a Variable stays one
 
 
 def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] | None = None,
@@ -155,7 +158,11 @@ def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] |
     else:
         layout = Layout(transpose)
     model = nnx.clone(module)
-    for path, m in _layers(model).items():
+    found = _layers(model)
+    unknown = sorted(set(layout.overrides) - {p for p, m in found.items() if isinstance(m, nnx.Linear)})
+    if unknown:
+        raise ValueError(f"parallelize: transpose names no nnx.Linear of the model: {unknown}")
+    for path, m in found.items():
         kind = type(m).__name__
         if isinstance(m, nnx.Linear):
             flip = layout.decisions.get(path, layout.overrides.get(path, False))

@@ -123,6 +123,8 @@ def test_layers_alternate_transpose_and_norms_follow(devices):
     # Without example inputs every dense layer is normal (a re-layout between up and down).
     plain = axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh)
     assert (plain.up.transpose, plain.down.transpose) == (False, False)
+    with pytest.raises(ValueError, match="transpose names no nnx.Linear of the model: \\['nope'\\]"):
+        axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh, transpose={"nope": True, "up": True})
 
 
 def test_alternation_saves_relayout(devices):
@@ -229,3 +231,18 @@ def test_example_args_are_nnx_only(devices):
     mesh = make_mesh(ParallelConfig(row=2, col=4), devices)
     with pytest.raises(TypeError, match="example_args / example_kwargs are for NNX modules"):
         axonn_jax.parallelize(nn.Dense(8), mesh, example_args=(X,))
+
+
+class WithState(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(8, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.steps = nnx.Variable(3)
+
+
+def test_other_variables_are_replicated_on_the_mesh(devices):
+    mesh = make_mesh(ParallelConfig(row=2, col=4), devices)
+    pmodel = axonn_jax.parallelize(WithState(nnx.Rngs(0)), mesh)
+    key = pmodel.drop.rngs.key[...]
+    assert key.sharding.mesh == mesh and key.sharding.spec == jax.P()
+    assert pmodel.steps.get_value() == 3 and isinstance(pmodel.steps.get_value(), int)

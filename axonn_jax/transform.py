@@ -1,29 +1,29 @@
-"""`parallelize`: run an ordinary Flax linen model's layers with AxoNN's 2D/3D tensor parallelism.
+"""`parallelize`: run an ordinary Flax model's layers with AxoNN's 2D/3D tensor parallelism. This
+file holds the one public entry point and the linen transform; NNX modules go to
+`axonn_jax.transform_nnx`.
 
-The returned module is an instance of a subclass of the model's class with the same fields. Its
-`init` and `apply` run the model under `nn.intercept_methods`, which replaces the arithmetic of
-Flax's own `nn.Dense`, `nn.DenseGeneral` (2-D kernels), `nn.Embed`, `nn.LayerNorm` and `nn.RMSNorm`
-by the tensor-parallel versions of `axonn_jax.layers`. Parameter names, global shapes and
-initializers are Flax's, so the parameter tree is the original's: `init` returns it boxed in
+For linen, the returned module is an instance of a subclass of the model's class with the same
+fields. Its `init` and `apply` run the model under `nn.intercept_methods`, which replaces the
+arithmetic of Flax's own `nn.Dense`, `nn.DenseGeneral` (2-D kernels), `nn.Embed`, `nn.LayerNorm`
+and `nn.RMSNorm` by the tensor-parallel versions of `axonn_jax.layers`. Parameter names, global
+shapes and initializers are Flax's, so the parameter tree is the original's: `init` returns it boxed in
 `nn.Partitioned` (`nn.get_partition_spec` gives the placement, `nn.unbox` the plain tree, which the
 original module accepts), and `apply` accepts the original's parameters and lays them out as it goes.
 
-Choosing `transpose`: the interceptor follows the layout of activations through the trace. A layer
-whose input is known to be split over `col` (a norm, an embedding or a transposed layer produced it)
-is normal; one whose input is split over `row` is transposed. When the input came through other
-code (attention, an activation function), it is taken to carry the layout of the most recent dense
-layer's output. In a transformer block this gives query/key/value and mlp_up normal, attn_out and
-mlp_down transposed, and the residual stream stays split over `col` with no re-layout.
+Choosing `transpose` follows the layout of activations through the trace (`axonn_jax._layout`).
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Mapping
+from typing import Mapping
 
 import flax.linen as nn
+from flax import nnx
 
 from . import layers
+from ._layout import Layout
+from .transform_nnx import parallelize_nnx, trace_layout
 
 _ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.GroupNorm,
@@ -36,38 +36,20 @@ def _path(m: nn.Module) -> str:
 
 
 class _Interceptor:
-    """One trace's worth of layout bookkeeping and the method interceptor itself."""
+    """The method interceptor of one trace, choosing layouts with a `Layout`."""
 
     def __init__(self, mesh, transpose: Mapping[str, bool]):
         self.mesh = mesh
-        self.overrides = dict(transpose)
-        self.layout: dict[int, tuple[str, Any]] = {}  # id(array) -> (axis, array kept alive)
-        self.last_dense_out: str | None = None
-        self.decisions: dict[str, bool] = {}
-
-    def _mark(self, y, axis: str):
-        self.layout[id(y)] = (axis, y)
-        return y
-
-    def _input_axis(self, x) -> str:
-        if id(x) in self.layout:
-            return self.layout[id(x)][0]
-        return self.last_dense_out or "col"
+        self.layout = Layout(transpose)
 
     def _dense(self, m, x, features: int):
         path = _path(m)
-        # Record the input's layout so that sibling layers on the same input (query/key/value on
-        # one norm output that `checkpoint_name` re-wrapped) agree instead of alternating.
-        axis = self._input_axis(x)
-        self._mark(x, axis)
-        transpose = self.overrides.get(path, axis == "row")
-        self.decisions[path] = transpose
+        transpose = self.layout.dense(path, x)
         try:
             y = layers.dense_call(m, x, features, self.mesh, transpose)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{path}' ({type(m).__name__}): {e}") from None
-        self.last_dense_out = "col" if transpose else "row"
-        return self._mark(y, self.last_dense_out)
+        return self.layout.dense_output(y, transpose)
 
     def __call__(self, next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
@@ -82,7 +64,7 @@ class _Interceptor:
                 return None
             if method == "__call__":
                 try:
-                    return self._mark(layers.embed_call(m, m.embedding, args[0], self.mesh), "col")
+                    return self.layout.mark(layers.embed_call(m, m.embedding, args[0], self.mesh), "col")
                 except ValueError as e:
                     raise ValueError(f"parallelize: layer '{_path(m)}' (Embed): {e}") from None
             raise NotImplementedError(f"parallelize: Embed.{method} of layer '{_path(m)}' (e.g. "
@@ -109,8 +91,8 @@ class _Interceptor:
                     f"parallelize: layer '{_path(m)}' ({type(m).__name__}) normalizes over "
                     f"reduction_axes={m.reduction_axes}, feature_axes={m.feature_axes}, "
                     f"axis_name={m.axis_name}; only the last axis, without axis_name, is supported")
-            axis = self._input_axis(x)
-            return self._mark(layers.norm_call(m, x, axis, rms=isinstance(m, nn.RMSNorm)), axis)
+            axis = self.layout.norm(_path(m), x)
+            return self.layout.mark(layers.norm_call(m, x, axis, rms=isinstance(m, nn.RMSNorm)), axis)
         return next_fun(*args, **kwargs)
 
     @staticmethod
@@ -120,20 +102,35 @@ class _Interceptor:
                                       "custom dot_general, which the tensor-parallel matmul replaces")
 
 
-def parallelize(module: nn.Module, mesh, *, transpose: Mapping[str, bool] | None = None) -> nn.Module:
-    """The tensor-parallel version of a Flax linen `module` on `mesh` (axes `depth, row, col`).
+def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
+                example_args: tuple | None = None, example_kwargs: Mapping | None = None):
+    """The tensor-parallel version of a Flax `module` (linen or NNX) on `mesh` (axes `depth, row, col`).
 
-    Returns an instance of a subclass of `type(module)` with the same fields, whose `init` / `apply`
-    run the model's dense layers, embeddings and norms with `axonn_jax.layers` (see the module
-    docstring). transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`) overriding
-    the automatic choice of normal / transposed layers. Raises NotImplementedError naming a layer it
-    cannot run tensor-parallel (convolutions, batch norm, multi-dim DenseGeneral, Embed.attend).
+    Linen: returns an instance of a subclass of `type(module)` with the same fields, whose `init` /
+    `apply` run the model's dense layers, embeddings and norms with `axonn_jax.layers` (see the
+    module docstring); the layout is traced at `init` / `apply`.
+    NNX: returns a copy of `module` whose `nnx.Linear` / `nnx.Embed` run tensor-parallel
+    (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
+    `axonn_jax.transform_nnx`); `example_args` / `example_kwargs` (inputs of `module.__call__`)
+    let it trace the layout and alternate `transpose`; without them dense layers are normal.
+
+    transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`, NNX `'blocks/0/up'`)
+    overriding the automatic choice of normal / transposed layers. Raises NotImplementedError
+    naming a layer it cannot run tensor-parallel (convolutions, batch norm, multi-dim
+    DenseGeneral / LinearGeneral, Embed.attend in linen), ValueError naming a layer whose
+    dimensions the grid does not divide.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"parallelize takes a flax.linen Module, got {type(module).__name__}")
-    missing = {"depth", "row", "col"} - set(mesh.axis_names)
+    missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
     if missing:
         raise ValueError(f"parallelize: the mesh lacks axes {sorted(missing)}; build it with make_mesh")
+    if isinstance(module, nnx.Module):
+        return parallelize_nnx(module, mesh, transpose=transpose, example_args=example_args,
+                               example_kwargs=example_kwargs)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize takes a flax.linen or flax.nnx Module, got {type(module).__name__}")
+    if example_args is not None or example_kwargs is not None:
+        raise TypeError("parallelize: example_args / example_kwargs are for NNX modules; a linen "
+                        "module's layout is traced from the inputs of its init / apply")
     base = type(module)
     overrides = dict(transpose or {})
 
@@ -158,11 +155,14 @@ def parallelize(module: nn.Module, mesh, *, transpose: Mapping[str, bool] | None
     return cls(**fields)
 
 
-def transpose_plan(module: nn.Module, mesh, *args, **kwargs) -> dict[str, bool]:
-    """`{dense layer path: transpose}` that `parallelize(module, mesh)` chooses for inputs `args`
-    (traced abstractly; nothing is computed)."""
+def transpose_plan(module, mesh, *args, **kwargs) -> dict[str, bool]:
+    """`{dense layer path: transpose}` that `parallelize` chooses for a linen `module` with inputs
+    `args` / `kwargs` (or an NNX `module` with `example_args=args, example_kwargs=kwargs`), traced
+    abstractly; nothing is computed."""
     import jax
 
+    if isinstance(module, nnx.Module):
+        return dict(trace_layout(module, {}, args, kwargs).decisions)
     interceptor = _Interceptor(mesh, {})
 
     def init(key):
@@ -170,4 +170,4 @@ def transpose_plan(module: nn.Module, mesh, *args, **kwargs) -> dict[str, bool]:
             return module.init(key, *args, **kwargs)
 
     jax.eval_shape(init, jax.random.key(0))
-    return dict(interceptor.decisions)
+    return dict(interceptor.layout.decisions)

@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
+from axonn_jax.parallel import hlo
 from axonn_jax.parallel.hlo import collectives
 from axonn_jax.parallel.tensor import kernel_spec, tp_dense, tp_embed
 
@@ -123,3 +124,40 @@ def test_bad_shapes_name_the_numbers(inputs, devices):
 def test_kernel_spec_swaps_with_transpose():
     assert kernel_spec(False) == P(("col", "depth"), "row")
     assert kernel_spec(True) == P(("row", "depth"), "col")
+
+
+def test_compiled_backward_leaves_room_for_overlap(devices):
+    """What overlap needs from the program, checked on its compiled HLO (XLA:CPU runs collectives
+    synchronously, so the overlap itself shows only on a GPU): each layer's input-gradient
+    all-reduce over `row` and its weight-gradient matmul read the same cotangent and neither waits
+    for the other, and every `depth` all-gather reads only its parameter, so a scheduler may issue
+    it any time before use (prefetch)."""
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+
+    def f(x, w1, w2):
+        h = jnp.tanh(tp_dense(x, w1, None, mesh, transpose=False))
+        return jnp.sum(jnp.sin(tp_dense(h, w2, None, mesh, transpose=True)))
+
+    args = (jnp.ones((B, T, D_IN)), jnp.ones((D_IN, D_HID)), jnp.ones((D_HID, D_IN)))
+    text = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+    program = hlo.instructions(text)
+    by_op = lambda op: [i for i in program.values() if i.opcode == op]  # noqa: E731
+
+    def producer(name):  # look through bitcasts (layout-only views)
+        while program[name].opcode == "bitcast":
+            name = program[name].operands[0]
+        return program[name]
+
+    # Weight gradients: the matmuls whose results are reduce-scattered over `depth`.
+    weight_grads = [program[r.operands[0]] for r in by_op("reduce-scatter")]
+    input_grads = [a for a in by_op("all-reduce") if "transpose(" in a.text]
+    assert len(weight_grads) == 2 and len(input_grads) == 2
+    for a in input_grads:
+        partner = [w for w in weight_grads
+                   if set(w.operands) & set(producer(a.operands[0]).operands)]
+        assert len(partner) == 1, (a.name, [w.name for w in weight_grads])
+        assert not hlo.depends_on(program, a.name, partner[0].name)
+        assert not hlo.depends_on(program, partner[0].name, a.name)
+    gathers = by_op("all-gather")
+    assert len(gathers) == 2
+    assert all(program[g.operands[0]].opcode == "parameter" for g in gathers)

@@ -178,3 +178,44 @@ def wire_bytes(hlo_text: str) -> dict[str, float]:
     for c in collectives(hlo_text):
         out[c.kind] += c.wire_bytes
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of an HLO computation: its opcode and the instructions it reads."""
+
+    name: str
+    opcode: str
+    operands: tuple[str, ...]
+    text: str  # the whole line (shape, attributes, metadata)
+
+
+def instructions(hlo_text: str, computation: str | None = None) -> dict[str, Instruction]:
+    """`{name: Instruction}` of one computation of a compiled module (default: the entry), in
+    program order."""
+    comps, entry = _computations(hlo_text)
+    out = {}
+    for line in comps[computation or entry]:
+        m = _INSTR.match(line)
+        if m:
+            # Operands are the `%name`s before the closing parenthesis of the operand list.
+            operand_text = m.group(5).split("),", 1)[0]
+            operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
+            out[m.group(2)] = Instruction(m.group(2), m.group(4), operands, line)
+    return out
+
+
+def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> bool:
+    """Whether instruction `later` reads the result of `earlier`, directly or through others. Two
+    instructions where neither depends on the other may run concurrently: this is what lets a
+    scheduler overlap a collective with a matmul."""
+    seen, todo = set(), [later]
+    while todo:
+        name = todo.pop()
+        for op in program[name].operands if name in program else ():
+            if op == earlier:
+                return True
+            if op not in seen:
+                seen.add(op)
+                todo.append(op)
+    return False

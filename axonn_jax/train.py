@@ -212,7 +212,8 @@ def unsupported_combination(config: ParallelConfig, options: TrainOptions) -> st
     """The combination of modes on `config` that the trainer does not run yet, spelled as flags, or
     None when it runs."""
     if config.pipe > 1:
-        for flag, used in ((f"--remat {options.remat}", options.remat != "none"),
+        # Every stage runs the same program, so a per-layer activation plan must be uniform.
+        for flag, used in (("--remat auto", options.remat == "auto"),
                            (f"--compress-bits {options.compress_bits}", options.compress_bits)):
             if used:
                 return f"{flag} with --pipe > 1"
@@ -340,8 +341,13 @@ def gpt_stage_functions(model: gpt.GPT, num_stages: int):
     `head_fn(head_params, x, targets) -> mean cross-entropy`. Parameter dicts use the GPT's own keys
     (EMBED_PARAMS, the STACK_PARAMS subtree sliced to the stage, HEAD_PARAMS)."""
     layers = pipeline_lib.check_layers(model.config.num_layers, num_stages)
+    groups = None
+    if model.layer_groups:  # a uniform --remat plan: the same decision for the stage's layers
+        if len(model.layer_groups) != 1:
+            raise ValueError("pipeline stages need one activation decision for all layers")
+        groups = ((layers, model.layer_groups[0][1]),)
     stage_model = gpt.GPT(dataclasses.replace(model.config, num_layers=layers), dtype=model.dtype,
-                          block_wrapper=model.block_wrapper)
+                          block_wrapper=model.block_wrapper, layer_groups=groups)
     if hasattr(model, "axonn_mesh"):  # tensor-parallel stages
         stage_model = parallelize(stage_model, model.axonn_mesh)
 

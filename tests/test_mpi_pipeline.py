@@ -147,7 +147,9 @@ def test_mpirun_pipeline_equals_single_process(nprocs, pipe, schedule, microbatc
     if nprocs == 2:
         # Each stage writes its own part of the state; a fresh job resumes from them.
         ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
-        run(job + ckpt + ["--stop-at", "2"])
+        run(job + ckpt + ["--stop-at", "2", "--dump-hlo", str(tmp_path / "hlo")])
+        # The dumped program: a stage's backward, which receives its output gradient over MPI.
+        assert "mpi_recv" in (tmp_path / "hlo" / "train_step.hlo.txt").read_text()
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["stage-0-of-2", "stage-1-of-2"]
         assert "resumed from step 2" in run(job + ckpt + ["--resume"]).stdout
     else:

@@ -28,8 +28,9 @@ The backward recomputes the stage forward from the stashed stage input, like the
 (parallel/pipeline.py): a stage keeps one input activation per microbatch in flight. With `1f1b` a
 stage s starts a forward only while fewer than S − s microbatches are in flight, so no stage ever
 holds more than S stashed inputs, whatever M is; `gpipe` runs all M forwards before any backward.
-Send buffers are bounded the same way: an output is pending only while its microbatch is in flight
-at the sender (the receiver must have taken it before it can send back that microbatch's gradient).
+Send buffers are bounded the same way: an activation send is pending only while its microbatch is
+in flight at the sender (the receiver takes it before it can send that microbatch's gradient back),
+a gradient send only while its microbatch is in flight at the receiver.
 
 Messages between two stages travel on their own communicator, tagged `2·microbatch + kind`. Each
 stage receives activations only from s−1 and gradients only from s+1, in microbatch order, and MPI

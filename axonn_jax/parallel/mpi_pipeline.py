@@ -222,11 +222,14 @@ class StageEngine:
             return []
         return [(r, b) for r, b in sends if not r.Test()]
 
-    def run(self, params, batch) -> tuple[Any, jax.Array, int]:
+    def run(self, params, batch) -> tuple[Any, jax.Array, int, int]:
         """Forwards and backwards of every microbatch, each as soon as its message is there and the
         schedule permits. Returns (summed gradients like `params`, mean microbatch loss (0 except on
-        the last stage), most stage inputs stashed at once)."""
+        the last stage), most stage inputs stashed at once, operations run earlier than the static
+        schedule would have: a message arrived before the one the static order waits for)."""
         s, p, m = self.layout.stage, self.layout.num_stages, self.m
+        static = pipeline_lib._stage_order(self.schedule, p, m, s)
+        reordered = 0
         grads = jax.tree.map(jnp.zeros_like, params)
         loss = jnp.zeros((), jnp.float32)
         stash: dict[int, jax.Array] = {}
@@ -242,6 +245,7 @@ class StageEngine:
                 idle += 1
                 continue
             idle = 0
+            reordered += op != static[forwards + backwards]
             mb = np.int32(op[1])
             if op[0] == "F":
                 stash[op[1]], y = self.forward(params, batch, mb)
@@ -255,7 +259,7 @@ class StageEngine:
                     self._send(sends, g_x, GRAD, op[1])
                 backwards += 1
         self._complete(sends, wait=True)
-        return grads, loss, peak
+        return grads, loss, peak, reordered
 
     def run_forward(self, params, batch) -> jax.Array:
         """The forward of every microbatch in order (evaluation); the mean loss on the last stage,
@@ -272,10 +276,12 @@ class StageEngine:
 
 def make_finish(layout: Layout, optimizer: optax.GradientTransformation, clip_norm: float,
                 schedule: Callable) -> Callable:
-    """`(state, grads, loss, stash_peak) -> (state, metrics)`: gradients and loss averaged over the
-    data groups, the global gradient norm over all stages, clipping as `optax.clip_by_global_norm`
-    does, then the elementwise `optimizer` (AdamW) on this stage's parameters. Metrics are equal on
-    every process of a pipeline; `stash_peak` becomes the most stage inputs any of its stages held.
+    """`(state, grads, loss, stash_peak, reordered) -> (state, metrics)`: gradients and loss
+    averaged over the data groups, the global gradient norm over all stages, clipping as
+    `optax.clip_by_global_norm` does, then the elementwise `optimizer` (AdamW) on this stage's
+    parameters. Metrics are equal on every process of a pipeline; `stash_peak` becomes the most
+    stage inputs any of its stages held, `reordered` the operations its stages ran out of the static
+    order.
 
     Every MPI collective of a step is in here, in one program: with asynchronous dispatch, a
     host-side collective on the same communicator could run concurrently with it and mismatch."""
@@ -287,10 +293,11 @@ def make_finish(layout: Layout, optimizer: optax.GradientTransformation, clip_no
     exchange = exchange_fn(make_gradient_reducer(layout.data_comm)) if layout.num_groups > 1 \
         else lambda loss, grads: (loss, grads)
 
-    def finish(state, grads, loss, stash_peak):
+    def finish(state, grads, loss, stash_peak, reordered):
         loss, grads = exchange(loss, grads)
         sumsq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-        total = mpi4jax.allreduce(jnp.stack([sumsq, loss]), op=MPI.SUM, comm=layout.pipe_comm)
+        total = mpi4jax.allreduce(jnp.stack([sumsq, loss, reordered.astype(jnp.float32)]),
+                                  op=MPI.SUM, comm=layout.pipe_comm)
         norm, loss = jnp.sqrt(total[0]), total[1]
         clipped = jax.tree.map(
             lambda g: jax.lax.select(norm < clip_norm, g, (g / norm.astype(g.dtype)) * clip_norm),
@@ -300,7 +307,7 @@ def make_finish(layout: Layout, optimizer: optax.GradientTransformation, clip_no
                "params": optax.apply_updates(state["params"], updates)}
         stash_peak = mpi4jax.allreduce(stash_peak, op=MPI.MAX, comm=layout.pipe_comm)
         return new, {"loss": loss, "grad_norm": norm, "lr": schedule(state["step"]),
-                     "stash_peak": stash_peak}
+                     "stash_peak": stash_peak, "reordered_ops": total[2]}
 
     return jax.jit(finish, donate_argnums=0)
 
@@ -317,8 +324,8 @@ class CompiledPipelineStep:
     _inspected: Any = dataclasses.field(default=None, repr=False)
 
     def __call__(self, state, batch):
-        grads, loss, peak = self.engine.run(state["params"], batch)
-        return self.finish(state, grads, loss, np.int32(peak))
+        grads, loss, peak, reordered = self.engine.run(state["params"], batch)
+        return self.finish(state, grads, loss, np.int32(peak), np.int32(reordered))
 
     def _backward_compiled(self):
         if self._inspected is None:

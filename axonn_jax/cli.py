@@ -64,7 +64,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 def _parallel_config(args, num_devices: int):
     from .config import ParallelConfig
 
-    inner = args.pipe * args.depth * args.row * args.col
+    # Under --transport mpi the pipeline stages are MPI processes, not this process's devices.
+    inner = (1 if args.transport == "mpi" else args.pipe) * args.depth * args.row * args.col
     data = args.data
     if data is None:
         if num_devices % inner:

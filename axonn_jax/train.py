@@ -484,6 +484,7 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     state = trainer.init_state()
     if options.transport == "mpi":
         from .parallel.mpi import RankZeroCheckpointer as Checkpointer  # noqa: F811
+        Checkpointer = getattr(trainer, "checkpointer", Checkpointer)  # pipeline: one per stage
     checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every) \
         if options.checkpoint_dir else None
     if options.resume:

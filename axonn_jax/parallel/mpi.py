@@ -178,9 +178,10 @@ def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
     if size == 1 and launched > 1:
         raise ValueError(f"--transport mpi runs under `mpirun -n P`, but this process is one of "
                          f"{launched} started by `axonn-jax launch` (MPI sees 1); use --transport xla")
-    if options.parallel.pipe > 1:
-        raise NotImplementedError("--transport mpi with --pipe > 1 (a process per pipeline stage, "
-                                  "message-driven) is not implemented yet")
+    if options.parallel.pipe > 1:  # a process per pipeline stage, message-driven
+        from .mpi_pipeline import build_pipeline_trainer
+
+        return build_pipeline_trainer(options, comm)
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")
@@ -198,13 +199,15 @@ def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
 
 
 class RankZeroCheckpointer(Checkpointer):
-    """Checkpoints of a `--transport mpi` job. The processes are separate JAX programs holding the
-    same replicated state, so rank 0 writes it (orbax, single-process) and every rank reads it."""
+    """Checkpoints of a `--transport mpi` job. The processes of `comm` (default: all) are separate
+    JAX programs holding the same replicated state, so its rank 0 writes it (orbax, single-process)
+    and every rank reads it."""
 
-    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3):
+    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3, comm=None):
         import orbax.checkpoint as ocp
 
-        comm, self.rank, _ = world()
+        comm = comm or world()[0]
+        self.rank = comm.Get_rank()
         if self.rank == 0:
             super().__init__(directory, every, keep)
         comm.Barrier()  # the directory exists before the readers open it

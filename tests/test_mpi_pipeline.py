@@ -1,0 +1,163 @@
+"""The message-driven pipeline over MPI (`mpirun -n S·D ... --transport mpi --pipe S`): any order of
+message arrival completes within the stash bound, and mpirun jobs give the single-process trajectory."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.parallel.mpi_pipeline import build_pipeline_trainer, make_layout, permitted
+from axonn_jax.parallel.pipeline import SCHEDULES, _stage_order
+from axonn_jax.train import TrainOptions, train
+
+from conftest import relative_difference
+# The mpirun helpers and the compilation cache shared by a module's child processes.
+from test_distributed import DATA, RUN, STEPS, _mpirun, cli, compilation_cache, losses, run  # noqa: F401
+
+MODEL = "gpt-tiny-deep"  # 8 layers: 4 per stage for --pipe 2, 2 for --pipe 4
+
+
+def simulate(schedule, p, m, rng=None):
+    """Run `p` stages' message-driven loops (the engine's rule: the first permitted operation whose
+    message is there) against each other. With `rng`, messages are delivered after random delays
+    and stages act in random order; without, every stage acts once per tick on what arrived by the
+    previous tick. Returns each stage's operations in order and the most inputs it stashed."""
+    done = [[0, 0] for _ in range(p)]  # forwards, backwards
+    inbox = [{"F": [], "B": []} for _ in range(p)]  # delivered microbatches, by kind
+    in_transit = []  # (stage, kind, microbatch)
+    order, peak = [[] for _ in range(p)], [0] * p
+
+    def ready(s, op):
+        kind, mb = op
+        local = s == 0 if kind == "F" else s == p - 1
+        return local or mb in inbox[s][kind]
+
+    def act(s):
+        """Stage s's next operation, if one is permitted and ready: the messages it sends."""
+        ops = permitted(schedule, p, m, s, *done[s])
+        op = next((o for o in ops if ready(s, o)), None)
+        if op is None:
+            return None
+        kind, mb = op
+        order[s].append(op)
+        done[s][kind == "B"] += 1
+        peak[s] = max(peak[s], done[s][0] - done[s][1])
+        if kind == "F" and s < p - 1:
+            return [(s + 1, "F", mb)]
+        if kind == "B" and s > 0:
+            return [(s - 1, "B", mb)]
+        return []
+
+    while any(b < m for _, b in done):
+        if rng is None:
+            acted = [act(s) for s in range(p)]
+            assert any(a is not None for a in acted), ("deadlock", done)
+            for s, kind, mb in (msg for a in acted if a for msg in a):
+                inbox[s][kind].append(mb)
+            continue
+        if in_transit and rng.random() < 0.5:
+            s, kind, mb = in_transit.pop(rng.integers(len(in_transit)))
+            inbox[s][kind].append(mb)
+            continue
+        in_transit += act(int(rng.integers(p))) or []
+        stuck = not in_transit and all(not any(ready(s, o) for o in permitted(schedule, p, m, s, *done[s]))
+                                       for s in range(p))
+        assert not stuck or all(b == m for _, b in done), ("deadlock", done)
+    return order, peak
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8)])
+def test_message_driven_loop_completes_within_the_stash_bound(schedule, p, m):
+    # When every message arrives one tick after it is sent, the loop runs the static schedule.
+    order, peak = simulate(schedule, p, m)
+    assert order == [_stage_order(schedule, p, m, s) for s in range(p)]
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        order, peak = simulate(schedule, p, m, rng)
+        for s in range(p):
+            assert [mb for k, mb in order[s] if k == "F"] == list(range(m))
+            assert [mb for k, mb in order[s] if k == "B"] == list(range(m))
+            # 1F1B: stage s holds at most P − s inputs (so at most P); GPipe: all M.
+            assert peak[s] <= (min(p - s, m) if schedule == "1f1b" else m)
+        if schedule == "gpipe":  # every forward before the first backward
+            assert all(ops[:m] == [("F", i) for i in range(m)] for ops in order)
+
+
+class FakeComm:
+    def __init__(self, size, rank=0):
+        self.size, self.rank = size, rank
+
+    def Get_size(self):
+        return self.size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Split(self, color, key):
+        return (color, key)
+
+
+def test_layout_and_bad_input():
+    layout = make_layout(FakeComm(6, rank=5), 3)  # 2 pipelines of 3 stages; rank 5: stage 2 of 1
+    assert (layout.stage, layout.group, layout.num_groups, layout.last) == (2, 1, 2, True)
+    # Split(color, key): the pipeline joins ranks of one group, ordered by stage; and vice versa.
+    assert (layout.pipe_comm, layout.data_comm) == ((1, 2), (2, 1))
+    with pytest.raises(ValueError, match="needs a multiple of 4 MPI processes .* got 6"):
+        make_layout(FakeComm(6), 4)
+    options = TrainOptions(parallel=ParallelConfig(pipe=2), microbatches=2, batch_size=6)
+    with pytest.raises(ValueError, match=r"--batch-size 6 is not divisible by data groups × "
+                                         r"microbatches = 2 × 2"):
+        build_pipeline_trainer(options, FakeComm(4))
+    with pytest.raises(NotImplementedError, match="--dtype bfloat16 with --transport mpi --pipe"):
+        build_pipeline_trainer(TrainOptions(parallel=ParallelConfig(pipe=2), dtype="bfloat16"),
+                               FakeComm(2))
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    """The single-process trajectory on 8 devices."""
+    summary = train(TrainOptions(model=MODEL, steps=STEPS, batch_size=8, seq_len=16,
+                                 eval_batches=1, eval_every=1000, data_path=DATA,
+                                 parallel=ParallelConfig(data=8)), devices=devices)
+    return [r["loss"] for r in summary["history"]]
+
+
+def metrics(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("nprocs, pipe, schedule, microbatches", [
+    (2, 2, "gpipe", 4),
+    (4, 4, "1f1b", 8),   # M = 2P: the 1F1B bound is what limits the stash
+    (4, 2, "1f1b", 4),   # two data-parallel pipelines of two stages; checkpoint and resume
+])
+def test_mpirun_pipeline_equals_single_process(nprocs, pipe, schedule, microbatches, reference,
+                                               tmp_path):
+    import mpi4jax  # noqa: F401  (`make test` installs the `mpi` extra: its absence is a failure)
+
+    mpirun = _mpirun()
+    assert mpirun, "mpirun not found next to this Python: install the `mpi` extra (make test does)"
+    out_file = tmp_path / "m.jsonl"
+    job = [mpirun, "-n", str(nprocs), *cli("train", *RUN, "--model", MODEL, "--transport", "mpi",
+                                           "--pipe", str(pipe), "--schedule", schedule,
+                                           "--microbatches", str(microbatches),
+                                           "--metrics-out", str(out_file))]
+    if nprocs == 4 and pipe == 2:
+        # Each stage's copy in pipeline 0 writes that stage's state; in a fresh job both copies of
+        # each stage resume from it.
+        ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+        run(job + ckpt + ["--stop-at", "2"])
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["stage-0-of-2", "stage-1-of-2"]
+        assert "resumed from step 2" in run(job + ckpt + ["--resume"]).stdout
+    else:
+        run(job + ["--dump-hlo", str(tmp_path / "hlo")])
+        # The dumped program: stage 0's backward, which receives its output gradient over MPI.
+        assert "mpi_recv" in (tmp_path / "hlo" / "train_step.hlo.txt").read_text()
+    assert relative_difference(losses(out_file), reference) <= 1e-5
+    # Most stage inputs held at once by any stage: all M for GPipe, P for 1F1B (M > P here).
+    assert {r["stash_peak"] for r in metrics(out_file)} == \
+        {microbatches if schedule == "gpipe" else pipe}
+    if schedule == "gpipe":  # no choice to make: every operation in the static order
+        assert {r["reordered_ops"] for r in metrics(out_file)} == {0}

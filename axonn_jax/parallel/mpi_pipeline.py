@@ -82,7 +82,8 @@ def permitted(schedule: str, num_stages: int, num_microbatches: int, stage: int,
     if in_flight > 0 and (schedule == "1f1b" or forwards == m):
         ops.append(("B", backwards))
     if len(ops) == 2:
-        order = pipeline_lib._stage_order(schedule, num_stages, num_microbatches, stage)
+        order = pipeline_lib.stage_order(schedule, num_stages, num_microbatches, stage,
+                                           lockstep=False)
         ops.sort(key=order.index)
     return ops
 
@@ -228,7 +229,7 @@ class StageEngine:
         the last stage), most stage inputs stashed at once, operations run earlier than the static
         schedule would have: a message arrived before the one the static order waits for)."""
         s, p, m = self.layout.stage, self.layout.num_stages, self.m
-        static = pipeline_lib._stage_order(self.schedule, p, m, s)
+        static = pipeline_lib.stage_order(self.schedule, p, m, s, lockstep=False)
         reordered = 0
         grads = jax.tree.map(jnp.zeros_like, params)
         loss = jnp.zeros((), jnp.float32)

@@ -94,13 +94,20 @@ class Schedule:
         return (p - 1) / (m + p - 1)
 
 
-def _stage_order(name: str, num_stages: int, num_microbatches: int, stage: int) -> list[tuple[str, int]]:
+def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
+                lockstep: bool = True) -> list[tuple[str, int]]:
+    """The operations `[("F", mb) | ("B", mb), ...]` stage `stage` runs, in order.
+
+    1F1B warms up with as many forwards as fit before its first backward can start: in the
+    lockstep engine a microbatch needs one tick per hop to the last stage and back, so
+    `2(P−1−s)`; in an asynchronous pipeline (`lockstep=False`, the MPI transport), where a stage
+    starts its next operation as soon as the last one ends, `P−1−s`.
+    """
     m = num_microbatches
     if name == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    # B(i) on stage s can run 2(P−1−s) ticks after F(i) at the earliest (one tick per hop to the
-    # last stage and back): that many forwards first keep every steady-state tick full.
-    warmup = min(2 * (num_stages - 1 - stage), m)
+    hops = num_stages - 1 - stage
+    warmup = min(2 * hops if lockstep else hops, m)
     ops = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         ops += [("F", warmup + i), ("B", i)]
@@ -117,7 +124,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule
     p, m = num_stages, num_microbatches
     if p < 1 or m < 1:
         raise ValueError(f"need at least one stage and one microbatch, got pipe={p}, microbatches={m}")
-    orders = [_stage_order(name, p, m, s) for s in range(p)]
+    orders = [stage_order(name, p, m, s) for s in range(p)]
     done: dict[tuple[str, int, int], int] = {}  # (op, microbatch, stage) -> tick
     position = [0] * p
     forward_rows, backward_rows = [], []

@@ -10,8 +10,8 @@ is off by at most `scale / 2` per element, stochastic rounding by less than `sca
 
 `compressed_psum` runs inside a shard_map that is manual over `axis_name`:
 
-1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width
-   and dtype, buckets never straddle two tensors) and keeps the quantization error as the new
+1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width,
+   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps the quantization error as the new
    residual;
 2. `all_to_all` sends chunk `j` of the packed buffer (and its bucket scales/offsets) to shard `j`;
 3. shard `j` dequantizes the `n` chunks it received, sums them in fp32 (divides by `n` for the mean)
@@ -28,7 +28,9 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._compat import all_gather_invariant, to_varying, varying_axes
+from jax.sharding import PartitionSpec as P
+
+from .._compat import all_gather_invariant, current_mesh, shard_map, to_varying, varying_axes
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024
@@ -231,11 +233,15 @@ def compressed_psum(tree, axis_name: str, bits: int = 4, bucket_size: int = DEFA
         reduce = jax.lax.pmean if mean else jax.lax.psum
         for i, y in zip(exact, reduce([leaves[i] for i in exact], axis_name)):
             out[i], new_res[i] = y, jnp.zeros_like(leaves[i])
+    # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
+    # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
+    # replicated over `pipe`) would make every result typed varying over `pipe`.
     groups: dict[tuple, list[int]] = {}
     for i, w in enumerate(widths):
         if w:
-            groups.setdefault((w, jnp.dtype(leaves[i].dtype)), []).append(i)
-    for g, ((w, _), idx) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))):
+            others = tuple(sorted(varying_axes(leaves[i]) - {axis_name}))
+            groups.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
+    for g, ((w, _, _), idx) in enumerate(sorted(groups.items())):
         keys = (_key_for(key, g, 0, axis_name), _key_for(key, g, 1, axis_name))
         ys, errs = _reduce_group([leaves[i] for i in idx], axis_name, n, w, bucket_size, keys, mean)
         for i, y, e in zip(idx, ys, errs):
@@ -247,6 +253,61 @@ def compressed_psum(tree, axis_name: str, bits: int = 4, bucket_size: int = DEFA
 def compressed_pmean(tree, axis_name: str, **kwargs):
     """`compressed_psum(..., mean=True)`: the mean over `axis_name` (pmean semantics)."""
     return compressed_psum(tree, axis_name, mean=True, **kwargs)
+
+
+def _without_axes(spec: P, axes) -> P:
+    """`spec` with the mesh axes `axes` removed from every dimension."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in names if a is not None and a not in axes)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    return P(*(keep(e) for e in spec))
+
+
+def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual=None, **kwargs):
+    """`compressed_psum` over `axis_name` of arrays that other mesh axes split (tensor or pipeline
+    parallelism): each device quantizes and exchanges only its own shards, nothing is gathered.
+
+    Call inside a shard_map manual over `axis_name` (and possibly more axes, e.g. `pipe`); the
+    other axes are automatic there. tree: pytree of float arrays, this `axis_name` shard's values
+    as global arrays over the automatic axes. specs: PartitionSpecs like `tree` (a prefix tree
+    works), how each array is split over the mesh; axes already manual here are ignored (the
+    arrays are local over them). residual: None or a pytree like `tree`, split the same way (error
+    feedback is per device: each device keeps what its own shards' quantization lost).
+
+    A shard_map manual over the remaining axes runs `compressed_psum(local shards, axis_name,
+    residual=local residual, **kwargs)` on every device, so each shard of the result is bitwise
+    `compressed_psum` of that shard alone: buckets are cut from the local shards, and the size
+    rule (`min_size`, ndim) applies to a device's shard. Copies of an array replicated over an axis
+    (a bias over `col`) hold equal inputs and run the same deterministic reduction (rounding noise
+    depends on the `axis_name` index only), so they stay equal. Nothing is compressed over the
+    other axes: sums over `depth` stay whatever exact collective produced `tree`.
+
+    Returns (reduced, new_residual) as `compressed_psum` does, split like `specs`.
+    """
+    context = current_mesh(mesh)
+    manual = frozenset(getattr(context, "manual_axes", ()))
+    if axis_name not in manual:
+        raise ValueError(f"sharded_compressed_psum: call it inside a shard_map manual over "
+                         f"{axis_name!r} (manual here: {sorted(manual)})")
+    free = tuple(a for a in context.axis_names if a not in manual)
+    if all(context.shape[a] == 1 for a in free):  # nothing splits the arrays further
+        return compressed_psum(tree, axis_name, residual=residual, **kwargs)
+    specs = jax.tree.map(lambda s: _without_axes(s, manual), specs,
+                         is_leaf=lambda x: isinstance(x, P))
+    reduce = lambda t, r: compressed_psum(t, axis_name, residual=r, **kwargs)  # noqa: E731
+    if residual is None:
+        reduce_tree = shard_map(lambda t: reduce(t, None)[0], mesh=context, in_specs=(specs,),
+                                out_specs=specs, axis_names=set(free))
+        return reduce_tree(tree), None
+    return shard_map(reduce, mesh=context, in_specs=(specs, specs), out_specs=(specs, specs),
+                     axis_names=set(free))(tree, residual)
+
+
+def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):
+    """`sharded_compressed_psum(..., mean=True)`: the mean over `axis_name`."""
+    return sharded_compressed_psum(tree, specs, mesh, axis_name, mean=True, **kwargs)
 
 
 def init_residual(params, num_shards: int):
@@ -262,5 +323,6 @@ def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> fl
 
 
 __all__ = ["Quantized", "check_args", "pack_bits", "unpack_bits", "quantize", "dequantize",
-           "bits_for_leaf", "compressed_psum", "compressed_pmean", "init_residual",
+           "bits_for_leaf", "compressed_psum", "compressed_pmean", "sharded_compressed_psum",
+           "sharded_compressed_pmean", "init_residual",
            "wire_bytes_per_element"]

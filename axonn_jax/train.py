@@ -282,7 +282,8 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         return gpt.cross_entropy(logits, batch[:, 1:])
 
     def reduce_gradients(grads, step, residual):
-        """Mean of the data shards' gradients: exact, or CGX-compressed (`--compress-bits`)."""
+        """Mean of the data shards' gradients: exact, or CGX-compressed (`--compress-bits`), each
+        device compressing its own tensor-/pipeline-parallel shard (the `depth` sum stays exact)."""
         if not options.compress_bits:
             return pmean(grads, "data"), residual
         # With error feedback the residual carries nearest rounding's bias into the next step

@@ -312,7 +312,8 @@ def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwarg
 
 def init_residual(params, num_shards: int):
     """Zero error-feedback residuals for `num_shards` data shards: each leaf `[num_shards, *shape]`,
-    meant to be split over `data` on its leading axis (one residual per data shard)."""
+    meant to be split over `data` on its leading axis and like its parameter on the others (one
+    residual per device; see `sharded_compressed_psum`)."""
     return jax.tree.map(lambda p: jnp.zeros((num_shards, *p.shape), p.dtype), params)
 
 

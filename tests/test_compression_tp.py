@@ -3,7 +3,6 @@ gradient shard over `data` (`compression.sharded_compressed_psum`), nothing is g
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

@@ -395,7 +395,8 @@ def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh, reduce
         return jax.lax.pmean(loss, "data") / scale, grads, residual
 
     specs = {k: P() for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("pipe")}
-    res_specs = {k: P("data") for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("data", "pipe")}
+    res_specs = {k: P("data") for k in EMBED_PARAMS + HEAD_PARAMS} | \
+        {STACK_PARAMS: P("data", "pipe")}
 
     def fn(params, batch, scale, step, residual):
         r_specs = P("data") if residual is None else res_specs  # None: no leaves to match

@@ -11,8 +11,8 @@ is off by at most `scale / 2` per element, stochastic rounding by less than `sca
 `compressed_psum` runs inside a shard_map that is manual over `axis_name`:
 
 1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width,
-   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps the quantization error as the new
-   residual;
+   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps
+   the quantization error as the new residual;
 2. `all_to_all` sends chunk `j` of the packed buffer (and its bucket scales/offsets) to shard `j`;
 3. shard `j` dequantizes the `n` chunks it received, sums them in fp32 (divides by `n` for the mean)
    and quantizes that sum once more;
@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from .._compat import all_gather_invariant, current_mesh, shard_map, to_varying, varying_axes
@@ -217,9 +216,10 @@ def _reduce_group(xs: list[jax.Array], comm: Collectives, bits: int, bucket_size
     return outs, errs
 
 
-def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                    min_size: int = DEFAULT_MIN_SIZE, key=None, residual=None,
-                    overrides: Mapping[str, int] | None = None, mean: bool = False):
+def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
+                    bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
+                    key=None, residual=None, overrides: Mapping[str, int] | None = None,
+                    mean: bool = False):
     """Sum (or mean) `tree` over the manual mesh axis `axis_name` with CGX compression.
 
     Call inside a shard_map manual over `axis_name`, or give `Collectives` for another transport
@@ -250,7 +250,8 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4, bucket_si
         comm, axis_name = axis_name, None
     else:
         comm = axis_collectives(axis_name)
-        leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,)) for x in leaves]
+        leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,))
+                  for x in leaves]
     n = comm.size
 
     out: list[Any] = [None] * len(leaves)
@@ -349,7 +350,7 @@ def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> fl
     return 2 * (bits / 8 + 2 * itemsize / bucket_size)
 
 
-__all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits", "unpack_bits", "quantize", "dequantize",
-           "bits_for_leaf", "compressed_psum", "compressed_pmean", "sharded_compressed_psum",
-           "sharded_compressed_pmean", "init_residual",
-           "wire_bytes_per_element"]
+__all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits",
+           "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "compressed_psum",
+           "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
+           "init_residual", "wire_bytes_per_element"]

@@ -136,7 +136,8 @@ class Trainer:
     the device copy in the compute dtype and `opt_state` holds the fp32 masters and moments in
     `pinned_host` (see `offload.optimizer`).
     With `--compress-bits` and error feedback it also holds `'compression'`: the residuals, each
-    leaf `[data, *param.shape]` split over `data` (one residual per data shard).
+    leaf `[data, *param.shape]` split over `data` and then like its parameter (one residual per
+    device: each compresses only its own shard of the gradients).
     Batches are `(batch_size, seq_len + 1)` int32 split over `data` and `depth`.
     """
 
@@ -179,8 +180,11 @@ class Trainer:
         by_param = _specs_by_path(nn.get_partition_spec(boxed))
 
         def spec(path):
-            if path[0].key == "compression":  # error-feedback residuals: one per data shard
-                return P("data")
+            if path[0].key == "compression":  # error-feedback residuals: one per device
+                return P("data", *param_spec(path))
+            return param_spec(path)
+
+        def param_spec(path):
             names = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
             stage = self.param_spec(path)  # P('pipe') for the stacked blocks with pipe > 1
             for start in range(1, len(names)):
@@ -213,12 +217,8 @@ def unsupported_combination(config: ParallelConfig, options: TrainOptions) -> st
     None when it runs."""
     if config.pipe > 1:
         # Every stage runs the same program, so a per-layer activation plan must be uniform.
-        for flag, used in (("--remat auto", options.remat == "auto"),
-                           (f"--compress-bits {options.compress_bits}", options.compress_bits)):
-            if used:
-                return f"{flag} with --pipe > 1"
-    if config.tensor_parallel_size > 1 and options.compress_bits:
-        return f"--compress-bits {options.compress_bits} with --row/--col/--depth"
+        if options.remat == "auto":
+            return "--remat auto with --pipe > 1"
     return None
 
 
@@ -272,13 +272,18 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
     batch_sharding = NamedSharding(mesh, P(("data", "depth")))
     if options.compress_bits:
         compression.check_args(options.compress_bits, options.compress_bucket)
+        # How the tensor axes split each gradient: every device compresses its own shard.
+        dummy = jnp.zeros((config.depth, options.seq_len), jnp.int32)
+        grad_specs = nn.get_partition_spec(jax.eval_shape(
+            lambda k: model.init(k, dummy)["params"], jax.random.key(options.seed)))
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
         return gpt.cross_entropy(logits, batch[:, 1:])
 
     def reduce_gradients(grads, step, residual):
-        """Mean of the data shards' gradients: exact, or CGX-compressed (`--compress-bits`)."""
+        """Mean of the data shards' gradients: exact, or CGX-compressed (`--compress-bits`), each
+        device compressing its own tensor-/pipeline-parallel shard (the `depth` sum stays exact)."""
         if not options.compress_bits:
             return pmean(grads, "data"), residual
         # With error feedback the residual carries nearest rounding's bias into the next step
@@ -287,9 +292,9 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         key = None if options.error_feedback else \
             jax.random.fold_in(jax.random.key(options.seed), step)
         local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
-        grads, local = compression.compressed_pmean(
-            grads, "data", bits=options.compress_bits, bucket_size=options.compress_bucket,
-            key=key, residual=local)
+        grads, local = compression.sharded_compressed_pmean(
+            grads, grad_specs, mesh, "data", bits=options.compress_bits,
+            bucket_size=options.compress_bucket, key=key, residual=local)
         return grads, None if local is None else jax.tree.map(lambda r: r[None], local)
 
     def local_loss_and_grads(params, batch, scale, step, residual):
@@ -311,7 +316,8 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
             return loss / scale, grads, residual
     param_spec = lambda path: P()
     if config.pipe > 1:
-        loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh)
+        loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh,
+                                                              reduce_gradients)
 
     def apply_grads(state, loss, grads, residual=None):
         new_state, metrics = offload_opt.apply_gradients(state, grads, optimizer=optimizer,
@@ -363,18 +369,22 @@ def gpt_stage_functions(model: gpt.GPT, num_stages: int):
     return embed_fn, stage_fn, head_fn
 
 
-def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
-    """`(params, batch) -> (loss, grads)` through the pipeline engine, and the state layout.
+def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh, reduce_gradients=None):
+    """`(params, batch, scale, step, residual) -> (loss, grads, residual)` through the pipeline
+    engine, and the state layout.
 
     The step is manual over `data` and `pipe`: block parameters (and their optimizer moments) are
     split over `pipe` on their leading layer axis, everything else is replicated; the batch is split
     over `data` and replicated over `pipe`. Embedding and head run on the first and last stage.
+    `reduce_gradients(grads, step, residual) -> (grads, residual)` averages the gradients over
+    `data` inside the step (default: exact `pmean`); `residual` (error feedback) is split over
+    `data` and like the parameters over `pipe`.
     """
     config = config_of(mesh)
     sched = pipeline_lib.make_schedule(options.schedule, config.pipe, options.microbatches)
     embed_fn, stage_fn, head_fn = gpt_stage_functions(model, config.pipe)
 
-    def local_loss_and_grads(params, batch, scale):
+    def local_loss_and_grads(params, batch, scale, step, residual):
         params = ensure_varying(params, ("data", "pipe"))
         split = ({k: params[k] for k in EMBED_PARAMS}, params[STACK_PARAMS],
                  {k: params[k] for k in HEAD_PARAMS})
@@ -383,14 +393,22 @@ def pipelined_loss_and_grads(model: gpt.GPT, options: TrainOptions, mesh):
         loss, (g_embed, g_stack, g_head) = pipeline_lib.pipeline_loss_and_grads(
             embed_fn, stage_fn, scaled_head, split, batch[:, :-1], batch[:, 1:], sched)
         grads = {**g_embed, STACK_PARAMS: g_stack, **g_head}
-        return jax.lax.pmean(loss, "data") / scale, pmean(grads, "data")
+        if reduce_gradients is None:
+            grads = pmean(grads, "data")
+        else:
+            grads, residual = reduce_gradients(grads, step, residual)
+        return jax.lax.pmean(loss, "data") / scale, grads, residual
 
     specs = {k: P() for k in EMBED_PARAMS + HEAD_PARAMS} | {STACK_PARAMS: P("pipe")}
-    pipelined = shard_map(local_loss_and_grads, mesh=mesh, in_specs=(specs, P("data"), P()),
-                          out_specs=(P(), specs), axis_names={"data", "pipe"})
+    res_specs = {k: P("data") for k in EMBED_PARAMS + HEAD_PARAMS} | \
+        {STACK_PARAMS: P("data", "pipe")}
 
-    def fn(params, batch, scale, step, residual):  # the trainer's signature; no compression here
-        return (*pipelined(params, batch, scale), residual)
+    def fn(params, batch, scale, step, residual):
+        r_specs = P("data") if residual is None else res_specs  # None: no leaves to match
+        return shard_map(local_loss_and_grads, mesh=mesh,
+                         in_specs=(specs, P("data"), P(), P(), r_specs),
+                         out_specs=(P(), specs, r_specs), axis_names={"data", "pipe"})(
+            params, batch, scale, step, residual)
 
     def param_spec(path) -> P:
         keys = [getattr(k, "key", None) for k in path]

@@ -42,8 +42,6 @@ def test_tensor_parallel_pipeline_stages(devices):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--compress-bits", "4", "--row", "2"],
-     "--compress-bits 4 with --row/--col/--depth is not implemented yet"),
     (["--row", "8"], "num_heads = 4 is not divisible by row=8"),
     (["--depth", "8", "--batch-size", "4"], "--batch-size = 4 is not divisible by data=1 × depth=8"),
 ])

@@ -254,8 +254,9 @@ def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, flo
     """(elements reduced exactly, packed bytes exchanged) for compressed data-parallel gradients:
     tensors of one dimension or fewer than COMPRESS_MIN_SIZE elements stay exact; the rest are
     padded to whole buckets, each bucket packed at `compress_bits` with a scale and an offset, and
-    the buffer padded to `data` shards. Exact on data-only grids (the ones the trainer compresses);
-    elsewhere kernels and tables count their tensor-parallel shard, biases and norms in full."""
+    the buffer padded to `data` shards. Each device compresses its own shard
+    (`compression.sharded_compressed_psum`): kernels and tables count their tensor-parallel shard,
+    biases and norms in full (they stay exact at these sizes)."""
     m, g = work.model, grid
     n = m.num_layers // g.pipe
     d, f, v = m.d_model, m.d_ff, m.vocab_size

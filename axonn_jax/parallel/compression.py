@@ -10,9 +10,9 @@ is off by at most `scale / 2` per element, stochastic rounding by less than `sca
 
 `compressed_psum` runs inside a shard_map that is manual over `axis_name`:
 
-1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width
-   and dtype, buckets never straddle two tensors) and keeps the quantization error as the new
-   residual;
+1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width,
+   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps
+   the quantization error as the new residual;
 2. `all_to_all` sends chunk `j` of the packed buffer (and its bucket scales/offsets) to shard `j`;
 3. shard `j` dequantizes the `n` chunks it received, sums them in fp32 (divides by `n` for the mean)
    and quantizes that sum once more;
@@ -23,12 +23,13 @@ Small tensors (ndim <= 1 or fewer than `min_size` elements) take an exact `psum`
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from .._compat import all_gather_invariant, to_varying, varying_axes
+from .._compat import all_gather_invariant, current_mesh, shard_map, to_varying, varying_axes
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024
@@ -142,21 +143,43 @@ def _path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def _key_for(key, group: int, stage: int, axis_name: str):
+class Collectives(NamedTuple):
+    """What the compressed all-reduce needs from a group of `size` members (shards of a mesh axis,
+    or processes): this member's `index`, and three collectives over the group.
+
+    psum: list of arrays -> their sums; all_to_all: [size, ...] -> [size, ...], row j sent to member
+    j, row i of the result received from member i; all_gather: [...] -> [size, ...].
+    """
+
+    size: int
+    index: Any  # int, or a traced int32 (axis_index)
+    psum: Callable
+    all_to_all: Callable
+    all_gather: Callable
+
+
+def axis_collectives(axis_name: str) -> Collectives:
+    """The collectives over the manual mesh axis `axis_name` (call inside its shard_map)."""
+    return Collectives(jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name),
+                       lambda xs: jax.lax.psum(xs, axis_name),
+                       lambda a: jax.lax.all_to_all(a, axis_name, 0, 0),
+                       lambda a: all_gather_invariant(a, axis_name))
+
+
+def _key_for(key, group: int, stage: int, index):
     """Independent rounding noise per buffer, per quantization stage and per shard."""
     if key is None:
         return None
-    shard = jax.lax.axis_index(axis_name)
-    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, group), stage), shard)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, group), stage), index)
 
 
-def _reduce_group(xs: list[jax.Array], axis_name: str, n: int, bits: int, bucket_size: int,
+def _reduce_group(xs: list[jax.Array], comm: Collectives, bits: int, bucket_size: int,
                   keys: tuple, mean: bool):
     """Compressed all-reduce of the tensors `xs` (one dtype) packed into one buffer.
 
     Returns (reduced tensors, local quantization errors), both shaped like `xs`.
     """
-    dtype = xs[0].dtype
+    dtype, n = xs[0].dtype, comm.size
     # Each tensor is padded to whole buckets with its last value, which leaves the bucket's range
     # (and so its error bound) unchanged.
     sizes = [x.size for x in xs]
@@ -177,12 +200,12 @@ def _reduce_group(xs: list[jax.Array], axis_name: str, n: int, bits: int, bucket
                          meta[..., 1].ravel())
 
     # received[j]: shard j's quantized copy of the chunk this shard owns.
-    received = exchange(q1, lambda a: jax.lax.all_to_all(a, axis_name, 0, 0))
+    received = exchange(q1, comm.all_to_all)
     owned = dequantize(received, bits).reshape(n, per_shard * bucket_size).sum(axis=0)
     if mean:
         owned = owned / n
     q2 = quantize(owned, bits, bucket_size, keys[1], dtype=dtype)
-    gathered = exchange(q2, lambda a: all_gather_invariant(a, axis_name))
+    gathered = exchange(q2, comm.all_gather)
     reduced = dequantize(gathered, bits, dtype).ravel()
 
     outs, errs, start = [], [], 0
@@ -193,12 +216,14 @@ def _reduce_group(xs: list[jax.Array], axis_name: str, n: int, bits: int, bucket
     return outs, errs
 
 
-def compressed_psum(tree, axis_name: str, bits: int = 4, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                    min_size: int = DEFAULT_MIN_SIZE, key=None, residual=None,
-                    overrides: Mapping[str, int] | None = None, mean: bool = False):
+def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
+                    bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
+                    key=None, residual=None, overrides: Mapping[str, int] | None = None,
+                    mean: bool = False):
     """Sum (or mean) `tree` over the manual mesh axis `axis_name` with CGX compression.
 
-    Call inside a shard_map manual over `axis_name`. tree: pytree of float arrays, this shard's
+    Call inside a shard_map manual over `axis_name`, or give `Collectives` for another transport
+    (`parallel.mpi` passes MPI's, between processes). tree: pytree of float arrays, this shard's
     values (e.g. its local gradients). residual: None (no error feedback) or a pytree like `tree`
     with this shard's error-feedback residual, added before quantization.
     key: None for nearest rounding, or a PRNG key (the same on every shard; each shard and stage
@@ -218,26 +243,34 @@ def compressed_psum(tree, axis_name: str, bits: int = 4, bucket_size: int = DEFA
         if not isinstance(w, int) or not 0 <= w <= 8:
             raise ValueError(f"bit width for {_path_str(p)!r} must be an integer in 0..8 "
                              f"(0: exact), got {w!r}")
-    n = jax.lax.axis_size(axis_name)
     leaves = [leaf for _, leaf in paths_leaves]
     res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
     leaves = [x if r is None else x + r.astype(x.dtype) for x, r in zip(leaves, res)]
-    leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,)) for x in leaves]
+    if isinstance(axis_name, Collectives):
+        comm, axis_name = axis_name, None
+    else:
+        comm = axis_collectives(axis_name)
+        leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,))
+                  for x in leaves]
+    n = comm.size
 
     out: list[Any] = [None] * len(leaves)
     new_res: list[Any] = [None] * len(leaves)
     exact = [i for i, w in enumerate(widths) if w == 0]
     if exact:
-        reduce = jax.lax.pmean if mean else jax.lax.psum
-        for i, y in zip(exact, reduce([leaves[i] for i in exact], axis_name)):
-            out[i], new_res[i] = y, jnp.zeros_like(leaves[i])
+        for i, y in zip(exact, comm.psum([leaves[i] for i in exact])):
+            out[i], new_res[i] = (y / n if mean else y), jnp.zeros_like(leaves[i])
+    # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
+    # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
+    # replicated over `pipe`) would make every result typed varying over `pipe`.
     groups: dict[tuple, list[int]] = {}
     for i, w in enumerate(widths):
         if w:
-            groups.setdefault((w, jnp.dtype(leaves[i].dtype)), []).append(i)
-    for g, ((w, _), idx) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))):
-        keys = (_key_for(key, g, 0, axis_name), _key_for(key, g, 1, axis_name))
-        ys, errs = _reduce_group([leaves[i] for i in idx], axis_name, n, w, bucket_size, keys, mean)
+            others = tuple(sorted(varying_axes(leaves[i]) - {axis_name}))
+            groups.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
+    for g, ((w, _, _), idx) in enumerate(sorted(groups.items())):
+        keys = (_key_for(key, g, 0, comm.index), _key_for(key, g, 1, comm.index))
+        ys, errs = _reduce_group([leaves[i] for i in idx], comm, w, bucket_size, keys, mean)
         for i, y, e in zip(idx, ys, errs):
             out[i], new_res[i] = y, e
     reduced = treedef.unflatten(out)
@@ -249,9 +282,65 @@ def compressed_pmean(tree, axis_name: str, **kwargs):
     return compressed_psum(tree, axis_name, mean=True, **kwargs)
 
 
+def _without_axes(spec: P, axes) -> P:
+    """`spec` with the mesh axes `axes` removed from every dimension."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in names if a is not None and a not in axes)
+        return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+    return P(*(keep(e) for e in spec))
+
+
+def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual=None, **kwargs):
+    """`compressed_psum` over `axis_name` of arrays that other mesh axes split (tensor or pipeline
+    parallelism): each device quantizes and exchanges only its own shards, nothing is gathered.
+
+    Call inside a shard_map manual over `axis_name` (and possibly more axes, e.g. `pipe`); the
+    other axes are automatic there. tree: pytree of float arrays, this `axis_name` shard's values
+    as global arrays over the automatic axes. specs: PartitionSpecs like `tree` (a prefix tree
+    works), how each array is split over the mesh; axes already manual here are ignored (the
+    arrays are local over them). residual: None or a pytree like `tree`, split the same way (error
+    feedback is per device: each device keeps what its own shards' quantization lost).
+
+    A shard_map manual over the remaining axes runs `compressed_psum(local shards, axis_name,
+    residual=local residual, **kwargs)` on every device, so each shard of the result is bitwise
+    `compressed_psum` of that shard alone: buckets are cut from the local shards, and the size
+    rule (`min_size`, ndim) applies to a device's shard. Copies of an array replicated over an axis
+    (a bias over `col`) hold equal inputs and run the same deterministic reduction (rounding noise
+    depends on the `axis_name` index only), so they stay equal. Nothing is compressed over the
+    other axes: sums over `depth` stay whatever exact collective produced `tree`.
+
+    Returns (reduced, new_residual) as `compressed_psum` does, split like `specs`.
+    """
+    context = current_mesh(mesh)
+    manual = frozenset(getattr(context, "manual_axes", ()))
+    if axis_name not in manual:
+        raise ValueError(f"sharded_compressed_psum: call it inside a shard_map manual over "
+                         f"{axis_name!r} (manual here: {sorted(manual)})")
+    free = tuple(a for a in context.axis_names if a not in manual)
+    if all(context.shape[a] == 1 for a in free):  # nothing splits the arrays further
+        return compressed_psum(tree, axis_name, residual=residual, **kwargs)
+    specs = jax.tree.map(lambda s: _without_axes(s, manual), specs,
+                         is_leaf=lambda x: isinstance(x, P))
+    reduce = lambda t, r: compressed_psum(t, axis_name, residual=r, **kwargs)  # noqa: E731
+    if residual is None:
+        reduce_tree = shard_map(lambda t: reduce(t, None)[0], mesh=context, in_specs=(specs,),
+                                out_specs=specs, axis_names=set(free))
+        return reduce_tree(tree), None
+    return shard_map(reduce, mesh=context, in_specs=(specs, specs), out_specs=(specs, specs),
+                     axis_names=set(free))(tree, residual)
+
+
+def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):
+    """`sharded_compressed_psum(..., mean=True)`: the mean over `axis_name`."""
+    return sharded_compressed_psum(tree, specs, mesh, axis_name, mean=True, **kwargs)
+
+
 def init_residual(params, num_shards: int):
     """Zero error-feedback residuals for `num_shards` data shards: each leaf `[num_shards, *shape]`,
-    meant to be split over `data` on its leading axis (one residual per data shard)."""
+    meant to be split over `data` on its leading axis and like its parameter on the others (one
+    residual per device; see `sharded_compressed_psum`)."""
     return jax.tree.map(lambda p: jnp.zeros((num_shards, *p.shape), p.dtype), params)
 
 
@@ -261,6 +350,7 @@ def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> fl
     return 2 * (bits / 8 + 2 * itemsize / bucket_size)
 
 
-__all__ = ["Quantized", "check_args", "pack_bits", "unpack_bits", "quantize", "dequantize",
-           "bits_for_leaf", "compressed_psum", "compressed_pmean", "init_residual",
-           "wire_bytes_per_element"]
+__all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits",
+           "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "compressed_psum",
+           "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
+           "init_residual", "wire_bytes_per_element"]

@@ -6,9 +6,12 @@ this process's rows) and the processes meet only through mpi4jax. A step is thre
 
 1. local loss and gradients, averaged over the process's devices (the `Trainer.loss_and_grads` of
    every other path, jitted on the local mesh);
-2. the exchange: the gradient pytree flattened into one vector on the process's first device and
-   averaged over the processes with one `mpi4jax.allreduce` (mpi4jax works on process-local,
-   single-device arrays, and ordered effects cannot run on several devices in one program);
+2. the exchange on the process's first device (mpi4jax works on process-local, single-device
+   arrays, and ordered effects cannot run on several devices in one program): the gradient pytree
+   flattened into one vector and averaged over the processes with one `mpi4jax.allreduce`, or with
+   `--compress-bits` CGX's compressed all-reduce across processes (`compression.compressed_psum`
+   given MPI's collectives: quantize, `alltoall` of packed chunks, dequantize and sum the owned
+   chunk in fp32, re-quantize, `allgather`), each process's error-feedback residual in its state;
 3. the optimizer update (`Trainer.apply_grads`) on the local mesh.
 
 Rank r of P trains on rows [r·B/P, (r+1)·B/P) of each global batch of B rows, so the averaged
@@ -31,6 +34,7 @@ from .. import data as data_lib
 from ..checkpoint import Checkpointer
 from ..distributed import ENV_NUM_PROCESSES
 from ..offload import precision
+from . import compression
 from ..train import Trainer, TrainOptions, build_trainer
 
 
@@ -45,18 +49,11 @@ def world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
-def make_gradient_reducer(comm, compress_bits: int = 0) -> Callable[[jax.Array], jax.Array]:
-    """`reduce(v) -> mean of v over the processes of comm`, traceable, for a 1-D single-device `v`.
-
-    This is where a compressed exchange plugs in (quantize, exchange buckets, dequantize); until
-    it does, `compress_bits > 0` is refused.
-    """
+def make_gradient_reducer(comm) -> Callable[[jax.Array], jax.Array]:
+    """`reduce(v) -> mean of v over the processes of comm`, traceable, for a 1-D single-device `v`."""
     import mpi4jax
     from mpi4py import MPI
 
-    if compress_bits:
-        raise NotImplementedError(f"--compress-bits {compress_bits} with --transport mpi is not "
-                                  "implemented yet")
     size = comm.Get_size()
 
     def reduce(v):
@@ -71,6 +68,40 @@ def exchange_fn(reduce: Callable) -> Callable:
     def exchange(loss, grads):
         flat, unravel = ravel_pytree((loss, grads))
         return unravel(reduce(flat))
+
+    return exchange
+
+
+def mpi_collectives(comm) -> compression.Collectives:
+    """The collectives `compression.compressed_psum` needs, between the processes of `comm`, on
+    single-device arrays (this process is member `rank`)."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    def psum(xs):  # one message for all the exactly-reduced tensors
+        flat, unravel = ravel_pytree(xs)
+        return unravel(mpi4jax.allreduce(flat, op=MPI.SUM, comm=comm))
+
+    return compression.Collectives(comm.Get_size(), comm.Get_rank(), psum,
+                                   lambda a: mpi4jax.alltoall(a, comm=comm),
+                                   lambda a: mpi4jax.allgather(a, comm=comm))
+
+
+def compressed_exchange_fn(comm, options: TrainOptions) -> Callable:
+    """`(loss, grads, residual, step) -> (loss, grads, residual)`: the loss averaged exactly, the
+    gradients with CGX compression (`options.compress_bits`, `compress_bucket`) across the
+    processes of `comm`. residual: None, or this process's error-feedback residual (like `grads`).
+    Without error feedback, rounding is stochastic with noise from (seed, step, rank)."""
+    reduce_loss = make_gradient_reducer(comm)
+    collectives = mpi_collectives(comm)
+
+    def exchange(loss, grads, residual, step):
+        key = None if residual is not None else \
+            jax.random.fold_in(jax.random.key(options.seed), step)
+        grads, residual = compression.compressed_pmean(
+            grads, collectives, bits=options.compress_bits, bucket_size=options.compress_bucket,
+            key=key, residual=residual)
+        return reduce_loss(jnp.reshape(loss, (1,)))[0], grads, residual
 
     return exchange
 
@@ -90,12 +121,17 @@ class CompiledMpiStep:
     update: Callable
     first_device: jax.Device
     replicated: NamedSharding
+    compressed: bool = False
 
     def __call__(self, state, batch):
         loss, grads, _ = self.grads(state["params"], batch, precision.scale_of(state),
                                     state["step"], None)
-        loss, grads = self.exchange(*jax.device_put((loss, grads), self.first_device))
-        return self.update(state, *jax.device_put((loss, grads), self.replicated))
+        if not self.compressed:
+            loss, grads = self.exchange(*jax.device_put((loss, grads), self.first_device))
+            return self.update(state, *jax.device_put((loss, grads), self.replicated))
+        out = self.exchange(*jax.device_put((loss, grads, state.get("compression"), state["step"]),
+                                            self.first_device))
+        return self.update(state, *jax.device_put(out, self.replicated))
 
     def as_text(self) -> str:
         return "\n\n".join((self.grads.as_text(), self.exchange_hlo, self.update.as_text()))
@@ -112,6 +148,7 @@ class MpiTrainStep:
 
     trainer: Trainer
     reduce: Callable
+    compressed_exchange: Callable | None = None
     _compiled: CompiledMpiStep | None = dataclasses.field(default=None, repr=False)
 
     def lower(self, state, batch):
@@ -127,11 +164,23 @@ class MpiTrainStep:
         out = jax.eval_shape(self.trainer.loss_and_grads, *args)[:2]
         on = lambda sharding: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), out)
-        exchange = jax.jit(exchange_fn(self.reduce))
-        exchange_hlo = exchange.lower(*on(jax.sharding.SingleDeviceSharding(first))).compile().as_text()
+        single = jax.sharding.SingleDeviceSharding(first)
+        if self.compressed_exchange is None:
+            exchange = jax.jit(exchange_fn(self.reduce))
+            exchange_hlo = exchange.lower(*on(single)).compile().as_text()
+            update = jax.jit(self.trainer.apply_grads, donate_argnums=0).lower(
+                state, *on(replicated)).compile()
+            return CompiledMpiStep(grads, exchange, exchange_hlo, update, first, replicated)
+        residual = state.get("compression")
+        place = lambda tree, sharding: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+        exchange = jax.jit(self.compressed_exchange)
+        exchange_hlo = exchange.lower(*on(single), place(residual, single),
+                                      place(state["step"], single)).compile().as_text()
         update = jax.jit(self.trainer.apply_grads, donate_argnums=0).lower(
-            state, *on(replicated)).compile()
-        return CompiledMpiStep(grads, exchange, exchange_hlo, update, first, replicated)
+            state, *on(replicated), place(residual, replicated)).compile()
+        return CompiledMpiStep(grads, exchange, exchange_hlo, update, first, replicated,
+                               compressed=True)
 
     def __call__(self, state, batch):
         if self._compiled is None:  # shapes are fixed for a run: compile once
@@ -157,6 +206,18 @@ class MpiTrainer(Trainer):
     rank: int = 0
     size: int = 1
     global_batch_size: int = 0
+    keeps_residual: bool = False  # compressed exchange with error feedback
+
+    def init_state(self, abstract: bool = False):
+        """The local trainer's state; with compression and error feedback plus `'compression'`:
+        this process's residual, zeros like the parameters and placed like them (each process
+        keeps its own)."""
+        state = super().init_state(abstract)
+        if self.keeps_residual:
+            zeros = lambda p: jnp.zeros(p.shape, p.dtype, device=p.sharding)  # noqa: E731
+            like = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding)  # noqa: E731
+            state["compression"] = jax.tree.map(like if abstract else zeros, state["params"])
+        return state
 
     def batch(self, tokens: np.ndarray, step: int, seed_offset: int = 0):
         """Rows `[rank·b, (rank+1)·b)` (b = global batch / size) of global batch `step`, split over
@@ -173,6 +234,13 @@ class MpiTrainer(Trainer):
 def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
     """The trainer of this MPI process: `options.parallel` is the grid of one process's devices
     (default: all its local devices), and the global data-parallel size is `data × processes`."""
+    if options.compress_bits:
+        compression.check_args(options.compress_bits, options.compress_bucket)
+        if options.error_feedback and options.checkpoint_dir:
+            raise NotImplementedError(
+                "--transport mpi --compress-bits with error feedback and --checkpoint-dir is not "
+                "implemented yet (rank 0 alone writes the checkpoint, and each process's residual "
+                "differs); add --no-error-feedback")
     comm, rank, size = world()
     launched = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
     if size == 1 and launched > 1:
@@ -185,12 +253,16 @@ def build_mpi_trainer(options: TrainOptions, devices=None) -> MpiTrainer:
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")
-    reduce = make_gradient_reducer(comm, options.compress_bits)
-    local = dataclasses.replace(options, batch_size=options.batch_size // size)
+    reduce = make_gradient_reducer(comm)
+    # Inside a process the gradients are averaged exactly over its devices; only the exchange
+    # between processes is compressed.
+    local = dataclasses.replace(options, batch_size=options.batch_size // size, compress_bits=0)
     base = build_trainer(local, devices if devices is not None else jax.local_devices())
-    trainer = MpiTrainer(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer)},
-                         rank=rank, size=size, global_batch_size=options.batch_size)
-    trainer.train_step = MpiTrainStep(base, reduce)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer)}
+    trainer = MpiTrainer(**fields, rank=rank, size=size, global_batch_size=options.batch_size,
+                         keeps_residual=bool(options.compress_bits and options.error_feedback))
+    trainer.train_step = MpiTrainStep(base, reduce, compressed_exchange_fn(comm, options)
+                                      if options.compress_bits else None)
     first = base.mesh.devices.flat[0]
     mean_loss = jax.jit(lambda loss: reduce(jnp.reshape(loss, (1,)))[0])
     trainer.eval_loss = lambda params, batch: mean_loss(

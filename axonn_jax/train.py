@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import time
 from typing import Any, Callable
@@ -305,19 +304,22 @@ def build_trainer(options: TrainOptions, devices=None) -> Trainer:
         grads, residual = reduce_gradients(grads, step, residual)
         return jax.lax.pmean(loss, "data") / scale, grads, residual
 
-    loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh,
-                               in_specs=(P(), P("data"), P(), P(), P("data")),
-                               out_specs=(P(), P(), P("data")), axis_names={"data"})
-    if config.data == 1 and config.tensor_parallel_size > 1:
-        # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of gradients
-        # that come out of the tensor-parallel shard_maps.
-        def loss_and_grads(params, batch, scale, step, residual):
-            loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
-            return loss / scale, grads, residual
-    param_spec = lambda path: P()
+    def unreduced_loss_and_grads(params, batch, scale, step, residual):
+        loss, grads = jax.value_and_grad(lambda p, b: loss_fn(p, b) * scale)(params, batch)
+        return loss / scale, grads, residual
+
+    param_spec = lambda path: P()  # noqa: E731
     if config.pipe > 1:
         loss_and_grads, param_spec = pipelined_loss_and_grads(model, options, mesh,
                                                               reduce_gradients)
+    elif config.data == 1 and config.tensor_parallel_size > 1:
+        # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of gradients
+        # that come out of the tensor-parallel shard_maps.
+        loss_and_grads = unreduced_loss_and_grads
+    else:
+        loss_and_grads = shard_map(local_loss_and_grads, mesh=mesh,
+                                   in_specs=(P(), P("data"), P(), P(), P("data")),
+                                   out_specs=(P(), P(), P("data")), axis_names={"data"})
 
     def apply_grads(state, loss, grads, residual=None):
         new_state, metrics = offload_opt.apply_gradients(state, grads, optimizer=optimizer,
@@ -500,10 +502,13 @@ def train(options: TrainOptions, devices=None, console=None) -> dict[str, Any]:
     console = console or Console(quiet=not is_main)
     corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
     state = trainer.init_state()
+    make_checkpointer = Checkpointer
     if options.transport == "mpi":
-        from .parallel.mpi import RankZeroCheckpointer as Checkpointer  # noqa: F811
-        Checkpointer = getattr(trainer, "checkpointer", Checkpointer)  # pipeline: one per stage
-    checkpointer = Checkpointer(options.checkpoint_dir, options.checkpoint_every) \
+        from .parallel.mpi import RankZeroCheckpointer
+
+        # The MPI pipeline brings its own (one checkpoint per stage).
+        make_checkpointer = getattr(trainer, "checkpointer", RankZeroCheckpointer)
+    checkpointer = make_checkpointer(options.checkpoint_dir, options.checkpoint_every) \
         if options.checkpoint_dir else None
     if options.resume:
         state = checkpointer.restore(state)

@@ -74,7 +74,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     by_measured = sorted(range(len(rows)), key=lambda i: rows[i]["measured_s"])
-    lines = [f"# Communication model: predicted vs measured step time\n",
+    lines = ["# Communication model: predicted vs measured step time\n",
              f"{args.model}, batch {args.batch} × {args.seq_len} tokens, fp32, 8 simulated CPU "
              f"devices, `cpu` machine preset; measured = median of {args.steps} steps.\n",
              f"Spearman rank correlation: **{rho:.2f}** over {len(rows)} grids.\n",

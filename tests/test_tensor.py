@@ -3,7 +3,6 @@ gradient equal the unsharded computation on each grid, and the compiled program 
 collectives of the algorithm."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 

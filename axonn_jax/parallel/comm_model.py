@@ -17,7 +17,6 @@ Groups of one device move nothing.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Iterable
 

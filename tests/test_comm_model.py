@@ -9,7 +9,8 @@ from axonn_jax import ParallelConfig
 from axonn_jax.cli import main as cli_main
 from axonn_jax.models.gpt import get_config
 from axonn_jax.parallel import comm_model as cm
-from axonn_jax.parallel.hlo import wire_bytes
+from axonn_jax.parallel.hlo import collectives, wire_bytes
+from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
 import numpy as np
@@ -72,6 +73,32 @@ def test_model_bytes_match_compiled_hlo(model, grid, microbatches, schedule, bit
         if predicted[kind] == 0 and measured[kind] == 0:
             continue
         assert measured[kind] == pytest.approx(predicted[kind], rel=0.05), kind
+
+
+@pytest.mark.parametrize("grid", [P(data=2, pipe=2, row=2), P(data=2, pipe=2, depth=2)],
+                         ids=["data2,pipe2,row2", "data2,pipe2,depth2"])
+def test_tensor_parallel_stage_bytes_match_compiled_hlo(grid, compiled_hlo):
+    """Tensor-parallel collectives inside pipeline stages. The model counts what runs: M
+    microbatches' forwards and backwards, each forward twice (the backward tick recomputes it) and
+    each weight gather or gradient reduction once per microbatch. The compiled loop has a
+    conditional forward and backward in each of its T ticks, which the HLO count takes as always
+    taken: it equals the model's bytes × T / M."""
+    options = TrainOptions(model="gpt-tiny-deep", batch_size=16, seq_len=32, parallel=grid,
+                           microbatches=2, schedule="1f1b")
+    ticks = make_schedule("1f1b", grid.pipe, 2).num_ticks
+    measured = {k: 0.0 for k in cm.KINDS}
+    for c in collectives(compiled_hlo(options)):
+        if c.executions % ticks == 0 and c.kind != "collective-permute":  # inside the tick loop
+            measured[c.kind] += c.wire_bytes
+    predicted = {k: 0.0 for k in cm.KINDS}
+    for c in cm.collectives(workload(options), grid):
+        if not set(c.axes) & {"data", "pipe"}:
+            predicted[c.kind] += c.wire_bytes(grid) * ticks / 2
+    assert any(predicted.values())
+    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
+        assert measured[kind] == pytest.approx(predicted[kind], rel=0.05), kind
+    # A small re-layout the model leaves out.
+    assert measured["all-to-all"] <= 0.01 * sum(measured.values())
 
 
 def test_planner_ranks_feasible_grids_and_respects_memory():

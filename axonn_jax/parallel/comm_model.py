@@ -129,6 +129,13 @@ class Collective:
     count: int = 1
     overlappable: float = 0.0
     """FLOPs of independent compute this collective can hide behind (per occurrence)."""
+    stage_forward: bool = False
+    """Part of a pipeline stage's forward, which the engine runs again (recomputes) in the
+    stage's backward tick: with `pipe > 1` it happens twice per microbatch."""
+    per_microbatch: bool = False
+    """Parameter-sized (a weight gather, a weight-gradient reduction): the pipeline runs it in
+    every microbatch's operation, so with `pipe > 1` it happens M times per step instead of once.
+    Activation-sized collectives split with the tokens and add up to the same bytes either way."""
 
     def group(self, grid: ParallelConfig) -> int:
         return math.prod(getattr(grid, a) for a in self.axes)
@@ -141,9 +148,14 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
     compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py).
     Scalar reductions of the loss and the gradient norm (a few bytes) are left out."""
-    return [*_dense_collectives(work, grid), *_embedding_collectives(work, grid),
-            *_norm_collectives(work, grid), *_loss_collectives(work, grid),
-            *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
+    found = [*_dense_collectives(work, grid), *_embedding_collectives(work, grid),
+             *_norm_collectives(work, grid), *_loss_collectives(work, grid),
+             *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
+    if grid.pipe > 1:
+        found = [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
+                                     * (work.microbatches if c.per_microbatch else 1))
+                 for c in found]
+    return found
 
 
 def _local_tokens(work: Workload, grid: ParallelConfig) -> float:
@@ -165,22 +177,26 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
         block = layer.fan_in * layer.fan_out / (nin * nout)  # kernel block after the depth gather
         mm_flops = 2 * tokens * block  # one of the three matmuls of this layer on one device
         out += [
-            # forward: gather the kernel over depth, partial sums over the input axis
-            Collective("all-gather", ("depth",), block * pb, count),
-            Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count),
+            # forward: gather the kernel over depth, partial sums over the input axis (the head
+            # runs only in the last stage's backward tick, so it is not recomputed)
+            Collective("all-gather", ("depth",), block * pb, count, stage_forward=not head,
+                       per_microbatch=True),
+            Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count,
+                       stage_forward=not head),
             # backward: input gradient over the output axis (hidden behind the weight-gradient
             # matmul), weight gradient reduce-scattered over depth
             Collective("all-reduce", (fout,), tokens * layer.fan_in / nin * cb, count,
                        overlappable=mm_flops),
-            Collective("reduce-scatter", ("depth",), block * pb, count),
+            Collective("reduce-scatter", ("depth",), block * pb, count, per_microbatch=True),
         ]
         if not head:
             # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
             # head's forward and backward share one computation, where XLA reuses the gather.
-            out.append(Collective("all-gather", ("depth",), block * pb, count))
+            out.append(Collective("all-gather", ("depth",), block * pb, count, per_microbatch=True))
         if layer.bias:
             # the bias is replicated over depth, whose devices saw different tokens
-            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * pb, count))
+            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * pb, count,
+                                  per_microbatch=True))
     return out
 
 
@@ -192,15 +208,18 @@ def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collect
     wte = m.vocab_size * m.d_model / (g.row * g.col)
     wpe = m.max_seq_len * m.d_model / (g.row * g.col)
     return [
-        Collective("all-gather", ("depth",), wte * pb),
-        Collective("all-gather", ("depth",), wpe * pb),
+        Collective("all-gather", ("depth",), wte * pb, stage_forward=True, per_microbatch=True),
+        Collective("all-gather", ("depth",), wpe * pb, stage_forward=True, per_microbatch=True),
         # each row shard looks up the ids it owns (zeros elsewhere); the sum over row completes
         # the token embeddings, and the positions' once per sequence position
-        Collective("all-reduce", ("row",), (tokens + work.seq_len) * m.d_model / g.col * cb),
+        Collective("all-reduce", ("row",), tokens * m.d_model / g.col * cb, stage_forward=True),
+        Collective("all-reduce", ("row",), work.seq_len * m.d_model / g.col * cb,
+                   stage_forward=True, per_microbatch=True),
         # token-table gradient scattered back over depth; the position gradient is first summed
         # over the batch, which depth splits
-        Collective("reduce-scatter", ("depth",), wte * pb),
-        Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb),
+        Collective("reduce-scatter", ("depth",), wte * pb, per_microbatch=True),
+        Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb,
+                   per_microbatch=True),
     ]
 
 
@@ -209,11 +228,15 @@ def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     col: per-token statistics are sums over col; the scale and bias are replicated over depth."""
     m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
-    norms = 2 * (m.num_layers // g.pipe) + 1
+    in_blocks = 2 * (m.num_layers // g.pipe)
+    norms = in_blocks + 1  # and the final norm, which runs with the head
     return [
-        Collective("all-reduce", ("col",), 2 * tokens * cb, norms),  # forward: mean, mean of squares
+        # forward: mean, mean of squares
+        Collective("all-reduce", ("col",), 2 * tokens * cb, in_blocks, stage_forward=True),
+        Collective("all-reduce", ("col",), 2 * tokens * cb),
         Collective("all-reduce", ("col",), 2 * tokens * cb, norms),  # backward: the two matching sums
-        Collective("all-reduce", ("depth",), 2 * m.d_model / g.col * pb, norms),  # scale, bias grads
+        Collective("all-reduce", ("depth",), 2 * m.d_model / g.col * pb, norms,  # scale, bias grads
+                   per_microbatch=True),
     ]
 
 

@@ -104,25 +104,46 @@ def ensure_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
-def pmean(tree, axis: str):
-    """`jax.lax.pmean` of every array of `tree` over `axis`.
+def _reduce_16bit_in_fp32(reduce, tree):
+    """Apply `reduce` leafwise; on CPU, 16-bit float arrays are reduced in fp32 and cast back.
 
-    On CPU, 16-bit float arrays are averaged in fp32 and cast back: XLA:CPU's all-reduce promotion
-    pass aborts the process ("Invalid binary instruction opcode copy") on a bf16/fp16 all-reduce
-    inside a partially manual shard_map, whose reducer ends in a sharding annotation (JAX 0.10.2).
+    XLA:CPU's all-reduce promotion pass aborts the process ("Invalid binary instruction opcode
+    copy") on a bf16/fp16 all-reduce or reduce-scatter inside a partially manual shard_map, whose
+    reducer ends in a sharding annotation (JAX 0.10.2).
     """
     import jax
     import jax.numpy as jnp
 
     if jax.devices()[0].platform != "cpu":
-        return jax.lax.pmean(tree, axis)
+        return jax.tree.map(reduce, tree)
 
     def one(x):
         if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 16:
-            return jax.lax.pmean(x.astype(jnp.float32), axis).astype(x.dtype)
-        return jax.lax.pmean(x, axis)
+            return reduce(x.astype(jnp.float32)).astype(x.dtype)
+        return reduce(x)
 
     return jax.tree.map(one, tree)
+
+
+def psum(tree, axis):
+    """`jax.lax.psum` over `axis` (a name or tuple), CPU-safe for 16-bit floats (see above)."""
+    import jax
+
+    return _reduce_16bit_in_fp32(lambda x: jax.lax.psum(x, axis), tree)
+
+
+def pmean(tree, axis):
+    """`jax.lax.pmean` over `axis`, CPU-safe for 16-bit floats."""
+    import jax
+
+    return _reduce_16bit_in_fp32(lambda x: jax.lax.pmean(x, axis), tree)
+
+
+def psum_scatter(x, axis, **kwargs):
+    """`jax.lax.psum_scatter` over `axis`, CPU-safe for 16-bit floats."""
+    import jax
+
+    return _reduce_16bit_in_fp32(lambda v: jax.lax.psum_scatter(v, axis, **kwargs), x)
 
 
 def all_gather_invariant(x, axis_name):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import current_mesh, shard_map, varying_axes
+from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 
 TP_AXES = ("depth", "row", "col")
 
@@ -95,7 +95,7 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
     contract = (((ndim - 1,), (0,)), ((), ()))
 
     def local_forward(x, w, *b):
-        y = jax.lax.psum(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
+        y = psum(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
         return y + b[0] if b else y
 
     def forward(x, w, b):
@@ -103,13 +103,13 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
         return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
 
     def local_backward(x, w, dy):
-        dx = jax.lax.psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (1,)), ((), ()))), fout)
+        dx = psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (1,)), ((), ()))), fout)
         rows = tuple(range(ndim - 1))
         dw = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())))
-        dw = jax.lax.psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
+        dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
         if not has_bias:
             return dx, dw
-        return dx, dw, jax.lax.psum(jnp.sum(dy, axis=rows), "depth")
+        return dx, dw, psum(jnp.sum(dy, axis=rows), "depth")
 
     @jax.custom_vjp
     def dense(x, w, b):
@@ -165,7 +165,7 @@ def _embed_fn(mesh, ndim: int, batched: bool):
     def local_forward(tokens, table):
         table = _gather_depth(table)
         idx, hit = local_rows(tokens, table.shape[0])
-        return jax.lax.psum(jnp.where(hit[..., None], table[idx], 0), "row")
+        return psum(jnp.where(hit[..., None], table[idx], 0), "row")
 
     def local_backward(tokens, dy, table_shard):
         vocab_local = table_shard.shape[0] * jax.lax.axis_size("depth")
@@ -173,7 +173,7 @@ def _embed_fn(mesh, ndim: int, batched: bool):
         dy = jnp.where(hit[..., None], dy, 0).reshape(-1, dy.shape[-1])
         dt = jnp.zeros((vocab_local, dy.shape[-1]), dy.dtype).at[idx.reshape(-1)].add(dy)
         if batched:  # depth devices saw different rows of the batch
-            return jax.lax.psum_scatter(dt, "depth", scatter_dimension=0, tiled=True)
+            return psum_scatter(dt, "depth", scatter_dimension=0, tiled=True)
         n = table_shard.shape[0]  # every depth device saw all tokens: keep its own block
         return jax.lax.dynamic_slice_in_dim(dt, jax.lax.axis_index("depth") * n, n, axis=0)
 

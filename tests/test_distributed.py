@@ -236,7 +236,7 @@ def test_ctrl_c_stops_all(tmp_path):
             time.sleep(0.1)
         pids = json.loads((logs / "launch.json").read_text())["pids"]
         launcher.send_signal(signal.SIGINT)
-        assert launcher.wait(timeout=30) == 130
+        assert launcher.wait(timeout=60) == 130  # the bound the launcher promises under load
     finally:
         if launcher.poll() is None:
             launcher.kill()

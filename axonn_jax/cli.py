@@ -264,6 +264,9 @@ def _add_launch_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .launch import follow_launcher
+
+    follow_launcher()  # a process of `axonn-jax launch` dies with its launcher
     args = build_parser().parse_args(argv)
     if getattr(args, "devices", None):
         from .mesh import simulate_cpu_devices

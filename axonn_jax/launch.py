@@ -26,6 +26,7 @@ FINISH_GRACE_S = 60.0
 (they finish together: a straggler is stuck, e.g. waiting for a peer that will never answer)."""
 POLL_S = 0.1
 TAIL_LINES = 20
+ENV_LAUNCHER_PID = "AXONN_LAUNCHER_PID"
 
 
 @dataclasses.dataclass
@@ -58,6 +59,20 @@ def _tee(stream, log_file, out) -> None:
         log_file.flush()
         out.buffer.write(line)
         out.flush()
+
+
+def follow_launcher() -> None:
+    """In a process `launch` started: on Linux, be killed when the launcher dies, even by SIGKILL,
+    which it cannot catch to stop its job (elsewhere: nothing). Called first thing by the CLI."""
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # it died before the line above took effect
+        os._exit(128 + signal.SIGKILL)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -99,7 +114,8 @@ def launch(command: list[str], nprocs: int, devices_per_proc: int | None = None,
     log_dir = pathlib.Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **{ENV_COORDINATOR: f"127.0.0.1:{port}",
-                              ENV_NUM_PROCESSES: str(nprocs), "PYTHONUNBUFFERED": "1"})
+                              ENV_NUM_PROCESSES: str(nprocs), ENV_LAUNCHER_PID: str(os.getpid()),
+                              "PYTHONUNBUFFERED": "1"})
     if devices_per_proc is not None:
         env[ENV_LOCAL_DEVICES] = str(devices_per_proc)
     procs, logs, threads = [], [], []
@@ -177,8 +193,12 @@ def main(args) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed launcher stops its job
+    # A terminated launcher stops its job. Ctrl-C too, even when the launcher was started with
+    # SIGINT ignored (as a shell's background job is), which its children would also inherit.
+    previous = {sig: signal.signal(sig, handler) for sig, handler in (
+        (signal.SIGTERM, _raise_interrupt), (signal.SIGINT, signal.default_int_handler))}
     try:
         return launch(command, args.nprocs, args.devices_per_proc, args.port, args.log_dir)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import all_gather_invariant, current_mesh, shard_map, to_varying, varying_axes
+from .._compat import (all_gather_invariant, current_mesh, psum, shard_map, to_varying,
+                       varying_axes)
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024
@@ -161,7 +162,7 @@ class Collectives(NamedTuple):
 def axis_collectives(axis_name: str) -> Collectives:
     """The collectives over the manual mesh axis `axis_name` (call inside its shard_map)."""
     return Collectives(jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name),
-                       lambda xs: jax.lax.psum(xs, axis_name),
+                       lambda xs: psum(xs, axis_name),
                        lambda a: jax.lax.all_to_all(a, axis_name, 0, 0),
                        lambda a: all_gather_invariant(a, axis_name))
 

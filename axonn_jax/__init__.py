@@ -1,12 +1,14 @@
 """axonn_jax: hybrid data × pipeline × 2D/3D tensor parallelism for JAX, with compressed gradients
 (CGX) and host-memory offload of optimizer state and activations (AxoNN, KARMA)."""
 from .config import AXES, ParallelConfig
-from .distributed import init_distributed
 from .mesh import make_mesh, simulate_cpu_devices
-from . import layers
 from .parallel.pipeline_module import pipeline
-from .transform import parallelize
+from .run.distributed import init_distributed
+from .step import GradientReducer, StackedModel, TrainStep, make_train_step
+from .tp import layers, layers_nnx
+from .tp.parallelize import parallelize
 
-__all__ = ["AXES", "ParallelConfig", "init_distributed", "layers", "make_mesh", "parallelize",
-           "pipeline", "simulate_cpu_devices"]
+__all__ = ["AXES", "GradientReducer", "ParallelConfig", "StackedModel", "TrainStep",
+           "init_distributed", "layers", "layers_nnx", "make_mesh", "make_train_step",
+           "parallelize", "pipeline", "simulate_cpu_devices"]
 __version__ = "0.1.0"

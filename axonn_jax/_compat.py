@@ -5,12 +5,9 @@ compute_on, memory kinds) are wrapped here so the rest of the package has one sp
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import jax
-
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 if hasattr(jax, "shard_map"):
     _shard_map = jax.shard_map
@@ -36,15 +33,6 @@ def shard_map(
     if axis_names is not None:
         kwargs["axis_names"] = frozenset(axis_names)
     return _shard_map(f, **kwargs)
-
-
-def compute_on_host() -> contextlib.AbstractContextManager:
-    """Context in which traced ops run on the host (`compute_on('device_host')`)."""
-    try:
-        from jax.experimental.compute_on import compute_on
-    except ImportError:  # pragma: no cover - moved in newer JAX
-        from jax import compute_on  # type: ignore[no-redef]
-    return compute_on("device_host")
 
 
 HOST_MEMORY_KIND = "pinned_host"

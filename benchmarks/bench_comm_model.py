@@ -46,7 +46,7 @@ def main() -> None:
     import numpy as np
 
     from axonn_jax.models.gpt import get_config
-    from axonn_jax.parallel import comm_model as cm
+    from axonn_jax.analysis import comm_model as cm
     from axonn_jax.train import TrainOptions, build_trainer, unsupported_combination
 
     machine = cm.MACHINES["cpu"]

@@ -49,7 +49,7 @@ def wire_and_step_time(model, seq_len, batch_size, bits, devices):
     import numpy as np
 
     from axonn_jax import ParallelConfig
-    from axonn_jax.parallel.hlo import wire_bytes
+    from axonn_jax.analysis.hlo import wire_bytes
     from axonn_jax.train import TrainOptions, build_trainer
 
     trainer = build_trainer(TrainOptions(model=model, seq_len=seq_len, batch_size=batch_size,
@@ -76,7 +76,7 @@ def exchange_time(bits, devices, matrices=8, side=1024):
     from axonn_jax import ParallelConfig, make_mesh
     from axonn_jax._compat import shard_map
     from axonn_jax.parallel.compression import compressed_pmean
-    from axonn_jax.parallel.hlo import wire_bytes
+    from axonn_jax.analysis.hlo import wire_bytes
 
     n = len(devices)
     mesh = make_mesh(ParallelConfig(data=n), devices)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from axonn_jax.parallel.hlo import wire_bytes
+from axonn_jax.analysis.hlo import wire_bytes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def run(model: str, bits: int, nprocs: int, steps: int, batch: int, seq: int, wo
     """(median step seconds, wire bytes per device per step) of one multi-process training run."""
     tag = f"{model}-{bits or 'exact'}"
     metrics, hlo = work / f"{tag}.jsonl", work / f"hlo-{tag}"
-    cmd = [sys.executable, "-m", "axonn_jax.cli", "launch", "--nprocs", str(nprocs),
+    cmd = [sys.executable, "-m", "axonn_jax", "launch", "--nprocs", str(nprocs),
            "--devices-per-proc", "1", "--log-dir", str(work / f"logs-{tag}"), "--",
            "train", "--model", model, "--steps", str(steps), "--batch-size", str(batch),
            "--seq-len", str(seq), "--eval-batches", "1", "--eval-every", str(steps),

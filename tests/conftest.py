@@ -25,3 +25,11 @@ def relative_difference(a, b):
 
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def lm_batch(trainer, tokens, step, seed_offset=0):
+    """Language-model batch `step` of `tokens` for `trainer`'s options, placed on its devices."""
+    from axonn_jax.run.data import lm_batch as make
+
+    o = trainer.options
+    return trainer.place(make(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len))

@@ -6,21 +6,20 @@ import json
 import pytest
 
 from axonn_jax import ParallelConfig
-from axonn_jax.cli import main as cli_main
+from axonn_jax.run.cli import main as cli_main
 from axonn_jax.models.gpt import get_config
-from axonn_jax.parallel import comm_model as cm
-from axonn_jax.parallel.hlo import collectives, wire_bytes
+from axonn_jax.analysis import comm_model as cm
+from axonn_jax.analysis.hlo import collectives, wire_bytes
 from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
-import numpy as np
+
 
 
 def hlo_of_train_step(options, devices):
     trainer = build_trainer(options, devices)
     state = trainer.init_state(abstract=True)  # shapes and shardings suffice to compile
-    tokens = np.arange(10_000) % 256
-    return trainer.train_step.lower(state, trainer.batch(tokens, 0)).compile().as_text()
+    return trainer.step.lower(state, trainer.bound.abstract_batch()).compile().as_text()
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +140,7 @@ def test_plan_cli_json(capsys):
 
 
 def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
-    from axonn_jax.cli import _auto_grid, build_parser
+    from axonn_jax.run.cli import _auto_grid, build_parser
 
     argv = ["train", "--batch-size", "16", "--seq-len", "32"]
     work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="gpipe")

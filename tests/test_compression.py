@@ -9,14 +9,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from axonn_jax import ParallelConfig
 from axonn_jax._compat import shard_map
-from axonn_jax.checkpoint import Checkpointer
-from axonn_jax.cli import main as cli_main
-from axonn_jax.data import Corpus
+from axonn_jax.run.checkpoint import Checkpointer
+from axonn_jax.run.cli import main as cli_main
+from axonn_jax.run.data import Corpus
 from axonn_jax.parallel import compression as C
-from axonn_jax.parallel.hlo import collective_bytes, collectives, wire_bytes
+from axonn_jax.analysis.hlo import collective_bytes, collectives, wire_bytes
 from axonn_jax.train import TrainOptions, train
 
-from conftest import relative_difference
+from conftest import lm_batch, relative_difference
 
 B = 64  # bucket size of the unit tests: several buckets per tensor, tiny arrays
 
@@ -220,7 +220,7 @@ def test_2bit_with_error_feedback_still_trains(runs):
 
 def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):
     trainer, state = runs["4bit"]["trainer"], runs["4bit"]["state"]
-    residual = jax.tree.leaves(state["compression"])
+    residual = jax.tree.leaves(state["reducer"])
     params = jax.tree.leaves(state["params"])
     assert [r.shape for r in residual] == [(8, *p.shape) for p in params]
     assert all(r.sharding.spec[0] == "data" for r in residual)
@@ -236,14 +236,14 @@ def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):
     def continue_from(s, n=3):  # the step donates `s`
         out = []
         for i in range(n):
-            s, metrics = trainer.train_step(s, trainer.batch(runs["corpus"], STEPS + i))
+            s, metrics = trainer.step(s, lm_batch(trainer, runs["corpus"], STEPS + i))
             out.append(float(metrics["loss"]))
         return out
 
     resumed = continue_from(restored)
     assert resumed == continue_from(state)
     # The residual matters: dropping it changes the trajectory (so the check above can fail).
-    spare["compression"] = jax.tree.map(jnp.zeros_like, spare["compression"])
+    spare["reducer"] = jax.tree.map(jnp.zeros_like, spare["reducer"])
     assert continue_from(spare)[1:] != resumed[1:]
 
 
@@ -253,9 +253,8 @@ def test_no_error_feedback_keeps_no_state(devices):
     trainer = build_trainer(TrainOptions(**{**TRAIN, "compress_bits": 4, "error_feedback": False}),
                             devices=devices)
     state = trainer.init_state()
-    assert "compression" not in state
-    lowered = trainer.train_step.lower(state, jax.device_put(np.zeros((16, 33), np.int32),
-                                                              trainer.batch_sharding))
+    assert "reducer" not in state
+    lowered = trainer.step.lower(state, trainer.bound.abstract_batch())
     text = lowered.as_text()
     assert "all_to_all" in text and "all_gather" in text
     assert "threefry" in text  # stochastic rounding's noise (nearest rounding draws none)

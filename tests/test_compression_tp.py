@@ -10,11 +10,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from axonn_jax import ParallelConfig
 from axonn_jax._compat import shard_map
 from axonn_jax.parallel import compression as C
-from axonn_jax.parallel.hlo import collectives
-from axonn_jax.data import Corpus
+from axonn_jax.analysis.hlo import collectives
+from axonn_jax.run.data import Corpus
 from axonn_jax.train import TrainOptions, build_trainer
 
-from conftest import relative_difference
+from conftest import lm_batch, relative_difference
 
 AXES = ("data", "pipe", "depth", "row", "col")
 B = 64  # bucket size of the unit test
@@ -106,21 +106,21 @@ def run(options, devices, corpus):
     trainer = build_trainer(options, devices)
     state, losses = trainer.init_state(), []
     for i in range(options.steps):
-        state, metrics = trainer.train_step(state, trainer.batch(corpus, i))
+        state, metrics = trainer.step(state, lm_batch(trainer, corpus, i))
         losses.append(float(metrics["loss"]))
     return losses, state, trainer
 
 
 def _residual_specs_follow_params(state, trainer):
     flat_p = jax.tree_util.tree_leaves_with_path(state["params"])
-    flat_r = dict(jax.tree_util.tree_leaves_with_path(state["compression"]))
+    flat_r = dict(jax.tree_util.tree_leaves_with_path(state["reducer"]))
     assert len(flat_r) == len(flat_p)
     split = 0
     for path, p in flat_p:
         r = flat_r[path]
         assert r.shape == (trainer.options.parallel.data, *p.shape)
         want = P("data", *p.sharding.spec)
-        assert r.sharding.is_equivalent_to(NamedSharding(trainer.mesh, want), r.ndim), (path, r.sharding)
+        assert r.sharding.is_equivalent_to(NamedSharding(trainer.step.mesh, want), r.ndim), (path, r.sharding)
         split += any(e is not None for e in p.sharding.spec)
     assert split > 0  # some residuals are split over the tensor axes, not gathered
     assert any(np.any(np.asarray(r)) for r in flat_r.values())
@@ -174,8 +174,7 @@ def _bytes_by_axes(hlo_text: str, mesh_shape) -> dict:
 def _step_hlo(options, devices):
     trainer = build_trainer(options, devices)
     state = trainer.init_state(abstract=True)
-    batch = trainer.batch(np.arange(10_000) % 256, 0)
-    return trainer.train_step.lower(state, batch).compile().as_text(), trainer
+    return trainer.step.lower(state, trainer.bound.abstract_batch()).compile().as_text(), trainer
 
 
 @pytest.mark.parametrize("grid", [dict(data=2, depth=2, col=2)],
@@ -210,5 +209,5 @@ def test_pipeline_tensor_parallel_compressed_tracks_data_parallel(devices, corpu
     assert 0 < diff <= 1e-3, diff
     _residual_specs_follow_params(state, trainer)
     # Stage blocks' residuals are split over pipe (layers) and row, like their parameters.
-    r = state["compression"]["blocks"]["query"]["kernel"]  # (2 data, 8 layers, 32, 32)
+    r = state["reducer"]["blocks"]["query"]["kernel"]  # (2 data, 8 layers, 32, 32)
     assert {s.data.shape for s in r.addressable_shards} == {(1, 4, 32, 16)}

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from axonn_jax import ParallelConfig, make_mesh
-from axonn_jax import data as data_lib
+from axonn_jax import ParallelConfig
+from axonn_jax.run import data as data_lib
 
 
 def test_tokenizer_round_trip():
@@ -31,15 +31,21 @@ def test_batches_are_pure_functions_of_seed_and_step():
     assert np.array_equal(rows[:, 1:], (rows[:, :-1] + 1) % 256)
 
 
-def test_global_batch_is_sharded_over_data(devices):
-    mesh = make_mesh(ParallelConfig(data=8))
+def test_batches_are_placed_over_data(devices):
+    from axonn_jax.train import TrainOptions, build_trainer
+
+    trainer = build_trainer(TrainOptions(batch_size=16, seq_len=20,
+                                         parallel=ParallelConfig(data=8)), devices)
     tokens = np.random.default_rng(0).integers(0, 256, 5000)
-    sharding = NamedSharding(mesh, P("data"))
-    batch = data_lib.global_batch(tokens, 3, 7, 16, 20, sharding)
-    assert batch.shape == (16, 21) and batch.sharding == sharding
-    assert {s.data.shape for s in batch.addressable_shards} == {(2, 21)}
+    host = data_lib.lm_batch(tokens, 3, 7, 16, 20)
     expected = data_lib.batch_rows(tokens, data_lib.batch_offsets(5000, 3, 7, 16, 20), 20)
-    assert np.array_equal(np.asarray(batch), expected)
+    assert np.array_equal(host["inputs"], expected[:, :-1])
+    assert np.array_equal(host["targets"], expected[:, 1:])
+    batch = trainer.place(host)
+    for name, leaf in batch.items():
+        assert leaf.shape == (16, 20) and leaf.sharding.spec == P(("data", "depth"))
+        assert {s.data.shape for s in leaf.addressable_shards} == {(2, 20)}
+        assert np.array_equal(np.asarray(leaf), host[name])
 
 
 def test_data_paths(tmp_path):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from axonn_jax.benchmark import Workload, analytic_bytes, axonn_variant
-from axonn_jax.parallel.hlo import collective_bytes, collectives, wire_bytes
+from axonn_jax.analysis.gspmd import BlockShape, analytic_bytes, axonn_variant
+from axonn_jax.analysis.hlo import collective_bytes, collectives, wire_bytes
 
 HLO = """HloModule jit_step, num_partitions=8
 
@@ -65,7 +65,7 @@ def test_loop_without_trip_count_is_an_error():
 
 @pytest.mark.parametrize("grid", [(2, 2, 2), (2, 1, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g[:3] + ("_data%d" % g[3] if len(g) > 3 else ""))
 def test_axonn_bytes_match_the_analytic_count(grid, devices):
-    w = Workload(d_model=64, layers=2, heads=4, batch=8, seq=8)
+    w = BlockShape(d_model=64, layers=2, heads=4, batch=8, seq=8)
     _, step, params, x = axonn_variant(w, grid, devices)
     measured = collective_bytes(step.lower(params, x).compile().as_text())
     expected = analytic_bytes(w, *grid)

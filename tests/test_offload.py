@@ -10,10 +10,13 @@ import pytest
 from axonn_jax import ParallelConfig
 from axonn_jax.models import gpt
 from axonn_jax.offload import activations
-from axonn_jax.offload.optimizer import guarded_update, lowered_for_gpu, placement_transfers
-from axonn_jax.train import TrainOptions, build_trainer, state_report
+from axonn_jax.offload.optimizer import lowered_for_gpu, placement_transfers
+from axonn_jax.run.loop import state_report
+from axonn_jax.step.update import make_update
+from axonn_jax.offload.precision import loss_scaler
+from axonn_jax.train import TrainOptions, build_trainer
 
-from conftest import relative_difference
+from conftest import lm_batch, relative_difference
 
 STEPS = 3
 TOKENS = (np.arange(4096, dtype=np.int64) * 7919 % 251).astype(np.int32)
@@ -25,10 +28,10 @@ def run(devices, steps=STEPS, **kw):
     options = TrainOptions(**{**SMALL, **kw})
     trainer = build_trainer(options, devices)
     state = trainer.init_state()
-    compiled = trainer.train_step.lower(state, trainer.batch(TOKENS, 0)).compile()
+    compiled = trainer.step.lower(state, lm_batch(trainer, TOKENS, 0)).compile()
     losses = []
     for step in range(steps):
-        state, metrics = compiled(state, trainer.batch(TOKENS, step))
+        state, metrics = compiled(state, lm_batch(trainer, TOKENS, step))
         losses.append(float(metrics["loss"]))
     return losses, state, trainer, compiled
 
@@ -52,7 +55,7 @@ def test_offloaded_optimizer_gives_identical_losses_and_lives_on_host(reference,
     # Host copies are partitioned exactly like their parameters.
     for p, m in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state["opt_state"]["master"])):
         assert m.sharding.spec == p.sharding.spec and m.dtype == jnp.float32
-    report = state_report(trainer, state, compiled)
+    report = state_report(state, compiled)
     n = report["num_params"]
     assert report["state_bytes_host"] == 3 * 4 * n  # master, mu, nu in fp32
     assert report["state_bytes_device"] < 4.1 * n
@@ -66,10 +69,10 @@ def test_update_moves_state_per_layer_not_in_bulk(devices):
         trainer = build_trainer(TrainOptions(model=model, batch_size=2, seq_len=8, dtype="bfloat16",
                                              offload_optimizer=True), devices[:1])
         state = trainer.init_state(abstract=True)
-        batch = jax.ShapeDtypeStruct((2, 9), jnp.int32, sharding=trainer.batch_sharding)
-        moves = placement_transfers(lowered_for_gpu(trainer.train_step, state, batch))
+        bound = trainer.bound
+        moves = placement_transfers(lowered_for_gpu(bound.programs[0], state, bound.abstract_batch()))
         params = state["params"]
-        layers = trainer.model_config.num_layers
+        layers = trainer.model.num_layers
         layer_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
         block_slices = {(1, *s) for s in layer_shapes}  # layer i of each of the (one) stages
         others = {tuple(x.shape) for k, v in params.items() if k != "blocks"
@@ -107,49 +110,55 @@ def test_fp16_step_with_inf_gradients_is_skipped(devices):
                            parallel=ParallelConfig(data=2))
     trainer = build_trainer(options, devices[:2])
     state = trainer.init_state()
-    step = trainer.train_step.lower(state, trainer.batch(TOKENS, 0)).compile()
-    state, metrics = step(state, trainer.batch(TOKENS, 0))
+    step = trainer.step.lower(state, lm_batch(trainer, TOKENS, 0)).compile()
+    state, metrics = step(state, lm_batch(trainer, TOKENS, 0))
     assert int(metrics["skipped_steps"]) == 0 and np.isfinite(float(metrics["loss"]))
     # A loss scale near fp32's maximum overflows the scaled loss: the step must change nothing.
     state["precision"]["scale"] = jnp.asarray(3e38, jnp.float32)
     before = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
-    state, metrics = step(state, trainer.batch(TOKENS, 1))
+    state, metrics = step(state, lm_batch(trainer, TOKENS, 1))
     after = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
     assert int(metrics["skipped_steps"]) == 1 and int(state["precision"]["skipped_steps"]) == 1
     assert float(state["precision"]["scale"]) == pytest.approx(1.5e38)
     jax.tree.map(np.testing.assert_array_equal, after, before)
-    state, metrics = step(state, trainer.batch(TOKENS, 2))  # scale still huge: skipped again
+    state, metrics = step(state, lm_batch(trainer, TOKENS, 2))  # scale still huge: skipped again
     assert int(metrics["skipped_steps"]) == 2
 
 
 def test_on_device_guard_skips_non_finite_updates():
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1))
+    """The shared update (`step.update`): clipping and the 16-bit skip guard on the device."""
+    update = jax.jit(make_update(optax.adamw(0.1), scaler=loss_scaler("float16"), clip_norm=1.0))
     params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
-    state = optimizer.init(params)
+    state = {"step": jnp.int32(0), "params": params, "opt_state": optax.adamw(0.1).init(params),
+             "precision": loss_scaler("float16").init()}
+    state["precision"]["scale"] = jnp.float32(4.0)
     bad = {"w": jnp.array([1.0, jnp.inf, 0.0]), "b": jnp.ones((2,))}
-    new_params, new_state, stats = guarded_update(optimizer, bad, params, state, guard=True)
-    assert not bool(stats["finite"])
-    jax.tree.map(np.testing.assert_array_equal, (new_params, new_state), (params, state))
-    good = jax.tree.map(jnp.ones_like, params)
-    new_params, _, stats = guarded_update(optimizer, good, params, state, jnp.float32(4.0), True)
-    assert bool(stats["finite"]) and float(stats["grad_norm"]) == pytest.approx(np.sqrt(5) / 4)
-    assert not np.allclose(new_params["w"], params["w"])
+    new, metrics = update(state, bad)
+    assert int(metrics["skipped_steps"]) == 1 and float(new["precision"]["scale"]) == 2.0
+    jax.tree.map(np.testing.assert_array_equal, (new["params"], new["opt_state"]),
+                 (params, state["opt_state"]))
+    new, metrics = update(state, jax.tree.map(jnp.ones_like, params))
+    assert int(metrics["skipped_steps"]) == 0
+    assert float(metrics["grad_norm"]) == pytest.approx(np.sqrt(5) / 4)  # unscaled
+    assert not np.allclose(new["params"]["w"], params["w"])
 
 
 def test_layer_groups_keep_the_model_function(devices):
     """Mixed per-layer decisions (offload, recompute, keep) change memory, not loss or gradients."""
     config = gpt.GPTConfig(num_layers=3, d_model=32, num_heads=2, max_seq_len=16)
-    tokens = jnp.asarray(TOKENS[:64].reshape(4, 16))
-    params = jax.jit(gpt.GPT(config).init)(jax.random.key(0), tokens[:, :-1])["params"]
+    model = gpt.stacked(config)
+    tokens = jnp.asarray(TOKENS[:68].reshape(4, 17))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    fns = model.bind(batch)
+    params = jax.jit(fns.init)(jax.random.key(0))
     plan = activations.Plan(("offload", "recompute", "keep"))
     assert plan.groups() == ((1, "offload"), (1, "recompute"), (1, "keep"))
 
-    def loss_and_grads(model):
-        loss = lambda p: gpt.cross_entropy(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
-        return jax.jit(jax.value_and_grad(loss))(params)
+    def loss_and_grads(groups):
+        return jax.jit(jax.value_and_grad(lambda p: fns.loss(p, batch, groups)))(params)
 
-    ref = loss_and_grads(gpt.GPT(config))
-    got = loss_and_grads(gpt.GPT(config, layer_groups=plan.layer_groups()))
+    ref = loss_and_grads(None)
+    got = loss_and_grads(plan.layer_groups(model.offload_names))
     assert relative_difference(got[0], ref[0]) <= 1e-6
     for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
         assert relative_difference(g, r) <= 1e-5
@@ -160,7 +169,12 @@ SPEC = activations.DeviceSpec("test", flops_per_s=1e12, host_bytes_per_s=1e9)
 
 @pytest.fixture(scope="module")
 def block_cost():
-    return activations.block_cost(gpt.get_config("gpt-tiny"), jnp.float32, jnp.float32, 8, 64)
+    config = gpt.get_config("gpt-tiny")
+    block = gpt.Block(config)
+    x = jax.ShapeDtypeStruct((8, 64, config.d_model), jnp.float32)
+    params = jax.eval_shape(block.init, jax.random.key(0), x)["params"]
+    return activations.block_cost(lambda p, h: block.apply({"params": p}, h), params, x,
+                                  gpt.ACTIVATION_NAMES)
 
 
 def test_block_cost_measurements(block_cost):
@@ -202,7 +216,7 @@ def test_auto_plan_end_to_end(devices):
     budget_gb = 0.0200
     trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=16, seq_len=64,
                                          remat="auto", memory_budget_gb=budget_gb), devices[:1])
-    plan = trainer.activation_plan
+    plan = trainer.bound.plan
     assert plan.predicted_peak <= budget_gb * 1e9 and "keep" not in plan.decisions
     assert "predicted peak" in plan.describe()
 
@@ -217,7 +231,7 @@ def test_bad_remat_flags(devices, kw, message):
 
 
 def test_offloaded_state_checkpoint_round_trip(devices, tmp_path):
-    from axonn_jax.checkpoint import Checkpointer
+    from axonn_jax.run.checkpoint import Checkpointer
 
     trainer = build_trainer(TrainOptions(**SMALL, dtype="bfloat16", offload_optimizer=True),
                             devices[:1])

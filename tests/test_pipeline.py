@@ -11,14 +11,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import axonn_jax
 from axonn_jax import ParallelConfig
-from axonn_jax import data as data_lib
-from axonn_jax.cli import main as cli_main
-from axonn_jax.models import gpt
-from axonn_jax.parallel import hlo
+from axonn_jax.run import data as data_lib
+from axonn_jax.run.cli import main as cli_main
+from axonn_jax.analysis import hlo
 from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
-from conftest import relative_difference
+from conftest import lm_batch, relative_difference
 
 MODEL = "gpt-tiny-deep"  # 8 layers: splits over 2, 4 and 8 stages
 BASE = dict(model=MODEL, batch_size=16, seq_len=16, eval_batches=1, eval_every=100)
@@ -89,15 +88,11 @@ def reference(devices, corpus_path):
     corpus = data_lib.Corpus.load(corpus_path, min_tokens=BASE["seq_len"] + 2)
     state = trainer.init_state()
     initial = jax.device_get(state)
-    batch = np.asarray(trainer.batch(corpus.train, 0))
-
-    def loss_fn(p):
-        return gpt.cross_entropy(trainer.model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])
-
-    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(state["params"])
+    batch = jax.device_get(lm_batch(trainer, corpus.train, 0))
+    loss, grads = jax.jit(jax.value_and_grad(trainer.model.loss))(state["params"], batch)
     trajectory = []
     for step in range(STEPS):
-        state, metrics = trainer.train_step(state, trainer.batch(corpus.train, step))
+        state, metrics = trainer.step(state, lm_batch(trainer, corpus.train, step))
         trajectory.append(float(metrics["loss"]))
     assert trajectory[-1] < trajectory[0]
     return dict(initial=initial, batch=batch, loss=float(loss), grads=jax.device_get(grads),
@@ -111,8 +106,8 @@ def _pipeline_trainer(devices, grid, schedule, m):
 
 
 def _place(trainer, tree):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.device_put(x, NamedSharding(trainer.mesh, trainer.param_spec(path))), tree)
+    """`tree` (host copies of a state) placed like `trainer`'s state."""
+    return jax.device_put(tree, jax.tree.map(lambda s: s.sharding, trainer.init_state(abstract=True)))
 
 
 # ---------------------------------------------------------------- gradients equal the reference
@@ -123,11 +118,11 @@ def _place(trainer, tree):
 ])
 def test_gradients_equal_reference(reference, devices, grid, schedule, m):
     trainer = _pipeline_trainer(devices, grid, schedule, m)
-    params = _place(trainer, reference["initial"]["params"])
-    batch = jax.device_put(reference["batch"], trainer.batch_sharding)
-    # (params, batch, loss scale, step, compression residual) -> (loss, grads, residual)
+    params = _place(trainer, reference["initial"])["params"]
+    batch = trainer.place(reference["batch"])
+    # (params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)
     args = (params, batch, np.float32(1.0), np.int32(0), None)
-    compiled = jax.jit(trainer.loss_and_grads).lower(*args).compile()
+    compiled = jax.jit(trainer.bound.loss_and_grads).lower(*args).compile()
     # Activations and cotangents cross stages as point-to-point messages.
     assert "collective-permute" in compiled.as_text()
     loss, grads, _ = compiled(*args)
@@ -151,13 +146,13 @@ def test_pipeline_trajectory(reference, devices, grid, schedule, m, steps):
     state = _place(trainer, reference["initial"])
     got = []
     for step in range(steps):
-        state, metrics = trainer.train_step(state, trainer.batch(reference["corpus"].train, step))
+        state, metrics = trainer.step(state, lm_batch(trainer, reference["corpus"].train, step))
         got.append(float(metrics["loss"]))
     assert relative_difference(got, reference["trajectory"][:steps]) <= 1e-5
     # The update keeps the layout: blocks (and their Adam moments) split over pipe.
     assert state["params"]["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
-    assert state["opt_state"][1][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
-    assert state["params"]["wte"]["embedding"].sharding.spec == P()
+    assert state["opt_state"][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
+    assert state["params"]["embed"]["wte"]["embedding"].sharding.spec == P()
 
 
 def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
@@ -169,13 +164,13 @@ def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
                                          offload_optimizer=True), devices)
     state = trainer.init_state()
     # The update alone: only the gradient norm's all-reduce, no block state crossing stages.
-    update = jax.jit(trainer.apply_grads).lower(state, np.float32(0), state["params"]).compile()
+    update = jax.jit(trainer.bound.update).lower(state, state["params"]).compile()
     assert {c.kind for c in hlo.collectives(update.as_text())} <= {"all-reduce"}
-    batch = trainer.batch(reference["corpus"].train, 0)
-    compiled = trainer.train_step.lower(state, batch).compile()
+    batch = lm_batch(trainer, reference["corpus"].train, 0)
+    compiled = trainer.step.lower(state, batch).compile()
     got = []
     for step in range(3):
-        state, metrics = compiled(state, trainer.batch(reference["corpus"].train, step))
+        state, metrics = compiled(state, lm_batch(trainer, reference["corpus"].train, step))
         got.append(float(metrics["loss"]))
     assert relative_difference(got, reference["trajectory"][:3]) <= 1e-5
     master = state["opt_state"]["master"]["blocks"]["mlp_up"]["kernel"]
@@ -191,20 +186,20 @@ def test_remat_inside_pipeline_stages(reference, devices):
         trainer = build_trainer(TrainOptions(**BASE, steps=2, parallel=ParallelConfig(pipe=2),
                                              microbatches=2, remat=remat), devices[:2])
         state = trainer.init_state()
-        compiled = trainer.train_step.lower(state, trainer.batch(reference["corpus"].train, 0)).compile()
+        compiled = trainer.step.lower(state, lm_batch(trainer, reference["corpus"].train, 0)).compile()
         temps[remat] = compiled.memory_analysis().temp_size_in_bytes
         if remat == "none":
             continue
         got = []
         for step in range(2):
-            state, metrics = compiled(state, trainer.batch(reference["corpus"].train, step))
+            state, metrics = compiled(state, lm_batch(trainer, reference["corpus"].train, step))
             got.append(float(metrics["loss"]))
         assert relative_difference(got, reference["trajectory"][:2]) <= 1e-5
     assert temps["full"] < temps["none"]
 
 
 def test_remat_auto_with_pipeline_is_refused(devices):
-    with pytest.raises(NotImplementedError, match="--remat auto with --pipe > 1"):
+    with pytest.raises(NotImplementedError, match="remat='auto' with pipe > 1"):
         build_trainer(TrainOptions(**BASE, parallel=ParallelConfig(pipe=2), microbatches=2,
                                    remat="auto", memory_budget_gb=1.0), devices[:2])
 
@@ -234,20 +229,21 @@ def _toy_temp_bytes(devices, p, m, schedule):
 
     mesh = jax.sharding.Mesh(np.asarray(devices[:p]), ("pipe",))
     sched = make_schedule(schedule, p, m)
-    embed = lambda table, tokens: table[tokens]
+    embed = lambda table, batch: table[batch["tokens"]]
     stage = lambda w, x: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
-    head = lambda v, x, y: jnp.mean((x @ v - y) ** 2)
+    head = lambda v, x, batch: jnp.mean((x @ v - batch["targets"]) ** 2)
 
-    def local(params, tokens, targets):
+    def local(params, batch):
         params = ensure_varying(params, ("pipe",))
-        return pipeline_loss_and_grads(embed, stage, head, params, tokens, targets, sched)
+        return pipeline_loss_and_grads(embed, stage, head, params, batch, sched)
 
     specs = (P(), P("pipe"), P())
-    fn = shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs),
+    fn = shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs),
                    axis_names={"pipe"})
     shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     params = (shape(16, WIDTH), shape(LAYERS * p, WIDTH, WIDTH), shape(WIDTH))
-    args = (params, jax.ShapeDtypeStruct((ROWS * m,), jnp.int32), shape(ROWS * m))
+    args = (params, {"tokens": jax.ShapeDtypeStruct((ROWS * m,), jnp.int32),
+                     "targets": shape(ROWS * m)})
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 

@@ -1,4 +1,4 @@
-"""AxoNN's tensor-parallel matmul and embedding (`axonn_jax.parallel.tensor`): outputs and every
+"""AxoNN's tensor-parallel matmul and embedding (`axonn_jax.tp.tensor`): outputs and every
 gradient equal the unsharded computation on each grid, and the compiled program holds exactly the
 collectives of the algorithm."""
 import jax
@@ -8,9 +8,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
-from axonn_jax.parallel import hlo
-from axonn_jax.parallel.hlo import collectives
-from axonn_jax.parallel.tensor import kernel_spec, tp_dense, tp_embed
+from axonn_jax.analysis import hlo
+from axonn_jax.analysis.hlo import collectives
+from axonn_jax.tp.tensor import kernel_spec, tp_dense, tp_embed
 
 from conftest import relative_difference
 

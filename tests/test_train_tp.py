@@ -2,7 +2,7 @@
 import pytest
 
 from axonn_jax import ParallelConfig
-from axonn_jax.cli import main as cli_main
+from axonn_jax.run.cli import main as cli_main
 from axonn_jax.train import TrainOptions, train
 
 from conftest import relative_difference

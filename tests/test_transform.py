@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 import axonn_jax
 from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax.models import gpt
-from axonn_jax.transform import transpose_plan
+from axonn_jax.tp.parallelize import transpose_plan
 
 from conftest import relative_difference
 
@@ -76,7 +76,7 @@ def test_gpt_layers_alternate_transpose(devices):
     plan = transpose_plan(gpt.GPT(CONFIG), mesh, TOKENS[:, :-1])
     assert plan == {"blocks/query": False, "blocks/key": False, "blocks/value": False,
                     "blocks/attn_out": True, "blocks/mlp_up": False, "blocks/mlp_down": True,
-                    "head": False}
+                    "head/lm_head": False}
 
 
 class MLP(nn.Module):

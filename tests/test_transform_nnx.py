@@ -8,9 +8,9 @@ from flax import nnx
 
 import axonn_jax
 from axonn_jax import ParallelConfig, layers_nnx, make_mesh
-from axonn_jax.parallel.hlo import collectives
-from axonn_jax.parallel.tensor import kernel_spec
-from axonn_jax.transform import transpose_plan
+from axonn_jax.analysis.hlo import collectives
+from axonn_jax.tp.tensor import kernel_spec
+from axonn_jax.tp.parallelize import transpose_plan
 
 from conftest import relative_difference
 

@@ -1,22 +1,24 @@
 """A GPT decoder (pre-LayerNorm, causal self-attention, GELU MLP) written with Flax's own layers.
 
-The blocks are one `nn.scan`, so every block parameter is stacked on a leading layer axis of length
-`num_layers`: the pipeline splits that axis over `pipe`, and `axonn_jax.parallelize` swaps the dense
-layers for tensor-parallel ones without touching this file.
+`stacked(config)` is the trainer's form, a `StackedModel` of `Embedding`, `Block` and `Head`, on
+language-model batches `{'inputs': (b, t) int32, 'targets': (b, t) int32}`. `GPT(config)` is the
+same network as one linen module, `tokens (b, t) -> logits (b, t, vocab)`, with the same parameter
+tree `{'embed': {'wte', 'wpe'}, 'blocks': {...}, 'head': {'ln_f', 'lm_head'}}` (every block parameter
+stacked on a leading layer axis of length `num_layers`), so parameters trained by one run the other.
+`axonn_jax.parallelize` swaps the dense layers for tensor-parallel ones without touching this file.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..data import VOCAB_SIZE
-from ..parallel.pipeline_module import pipeline
-
+from ..config import ParallelConfig, check_divisible
+from ..step.model import StackedModel
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -26,7 +28,7 @@ class GPTConfig:
     d_model: int
     num_heads: int
     d_ff: int = 0
-    vocab_size: int = VOCAB_SIZE
+    vocab_size: int = 256  # the byte-level tokens of the built-in corpus (axonn_jax.run.data)
     max_seq_len: int = 1024
 
     def __post_init__(self):
@@ -51,6 +53,18 @@ class GPTConfig:
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
         attention = 2 * 2 * seq_len * d * L
         return 3 * (matmul + attention)
+
+    def check_grid(self, grid: ParallelConfig) -> None:
+        """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
+        `grid` (normal layers: in over col·depth, out over row; transposed ones the other way;
+        vocabulary-parallel tables over row·depth) and the heads split over `row`. The trainer and
+        the planner both check with this."""
+        check_divisible("d_model", self.d_model, ("col", "depth"), grid)
+        check_divisible("d_model", self.d_model, ("row", "depth"), grid)
+        check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
+        check_divisible("num_heads", self.num_heads, ("row",), grid)
+        check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
+        check_divisible("max_seq_len", self.max_seq_len, ("row", "depth"), grid)
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -90,6 +104,23 @@ ACTIVATION_NAMES = ("q", "k", "v", "attn", "attn_proj", "mlp_up")
 leave out (norm outputs, softmax, GELU, residual sums) is cheap to recompute from them."""
 
 
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: `batch['inputs'] (b, t) int32 -> (b, t, d_model)`."""
+
+    config: GPTConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch):
+        c, tokens = self.config, batch["inputs"]
+        t = tokens.shape[1]
+        if t > c.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len {c.max_seq_len}")
+        wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, name="wte")
+        wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype, name="wpe")
+        return wte(tokens) + wpe(jnp.arange(t))[None]
+
+
 class Block(nn.Module):
     """One pre-LayerNorm transformer block. `x: (batch, seq, d_model)` -> same shape."""
 
@@ -97,7 +128,7 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, _=None):
+    def __call__(self, x):
         c = self.config
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
         # The norms' outputs carry no name (they are recomputed): a name between a norm and a
@@ -111,88 +142,57 @@ class Block(nn.Module):
         x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
         h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
         h = nn.gelu(checkpoint_name(dense(c.d_ff, "mlp_up")(h), "mlp_up"))
-        x = x + dense(c.d_model, "mlp_down")(h)
-        return x, None
+        return x + dense(c.d_model, "mlp_down")(h)
 
 
-class GPT(nn.Module):
-    """GPT language model. `tokens: (batch, seq) int32` -> logits `(batch, seq, vocab) float32`.
-
-    block_wrapper: applied to the Block class before scanning (e.g. `nn.remat` with a policy).
-    mesh, microbatches: see `axonn_jax.pipeline` (the trainer's step uses the 1F1B-capable engine
-    instead and leaves `mesh` None).
-    `embed`, `run_blocks` and `logits` are the three pieces `__call__` chains; the pipeline runs
-    them on the first stage, on every stage (its slice of the layers), and on the last stage.
-    layer_groups: per-layer activation handling, `((count, wrap), ...)` over consecutive layers
-        (counts sum to `num_layers`); `wrap` maps a block function `f(layer_params, x) -> x` to
-        another (e.g. `jax.checkpoint` with a policy), None keeps it as is. The parameters stay one
-        stack under `blocks`, whatever the groups.
-    """
+class Head(nn.Module):
+    """Final norm and untied output head; `__call__(x, batch)` is the mean token cross-entropy
+    against `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits."""
 
     config: GPTConfig
     dtype: Any = jnp.float32
-    block_wrapper: Callable[[type], type] | None = None
-    mesh: Any = None  # with pipe > 1: the blocks run as a GPipe pipeline of `microbatches`
-    microbatches: int = 1
-    layer_groups: tuple[tuple[int, Callable | None], ...] | None = None
+
+    def setup(self):
+        self.ln_f = nn.LayerNorm(dtype=self.dtype)
+        self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
+
+    def logits(self, x):
+        return self.lm_head(self.ln_f(x)).astype(jnp.float32)
+
+    def __call__(self, x, batch):
+        return cross_entropy(self.logits(x), batch["targets"])
+
+
+class ScannedBlock(Block):
+    """`Block` with `nn.scan`'s `(x, carry) -> (x, carry)` signature (same parameters)."""
+
+    def __call__(self, x, carry=None):
+        return super().__call__(x), carry
+
+
+class GPT(nn.Module):
+    """GPT language model. `tokens: (batch, seq) int32` -> logits `(batch, seq, vocab) float32`."""
+
+    config: GPTConfig
+    dtype: Any = jnp.float32
 
     def setup(self):
         c = self.config
-        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype)
-        self.wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype)
-        block = self.block_wrapper(Block) if self.block_wrapper else Block
-        # nn.scan over the blocks (params stacked on a leading layer axis), through the pipeline
-        # transform so that a `mesh` with pipe > 1 runs the stack as a pipeline.
-        self.blocks = pipeline(block, c.num_layers, mesh=self.mesh,
-                               microbatches=self.microbatches)(c, self.dtype)
-        self.ln_f = nn.LayerNorm(dtype=self.dtype)
-        self.head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype)
-
-    def embed(self, tokens):
-        """`(batch, seq) int32` -> `(batch, seq, d_model)` token plus position embeddings."""
-        t = tokens.shape[1]
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len "
-                             f"{self.config.max_seq_len}")
-        return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
-
-    def run_blocks(self, x):
-        """The `num_layers` blocks: `(batch, seq, d_model)` -> same shape."""
-        if self.layer_groups is None or self.is_initializing():
-            x, _ = self.blocks(x, None)
-            return x
-        block = self.block_wrapper(Block) if self.block_wrapper else Block
-        return scan_layer_groups(block(self.config, self.dtype, parent=None),
-                                 self.variables["params"]["blocks"], x, self.layer_groups)
-
-    def logits(self, x):
-        """Final norm and output head: `(batch, seq, d_model)` -> `(batch, seq, vocab) float32`."""
-        return self.head(self.ln_f(x)).astype(jnp.float32)
+        self.embed = Embedding(c, self.dtype)
+        self.blocks = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                              length=c.num_layers, metadata_params={nn.PARTITION_NAME: None})(
+            c, self.dtype)
+        self.head = Head(c, self.dtype)
 
     def __call__(self, tokens):
-        return self.logits(self.run_blocks(self.embed(tokens)))
+        x, _ = self.blocks(self.embed({"inputs": tokens}), None)
+        return self.head.logits(x)
 
 
-def scan_layer_groups(block: nn.Module, stacked, x, groups):
-    """Run the stacked layers as one `lax.scan` per group of consecutive layers.
-
-    A remat policy is fixed when a scan body is traced, so layers with different decisions (keep /
-    offload / recompute) need different scans; slicing one parameter stack keeps the parameter
-    tree independent of the plan. block: unbound Block; stacked: its parameters with a leading
-    layer axis; x: `(batch, seq, d_model)`; groups: see `GPT.layer_groups`.
-    """
-    def layer(p, h):
-        return block.apply({"params": p}, h)[0]
-
-    start = 0
-    for count, wrap in groups:
-        f = layer if wrap is None else wrap(layer)
-        part = jax.tree.map(lambda a: a[start:start + count], stacked)
-        x, _ = jax.lax.scan(lambda h, p: (f(p, h), None), x, part)
-        start += count
-    if start != block.config.num_layers:
-        raise ValueError(f"layer groups cover {start} layers, the model has {block.config.num_layers}")
-    return x
+def stacked(config: GPTConfig, dtype=jnp.float32) -> StackedModel:
+    """The GPT as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`)."""
+    return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
+                        config.num_layers, offload_names=ACTIVATION_NAMES)
 
 
 def cross_entropy(logits, targets):
@@ -202,3 +202,30 @@ def cross_entropy(logits, targets):
     # aborts on a gather from a vocabulary split over `row` inside the data-manual train step.
     picked = jnp.sum(logp * jax.nn.one_hot(targets, logits.shape[-1], dtype=logp.dtype), axis=-1)
     return -jnp.mean(picked)
+
+
+def generate(config: GPTConfig, params, prompt, num_tokens: int, *, window: int, key,
+             temperature: float = 0.8, dtype=jnp.float32) -> list[int]:
+    """Continue the token list `prompt` by `num_tokens` sampled tokens, in a sliding window of
+    `window` tokens. `params`: the GPT's (sharded or not: the model runs under jit on them)."""
+    model = GPT(config, dtype)
+    tokens = jnp.zeros((1, window), jnp.int32)
+    prompt = list(prompt)[-window:]
+    tokens = tokens.at[0, :len(prompt)].set(jnp.asarray(prompt, jnp.int32))
+
+    @jax.jit
+    def next_token(params, tokens, pos, key):
+        logits = jax.lax.dynamic_index_in_dim(model.apply({"params": params}, tokens), pos - 1,
+                                              axis=1, keepdims=False)
+        return jax.random.categorical(key, logits / temperature, axis=-1)[0]
+
+    out, pos = list(prompt), len(prompt)
+    for _ in range(num_tokens):
+        key, sub = jax.random.split(key)
+        if pos == window:  # slide the window
+            tokens, pos = jnp.roll(tokens, -1, axis=1), pos - 1
+        nxt = next_token(params, tokens, pos, sub)
+        tokens = tokens.at[0, pos].set(nxt)
+        out.append(int(nxt))
+        pos += 1
+    return out

@@ -1,17 +1,18 @@
 """Per-block activation handling (KARMA): keep, offload to `pinned_host`, or recompute.
 
-Decisions, per transformer block of the scanned stack:
+Decisions, per block of a model's stack:
 - `keep`: no rematerialization; the backward reads every residual autodiff saved.
-- `offload`: the block's named intermediates (`gpt.ACTIVATION_NAMES`) are moved to `pinned_host`
-  in the forward and fetched back for the backward (`save_and_offload_only_these_names`); what they
-  leave out (softmax, GELU, sums, norm statistics) is recomputed from them.
+- `offload`: the block's named intermediates (a `StackedModel`'s `offload_names`; by default the
+  outputs of its matmuls without batch dimensions and of its tensor-parallel dense layers) are moved
+  to `pinned_host` in the forward and fetched back for the backward; what they leave out
+  (softmax, GELU, sums, norm statistics) is recomputed from them.
 - `recompute`: only the block input stays (on the device); the block's forward runs again in the
   backward (`nothing_saveable`).
 
-`--remat auto` is the planner: it measures one block — device and host residual bytes per decision
+`remat='auto'` is the planner: it measures one block — device and host residual bytes per decision
 (`saved_residuals`), forward matmul FLOPs and the extra backward matmul FLOPs each decision costs
-(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device spec
-(GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
+(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device
+spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
 blocks take each decision; offloaded blocks come first (their activations are needed last in the
 backward, so fetching them back has the most time to overlap), then recomputed, then kept ones.
 It picks the counts with the least predicted extra step time whose predicted peak fits the budget:
@@ -19,41 +20,54 @@ It picks the counts with the least predicted extra step time whose predicted pea
     predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
 
 calibrated by compiling the train step with every block recomputed and with every block kept (the
-latter sets a kept block's bytes, so both ends are exact). On CPU, host and device memory are one
-pool, so the compiled peak of a plan with offloaded blocks also counts their host residuals.
+latter sets a kept block's bytes, so both ends are exact) through a `measure_peak(plan)` callback
+that the step builder provides. On CPU, host and device memory are one pool, so the compiled peak of
+a plan with offloaded blocks also counts their host residuals.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import gpt
+from ..tp.tensor import TP_DENSE_NAME
 
 DECISIONS = ("keep", "offload", "recompute")
 REMAT_MODES = ("none", "full", "offload", "auto")
 
 
-def policy(decision: str):
-    """The `jax.checkpoint` policy of a decision (None for `keep`: no checkpoint at all)."""
+def policy(decision: str, offload_names: tuple[str, ...] | None = None):
+    """The `jax.checkpoint` policy of a decision (None for `keep`: no checkpoint at all).
+    offload_names: what `offload` moves to the host (see the module docstring)."""
     cp = jax.checkpoint_policies
     if decision == "keep":
         return None
     if decision == "recompute":
         return cp.nothing_saveable
-    if decision == "offload":
-        return cp.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=list(gpt.ACTIVATION_NAMES),
-            offload_src="device", offload_dst="pinned_host")
-    raise ValueError(f"unknown activation decision {decision!r}; expected one of {DECISIONS}")
+    if decision != "offload":
+        raise ValueError(f"unknown activation decision {decision!r}; expected one of {DECISIONS}")
+    names = cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], offload_src="device", offload_dst="pinned_host",
+        names_which_can_be_offloaded=list(offload_names or (TP_DENSE_NAME,)))
+    if offload_names is not None:
+        return names
+    dots = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+    recompute = names(None)  # what a policy answers for an operation it does not keep
+
+    def names_or_dots(prim, *args, **params):
+        decided = names(prim, *args, **params)
+        return dots(prim, *args, **params) if decided is recompute else decided
+
+    return names_or_dots
 
 
-def wrapper(decision: str):
-    """`f(params, x) -> x` wrapper for `GPT.layer_groups` (None for `keep`)."""
-    pol = policy(decision)
+def wrapper(decision: str, offload_names: tuple[str, ...] | None = None):
+    """`f(params, x) -> x` wrapper of a layer function for a decision (None for `keep`)."""
+    pol = policy(decision, offload_names)
     return None if pol is None else (lambda f: jax.checkpoint(f, policy=pol))
 
 
@@ -141,22 +155,14 @@ def matmul_flops(jaxpr) -> float:
     return total
 
 
-def block_cost(config: gpt.GPTConfig, dtype, param_dtype, batch: int, seq_len: int) -> BlockCost:
-    """Measure one block on a local batch `(batch, seq_len)` in compute `dtype`, with parameters in
-    `param_dtype` (the device copy: fp32, or the compute dtype under optimizer offload)."""
-    block = gpt.Block(config, dtype, parent=None)
-    x = jax.ShapeDtypeStruct((batch, seq_len, config.d_model), dtype)
-    params = jax.eval_shape(block.init, jax.random.key(0), x)["params"]
-    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, param_dtype), params)
-
-    def layer(p, h):
-        return block.apply({"params": p}, h)[0]
-
+def block_cost(block: Callable, params, x, offload_names: tuple[str, ...] | None = None) -> BlockCost:
+    """Measure one block `block(params, x) -> x` (abstract `params` and `x`, this device's share of
+    the activations, in the dtypes the step computes in)."""
     dev, host, extra = {}, {}, {}
     grad_flops = {}
     for d in DECISIONS:
-        w = wrapper(d)
-        f = layer if w is None else w(layer)
+        w = wrapper(d, offload_names)
+        f = block if w is None else w(block)
         dev[d] = host[d] = 0
         for aval, where in _saved_residuals(f, params, x):
             if where.startswith("from the argument p"):  # parameters are state, not activations
@@ -170,7 +176,7 @@ def block_cost(config: gpt.GPTConfig, dtype, param_dtype, batch: int, seq_len: i
         grad_flops[d] = matmul_flops(jax.make_jaxpr(train)(params, x, x).jaxpr)
     for d in DECISIONS:
         extra[d] = max(0.0, grad_flops[d] - grad_flops["keep"])
-    return BlockCost(dev, host, extra, matmul_flops(jax.make_jaxpr(layer)(params, x).jaxpr))
+    return BlockCost(dev, host, extra, matmul_flops(jax.make_jaxpr(block)(params, x).jaxpr))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +198,9 @@ class Plan:
                 out.append([1, d])
         return tuple((n, d) for n, d in out)
 
-    def layer_groups(self):
-        """`GPT.layer_groups` for this plan."""
-        return tuple((n, wrapper(d)) for n, d in self.groups())
+    def layer_groups(self, offload_names: tuple[str, ...] | None = None):
+        """`((count, wrap), ...)` for `step.model.scan_layers`."""
+        return tuple((n, wrapper(d, offload_names)) for n, d in self.groups())
 
     def describe(self, compiled_peak: int | None = None) -> str:
         text = "activation plan: " + ", ".join(f"{n}×{d}" for n, d in self.groups())
@@ -245,12 +251,22 @@ def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: De
     return Plan(decisions, int(peak), t, budget)
 
 
-def uniform(decision: str, num_layers: int) -> Plan:
-    return Plan((decision,) * num_layers)
+def uniform_plan(remat, num_layers: int) -> Plan | None:
+    """The plan of `remat` = `none` (None), `full`, `offload`, or a `Plan` (returned as it is)."""
+    if isinstance(remat, Plan):
+        if len(remat.decisions) != num_layers:
+            raise ValueError(f"activation plan of {len(remat.decisions)} layers for a model of "
+                             f"{num_layers}")
+        return remat
+    if remat == "none":
+        return None
+    return Plan(("recompute" if remat == "full" else "offload",) * num_layers)
 
 
-def check_options(remat: str, memory_budget_gb: float | None) -> None:
+def check_options(remat, memory_budget_gb: float | None) -> None:
     """Reject flag combinations that would be silently ignored."""
+    if isinstance(remat, Plan):
+        return
     if remat not in REMAT_MODES:
         raise ValueError(f"--remat must be one of {REMAT_MODES}, got {remat!r}")
     if memory_budget_gb is not None and remat != "auto":
@@ -259,39 +275,28 @@ def check_options(remat: str, memory_budget_gb: float | None) -> None:
         raise ValueError(f"--remat auto needs a positive --memory-budget GB, got {memory_budget_gb}")
 
 
-def make_plan(options, model_config: gpt.GPTConfig, devices, build_trainer) -> Plan | None:
-    """The activation plan of a run's `--remat` (None for `none`).
-
-    options: `train.TrainOptions`; build_trainer: `train.build_trainer`, used by `auto` to compile
-    the all-recompute and all-keep steps for calibration.
-    """
-    from ..config import BATCH_AXES
-    from ..train import DTYPES, compiled_peak_bytes
-
-    check_options(options.remat, options.memory_budget_gb)
-    layers = model_config.num_layers
-    if options.remat == "none":
-        return None
-    if options.remat in ("full", "offload"):
-        return uniform("recompute" if options.remat == "full" else "offload", layers)
-
-    def peak(remat: str) -> int:
-        trainer = build_trainer(dataclasses.replace(options, remat=remat, memory_budget_gb=None),
-                                devices)
-        batch = jax.ShapeDtypeStruct((options.batch_size, options.seq_len + 1), jnp.int32,
-                                     sharding=trainer.batch_sharding)
-        return compiled_peak_bytes(trainer.train_step.lower(trainer.init_state(abstract=True),
-                                                            batch).compile())
-
-    base_peak, keep_peak = peak("full"), peak("none")
-    rows = options.batch_size
-    for axis in BATCH_AXES:
-        rows //= getattr(options.parallel, axis)
-    dtype = DTYPES[options.dtype]
-    param_dtype = dtype if options.offload_optimizer else jnp.float32
-    cost = block_cost(model_config, dtype, param_dtype, rows, options.seq_len)
+def make_plan(num_layers: int, budget: int, cost: BlockCost, measure_peak: Callable[[Plan], int],
+              spec: DeviceSpec) -> Plan:
+    """KARMA's plan for `budget` bytes per device: `measure_peak(plan)` compiles the train step with
+    a plan and returns its peak bytes per device; it calibrates both ends (all recompute, all keep)."""
+    base_peak = measure_peak(Plan(("recompute",) * num_layers))
+    keep_peak = measure_peak(Plan(("keep",) * num_layers))
     # What a kept block adds in the whole program (XLA's buffers, not only autodiff's residuals),
     # so that the prediction is exact for all-keep and all-recompute.
-    keep = cost.device_bytes["recompute"] + max(0, keep_peak - base_peak) // layers
+    keep = cost.device_bytes["recompute"] + max(0, keep_peak - base_peak) // num_layers
     cost = dataclasses.replace(cost, device_bytes={**cost.device_bytes, "keep": keep})
-    return plan(cost, layers, int(options.memory_budget_gb * 1e9), base_peak, device_spec())
+    return plan(cost, num_layers, budget, base_peak, spec)
+
+
+def compiled_peak_bytes(compiled) -> int:
+    """Peak bytes per device of a compiled program, from its memory analysis.
+
+    The CPU backend's `peak_memory_in_bytes` leaves out the temporaries (it can be smaller than the
+    temp allocation); there the live-bytes bound arguments + outputs - aliased + temporaries is used.
+    """
+    mem = compiled.memory_analysis()
+    peak = getattr(mem, "peak_memory_in_bytes", 0)
+    if peak < mem.temp_size_in_bytes or not peak:
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+                - mem.alias_size_in_bytes)
+    return int(peak)

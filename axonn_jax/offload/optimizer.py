@@ -15,8 +15,10 @@ no state crosses between stages. Each piece is `device_put` to the device, updat
 `pinned_host`, so the compiled program holds one piece of fp32 state on the device at a time and
 XLA can overlap the transfers of one piece with the arithmetic of the next.
 
-Global gradient-norm clipping needs every gradient, so it runs first on the device (gradients live
-there); the per-piece transform must be elementwise apart from shared scalars (AdamW is).
+The caller hands the update one scalar `factor` that every gradient is multiplied by (in fp32) as
+its piece is consumed: global-norm clipping and the fp16 loss-scale division, computed once on the
+device from the global norm (`axonn_jax.step.update`), so no full fp32 copy of the gradients is ever
+made. The per-piece transform must be elementwise apart from shared scalars (AdamW is).
 
 On CPU, `device_put` inside `jit` lowers to nothing (JAX 0.10 emits the placement annotations only
 for GPU/TPU); host and device share memory there. `lowered_for_gpu` lowers a step for CUDA so its
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from .._compat import HOST_MEMORY_KIND
-from . import precision
+from .precision import keep_if_finite
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -81,24 +83,20 @@ def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[lis
 
 @dataclasses.dataclass(frozen=True)
 class HostOffloadedOptimizer:
-    """Clip by global norm on the device, then `inner` (elementwise, e.g. AdamW) streamed per piece
-    over state that lives in `pinned_host`.
+    """`inner` (elementwise, e.g. AdamW) streamed per piece over state that lives in `pinned_host`.
 
     compute_dtype: dtype of the device parameters (the model's compute dtype).
     num_layers: length of the leading axis of the stacked `stacked_key` parameters.
     num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration updates
       one layer per stage.
-    guard: skip (leave params and state unchanged) a step whose gradients are not finite.
     """
 
     inner: optax.GradientTransformation
-    clip_norm: float
     compute_dtype: Any
     num_layers: int
     num_stages: int = 1
     stacked_key: str = "blocks"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    guard: bool = False
 
     def init(self, params):
         """fp32 `params` -> (device params in `compute_dtype`, opt_state {'master', 'inner'})."""
@@ -116,11 +114,12 @@ class HostOffloadedOptimizer:
                                       transform_non_params=lambda _: scalar)
         return {"master": host, "inner": inner}
 
-    def update(self, grads, params, opt_state, grad_scale=None):
+    def update(self, grads, params, opt_state, factor, keep=None):
         """One optimizer step.
 
-        grads: like `params` (compute dtype), multiplied by `grad_scale` (None: unscaled).
-        Returns (params, opt_state, stats) with stats {'grad_norm': f32, 'finite': bool}.
+        grads: like `params` (compute dtype); each is used as `grad.astype(float32) * factor`.
+        keep: None, or a bool scalar; where False the step leaves masters and state unchanged (a
+        skipped mixed-precision step). Returns (params, opt_state).
         """
         param_leaves, param_def = jax.tree.flatten(params)
         grad_leaves = jax.tree.leaves(grads)
@@ -128,23 +127,12 @@ class HostOffloadedOptimizer:
         state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
         roles = _roles(self.inner, opt_state["inner"], params)
 
-        def unscale(g):
-            g = g.astype(jnp.float32)
-            return g if grad_scale is None else g / grad_scale
-
-        # Same arithmetic as optax.clip_by_global_norm, so fp32 runs match the on-device optimizer.
-        norm = optax.tree.norm([unscale(g) for g in grad_leaves])
-        finite = jnp.isfinite(norm)
-
-        def clip(g):
-            return jnp.where(norm < self.clip_norm, g, (g / norm.astype(g.dtype)) * self.clip_norm)
-
         def update_piece(index: list[int], pick: Callable, scalars: list):
             """Update parameters `index`; `pick` takes a leaf's piece. Returns new pieces (master,
             state by role, device params) on the device, and the new shared scalars."""
             chosen = set(index)
             sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
-            g = [None if x is None else clip(unscale(x)) for x in sel(grad_leaves)]
+            g = [None if x is None else x.astype(jnp.float32) * factor for x in sel(grad_leaves)]
             m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
                  for x in sel(master)]
             s_in, scalar_iter = [], iter(scalars)
@@ -159,9 +147,10 @@ class HostOffloadedOptimizer:
                                                    m_tree)
             new_m = jax.tree.leaves(optax.apply_updates(m_tree, updates), is_leaf=_none_is_leaf)
             new_s = jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
-            if self.guard:
-                new_m = [None if a is None else jnp.where(finite, a, b) for a, b in zip(new_m, m)]
-                new_s = [None if a is None else jnp.where(finite, a, b) for a, b in zip(new_s, s_in)]
+            if keep is not None:
+                new_m = [None if a is None else keep_if_finite(keep, a, b) for a, b in zip(new_m, m)]
+                new_s = [None if a is None else keep_if_finite(keep, a, b)
+                         for a, b in zip(new_s, s_in)]
             return new_m, new_s
 
         scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
@@ -207,48 +196,7 @@ class HostOffloadedOptimizer:
                         for r, x in zip(roles, state_leaves)]
         new_opt_state = {"master": jax.tree.unflatten(param_def, master),
                          "inner": jax.tree.unflatten(state_def, state_leaves)}
-        return (jax.tree.unflatten(param_def, param_leaves), new_opt_state,
-                {"grad_norm": norm, "finite": finite})
-
-
-def guarded_update(optimizer: optax.GradientTransformation, grads, params, opt_state,
-                   grad_scale=None, guard: bool = False):
-    """The on-device update: `optimizer` (the full chain, clipping included) on unscaled fp32
-    gradients; with `guard`, a step with non-finite gradients leaves params and state unchanged.
-    Returns (params, opt_state, stats) like `HostOffloadedOptimizer.update`."""
-    if grad_scale is not None:
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / grad_scale, grads)
-    norm = optax.tree.norm(grads)
-    updates, new_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(norm)
-    if guard:
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-        new_params, new_state = keep(new_params, params), keep(new_state, opt_state)
-    return new_params, new_state, {"grad_norm": norm, "finite": finite}
-
-
-def apply_gradients(state: dict, grads, *, optimizer, offloaded: HostOffloadedOptimizer | None,
-                    dtype: str):
-    """New train state after one step from `grads` (scaled by the state's loss scale).
-
-    Advances `step`, the parameters and the optimizer state (on the host when `offloaded`), and
-    the precision state (loss scale, skipped steps) for mixed precision. Returns (state, metrics).
-    """
-    mp = state.get("precision")
-    scale = None if mp is None or dtype != "float16" else mp["scale"]
-    if offloaded is not None:
-        params, opt_state, stats = offloaded.update(grads, state["params"], state["opt_state"], scale)
-    else:
-        params, opt_state, stats = guarded_update(optimizer, grads, state["params"],
-                                                  state["opt_state"], scale,
-                                                  guard=precision.uses_guard(dtype))
-    new = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}
-    metrics = {"grad_norm": stats["grad_norm"]}
-    if mp is not None:
-        new["precision"] = precision.advance(mp, stats["finite"], dynamic=dtype == "float16")
-        metrics.update(loss_scale=mp["scale"], skipped_steps=new["precision"]["skipped_steps"])
-    return new, metrics
+        return jax.tree.unflatten(param_def, param_leaves), new_opt_state
 
 
 def lowered_for_gpu(jitted, *args) -> str:
@@ -264,18 +212,3 @@ def placement_transfers(hlo_text: str) -> list[tuple[str, str]]:
     pattern = re.compile(r"annotate_device_placement.*_xla_buffer_placement = \"(\w+)\".*"
                          r"-> (tensor<[^>]*>)")
     return [m.groups() for m in pattern.finditer(hlo_text)]
-
-
-def initial_state(params, *, optimizer: optax.GradientTransformation,
-                  offloaded: HostOffloadedOptimizer | None, dtype: str) -> dict:
-    """The train state for fp32 `params`: {'step', 'params', 'opt_state'} and, for mixed
-    precision, 'precision' (see `precision.init`)."""
-    if offloaded is not None:
-        params, opt_state = offloaded.init(params)
-    else:
-        opt_state = optimizer.init(params)
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
-    mp = precision.init(dtype)
-    if mp is not None:
-        state["precision"] = mp
-    return state

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._compat import varying_axes
+from .._compat import psum, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b")
 PIPE_AXIS = "pipe"
@@ -191,8 +191,7 @@ def pipeline_loss_and_grads(
     stage_fn: Callable[[Any, jax.Array], jax.Array],
     head_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     params: tuple[Any, Any, Any],
-    inputs: jax.Array,
-    targets: jax.Array,
+    batch: Any,
     schedule: Schedule,
     axis: str = PIPE_AXIS,
 ) -> tuple[jax.Array, tuple[Any, Any, Any]]:
@@ -201,34 +200,34 @@ def pipeline_loss_and_grads(
     params = (embed_params, stage_params, head_params). embed/head params: replicated over `axis`;
     stage_params: this stage's slice of the layer stack (split over `axis`). All of them must already
     be varying over every manual axis (so gradients stay per-device until reduced by the caller).
-    inputs, targets: `(b, ...)` this device's rows (replicated over `axis`), cut into
+    batch: a pytree of `(b, ...)` arrays, this device's rows (replicated over `axis`), cut into
     `schedule.num_microbatches` microbatches of `b/M` rows.
-    embed_fn(embed_params, inputs_mb) -> x `(b/M, ...)`; stage_fn(stage_params, x) -> x (same shape);
-    head_fn(head_params, x, targets_mb) -> mean loss of the microbatch (float32 scalar).
+    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(stage_params, x) -> x (same shape);
+    head_fn(head_params, x, batch_mb) -> mean loss of the microbatch (float32 scalar).
 
     Returns the mean loss over the microbatches (equal on every stage) and the gradients:
     embed/head summed over `axis` (so replicated), stage gradients local to the stage.
     """
     p, m = schedule.num_stages, schedule.num_microbatches
-    if inputs.shape[0] % m:
-        raise ValueError(f"the local batch of {inputs.shape[0]} rows is not divisible by "
-                         f"microbatches = {m}")
-    inputs = inputs.reshape(m, inputs.shape[0] // m, *inputs.shape[1:])
-    targets = targets.reshape(m, targets.shape[0] // m, *targets.shape[1:])
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % m:
+        raise ValueError(f"the local batch of {rows} rows is not divisible by microbatches = {m}")
+    batch = jax.tree.map(lambda a: a.reshape(m, rows // m, *a.shape[1:]), batch)
+    microbatch = lambda i: jax.tree.map(lambda a: a[i], batch)  # noqa: E731
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == p - 1
     embed_params, _, head_params = params
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(params)))
-    act = jax.eval_shape(embed_fn, embed_params, inputs[0])
+    act = jax.eval_shape(embed_fn, embed_params, microbatch(0))
 
-    def stage_forward(prm, x_in, x_tokens):
+    def stage_forward(prm, x_in, mb_batch):
         emb, blocks, _ = prm
-        x = jax.lax.cond(first, lambda: embed_fn(emb, x_tokens).astype(act.dtype), lambda: x_in)
+        x = jax.lax.cond(first, lambda: embed_fn(emb, mb_batch).astype(act.dtype), lambda: x_in)
         return stage_fn(blocks, x)
 
-    def stage_apply(prm, x_in, x_tokens, y_targets):
-        y = stage_forward(prm, x_in, x_tokens)
-        loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, y_targets).astype(jnp.float32),
+    def stage_apply(prm, x_in, mb_batch):
+        y = stage_forward(prm, x_in, mb_batch)
+        loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
                             lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
         return y, loss
 
@@ -251,11 +250,11 @@ def pipeline_loss_and_grads(
         f_slot, b_slot = jnp.maximum(f_mb, 0), jnp.maximum(b_mb, 0)
 
         def forward(_):
-            return stage_forward(params, stash[f_slot % k_act], inputs[f_slot])
+            return stage_forward(params, stash[f_slot % k_act], microbatch(f_slot))
 
         def backward(_):
-            x_tokens, y_targets = inputs[b_slot], targets[b_slot]
-            (y, mb_loss), vjp = jax.vjp(lambda prm, x: stage_apply(prm, x, x_tokens, y_targets),
+            mb_batch = microbatch(b_slot)
+            (y, mb_loss), vjp = jax.vjp(lambda prm, x: stage_apply(prm, x, mb_batch),
                                         params, stash[b_slot % k_act])
             g_y = jnp.where(last, jnp.zeros_like(y), cots[b_slot % k_cot])
             g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
@@ -286,7 +285,7 @@ def pipeline_loss_and_grads(
     (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
     g_embed, g_stage, g_head = grads
     # Only the first (last) stage has nonzero embedding (head) gradients; only the last has the loss.
-    g_embed, g_head, loss = jax.lax.psum((g_embed, g_head, loss), axis)
+    g_embed, g_head, loss = psum((g_embed, g_head, loss), axis)  # CPU-safe for 16-bit
     return loss, (g_embed, g_stage, g_head)
 
 
@@ -341,7 +340,7 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
 
     def local_forward(prm, xb):
         outs, _ = forward_ticks(prm, split(xb), keep_inputs=False)
-        return jax.lax.psum(outs, axis).reshape(xb.shape)
+        return psum(outs, axis).reshape(xb.shape)
 
     def local_backward(prm, xb, gb):
         _, ins = forward_ticks(prm, split(xb), keep_inputs=True)
@@ -369,7 +368,7 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
         init = (zero, jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm),
                 _zeros_like_varying(ins, axes))
         (_, g_prm, g_xs), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-        return g_prm, jax.lax.psum(g_xs, axis).reshape(xb.shape)
+        return g_prm, psum(g_xs, axis).reshape(xb.shape)
 
     def sharded(fn, n_in, out_specs):
         in_specs = (Spec(axis),) + (Spec(),) * (n_in - 1)

@@ -3,7 +3,7 @@
 For a GPT and a grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
 of every collective the axonn_jax train step issues, component by component (dense layers,
 vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends; the
-same convention as `axonn_jax.parallel.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
+same convention as `axonn_jax.analysis.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
 per collective kind on the grids of tests/test_comm_model.py), turns them into time
 with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
 faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
@@ -20,9 +20,9 @@ import dataclasses
 import math
 from typing import Iterable
 
-from ..config import AXES, ParallelConfig
+from ..config import AXES, ParallelConfig, check_grid
 from ..models.gpt import GPTConfig
-from .pipeline import make_schedule
+from ..parallel.pipeline import make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -164,7 +164,7 @@ def _local_tokens(work: Workload, grid: ParallelConfig) -> float:
 
 
 def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
-    """AxoNN's 3D dense layers (`axonn_jax.parallel.tensor`): kernels split over (in, out) axes and
+    """AxoNN's 3D dense layers (`axonn_jax.tp.tensor`): kernels split over (in, out) axes and
     over depth, activations split over the input axis."""
     m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
@@ -433,19 +433,14 @@ def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
 
 
 def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
-    """Why `grid` cannot run `work` (a dimension that does not divide), or None."""
-    m, g = work.model, grid
-    checks = [
-        ("num_layers", m.num_layers, g.pipe),
-        ("batch", work.batch, g.data * g.depth * work.microbatches),
-        ("num_heads", m.num_heads, g.row * g.col),
-        ("d_model", m.d_model, g.row * g.col * g.depth),
-        ("d_ff", m.d_ff, g.row * g.col * g.depth),
-        ("vocab_size", m.vocab_size, g.row * g.col * g.depth),
-    ]
-    for name, size, parts in checks:
-        if size % parts:
-            return f"{name} = {size} is not divisible by {parts}"
+    """Why `grid` cannot run `work` (a dimension that does not divide), or None: the trainer's own
+    checks (`config.check_grid`, `GPTConfig.check_grid`)."""
+    try:
+        check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
+                   num_layers=work.model.num_layers)
+        work.model.check_grid(grid)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from flax import nnx
 
-from .parallel.tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
+from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
 
 
 class Dense(nnx.Linear):
     """Tensor-parallel `nnx.Linear`: `x (batch, ..., in)` -> `(batch, ..., out)`; input features
     over `col` and output over `row` (`transpose=True` swaps them); kernel also split over `depth`,
-    batch over `depth`. See `axonn_jax.parallel.tensor.tp_dense`."""
+    batch over `depth`. See `axonn_jax.tp.tensor.tp_dense`."""
 
     def __init__(self, in_features: int, out_features: int, *, mesh, transpose: bool = False,
                  rngs: nnx.Rngs, **kwargs):

@@ -1,7 +1,6 @@
-"""Corpus, byte-level tokenizer and a deterministic, sharded batch loader.
+"""Corpus, byte-level tokenizer and deterministic language-model batches.
 
-Batches are a pure function of `(seed, step)`: a resumed run sees exactly the data it would have seen,
-and every process computes only the rows of the batch that its own devices hold.
+Batches are a pure function of `(seed, step)`: a resumed run sees exactly the data it would have seen.
 """
 from __future__ import annotations
 
@@ -110,14 +109,21 @@ def batch_rows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> np.ndar
     return tokens[idx].astype(np.int32)
 
 
-def global_batch(tokens, seed, step, batch_size, seq_len, sharding):
-    """Batch `step` as a global `(batch_size, seq_len + 1)` int32 jax.Array with `sharding`.
+def lm_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> dict:
+    """Language-model batch `step`: `{'inputs', 'targets'}`, each `(batch_size, seq_len)` int32
+    (targets are the inputs shifted by one token); a pure function of its arguments."""
+    rows = batch_rows(tokens, batch_offsets(len(tokens), seed, step, batch_size, seq_len), seq_len)
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
-    The batch axis is split over the sharding's batch axes (`data`, `depth`); each process builds
-    only the rows its addressable devices hold.
-    """
-    import jax
 
-    offsets = batch_offsets(len(tokens), seed, step, batch_size, seq_len)
-    shape = (batch_size, seq_len + 1)
-    return jax.make_array_from_callback(shape, sharding, lambda idx: batch_rows(tokens, offsets[idx[0]], seq_len))
+@dataclasses.dataclass(frozen=True)
+class TokenBatches:
+    """`batches(step)`: batch `step` of random windows of a token stream (see `lm_batch`)."""
+
+    tokens: np.ndarray
+    seed: int
+    batch_size: int
+    seq_len: int
+
+    def __call__(self, step: int) -> dict:
+        return lm_batch(self.tokens, self.seed, step, self.batch_size, self.seq_len)

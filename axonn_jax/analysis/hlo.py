@@ -13,7 +13,7 @@ collective's result shape is already the per-device buffer. Conventions, per dev
 Collectives inside `while` loops (`lax.scan` over layers or pipeline ticks) count once per
 iteration, from XLA's `known_trip_count` (a loop without one raises ValueError); of a
 `conditional`'s branches only the heaviest counts (the busiest device runs it); asynchronous pairs
-(`all-gather-start` / `-done`) count once. `axonn_jax.parallel.comm_model` predicts the same
+(`all-gather-start` / `-done`) count once. `axonn_jax.analysis.comm_model` predicts the same
 quantities.
 """
 from __future__ import annotations

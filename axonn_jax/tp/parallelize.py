@@ -1,6 +1,6 @@
 """`parallelize`: run an ordinary Flax model's layers with AxoNN's 2D/3D tensor parallelism. This
 file holds the one public entry point and the linen transform; NNX modules go to
-`axonn_jax.transform_nnx`.
+`axonn_jax.tp.parallelize_nnx`.
 
 For linen, the returned module is an instance of a subclass of the model's class with the same
 fields. Its `init` and `apply` run the model under `nn.intercept_methods`, which replaces the
@@ -10,7 +10,7 @@ shapes and initializers are Flax's, so the parameter tree is the original's: `in
 `nn.Partitioned` (`nn.get_partition_spec` gives the placement, `nn.unbox` the plain tree, which the
 original module accepts), and `apply` accepts the original's parameters and lays them out as it goes.
 
-Choosing `transpose` follows the layout of activations through the trace (`axonn_jax._layout`).
+Choosing `transpose` follows the layout of activations through the trace (`axonn_jax.tp._layout`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from flax import nnx
 
 from . import layers
 from ._layout import Layout
-from .transform_nnx import parallelize_nnx, trace_layout
+from .parallelize_nnx import parallelize_nnx, trace_layout
 
 _ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.GroupNorm,
@@ -111,7 +111,7 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
     module docstring); the layout is traced at `init` / `apply`.
     NNX: returns a copy of `module` whose `nnx.Linear` / `nnx.Embed` run tensor-parallel
     (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
-    `axonn_jax.transform_nnx`); `example_args` / `example_kwargs` (inputs of `module.__call__`)
+    `axonn_jax.tp.parallelize_nnx`); `example_args` / `example_kwargs` (inputs of `module.__call__`)
     let it trace the layout and alternate `transpose`; without them dense layers are normal.
 
     transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`, NNX `'blocks/0/up'`)

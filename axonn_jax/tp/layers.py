@@ -14,16 +14,11 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from .parallel.tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
+from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
 
 _default_kernel_init = nn.initializers.lecun_normal()
 _default_embed_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
-
-
-def _names(spec: P) -> tuple:
-    return tuple(spec)
 
 
 def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
@@ -33,11 +28,11 @@ def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
     dtype, param_dtype, kernel_init, bias_init, precision`). x: `(batch, ..., in)`, features split
     over `col` (`row` when `transpose`); returns `(batch, ..., features)` split over `row` (`col`).
     """
-    kernel = m.param("kernel", nn.with_partitioning(m.kernel_init, _names(kernel_spec(transpose))),
+    kernel = m.param("kernel", nn.with_partitioning(m.kernel_init, tuple(kernel_spec(transpose))),
                      (x.shape[-1], features), m.param_dtype)
     bias = None
     if m.use_bias:
-        bias = m.param("bias", nn.with_partitioning(m.bias_init, _names(bias_spec(transpose))),
+        bias = m.param("bias", nn.with_partitioning(m.bias_init, tuple(bias_spec(transpose))),
                        (features,), m.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=m.dtype)
     return tp_dense(x, kernel, bias, mesh, transpose)
@@ -46,7 +41,7 @@ def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
 def embed_param(m: nn.Module):
     """Create (or read) `m.embedding (num_embeddings, features)`, vocab over (`row`,`depth`),
     features over `col`. For use in `setup`, like `nn.Embed`."""
-    return m.param("embedding", nn.with_partitioning(m.embedding_init, _names(embed_spec())),
+    return m.param("embedding", nn.with_partitioning(m.embedding_init, tuple(embed_spec())),
                    (m.num_embeddings, m.features), m.param_dtype)
 
 

@@ -60,3 +60,25 @@ class Checkpointer:
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+class RankZeroCheckpointer(Checkpointer):
+    """Checkpoints of a `--transport mpi` job. The processes of `comm` are separate JAX programs
+    holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
+    rank reads it."""
+
+    def __init__(self, directory: str | pathlib.Path, every: int, comm):
+        import orbax.checkpoint as ocp
+
+        self.rank = comm.Get_rank()
+        if self.rank == 0:
+            super().__init__(directory, every)
+        comm.Barrier()  # the directory exists before the readers open it
+        if self.rank != 0:
+            self.directory = pathlib.Path(directory).absolute()
+            self.every = every
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+    def maybe_save(self, step: int, state, force: bool = False) -> bool:
+        return self.rank == 0 and super().maybe_save(step, state, force)

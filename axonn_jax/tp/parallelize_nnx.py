@@ -11,7 +11,7 @@ annotation (`nnx.get_partition_spec` / `nnx.get_named_sharding` give the placeme
 outside these layers are replicated over the mesh.
 
 `transpose` of each dense layer comes from one abstract trace of the model's `__call__` on example
-inputs (`axonn_jax._layout.Layout`, shared with the linen transform; nothing is computed). Without
+inputs (`axonn_jax.tp._layout.Layout`, shared with the linen transform; nothing is computed). Without
 example inputs, a layer is normal unless the `transpose` overrides say otherwise.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import layers_nnx
 from ._layout import Layout
-from .parallel.tensor import bias_spec, embed_spec, kernel_spec
+from .tensor import bias_spec, embed_spec, kernel_spec
 
 _NORMS = (nnx.LayerNorm, nnx.RMSNorm)
 _SUPPORTED = (nnx.Linear, nnx.Embed, *_NORMS)

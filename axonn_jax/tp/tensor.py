@@ -23,11 +23,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 
 TP_AXES = ("depth", "row", "col")
+TP_DENSE_NAME = "tp_dense"
+"""The `checkpoint_name` of every `tp_dense` output: what a remat policy may keep or offload."""
 
 
 def feature_axes(transpose: bool) -> tuple[str, str]:
@@ -141,10 +144,9 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False):
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
     fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None)
-    if bias is None:
-        # custom_vjp needs array arguments; the unused bias slot gets a zero-size placeholder.
-        return fn(x, kernel, jnp.zeros((0,), x.dtype))
-    return fn(x, kernel, bias)
+    # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
+    y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
+    return checkpoint_name(y, TP_DENSE_NAME)
 
 
 def embed_spec() -> P:

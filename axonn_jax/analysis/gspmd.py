@@ -1,6 +1,6 @@
 """AxoNN's tensor-parallel grids against GSPMD baselines on a stack of GPT blocks.
 
-Workload: `layers` scanned GPT blocks (`axonn_jax.models.gpt.Block`, hidden `d_model`, MLP 4×) on a
+BlockShape: `layers` scanned GPT blocks (`axonn_jax.models.gpt.Block`, hidden `d_model`, MLP 4×) on a
 `(batch, seq, d_model)` input; one step = loss `mean(y²)` and the gradients of every parameter,
 returned sharded like the parameters. Every variant computes the same function; only placement and
 collectives differ.
@@ -10,7 +10,7 @@ collectives differ.
   DP × TP, DP.
 
 Measured per variant: per-device collective bytes per step by kind from the compiled HLO
-(`axonn_jax.parallel.hlo`), peak memory from `memory_analysis()`, median step time. For axonn_jax
+(`axonn_jax.analysis.hlo`), peak memory from `memory_analysis()`, median step time. For axonn_jax
 grids also the analytic byte count of AxoNN's algorithm (`analytic_bytes`).
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._compat import shard_map, to_varying
-from .config import ParallelConfig
-from .mesh import make_mesh
-from .models import gpt
-from .parallel.hlo import KINDS, collective_bytes, wire_bytes
-from .transform import parallelize
+from .._compat import shard_map, to_varying
+from ..config import ParallelConfig
+from ..mesh import make_mesh
+from ..models import gpt
+from .hlo import KINDS, collective_bytes, wire_bytes
+from ..tp.parallelize import parallelize
 
 AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8),
                (4, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (2, 1, 1, 4), (1, 1, 2, 4)]
@@ -40,7 +40,7 @@ AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4),
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class BlockShape:
     d_model: int = 1024
     layers: int = 2
     heads: int = 16
@@ -60,7 +60,7 @@ class Blocks(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        blocks = nn.scan(gpt.Block, variable_axes={"params": 0}, split_rngs={"params": True},
+        blocks = nn.scan(gpt.ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                          length=self.config.num_layers, metadata_params={nn.PARTITION_NAME: None})
         return blocks(self.config, name="blocks")(x, None)[0]
 
@@ -69,9 +69,9 @@ def _loss(model):
     return lambda params, x: jnp.mean(jnp.square(model.apply({"params": params}, x)))
 
 
-def analytic_bytes(w: Workload, row: int, col: int, depth: int, data: int = 1) -> dict[str, int]:
+def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1) -> dict[str, int]:
     """Per-device collective bytes per step of AxoNN's algorithm (HLO byte convention of
-    `axonn_jax.parallel.hlo`: full buffers, fp32). Dense layers per block: query/key/value and
+    `axonn_jax.analysis.hlo`: full buffers, fp32). Dense layers per block: query/key/value and
     mlp_up normal (in over col, out over row), attn_out and mlp_down transposed; per layer:
     forward kernel all-gather over depth and output all-reduce over the input axis; backward kernel
     all-gather again, input-gradient all-reduce over the output axis, kernel-gradient reduce-scatter
@@ -107,7 +107,7 @@ def analytic_bytes(w: Workload, row: int, col: int, depth: int, data: int = 1) -
     return out
 
 
-def _init_placed(model, mesh, specs_fn, w: Workload):
+def _init_placed(model, mesh, specs_fn, w: BlockShape):
     x = jnp.zeros((w.batch, w.seq, w.d_model), jnp.float32)
     init = lambda key: model.init(key, x)["params"]
     abstract = jax.eval_shape(init, jax.random.key(0))
@@ -117,7 +117,7 @@ def _init_placed(model, mesh, specs_fn, w: Workload):
     return params, shardings
 
 
-def axonn_variant(w: Workload, grid: tuple[int, ...], devices):
+def axonn_variant(w: BlockShape, grid: tuple[int, ...], devices):
     """(name, jitted step, params, x) for AxoNN on grid (row, col, depth[, data]); with data > 1 the
     step is the trainer's: manual over `data`, gradients all-reduced explicitly."""
     row, col, depth, data = (*grid, 1)[:4]
@@ -174,7 +174,7 @@ GSPMD_BASELINES = {  # name: (mesh shape, axis names, tp axis, fsdp axis, batch 
 }
 
 
-def gspmd_variant(w: Workload, name: str, devices):
+def gspmd_variant(w: BlockShape, name: str, devices):
     shape, axes, tp, fsdp, batch = GSPMD_BASELINES[name]
     mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), axes)
     model = Blocks(w.config)
@@ -209,7 +209,7 @@ def measure(name, step, params, x, repeats: int) -> dict:
             "step_time_s": statistics.median(times) if times else None, "loss": loss}
 
 
-def run(w: Workload, devices=None, repeats: int = 3, grids=None, baselines=None, log=print) -> dict:
+def run(w: BlockShape, devices=None, repeats: int = 3, grids=None, baselines=None, log=print) -> dict:
     """Measure every variant; returns the JSON-able results."""
     devices = list(devices or jax.devices())
     if len(devices) != 8:
@@ -240,7 +240,7 @@ def markdown(report: dict) -> str:
              f"{w['layers']} GPT block(s), d_model={w['d_model']}, heads={w['heads']}, batch={w['batch']}, "
              f"seq={w['seq']}, fp32; one step = loss and all parameter gradients. Bytes: per device "
              "per step, full buffers, from the compiled HLO; analytic: AxoNN's algorithm "
-             "(`axonn_jax.benchmark.analytic_bytes`).", "",
+             "(`axonn_jax.analysis.gspmd.analytic_bytes`).", "",
              "| variant | all-reduce MiB | all-gather MiB | reduce-scatter MiB | all-to-all MiB | "
              "permute MiB | total MiB | analytic MiB | measured/analytic | ring wire MiB | "
              "peak MiB | GFLOP/device | step ms |",

@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import AXES
+from ..config import AXES
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    from .models.gpt import PRESETS
+    from ..models import presets
 
-    p.add_argument("--model", default="gpt-tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--model", default="gpt-tiny", choices=sorted(presets()), help="model preset")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=64)
@@ -62,7 +62,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_config(args, num_devices: int):
-    from .config import ParallelConfig
+    from ..config import ParallelConfig
 
     # Under --transport mpi the pipeline stages are MPI processes, not this process's devices.
     inner = (1 if args.transport == "mpi" else args.pipe) * args.depth * args.row * args.col
@@ -77,27 +77,24 @@ def _parallel_config(args, num_devices: int):
 def _auto_grid(args, num_devices: int):
     """The planner's fastest grid for these options on `num_devices` (the `cpu` machine preset
     for the CPU backend's simulated devices, else one H100 node per 8 devices), among the grids
-    the trainer runs (`train.unsupported_combination`). Returns (grid, microbatches)."""
-    import dataclasses
-
+    the trainer runs. Returns (grid, microbatches)."""
     import jax
 
-    from .models.gpt import get_config
-    from .parallel import comm_model as cm
-    from .train import TrainOptions, unsupported_combination
+    from ..analysis import comm_model as cm
+    from ..models.gpt import get_config
 
     explicit = [f"--{a}" for a in AXES[1:] if getattr(args, a) != 1] + (["--data"] if args.data else [])
     if explicit:
         raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
     machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
     nbytes = {"float32": 4}.get(args.dtype, 2)
-    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+    work = cm.BlockShape(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
                        schedule=args.schedule, compress_bits=args.compress_bits,
                        offload_optimizer=args.offload_optimizer)
     choices = [args.microbatches] if args.microbatches > 1 else None
-    options = TrainOptions(**_option_fields(args))
     for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
-        if not unsupported_combination(p.grid, dataclasses.replace(options, microbatches=p.microbatches)):
+        # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
+        if not (p.grid.pipe > 1 and args.remat == "auto"):
             return p.grid, p.microbatches
     raise ValueError(f"--auto-grid: no grid of {num_devices} devices runs {args.model} with "
                      f"--batch-size {args.batch_size}")
@@ -106,7 +103,7 @@ def _auto_grid(args, num_devices: int):
 def _train(args) -> int:
     import jax
 
-    from .train import TrainOptions, train
+    from ..train import TrainOptions, train
 
     if args.auto_grid:
         config, args.microbatches = _auto_grid(args, jax.device_count())
@@ -120,15 +117,15 @@ def _train(args) -> int:
 
 def _option_fields(args) -> dict:
     """The `TrainOptions` fields among the parsed `train` arguments (all but the grid)."""
-    from .train import TrainOptions
+    from ..train import TrainOptions
 
     return {k: v for k, v in vars(args).items()
             if k in TrainOptions.__dataclass_fields__ and k != "parallel"}
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    from .models.gpt import PRESETS
-    from .parallel.comm_model import MACHINES
+    from ..models.gpt import PRESETS
+    from ..analysis.comm_model import MACHINES
 
     p.add_argument("--model", default="gpt-20b", choices=sorted(PRESETS))
     p.add_argument("--devices", dest="num_devices", type=int, required=True,
@@ -155,9 +152,9 @@ def _plan(args) -> int:
     import dataclasses
     import json
 
-    from .config import ParallelConfig
-    from .models.gpt import get_config
-    from .parallel import comm_model as cm
+    from ..config import ParallelConfig
+    from ..models.gpt import get_config
+    from ..analysis import comm_model as cm
 
     machine = cm.MACHINES[args.machine]
     overrides = {"devices_per_node": args.devices_per_node, "efficiency": args.efficiency,
@@ -166,7 +163,7 @@ def _plan(args) -> int:
                  "device_memory": args.device_memory and args.device_memory * 1e9,
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = cm.Workload(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+    work = cm.BlockShape(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None
     if grid:
@@ -216,9 +213,9 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args) -> int:
-    from .benchmark import Workload, run, write
+    from ..analysis.gspmd import BlockShape, run, write
 
-    w = Workload(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
+    w = BlockShape(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
                  seq=args.seq_len)
     js, md = write(run(w, repeats=args.repeats), args.out, args.name)
     print(md.read_text())
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     follow_launcher()  # a process of `axonn-jax launch` dies with its launcher
     args = build_parser().parse_args(argv)
     if getattr(args, "devices", None):
-        from .mesh import simulate_cpu_devices
+        from ..mesh import simulate_cpu_devices
 
         simulate_cpu_devices(args.devices)
     try:

@@ -122,7 +122,7 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     """
     import jax
 
-    from .mesh import simulate_cpu_devices
+    from ..mesh import simulate_cpu_devices
 
     env = os.environ if environ is None else environ
     if local_device_count is None and ENV_LOCAL_DEVICES in env:

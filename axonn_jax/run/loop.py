@@ -1,0 +1,223 @@
+"""The training loop: `train(options, model=None, data=None)`.
+
+The loop compiles the step, restores a checkpoint if asked, and runs the steps; everything else
+(validation, the metrics file, checkpoints, the progress bar, the HLO dump, sampling) is a hook
+(`run.hooks`) that `train` adds from the options.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+
+from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
+from ..offload.activations import compiled_peak_bytes
+from ..step.model import StackedModel
+from . import data as data_lib
+from .hooks import Checkpoints, HloDump, Hook, MetricsFile, Progress, Sample, StepInfo, Validation
+from .options import TrainOptions
+from .trainer import Trainer, build_trainer
+
+
+def tree_bytes_per_device(tree, memory_kind: str | None = None) -> int:
+    """Bytes of `tree` held by the most loaded device (shards, not global sizes)."""
+    per_device: dict[Any, int] = {}
+    for x in jax.tree.leaves(tree):
+        if memory_kind is not None and memory_kind_of(x) != memory_kind:
+            continue
+        for shard in x.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
+
+
+def state_report(state, compiled) -> dict[str, int]:
+    """Train-state bytes per device by memory kind, parameter count and the compiled peak."""
+    return {
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+        "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
+        "state_bytes_host": int(tree_bytes_per_device(state, HOST_MEMORY_KIND)),
+        "peak_bytes_compiled": int(compiled_peak_bytes(compiled)),
+    }
+
+
+class Loop:
+    """Runs `trainer`'s step from `state` over `batches(step)` (global host batches) until
+    `end_step`, calling `hooks` (see `run.hooks`)."""
+
+    def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
+                 console, end_step: int):
+        self.trainer, self.state, self.batches, self.hooks = trainer, state, batches, hooks
+        self.console, self.end_step = console, end_step
+        self.is_main = trainer.is_main
+        self.start_step = int(state["step"])
+        self.history: list[dict] = []
+        self.completed = False
+        first = trainer.place(batches(self.start_step))
+        self.compiled = trainer.step.lower(state, first).compile()
+        self.report = state_report(state, self.compiled)
+        rows = jax.tree.leaves(trainer.example_batch)[0].shape[0]
+        self.examples_per_step = rows
+        self.tokens_per_step = rows * trainer.options.seq_len if trainer.preset else None
+
+    def run(self):
+        try:
+            for hook in self.hooks:
+                hook.start(self)
+            for step in range(self.start_step, self.end_step):
+                self.state, record = self._step(step)
+                info = StepInfo(step + 1, self.state, record)
+                for hook in self.hooks:
+                    hook.step(info)
+                self.history.append(record)
+            self.completed = True
+        finally:
+            for hook in reversed(self.hooks):  # unwound like nested contexts
+                hook.end(self)
+        return self.state
+
+    def _step(self, step: int):
+        batch = self.trainer.place(self.batches(step))
+        t0 = time.perf_counter()
+        state, metrics = self.compiled(self.state, batch)
+        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, **metrics, "lr": float(self.trainer.lr_schedule(step)),
+                  "examples_per_s": self.examples_per_step / dt, "step_time_s": dt, **self.report}
+        if self.tokens_per_step:
+            record["tokens_per_s"] = self.tokens_per_step / dt
+        return state, record
+
+
+def _as_batches(data) -> Callable[[int], Any]:
+    """`step -> batch` from a callable (returned as it is) or an iterable of batches (read in
+    order; a resumed run skips the batches of the steps already done)."""
+    if callable(data):
+        return data
+    if not isinstance(data, Iterable):
+        raise TypeError(f"train: data must be a function step -> batch or an iterable of batches, "
+                        f"got {type(data).__name__}")
+    iterator, position = iter(data), [0]
+
+    def batch(step: int):
+        if step < position[0]:
+            raise ValueError(f"train: an iterable of batches is read once, in order; step {step} "
+                             f"was asked after step {position[0] - 1}")
+        for _ in range(step - position[0]):
+            next(iterator)
+        position[0] = step + 1
+        return next(iterator)
+
+    return batch
+
+
+def _evaluator(trainer: Trainer, batches, num_batches: int):
+    """`params -> mean loss` over the first `num_batches` evaluation batches."""
+    if callable(batches):
+        fixed = [batches(i) for i in range(num_batches)]
+    else:
+        fixed = list(itertools.islice(batches, num_batches))
+    placed = [trainer.place(b) for b in fixed]
+    return lambda params: float(np.mean([float(trainer.step.eval_loss(params, b)) for b in placed]))
+
+
+def _language_model_data(options: TrainOptions):
+    corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
+    make = lambda tokens, seed: data_lib.TokenBatches(tokens, seed, options.batch_size,  # noqa: E731
+                                                      options.seq_len)
+    return make(corpus.train, options.seed), make(corpus.val, options.seed + 10_000), corpus
+
+
+def train(options: TrainOptions, model: StackedModel | None = None, data=None, *, eval_data=None,
+          devices=None, console=None, hooks: list[Hook] = ()) -> dict[str, Any]:
+    """Run a training job; returns a summary: `history` (one record per step), `val_history`,
+    the final `state`, the `trainer`, the state report and, when sampled, `sample`.
+
+    model: None trains the preset `options.model` on the corpus `options.data_path` (default: the
+    Python standard library's sources); or any `StackedModel`, with `data` a function
+    `step -> batch` or an iterable of batches (global batches: numpy pytrees with a leading batch
+    axis of `options.batch_size`) and optionally `eval_data` likewise (validation needs it).
+    hooks: more hooks, run after the built-in ones.
+    """
+    from rich.console import Console
+
+    corpus = None
+    if model is None:
+        if data is not None:
+            raise ValueError("train: data without a model; the built-in models read options.data_path")
+        data, eval_data, corpus = _language_model_data(options)
+    elif data is None:
+        raise ValueError("train: a caller's model needs data (a function step -> batch or an "
+                         "iterable of batches)")
+    batches = _as_batches(data)
+    example = None if model is None else jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batches(0))
+    trainer = build_trainer(options, devices, model=model, example_batch=example)
+    console = console or Console(quiet=not trainer.is_main)
+    state = trainer.init_state()
+    checkpointer = trainer.make_checkpointer(options.checkpoint_dir, options.checkpoint_every) \
+        if options.checkpoint_dir else None
+    if options.resume:
+        state = checkpointer.restore(state)
+        console.print(f"resumed from step {int(state['step'])} in {options.checkpoint_dir}")
+    end = min(options.steps, options.stop_at or options.steps)
+    validation = None
+    built: list[Hook] = []
+    if options.dump_hlo:
+        built.append(HloDump(options.dump_hlo))
+    if eval_data is not None:
+        every = options.eval_every or max(1, options.steps // 10)
+        validation = Validation(_evaluator(trainer, eval_data, options.eval_batches), every,
+                                options.steps)
+        built.append(validation)
+    if options.metrics_out:
+        built.append(MetricsFile(options.metrics_out, append=options.resume))
+    if checkpointer:
+        built.append(Checkpoints(checkpointer))
+    built.append(Progress())
+    sample = None
+    if options.sample_tokens and trainer.preset:
+        sample = Sample(_gpt_sampler(trainer))
+        built.append(sample)
+    loop = Loop(trainer, state, batches, built + list(hooks), console, end)
+    _describe(loop, trainer, corpus, console)
+    state = loop.run()
+    summary = {"history": loop.history, "val_history": validation.history if validation else [],
+               "state": state, "trainer": trainer, **loop.report}
+    if sample is not None:
+        summary["sample"] = sample.text
+    return summary
+
+
+def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:
+    o, r = trainer.options, loop.report
+    grid = " ".join(f"{k}={v}" for k, v in o.parallel.as_dict().items())
+    name = o.model if trainer.preset else type(trainer.model.block).__name__ + " stack"
+    data = f"; corpus {len(corpus.train):,} train / {len(corpus.val):,} validation tokens" \
+        if corpus is not None else ""
+    console.print(
+        f"[bold]{name}[/]: {r['num_params']:,} parameters on grid {grid}; train state "
+        f"{r['state_bytes_device'] / 2**20:.1f} MiB/device on device, "
+        f"{r['state_bytes_host'] / 2**20:.1f} MiB/device on host; compiled peak "
+        f"{r['peak_bytes_compiled'] / 2**20:.1f} MiB{data}")
+    plan = trainer.step.bind(trainer.local_example()).plan
+    if o.remat == "auto" and plan is not None:
+        console.print(plan.describe(r["peak_bytes_compiled"]))
+
+
+def _gpt_sampler(trainer: Trainer) -> Callable[[Any], str]:
+    from ..models import gpt
+
+    o = trainer.options
+
+    def generate(params) -> str:
+        prompt = data_lib.encode("def ")
+        tokens = gpt.generate(trainer.preset.config, params, prompt, o.sample_tokens,
+                              window=o.seq_len, key=jax.random.key(o.seed))
+        return data_lib.decode(tokens)
+
+    return generate
+
+

@@ -1,0 +1,159 @@
+"""Train steps whose phases run as separate programs, driven from the host: a gradient reducer between
+processes (MPI, `transport.mpi`) and a host-driven gradient phase (the message-driven MPI pipeline,
+`transport.mpi_pipeline`).
+
+mpi4jax works on process-local, single-device arrays and its ordered effects cannot run in a program
+that spans several devices, so the exchange runs on the first device of the process, between the
+local gradient program and the update on the local mesh. The programs stay `jax.jit` functions: an
+ahead-of-time compiled program with mpi4jax's ordered effects fails from its second call ("supplied
+22 arguments but compiled program expected 23": the effect token is not threaded through a
+`Compiled` object in JAX 0.10.2).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _like(tree, sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """What `.lower(state, batch)` returns: `.compile()` gives the callable step."""
+
+    build: Callable
+    state: Any
+    batch: Any
+
+    def compile(self):
+        return self.build(self.state, self.batch)
+
+
+@dataclasses.dataclass
+class CompiledProcessStep:
+    """Local gradients (averaged over this process's devices), the exchange between processes on
+    the first device, and the update on the local mesh: called like a compiled train step."""
+
+    grads: Any
+    exchange: Callable
+    exchange_hlo: str
+    update: Any
+    first_device: Any
+    replicated: NamedSharding
+
+    def __call__(self, state, batch):
+        loss, grads, _ = self.grads(state["params"], batch, _scale(state), state["step"], None)
+        out = self.exchange(*jax.device_put((loss, grads, state.get("reducer"), state["step"]),
+                                            self.first_device))
+        return self.update(state, *jax.device_put(out, self.replicated))
+
+    def as_text(self) -> str:
+        return "\n\n".join((self.grads.as_text(), self.exchange_hlo, self.update.as_text()))
+
+    def memory_analysis(self):
+        """Of the gradient program, the one that holds the activations."""
+        return self.grads.memory_analysis()
+
+    def cost_analysis(self):
+        return self.grads.cost_analysis()
+
+
+def _scale(state):
+    import jax.numpy as jnp
+
+    return jnp.float32(1.0) if "precision" not in state else state["precision"]["scale"]
+
+
+def process_programs(bound):
+    """(step, eval_loss) of a `_Bound` whose reducer runs between processes."""
+    reducer = bound.step_obj.process_reducer
+    mesh = bound.step_obj.mesh
+    first = mesh.devices.flat[0]
+    single = jax.sharding.SingleDeviceSharding(first)
+    replicated = NamedSharding(mesh, P())
+
+    def exchange(loss, grads, red_state, step):
+        grads, red_state = reducer.reduce(grads, red_state, step)
+        return reducer.mean(loss), grads, red_state
+
+    def update(state, loss, grads, red_state):
+        new, metrics = bound.update(state, grads)
+        if red_state is not None:
+            new["reducer"] = red_state
+        return new, {"loss": loss, **metrics}
+
+    def build(state, batch):
+        args = (state["params"], batch, _scale(state), state["step"], None)
+        grads = jax.jit(bound.loss_and_grads).lower(*args).compile()
+        loss, g, _ = jax.eval_shape(bound.loss_and_grads, *args)
+        red = state.get("reducer")
+        jitted = jax.jit(exchange)
+        hlo = jitted.lower(*_like((loss, g, red, state["step"]), single)).compile().as_text()
+        upd = jax.jit(update, donate_argnums=0).lower(
+            state, *_like((loss, g, red), replicated)).compile()
+        return CompiledProcessStep(grads, jitted, hlo, upd, first, replicated)
+
+    compiled: dict = {}
+
+    def step(state, batch):
+        if "step" not in compiled:  # shapes are fixed for a bound step: compile once
+            compiled["step"] = build(state, batch)
+        return compiled["step"](state, batch)
+
+    step.lower = lambda state, batch: _Lowered(build, state, batch)
+    local_eval = jax.jit(bound._eval)
+    mean = jax.jit(reducer.mean)
+    return step, lambda params, batch: mean(jax.device_put(local_eval(params, batch), first))
+
+
+@dataclasses.dataclass
+class CompiledEngineStep:
+    """A host-driven gradient phase and one program that reduces over the data-parallel copies and
+    updates (every MPI collective of the step in one program: with asynchronous dispatch a
+    host-side collective on the same communicator could run concurrently with it and mismatch)."""
+
+    engine: Any
+    finish: Callable
+    example: tuple
+
+    def __call__(self, state, batch):
+        loss, grads, extra = self.engine.run(state["params"], batch)
+        return self.finish(state, loss, grads, {k: np.int32(v) for k, v in extra.items()})
+
+    def as_text(self) -> str:
+        return self.engine.inspect(*self.example).as_text()
+
+    def memory_analysis(self):
+        return self.engine.inspect(*self.example).memory_analysis()
+
+    def cost_analysis(self):
+        return self.engine.inspect(*self.example).cost_analysis()
+
+
+def engine_programs(bound):
+    """(step, eval_loss) of a `_Bound` whose gradient phase is a host-driven engine."""
+    reducer, engine = bound.step_obj.process_reducer, bound.engine
+
+    def finish(state, loss, grads, extra):
+        grads, red_state = reducer.reduce(grads, state.get("reducer"), state["step"])
+        loss = engine.sum_over_stages(reducer.mean(loss))  # nonzero on the last stage only
+        new, metrics = bound.update(state, grads)
+        if red_state is not None:
+            new["reducer"] = red_state
+        return new, {"loss": loss, **metrics, **engine.reduce_metrics(extra)}
+
+    finish = jax.jit(finish, donate_argnums=0)
+
+    def step(state, batch):
+        return CompiledEngineStep(engine, finish, (state, batch))(state, batch)
+
+    step.lower = lambda state, batch: _Lowered(
+        lambda s, b: CompiledEngineStep(engine, finish, (s, b)), state, batch)
+    mean = jax.jit(lambda loss: engine.sum_over_stages(reducer.mean(loss)))
+    return step, lambda params, batch: mean(engine.run_forward(params, batch))

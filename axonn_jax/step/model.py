@@ -1,0 +1,273 @@
+"""A model as the trainer sees it: an embedding, a stack of identical blocks, and a head that returns
+the loss.
+
+`StackedModel(embed, block, head, num_layers)` holds plain Flax modules, linen or NNX:
+
+    embed(batch) -> x          batch: any pytree of arrays with a leading batch axis
+    block(x) -> x              `num_layers` times, parameters stacked on a leading layer axis
+    head(x, batch) -> loss     a float scalar: the mean loss of the rows of `batch`
+
+Its parameters are the tree `{'embed': ..., 'blocks': ..., 'head': ...}`, every leaf of `blocks`
+with a leading axis of length `num_layers`. Nothing here knows a model's parameter names: the step
+builder (`axonn_jax.step.train_step`) needs only the three functions and their parameter trees,
+which `StackedModel.bind` gives, made tensor-parallel with `axonn_jax.parallelize` when the mesh has
+tensor axes.
+
+NNX parts are modules (their parameters are their current values; `init`'s key is not used) or
+functions `rngs -> Module` (initialized from `init`'s key). The block must be a function, or a
+module whose parameters are already stacked on the layer axis (made with `nnx.vmap`), so that every
+layer gets its own initial values. Parts may hold `nnx.Param`s only: other state (batch statistics,
+caches) would need updating by the trainer, which it does not do.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ..tp.parallelize import parallelize
+
+PARTS = ("embed", "blocks", "head")
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs of a pytree of arrays (or of ShapeDtypeStructs)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), tree)
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+class _LinenPart:
+    """A linen module as `init(key, *args) -> params` and `apply(params, *args)`."""
+
+    def __init__(self, module: nn.Module, name: str):
+        self.module, self.name = module, name
+
+    def init(self, key, *args):
+        variables = self.module.init(key, *args)
+        extra = sorted(set(variables) - {"params"})
+        if extra:
+            raise ValueError(f"StackedModel {self.name}: only 'params' variables are trained, "
+                             f"the module also creates {extra}")
+        return nn.unbox(variables.get("params", {}))
+
+    def apply(self, params, *args):
+        return self.module.apply({"params": params}, *args)
+
+    def parallelize(self, mesh, *args):
+        """(the tensor-parallel part, PartitionSpecs of its parameters over the tensor axes)."""
+        part = _LinenPart(parallelize(self.module, mesh), self.name)
+        boxed = jax.eval_shape(part.module.init, jax.random.key(0), *args)
+        return part, nn.get_partition_spec(boxed.get("params", {}))
+
+
+class _NnxPart:
+    """An NNX module (or a function `rngs -> module`) as `init(key, *args)` and `apply`.
+
+    graphdef/abstract: the structure and the parameter shapes of one module (one layer);
+    values(key): its parameters as a pure dict (all layers, stacked, for a stacked block).
+    """
+
+    def __init__(self, graphdef, abstract, values: Callable, name: str):
+        self.graphdef, self.abstract, self.values, self.name = graphdef, abstract, values, name
+
+    @classmethod
+    def create(cls, module_or_factory, name: str, num_layers: int = 1) -> "_NnxPart":
+        if isinstance(module_or_factory, nnx.Module):
+            module = module_or_factory
+            values = lambda key: _pure_params(module, name)  # noqa: E731
+            one = _single_layer(module, name, num_layers)
+        else:
+            factory = module_or_factory
+
+            def values(key):
+                if num_layers == 1:
+                    return _pure_params(factory(nnx.Rngs(key)), name)
+                keys = jax.random.split(key, num_layers)
+                return jax.vmap(lambda k: _pure_params(factory(nnx.Rngs(k)), name))(keys)
+
+            one = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        graphdef, abstract = nnx.split(one, nnx.Param)
+        return cls(graphdef, abstract, values, name)
+
+    def init(self, key, *args):
+        return self.values(key)
+
+    def module(self, params):
+        state = jax.tree.map(lambda v: v, self.abstract)  # a fresh State to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+    def apply(self, params, *args):
+        return self.module(params)(*args)
+
+    def parallelize(self, mesh, *args):
+        tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args)
+        graphdef, abstract = nnx.split(tp, nnx.Param)
+        specs = nnx.get_partition_spec(abstract).to_pure_dict()
+        specs = jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
+                             is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
+        return _NnxPart(graphdef, abstract, self.values, self.name), specs
+
+
+def _pure_params(module: nnx.Module, name: str) -> dict:
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    others = {type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(
+        x, nnx.Variable))}
+    if others:
+        raise ValueError(f"StackedModel {name}: only nnx.Param variables are trained, the module "
+                         f"also holds {sorted(others)}")
+    return params.to_pure_dict()
+
+
+def _single_layer(module: nnx.Module, name: str, num_layers: int) -> nnx.Module:
+    """An abstract one-layer copy of `module` (whose parameters may be stacked on the layer axis)."""
+    if num_layers == 1:
+        return nnx.eval_shape(lambda: module)
+    graphdef, params = nnx.split(module, nnx.Param)
+    shapes = [x.shape for x in jax.tree.leaves(params)]
+    if not shapes or any(not s or s[0] != num_layers for s in shapes):
+        raise ValueError(
+            f"StackedModel {name}: an NNX block module must hold its {num_layers} layers' "
+            f"parameters stacked on a leading axis (made with nnx.vmap); got parameter shapes "
+            f"{shapes}. Pass a function `rngs -> block` instead to create one per layer.")
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+    return nnx.merge(graphdef, one)
+
+
+def _part(module, name: str, num_layers: int = 1):
+    if isinstance(module, nn.Module):
+        return _LinenPart(module, name)
+    if isinstance(module, nnx.Module) or callable(module):
+        return _NnxPart.create(module, name, num_layers)
+    raise TypeError(f"StackedModel {name}: expected a flax.linen Module, an nnx.Module or a "
+                    f"function rngs -> nnx.Module, got {type(module).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedModel:
+    """An embedding, `num_layers` identical blocks and a loss head (see the module docstring).
+
+    offload_names: `checkpoint_name`s of a block's intermediates that `remat='offload'` moves to
+    host memory (None: the outputs of every matmul without batch dimensions and of every
+    tensor-parallel dense layer).
+    """
+
+    embed: Any
+    block: Any
+    head: Any
+    num_layers: int
+    offload_names: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"StackedModel: num_layers must be a positive integer, got "
+                             f"{self.num_layers!r}")
+
+    @functools.cached_property
+    def _parts(self):
+        return (_part(self.embed, "embed"), _part(self.block, "block", self.num_layers),
+                _part(self.head, "head"))
+
+    def init(self, key, example_batch) -> dict:
+        """Parameters `{'embed', 'blocks', 'head'}` for batches shaped like `example_batch`
+        (arrays or ShapeDtypeStructs); each block's leaves stacked on a leading layer axis."""
+        return ModelFunctions.of(self, _abstract(example_batch)).init(key)
+
+    def loss(self, params, batch):
+        """The mean loss of `batch`: head(blocks(embed(batch)), batch), on one device."""
+        return ModelFunctions.of(self, _abstract(batch)).loss(params, batch)
+
+    def bind(self, example_batch, mesh=None) -> "ModelFunctions":
+        """The model's functions for batches shaped like `example_batch`, tensor-parallel over
+        `mesh`'s `depth, row, col` axes when they hold more than one device."""
+        return ModelFunctions.of(self, _abstract(example_batch), mesh)
+
+
+def scan_layers(block: Callable, stacked, x, groups=None, num_layers: int | None = None):
+    """`x` through the stacked layers, `block(layer_params, x) -> x`, as one `lax.scan` per group of
+    consecutive layers: groups `((count, wrap), ...)` (counts sum to the layers; `wrap` maps the
+    layer function to another, e.g. `jax.checkpoint` with a policy; None keeps it). A remat policy
+    is fixed when a scan body is traced, so layers with different decisions need different scans;
+    slicing one parameter stack keeps the parameter tree independent of the plan."""
+    total = jax.tree.leaves(stacked)[0].shape[0]
+    groups = groups or ((total, None),)
+    start = 0
+    for count, wrap in groups:
+        f = block if wrap is None else wrap(block)
+        part = jax.tree.map(lambda a: a[start:start + count], stacked)
+        x, _ = jax.lax.scan(lambda h, p: (f(p, h), None), x, part)
+        start += count
+    if start != total:
+        raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFunctions:
+    """A `StackedModel` bound to a batch shape (and a mesh): its three pure functions,
+
+        embed(params['embed'], batch) -> x
+        block(layer_params, x) -> x          one layer's slice of params['blocks']
+        head(params['head'], x, batch) -> scalar loss
+
+    `specs`: PartitionSpecs like the parameters over the tensor axes (`depth, row, col`; the layer
+    axis of the blocks unsplit); `activation`: the ShapeDtypeStruct of `x` for the whole batch.
+    """
+
+    model: StackedModel
+    embed: Callable
+    block: Callable
+    head: Callable
+    specs: dict
+    activation: jax.ShapeDtypeStruct
+    init: Callable  # key -> params (the plain modules: identical values on every grid)
+
+    @classmethod
+    def of(cls, model: StackedModel, batch, mesh=None) -> "ModelFunctions":
+        embed, block, head = model._parts
+        init_parts = (embed, block, head)
+        e_abs = jax.eval_shape(embed.init, jax.random.key(0), batch)
+        x = jax.eval_shape(embed.apply, e_abs, batch)
+        specs = None
+        tensor = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col")) \
+            and mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1
+        if tensor:
+            (embed, e_spec), (block, b_spec), (head, h_spec) = (
+                embed.parallelize(mesh, batch), block.parallelize(mesh, x),
+                head.parallelize(mesh, x, batch))
+            specs = {"embed": e_spec, "blocks": jax.tree.map(lambda s: P(None, *s), b_spec,
+                                                             is_leaf=lambda s: isinstance(s, P)),
+                     "head": h_spec}
+
+        def init(key):
+            k_embed, k_blocks, k_head = jax.random.split(key, 3)
+            b, h = _zeros(batch), _zeros(x)
+            part = init_parts[1]
+            if isinstance(part, _NnxPart):  # NNX stacks its layers itself (see _NnxPart.create)
+                p_blocks = part.init(k_blocks, h)
+            else:
+                keys = jax.random.split(k_blocks, model.num_layers)
+                p_blocks = jax.vmap(lambda k: part.init(k, h))(keys)
+            return {"embed": init_parts[0].init(k_embed, b), "blocks": p_blocks,
+                    "head": init_parts[2].init(k_head, h, b)}
+
+        if specs is None:
+            specs = jax.tree.map(lambda _: P(), jax.eval_shape(init, jax.random.key(0)))
+        return cls(model, embed.apply, block.apply, head.apply, specs, x, init)
+
+    def run_blocks(self, stacked, x, groups=None):
+        """`x` through the stacked blocks (see `scan_layers`)."""
+        return scan_layers(self.block, stacked, x, groups)
+
+    def loss(self, params, batch, groups=None):
+        x = self.embed(params["embed"], batch)
+        return self.head(params["head"], self.run_blocks(params["blocks"], x, groups), batch)

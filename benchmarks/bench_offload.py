@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     from axonn_jax import ParallelConfig
-    from axonn_jax.train import TrainOptions, build_trainer, state_report
+    from axonn_jax.run.data import lm_batch
+    from axonn_jax.run.loop import state_report
+    from axonn_jax.train import TrainOptions, build_trainer
 
     tokens = (np.arange(1 << 16, dtype=np.int64) * 7919 % 251).astype(np.int32)
     device_name = (f"{args.devices} simulated CPU devices" if jax.devices()[0].platform == "cpu"
@@ -56,21 +58,23 @@ def main(argv=None) -> int:
                                parallel=ParallelConfig(data=args.devices))
         trainer = build_trainer(options, jax.devices()[: args.devices])
         state = trainer.init_state()
-        compiled = trainer.train_step.lower(state, trainer.batch(tokens, 0)).compile()
-        report = state_report(trainer, state, compiled)
+        batch_of = lambda step: trainer.place(lm_batch(tokens, 0, step, args.batch_size,  # noqa: E731
+                                                       args.seq_len))
+        compiled = trainer.step.lower(state, batch_of(0)).compile()
+        report = state_report(state, compiled)
         n = report["num_params"]
         grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state["params"]))
         times, losses = [], []
         for step in range(args.steps + 1):
-            batch = trainer.batch(tokens, step)
+            batch = batch_of(step)
             t0 = time.perf_counter()
             state, metrics = compiled(state, batch)
             losses.append(float(metrics["loss"]))
             times.append(time.perf_counter() - t0)
         row = {
             "dtype": dtype, "offload_optimizer": offload, "remat": remat,
-            "plan": (trainer.activation_plan.describe(report["peak_bytes_compiled"])
-                     if trainer.activation_plan else None),
+            "plan": (trainer.bound.plan.describe(report["peak_bytes_compiled"])
+                     if trainer.bound.plan else None),
             "num_params": n,
             "device_state_bytes_per_param": report["state_bytes_device"] / n,
             "device_state_and_grad_bytes_per_param": (report["state_bytes_device"] + grad_bytes) / n,

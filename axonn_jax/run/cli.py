@@ -88,7 +88,7 @@ def _auto_grid(args, num_devices: int):
         raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
     machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
     nbytes = {"float32": 4}.get(args.dtype, 2)
-    work = cm.BlockShape(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
                        schedule=args.schedule, compress_bits=args.compress_bits,
                        offload_optimizer=args.offload_optimizer)
     choices = [args.microbatches] if args.microbatches > 1 else None
@@ -103,7 +103,8 @@ def _auto_grid(args, num_devices: int):
 def _train(args) -> int:
     import jax
 
-    from ..train import TrainOptions, train
+    from .loop import train
+    from .options import TrainOptions
 
     if args.auto_grid:
         config, args.microbatches = _auto_grid(args, jax.device_count())
@@ -117,7 +118,7 @@ def _train(args) -> int:
 
 def _option_fields(args) -> dict:
     """The `TrainOptions` fields among the parsed `train` arguments (all but the grid)."""
-    from ..train import TrainOptions
+    from .options import TrainOptions
 
     return {k: v for k, v in vars(args).items()
             if k in TrainOptions.__dataclass_fields__ and k != "parallel"}
@@ -163,7 +164,7 @@ def _plan(args) -> int:
                  "device_memory": args.device_memory and args.device_memory * 1e9,
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = cm.BlockShape(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+    work = cm.Workload(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None
     if grid:
@@ -243,14 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_launch_parser(sub) -> None:
     p = sub.add_parser("launch", help="run several processes of one job on this machine",
                        usage="axonn-jax launch --nprocs P [--devices-per-proc K] [--port N] "
-                             "[--log-dir DIR] -- train ...")
+                             "[--log-dir DIR] -- train ... | SCRIPT.py ...")
     p.add_argument("--nprocs", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-proc", type=int, default=None,
                    help="devices per process: simulated CPU devices, or its share of the GPUs")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     p.add_argument("--log-dir", default="axonn-launch-logs",
                    help="where proc<i>.log of every process is written")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="`-- train ...`")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="`-- train ...`, or `-- script.py ...` (a script calling init_distributed)")
 
     def run(args) -> int:
         from .launch import main as launch_main

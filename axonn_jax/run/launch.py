@@ -95,7 +95,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def launch(command: list[str], nprocs: int, devices_per_proc: int | None = None,
            port: int | None = None, log_dir: str | pathlib.Path = "axonn-launch-logs",
            stdout=None) -> int:
-    """Run `python -m axonn_jax <command>` as `nprocs` processes of one job; returns the exit code.
+    """Run `python -m axonn_jax <command>` (or, when `command` starts with a `.py` file, that
+    script: `python script.py ...`, which joins the job with `axonn_jax.init_distributed()`) as
+    `nprocs` processes of one job; returns the exit code.
 
     Each process gets `AXONN_COORDINATOR=127.0.0.1:port`, `AXONN_NUM_PROCESSES`, `AXONN_PROCESS_ID`
     and (when given) `AXONN_LOCAL_DEVICES=devices_per_proc` with `JAX_LOCAL_DEVICE_IDS` naming its
@@ -130,8 +132,9 @@ def launch(command: list[str], nprocs: int, devices_per_proc: int | None = None,
                 # the CUDA/ROCm visible devices; the CPU backend ignores it).
                 ids = range(i * devices_per_proc, (i + 1) * devices_per_proc)
                 own_env["JAX_LOCAL_DEVICE_IDS"] = ",".join(map(str, ids))
+            program = [] if command[0].endswith(".py") else ["-m", "axonn_jax"]
             p = subprocess.Popen(
-                [sys.executable, "-m", "axonn_jax", *command],
+                [sys.executable, *program, *command],
                 env=own_env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if i == 0 else log, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group: stopped with all its children

@@ -54,7 +54,7 @@ class Trainer:
     @property
     def bound(self):
         """The step bound to this run's batch shape: its model functions, activation plan,
-        parameter specs and phases (`step.train_step._Bound`)."""
+        parameter specs and phases (`step.train_step.BoundStep`)."""
         return self.step.bind(self.local_example())
 
     def place(self, host_batch):

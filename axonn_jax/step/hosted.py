@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..offload.precision import scale_of
+
 
 def _like(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -48,7 +50,7 @@ class CompiledProcessStep:
     replicated: NamedSharding
 
     def __call__(self, state, batch):
-        loss, grads, _ = self.grads(state["params"], batch, _scale(state), state["step"], None)
+        loss, grads, _ = self.grads(state["params"], batch, scale_of(state), state["step"], None)
         out = self.exchange(*jax.device_put((loss, grads, state.get("reducer"), state["step"]),
                                             self.first_device))
         return self.update(state, *jax.device_put(out, self.replicated))
@@ -64,16 +66,10 @@ class CompiledProcessStep:
         return self.grads.cost_analysis()
 
 
-def _scale(state):
-    import jax.numpy as jnp
-
-    return jnp.float32(1.0) if "precision" not in state else state["precision"]["scale"]
-
-
 def process_programs(bound):
-    """(step, eval_loss) of a `_Bound` whose reducer runs between processes."""
-    reducer = bound.step_obj.process_reducer
-    mesh = bound.step_obj.mesh
+    """(step, eval_loss) of a `BoundStep` whose reducer runs between processes."""
+    reducer = bound.owner.process_reducer
+    mesh = bound.owner.mesh
     first = mesh.devices.flat[0]
     single = jax.sharding.SingleDeviceSharding(first)
     replicated = NamedSharding(mesh, P())
@@ -89,7 +85,7 @@ def process_programs(bound):
         return new, {"loss": loss, **metrics}
 
     def build(state, batch):
-        args = (state["params"], batch, _scale(state), state["step"], None)
+        args = (state["params"], batch, scale_of(state), state["step"], None)
         grads = jax.jit(bound.loss_and_grads).lower(*args).compile()
         loss, g, _ = jax.eval_shape(bound.loss_and_grads, *args)
         red = state.get("reducer")
@@ -137,8 +133,8 @@ class CompiledEngineStep:
 
 
 def engine_programs(bound):
-    """(step, eval_loss) of a `_Bound` whose gradient phase is a host-driven engine."""
-    reducer, engine = bound.step_obj.process_reducer, bound.engine
+    """(step, eval_loss) of a `BoundStep` whose gradient phase is a host-driven engine."""
+    reducer, engine = bound.owner.process_reducer, bound.engine
 
     def finish(state, loss, grads, extra):
         grads, red_state = reducer.reduce(grads, state.get("reducer"), state["step"])

@@ -112,7 +112,7 @@ class _NnxPart:
     def parallelize(self, mesh, *args):
         tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args)
         graphdef, abstract = nnx.split(tp, nnx.Param)
-        specs = nnx.get_partition_spec(abstract).to_pure_dict()
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
         specs = jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
                              is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
         return _NnxPart(graphdef, abstract, self.values, self.name), specs
@@ -125,7 +125,7 @@ def _pure_params(module: nnx.Module, name: str) -> dict:
     if others:
         raise ValueError(f"StackedModel {name}: only nnx.Param variables are trained, the module "
                          f"also holds {sorted(others)}")
-    return params.to_pure_dict()
+    return nnx.to_pure_dict(params)
 
 
 def _single_layer(module: nnx.Module, name: str, num_layers: int) -> nnx.Module:
@@ -204,7 +204,8 @@ def scan_layers(block: Callable, stacked, x, groups=None, num_layers: int | None
     for count, wrap in groups:
         f = block if wrap is None else wrap(block)
         part = jax.tree.map(lambda a: a[start:start + count], stacked)
-        x, _ = jax.lax.scan(lambda h, p: (f(p, h), None), x, part)
+        # Activations between blocks stay in the dtype they came in (the compute dtype).
+        x, _ = jax.lax.scan(lambda h, p: (f(p, h).astype(h.dtype), None), x, part)
         start += count
     if start != total:
         raise ValueError(f"layer groups cover {start} layers, the stack has {total}")

@@ -33,7 +33,7 @@ from ..config import BATCH_AXES, check_grid
 from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import HostOffloadedOptimizer
-from ..offload.precision import DTYPES, check_dtype, loss_scaler
+from ..offload.precision import DTYPES, check_dtype, loss_scaler, scale_of
 from ..parallel import pipeline as pipeline_lib
 from . import hosted
 from .model import ModelFunctions, StackedModel
@@ -122,11 +122,11 @@ class TrainStep:
 
     # ------------------------------------------------------------------ binding to a batch shape
 
-    def bind(self, batch) -> "_Bound":
+    def bind(self, batch) -> "BoundStep":
         """The step's programs for batches shaped like `batch` (built once per shape)."""
         key = jax.tree.structure(batch), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(batch))
         if key not in self._bound:
-            self._bound[key] = _Bound(self, _abstract_batch(batch))
+            self._bound[key] = BoundStep(self, _abstract_batch(batch))
         return self._bound[key]
 
     # ------------------------------------------------------------------ state and batches
@@ -191,13 +191,13 @@ class TrainStep:
         return self.bind(batch).eval_loss(params, batch)
 
 
-class _Bound:
+class BoundStep:
     """A `TrainStep` bound to one batch shape: its model functions, plan, shardings, programs."""
 
     def __init__(self, step: TrainStep, batch):
-        self.step_obj, self.batch = step, batch
+        self.owner = step
+        self.batch = batch  # abstract: this process's share (see TrainStep.local_batch)
         o, grid, mesh = step.options, step.grid, step.mesh
-        self.local_batch = batch  # this process's share (see TrainStep.local_batch)
         rows = jax.tree.leaves(batch)[0].shape[0]
         check_grid(grid, batch_size=rows, microbatches=o.microbatches,
                    num_layers=step.model.num_layers)
@@ -210,17 +210,15 @@ class _Bound:
             if o.offload_optimizer else None
         self.reducer = self._reducer()
         self.specs = self._param_specs()
-        self.update = make_update(step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm,
-                                  offloaded=self.offloaded)
-        if step.engine is not None:
-            self.engine = step.engine(self.fns, self.groups, batch)
-            self.update = make_update(step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm,
-                                      all_reduce_squares=self.engine.sum_over_stages)
+        self.engine = None if step.engine is None else step.engine(self.fns, self.groups, batch)
+        self._update = make_update(
+            step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm, offloaded=self.offloaded,
+            all_reduce_squares=self.engine.sum_over_stages if self.engine else lambda s: s)
 
     # ------------------------------------------------------------------ pieces
 
     def _plan(self) -> activations.Plan | None:
-        o, layers = self.step_obj.options, self.step_obj.model.num_layers
+        o, layers = self.owner.options, self.owner.model.num_layers
         if isinstance(o.remat, activations.Plan) or o.remat != "auto":
             return activations.uniform_plan(o.remat, layers)
         return activations.make_plan(
@@ -229,7 +227,7 @@ class _Bound:
 
     def _block_cost(self) -> activations.BlockCost:
         """One block's costs at this device's share of the activations (`data`, `depth` split)."""
-        o, grid = self.step_obj.options, self.step_obj.grid
+        o, grid = self.owner.options, self.owner.grid
         x = self.fns.activation
         local = jax.ShapeDtypeStruct((x.shape[0] // (grid.data * grid.depth), *x.shape[1:]),
                                      self.compute_dtype if o.dtype != "float32" else x.dtype)
@@ -237,11 +235,11 @@ class _Bound:
         one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(param_dtype), p),
                                    jax.eval_shape(self.fns.init, jax.random.key(0))["blocks"])
         return activations.block_cost(self.fns.block, one_layer, local,
-                                      self.step_obj.model.offload_names)
+                                      self.owner.model.offload_names)
 
     def _measure_peak(self, plan: activations.Plan) -> int:
         """Compiled peak bytes per device of this step with activation `plan` (for the planner)."""
-        s = self.step_obj
+        s = self.owner
         other = TrainStep(s.model, s.optimizer, s.mesh,
                           dataclasses.replace(s.options, remat=plan, memory_budget_gb=None),
                           s.process_reducer, s.engine)
@@ -250,9 +248,9 @@ class _Bound:
             bound.lower(bound.abstract_state(), bound.abstract_batch()).compile())
 
     def _reducer(self) -> GradientReducer:
-        o = self.step_obj.options
-        if o.compress_bits and self.step_obj.process_reducer is None:
-            return compressed_mean(self.step_obj.mesh, self.fns.specs, bits=o.compress_bits,
+        o = self.owner.options
+        if o.compress_bits and self.owner.process_reducer is None:
+            return compressed_mean(self.owner.mesh, self.fns.specs, bits=o.compress_bits,
                                    bucket_size=o.compress_bucket,
                                    error_feedback=o.error_feedback, seed=o.seed)
         return exact_mean()
@@ -261,20 +259,20 @@ class _Bound:
         """Every parameter's PartitionSpec on the mesh: the tensor axes from its layer, plus `pipe`
         on the blocks' layer axis."""
         specs = self.fns.specs
-        if self.step_obj.grid.pipe > 1:
+        if self.owner.grid.pipe > 1:
             specs = {**specs, "blocks": jax.tree.map(lambda s: P("pipe", *s[1:]), specs["blocks"],
                                                      is_leaf=lambda s: isinstance(s, P))}
         return specs
 
     def _named(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.step_obj.mesh, spec)
+        return NamedSharding(self.owner.mesh, spec)
 
     # ------------------------------------------------------------------ state
 
     def _init(self, key):
-        s = self.step_obj
+        s = self.owner
         params = self.fns.init(key)
-        if self.engine_or_none() is not None:
+        if self.engine is not None:
             params = self.engine.stage_params(params)
         state = initial_state(params, optimizer=s.optimizer, scaler=s.scaler,
                               offloaded=self.offloaded)
@@ -284,17 +282,14 @@ class _Bound:
             state["reducer"] = red
         return state
 
-    def engine_or_none(self):
-        return getattr(self, "engine", None)
-
     def state_reducer(self) -> GradientReducer:
         """The reducer whose state the train state holds (between processes, or in the step)."""
-        return self.step_obj.process_reducer or self.reducer
+        return self.owner.process_reducer or self.reducer
 
     def _state_shardings(self, shapes):
-        s = self.step_obj
+        s = self.owner
         replicated = self._named(P())
-        if self.engine_or_none() is not None:  # one device per process: everything on it
+        if self.engine is not None:  # one device per process: everything on it
             return jax.tree.map(lambda _: replicated, shapes)
         params = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
         out = {k: jax.tree.map(lambda _: replicated, v) for k, v in shapes.items()}
@@ -312,20 +307,28 @@ class _Bound:
                                           is_leaf=lambda x: isinstance(x, P))
         return out
 
-    def abstract_state(self):
+    @functools.cached_property
+    def _abstract_state(self):
         shapes = jax.eval_shape(self._init, jax.random.key(0))
         shardings = self._state_shardings(shapes)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, shardings)
 
+    def abstract_state(self):
+        """ShapeDtypeStructs of the train state, with their shardings."""
+        return self._abstract_state
+
     def abstract_batch(self):
-        shardings = self.step_obj.batch_shardings(self.local_batch)
+        """ShapeDtypeStructs of the batch, with their shardings."""
+        shardings = self.owner.batch_shardings(self.batch)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            self.local_batch, shardings)
+                            self.batch, shardings)
+
+    def state_shardings(self):
+        return jax.tree.map(lambda a: a.sharding, self._abstract_state)
 
     def init_state(self, key):
-        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
-        return jax.jit(self._init, out_shardings=shardings)(key)
+        return jax.jit(self._init, out_shardings=self.state_shardings())(key)
 
     # ------------------------------------------------------------------ phase 1 and 2
 
@@ -340,7 +343,7 @@ class _Bound:
     def _stage_functions(self):
         """The pipeline engine's embed, stage and head functions (parameters cast, remat plan)."""
         fns, dtype = self.fns, self.compute_dtype
-        layers = pipeline_lib.check_layers(self.step_obj.model.num_layers, self.step_obj.grid.pipe)
+        layers = pipeline_lib.check_layers(self.owner.model.num_layers, self.owner.grid.pipe)
         groups = None if self.groups is None else ((layers, self.groups[0][1]),)
 
         def embed(p, batch):
@@ -356,12 +359,12 @@ class _Bound:
 
     def _local_loss_and_grads(self, params, batch, scale, step, red_state):
         """Inside the shard_map: this data shard's loss and gradients, reduced over `data`."""
-        grid = self.step_obj.grid
+        grid = self.owner.grid
         if grid.pipe > 1:
             params = ensure_varying(params, ("data", "pipe"))
             embed, stage, head = self._stage_functions()
-            sched = pipeline_lib.make_schedule(self.step_obj.options.schedule, grid.pipe,
-                                               self.step_obj.options.microbatches)
+            sched = pipeline_lib.make_schedule(self.owner.options.schedule, grid.pipe,
+                                               self.owner.options.microbatches)
             loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
                 embed, stage, lambda p, y, b: head(p, y, b) * scale,
                 (params["embed"], params["blocks"], params["head"]), batch, sched)
@@ -376,7 +379,7 @@ class _Bound:
     def loss_and_grads(self, params, batch, scale, step, red_state):
         """`(params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)`:
         phases 1 and 2 on global arrays (gradients scaled by `scale`, averaged over `data`)."""
-        grid = self.step_obj.grid
+        grid = self.owner.grid
         if grid.pipe == 1 and grid.data == 1 and grid.tensor_parallel_size > 1:
             # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of
             # gradients that come out of the tensor-parallel shard_maps.
@@ -390,34 +393,42 @@ class _Bound:
             manual, p_specs, r_specs = {"data"}, P(), P("data")
         if red_state is None:
             r_specs = P("data")  # no leaves to match
-        return shard_map(self._local_loss_and_grads, mesh=self.step_obj.mesh,
+        return shard_map(self._local_loss_and_grads, mesh=self.owner.mesh,
                          in_specs=(p_specs, P("data"), P(), P(), r_specs),
                          out_specs=(P(), p_specs, r_specs), axis_names=manual)(
             params, batch, scale, step, red_state)
 
     # ------------------------------------------------------------------ the step
 
+    def update(self, state, grads):
+        """Phase 3 (`step.update`) on gradients laid out like their parameters: GSPMD would
+        otherwise give a replicated parameter the layout of its gradient (e.g. a position table
+        added to feature-split activations), and the state would drift from step to step."""
+        if self.engine is None:
+            grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)),
+                                 grads, self.specs, is_leaf=lambda x: isinstance(x, P))
+        return self._update(state, grads)
+
     def _train_step(self, state, batch):
-        scale = jnp.float32(1.0) if "precision" not in state else state["precision"]["scale"]
-        loss, grads, red = self.loss_and_grads(state["params"], batch, scale, state["step"],
-                                               state.get("reducer"))
+        loss, grads, red = self.loss_and_grads(state["params"], batch, scale_of(state),
+                                               state["step"], state.get("reducer"))
         new, metrics = self.update(state, grads)
         if red is not None:
             new["reducer"] = red
         return new, {"loss": loss, **metrics}
 
     def _eval(self, params, batch):
-        grid = self.step_obj.grid
+        grid = self.owner.grid
         if grid.data == 1 and grid.pipe == 1:
             return self.loss_fn(params, batch)
-        return shard_map(lambda p, b: self.reducer.mean(self.loss_fn(p, b)), mesh=self.step_obj.mesh,
+        return shard_map(lambda p, b: self.reducer.mean(self.loss_fn(p, b)), mesh=self.owner.mesh,
                          in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})(params, batch)
 
     @functools.cached_property
     def programs(self) -> tuple[Callable, Callable]:
         """(step, eval_loss): jitted functions, or for the host-driven paths (`step.hosted`)
         callables with the same `.lower(...).compile()` interface."""
-        s = self.step_obj
+        s = self.owner
         if s.engine is not None:
             return hosted.engine_programs(self)
         if s.process_reducer is not None:

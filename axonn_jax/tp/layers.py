@@ -72,13 +72,17 @@ def norm_call(m: nn.Module, x, axis: str, rms: bool = False):
         var = (jnp.maximum(0.0, mean2 - jnp.square(mean)) if m.use_fast_variance
                else jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True))
     mul = jax.lax.rsqrt(var + m.epsilon)
+    args = [x]  # as Flax does, the result dtype follows the input and the parameters' values
     if m.use_scale:
-        mul = mul * m.param("scale", nn.with_partitioning(m.scale_init, spec), (features,), m.param_dtype)
+        args.append(m.param("scale", nn.with_partitioning(m.scale_init, spec), (features,),
+                            m.param_dtype))
+        mul = mul * args[-1]
     y = (xf - mean) * mul
     if not rms and m.use_bias:
-        y = y + m.param("bias", nn.with_partitioning(m.bias_init, spec), (features,), m.param_dtype)
-    dtype = m.dtype or jnp.result_type(x.dtype, m.param_dtype)
-    return y.astype(dtype)
+        args.append(m.param("bias", nn.with_partitioning(m.bias_init, spec), (features,),
+                            m.param_dtype))
+        y = y + args[-1]
+    return y.astype(nn.dtypes.canonicalize_dtype(*args, dtype=m.dtype))
 
 
 class Dense(nn.Module):

@@ -1,0 +1,138 @@
+"""Models unlike the GPT (tests/user_models.py: a linen ViT on images and labels, an NNX regressor on
+sequences) train through every mode of the trainer with their single-device trajectories: data,
+2D/3D tensor, pipeline (GPipe, 1F1B), optimizer offload, remat none/full/offload/auto, CGX
+compression, bf16/fp16, checkpoints, several processes (`launch`, `mpirun --transport mpi`, the MPI
+pipeline); and the README's "Train your own model" example runs as printed."""
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.train import TrainOptions, train
+
+import user_models as um
+from conftest import relative_difference
+from test_distributed import REPO, _mpirun, child_env, cli, compilation_cache, run  # noqa: F401
+
+STEPS = 3
+MODELS = {"vit": (um.vit, um.image_batches), "regressor": (um.regressor, um.sequence_batches)}
+
+
+def trajectory(devices, name, grid=None, steps=STEPS, **options):
+    """Losses of `steps` steps of model `name` on `grid` (and the run's summary)."""
+    grid = ParallelConfig(**(grid or {}))
+    make_model, make_data = MODELS[name]
+    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
+                    model=make_model(), data=make_data(8), devices=devices[:grid.num_devices])
+    return [r["loss"] for r in summary["history"]], summary
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    """Each model's single-device fp32 trajectory."""
+    return {name: trajectory(devices, name)[0] for name in MODELS}
+
+
+# (model, grid, options): every mode, alone and combined as the trainer combines them.
+EXACT = [
+    ("vit", dict(data=8), {}),
+    ("vit", dict(data=2, row=2, col=2), dict(offload_optimizer=True)),
+    ("vit", dict(data=2, depth=2, row=2), dict(remat="offload")),
+    ("vit", dict(pipe=4, data=2), dict(microbatches=2, schedule="gpipe", remat="full")),
+    ("regressor", dict(data=2, row=2, col=2), {}),
+    ("regressor", dict(pipe=2, data=2, row=2), dict(microbatches=2, schedule="1f1b",
+                                                    offload_optimizer=True)),
+    ("regressor", dict(depth=2, data=4), dict(remat="full")),
+]
+
+
+@pytest.mark.parametrize("name, grid, options", EXACT,
+                         ids=[f"{n}-{'x'.join(f'{k}{v}' for k, v in g.items())}-{'-'.join(o) or 'plain'}"
+                              for n, g, o in EXACT])
+def test_trajectory_equals_single_device(reference, devices, name, grid, options):
+    losses, _ = trajectory(devices, name, grid, **options)
+    assert losses[-1] != losses[0]
+    assert relative_difference(losses, reference[name]) <= 1e-5
+
+
+@pytest.mark.parametrize("name, grid, options, bound", [
+    ("vit", dict(pipe=2, data=2, row=2), dict(microbatches=2, schedule="1f1b", compress_bits=8), 1e-3),
+    ("regressor", dict(data=8), dict(compress_bits=4, error_feedback=False), 3e-2),
+])
+def test_compressed_trajectory_tracks_exact(reference, devices, name, grid, options, bound):
+    losses, summary = trajectory(devices, name, grid, **options)
+    assert 0 < relative_difference(losses, reference[name]) <= bound
+    if options.get("error_feedback", True):  # each device's residual, split like its parameter
+        residual = jax.tree.leaves(summary["state"]["reducer"])
+        assert residual and all(r.shape[0] == grid["data"] for r in residual)
+
+
+@pytest.mark.parametrize("name, dtype, options", [
+    ("vit", "bfloat16", dict(offload_optimizer=True)), ("regressor", "float16", {})])
+def test_mixed_precision_tensor_parallel_tracks_one_device(devices, name, dtype, options):
+    one, _ = trajectory(devices, name, dtype=dtype)
+    tp, summary = trajectory(devices, name, dict(data=2, row=2, col=2), dtype=dtype, **options)
+    assert relative_difference(tp, one) <= 5e-3  # below one bf16 ulp (2^-7)
+    assert summary["history"][-1]["skipped_steps"] == 0
+
+
+def test_activation_planner_and_resume(reference, devices, tmp_path):
+    """`remat='auto'` plans a user's blocks within the budget (the trajectory is unchanged), and a
+    stopped run resumes from its checkpoint with the same losses."""
+    _, summary = trajectory(devices, "vit", remat="auto", memory_budget_gb=0.1, steps=1)
+    plan = summary["trainer"].bound.plan
+    assert plan is not None and plan.predicted_peak <= 0.1e9
+    common = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
+    first, _ = trajectory(devices, "regressor", dict(data=4), stop_at=2, **common)
+    rest, _ = trajectory(devices, "regressor", dict(data=4), resume=True, **common)
+    assert relative_difference(first + rest, reference["regressor"]) <= 1e-5
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in pathlib.Path(path).read_text().splitlines()]
+
+
+SCRIPT = str(pathlib.Path(__file__).parent / "user_train.py")
+
+
+@pytest.mark.parametrize("name, grid, transport", [
+    ("vit", "data=2,row=2,col=2", "launch"),
+    ("regressor", "data=1", "mpirun"),
+    ("regressor", "pipe=2", "mpirun"),
+])
+def test_user_script_in_several_processes(reference, tmp_path, name, grid, transport):
+    """A user's training script as 2 processes: `axonn-jax launch` (one grid over both processes'
+    devices), `mpirun` with `--transport mpi` (gradients over MPI), and the MPI pipeline."""
+    metrics = tmp_path / "m.jsonl"
+    args = [SCRIPT, name, grid, "--metrics-out", str(metrics)]
+    if transport == "launch":
+        run(cli("launch", "--nprocs", "2", "--devices-per-proc", "4", "--log-dir",
+                str(tmp_path / "logs"), "--", *args))
+    else:
+        mpirun = _mpirun()
+        assert mpirun, "mpirun not found next to this Python: install the `mpi` extra"
+        extra = ["--microbatches", "2"] if "pipe" in grid else []
+        run([mpirun, "-n", "2", sys.executable, *args, "--transport", "mpi", *extra])
+    assert relative_difference(_losses(metrics), reference[name]) <= 1e-5
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's "Train your own model" example, as printed, in a fresh interpreter."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Train your own model", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = child_env()
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+)$", out.stdout, re.M)]
+    assert len(losses) >= 2 and np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -198,6 +198,15 @@ def _plan(args) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    from ..models import presets
+
+    p.add_argument("--model", default=None, choices=sorted(presets()),
+                   help="compare whole train steps of this model with GSPMD baselines (without it: "
+                        "tensor-parallel GPT blocks, --d-model/--layers/--heads)")
+    p.add_argument("--grid", action="append", default=None, metavar="data=..,row=..",
+                   help="an axonn grid to compare (repeatable; default: the planner's pick and "
+                        "data=8, data=2,row=2,col=2, row=4,col=2, data=2,depth=2,row=2)")
+    p.add_argument("--microbatches", type=int, default=2, help="for grids with pipe > 1")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2,
                    help="scanned blocks (with 1, XLA unrolls the loop and reuses the forward all-gather)")
@@ -206,7 +215,8 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3,
                    help="timed steps per variant (median); 0: compile only (bytes, memory)")
-    p.add_argument("--name", default="tp_vs_gspmd", help="file stem of the results")
+    p.add_argument("--name", default=None,
+                   help="file stem of the results (default: tp_vs_gspmd, or steps_MODEL)")
     p.add_argument("--out", default="benchmarks/results", metavar="DIR",
                    help="writes NAME.json, NAME.md and NAME.png here")
     p.add_argument("--devices", type=int, default=None,
@@ -214,13 +224,50 @@ def _add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench(args) -> int:
+    if args.model:
+        return _bench_steps(args)
     from ..analysis.gspmd import BlockShape, run, write
 
     w = BlockShape(d_model=args.d_model, layers=args.layers, heads=args.heads, batch=args.batch_size,
-                 seq=args.seq_len)
-    js, md = write(run(w, repeats=args.repeats), args.out, args.name)
+                   seq=args.seq_len)
+    js, md = write(run(w, repeats=args.repeats), args.out, args.name or "tp_vs_gspmd")
     print(md.read_text())
     print(f"wrote {js} and {md}")
+    return 0
+
+
+BENCH_GRIDS = ("data=8", "data=2,row=2,col=2", "row=4,col=2", "data=2,depth=2,row=2")
+
+
+def _bench_steps(args) -> int:
+    """Whole train steps of a preset: the planner's grid and hand-picked ones against GSPMD."""
+    import jax
+    import numpy as np
+
+    from .. import models
+    from ..analysis import comm_model as cm, step_bench
+    from ..config import ParallelConfig
+
+    preset = models.get(args.model)
+    n = jax.device_count()
+    grids = [ParallelConfig.parse(g) for g in (args.grid or BENCH_GRIDS)]
+    for g in grids:
+        g.validate(n)
+        preset.check_grid(g)
+    if args.grid is None:  # the planner's pick for these devices comes first
+        machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
+        work = cm.Workload(preset.config, args.batch_size, args.seq_len, compute_bytes=4)
+        best = cm.plan(work, n, machine)[0].grid
+        grids = [best] + [g for g in grids if g != best]
+    tokens = np.random.default_rng(0).integers(0, preset.config.vocab_size,
+                                               (args.batch_size, args.seq_len + 1)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    report = step_bench.run(preset.build(np.float32), batch, grids=grids, repeats=args.repeats,
+                            microbatches=args.microbatches)
+    title = f"Whole train steps: {args.model}, batch {args.batch_size}×{args.seq_len}"
+    paths = step_bench.write(report, args.out, args.name or f"steps_{args.model}", title)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(map(str, paths)))
     return 0
 
 

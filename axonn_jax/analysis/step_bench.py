@@ -1,0 +1,232 @@
+"""Whole train steps: axonn_jax grids against GSPMD ("pjit") baselines of the same model and optimizer.
+
+Every variant trains the same `StackedModel` with the same optimizer, clipping and batch on the same
+devices; only the placement of parameters, optimizer state and batch, and so the collectives, differ:
+
+- axonn_jax: `make_train_step` on a `data × pipe × depth × row × col` grid (AxoNN's tensor-parallel
+  layers, explicit data-parallel reduction, the pipeline engine);
+- GSPMD baselines: one `jax.jit` of loss, gradients and the same update (`step.update`) with
+  `NamedSharding`s on the parameters and the batch, GSPMD inserting every collective:
+  - `dp`: parameters replicated, batch split;
+  - `fsdp`: every parameter split on its largest dimension the devices divide (ZeRO-3), batch split;
+  - `megatron tp`: each weight split as Megatron-LM splits it (column-parallel layers over their
+    outputs, row-parallel ones over their inputs, vocabulary-parallel embeddings) — the layout of
+    axonn's layers on a `row` grid, `row` renamed `tp` — batch replicated;
+  - hybrids `dp × tp` and `fsdp × tp` on two-axis meshes.
+
+Per variant: per-device wire bytes by collective kind (`analysis.hlo`), compiled FLOPs per device
+(`cost_analysis`), compiled peak bytes per device (`memory_analysis`), the loss of the first step
+(all variants must agree) and the median step time, reported as a ratio to the fastest GSPMD baseline
+measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..config import ParallelConfig
+from ..mesh import make_mesh
+from ..offload.activations import compiled_peak_bytes
+from ..offload.precision import loss_scaler
+from ..step.model import StackedModel
+from ..step.train_step import make_train_step
+from ..step.update import initial_state, make_update
+from .hlo import KINDS, wire_bytes
+
+GSPMD_LAYOUTS = {  # name: (mesh shape as a function of n devices, axis names)
+    "gspmd dp": (lambda n: (n,), ("dp",)),
+    "gspmd fsdp": (lambda n: (n,), ("fsdp",)),
+    "gspmd megatron tp": (lambda n: (n,), ("tp",)),
+    "gspmd dp=2 x tp": (lambda n: (2, n // 2), ("dp", "tp")),
+    "gspmd fsdp=2 x tp": (lambda n: (2, n // 2), ("fsdp", "tp")),
+}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
+def _megatron_specs(model: StackedModel, batch, tp: int, devices) -> Any:
+    """Megatron-LM's weight layout over an axis `tp`: axonn's tensor-parallel specs on a
+    `row = tp` grid (normal layers split over their outputs, transposed ones over their inputs,
+    vocabulary-parallel tables), `row` renamed `tp` and the unit axes dropped."""
+    mesh = make_mesh(ParallelConfig(row=tp), devices[:tp])
+    specs = model.bind(batch, mesh).specs
+
+    def rename(spec: P) -> P:
+        def entry(e):
+            names = e if isinstance(e, tuple) else (e,)
+            return "tp" if "row" in names else None
+        return P(*(entry(e) for e in spec))
+
+    return jax.tree.map(rename, specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def _fsdp(spec: P, shape, axis: str, size: int) -> P:
+    """`spec` with `axis` added on the largest dimension it leaves whole and `size` divides."""
+    dims = list(spec) + [None] * (len(shape) - len(spec))
+    free = [i for i, d in enumerate(dims) if d is None and shape[i] % size == 0]
+    if free:
+        dims[max(free, key=lambda i: shape[i])] = axis
+    return P(*dims)
+
+
+def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_norm):
+    """(jitted step, placed state, placed batch) of GSPMD baseline `name` (see GSPMD_LAYOUTS)."""
+    shape_of, axes = GSPMD_LAYOUTS[name]
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape_of(n)), axes)
+    sizes = dict(zip(axes, shape_of(n)))
+    fns = model.bind(_abstract(batch))
+    params = jax.eval_shape(fns.init, jax.random.key(0))
+    specs = _megatron_specs(model, _abstract(batch), sizes["tp"], devices) if "tp" in sizes \
+        else jax.tree.map(lambda _: P(), params)
+    if "fsdp" in sizes:
+        specs = jax.tree.map(lambda s, p: _fsdp(s, p.shape, "fsdp", sizes["fsdp"]), specs, params,
+                             is_leaf=lambda s: isinstance(s, P))
+    named = lambda s: NamedSharding(mesh, s)  # noqa: E731
+    p_shard = jax.tree.map(named, specs, is_leaf=lambda s: isinstance(s, P))
+    scaler = loss_scaler("float32")
+    state_shapes = jax.eval_shape(lambda k: initial_state(fns.init(k), optimizer=optimizer,
+                                                          scaler=scaler), jax.random.key(0))
+    replicated = named(P())
+    shardings = {"step": replicated, "params": p_shard,
+                 "opt_state": optax.tree_map_params(
+                     optimizer, lambda leaf, s, p: s if leaf.shape == p.shape else replicated,
+                     state_shapes["opt_state"], p_shard, state_shapes["params"],
+                     transform_non_params=lambda _: replicated)}
+    batch_axes = tuple(a for a in axes if a in ("dp", "fsdp"))
+    b_shard = jax.tree.map(lambda _: named(P(batch_axes or None)), batch)
+    update = make_update(optimizer, scaler=scaler, clip_norm=clip_norm)
+
+    def step(state, b):
+        loss, grads = jax.value_and_grad(fns.loss)(state["params"], b)
+        new, metrics = update(state, grads)
+        return new, {"loss": loss, **metrics}
+
+    init = jax.jit(lambda k: initial_state(fns.init(k), optimizer=optimizer, scaler=scaler),
+                   out_shardings=shardings)
+    jitted = jax.jit(step, in_shardings=(shardings, b_shard), out_shardings=(shardings, replicated),
+                     donate_argnums=0)
+    return jitted, init(jax.random.key(0)), jax.device_put(batch, b_shard)
+
+
+def axonn_step(grid: ParallelConfig, model: StackedModel, optimizer, batch, devices, clip_norm,
+               microbatches: int = 1):
+    """(step, placed state, placed batch) of axonn_jax's trainer on `grid`."""
+    step = make_train_step(model, optimizer, make_mesh(grid, devices), clip_norm=clip_norm,
+                           microbatches=microbatches)
+    return step, step.init_state(jax.random.key(0), batch), step.place_batch(batch)
+
+
+def measure(name: str, step, state, batch, repeats: int) -> dict:
+    """Bytes, FLOPs and peak of the compiled step; the first step's loss; median step time."""
+    compiled = step.lower(state, batch).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    by_kind = wire_bytes(compiled.as_text())
+    state, metrics = compiled(state, batch)
+    loss = float(metrics["loss"])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return {"name": name, "wire_bytes_by_kind": by_kind, "wire_bytes": sum(by_kind.values()),
+            "flops_per_device": float((cost or {}).get("flops", 0.0)),
+            "peak_bytes": compiled_peak_bytes(compiled), "loss": loss,
+            "step_time_s": statistics.median(times) if times else None}
+
+
+def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, repeats: int = 3,
+        clip_norm: float | None = 1.0, baselines=tuple(GSPMD_LAYOUTS), microbatches: int = 1,
+        log=print) -> dict:
+    """Compare axonn_jax on `grids` with the GSPMD `baselines` for one global `batch` (a host
+    pytree). Returns JSON-able results; raises when the variants disagree on the first loss."""
+    devices = list(devices or jax.devices())
+    optimizer = optimizer or optax.adamw(1e-3)
+    rows = []
+    for grid in grids:
+        m = microbatches if grid.pipe > 1 else 1
+        name = "axonn " + " ".join(f"{k}={v}" for k, v in grid.as_dict().items() if v > 1)
+        rows.append(measure(name, *axonn_step(grid, model, optimizer, batch, devices, clip_norm, m),
+                            repeats))
+        log(_line(rows[-1]))
+    for name in baselines:
+        rows.append(measure(name, *gspmd_step(name, model, optimizer, batch, devices, clip_norm),
+                            repeats))
+        log(_line(rows[-1]))
+    losses = [r["loss"] for r in rows]
+    if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+        raise RuntimeError(f"variants disagree on the first loss: {losses}")
+    timed = [r["step_time_s"] for r in rows if r["name"].startswith("gspmd") and r["step_time_s"]]
+    for r in rows:
+        r["time_vs_best_gspmd"] = r["step_time_s"] / min(timed) if timed and r["step_time_s"] else None
+    device = f"{len(devices)} simulated CPU devices" if devices[0].platform == "cpu" \
+        else f"{len(devices)} × {devices[0].device_kind}"
+    return {"device": device, "repeats": repeats, "rows": rows}
+
+
+def _line(r: dict) -> str:
+    t = f", {r['step_time_s'] * 1e3:.1f} ms" if r["step_time_s"] else ""
+    return (f"{r['name']}: {r['wire_bytes'] / 2**20:.2f} MiB on the wire, "
+            f"{r['flops_per_device'] / 1e9:.3f} GFLOP, peak {r['peak_bytes'] / 2**20:.1f} MiB{t}")
+
+
+def markdown(report: dict, title: str) -> str:
+    lines = [f"# {title} ({report['device']})", "",
+             "Per device, one train step (loss, gradients, clipping, AdamW). Time: median of "
+             f"{report['repeats']} steps, as a ratio to the fastest GSPMD baseline in the same run.",
+             "", "| variant | " + " | ".join(KINDS) + " | wire MiB | GFLOP | peak MiB | time ratio |",
+             "|---|" + "---|" * (len(KINDS) + 4)]
+    for r in report["rows"]:
+        kinds = " | ".join(f"{r['wire_bytes_by_kind'][k] / 2**20:.2f}" for k in KINDS)
+        ratio = f"{r['time_vs_best_gspmd']:.2f}" if r["time_vs_best_gspmd"] else "—"
+        lines.append(f"| {r['name']} | {kinds} | {r['wire_bytes'] / 2**20:.2f} | "
+                     f"{r['flops_per_device'] / 1e9:.3f} | {r['peak_bytes'] / 2**20:.1f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path, title: str) -> None:
+    """Bars of wire bytes, FLOPs and peak memory per device for every variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    names = [r["name"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 0.45 * len(rows) + 1.5), sharey=True)
+    for ax, key, label, scale in ((axes[0], "wire_bytes", "wire MiB / device", 2**20),
+                                  (axes[1], "flops_per_device", "GFLOP / device", 1e9),
+                                  (axes[2], "peak_bytes", "peak MiB / device", 2**20)):
+        colors = ["tab:blue" if n.startswith("axonn") else "tab:gray" for n in names]
+        ax.barh(names, [r[key] / scale for r in rows], color=colors)
+        ax.set_xlabel(label)
+    axes[0].invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(report: dict, out_dir: str, stem: str, title: str) -> list[pathlib.Path]:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    paths[0].write_text(json.dumps(report, indent=1))
+    paths[1].write_text(markdown(report, title))
+    plot(report, paths[2], title)
+    return paths
+
+
+__all__ = ["GSPMD_LAYOUTS", "axonn_step", "gspmd_step", "markdown", "measure", "plot", "run", "write"]

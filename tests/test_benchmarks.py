@@ -1,0 +1,47 @@
+"""The benchmarks that must never be broken when a GPU comes: the GPU suite (tiny sizes on the CPU)
+and the whole-step comparison with GSPMD baselines for any `StackedModel`."""
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from axonn_jax import ParallelConfig
+from axonn_jax.analysis import step_bench
+
+import user_models as um
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_gpu_suite_runs_tiny(tmp_path, devices):
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "benchmarks" / "gpu_suite.py")
+    suite = sys.modules["gpu_suite"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    assert suite.main(["--tiny", "--out", str(tmp_path)]) == 0
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("gpu_*.json")]
+    assert result["matmul"]["bf16_flops_per_s"] > 0
+    assert {r["variant"] for r in result["mfu"]} == {"axonn_jax", "plain jax.jit"}
+    assert all(0 < r["mfu"] for r in result["mfu"])
+    assert [r["mode"] for r in result["largest_model"]][1] == "--offload-optimizer"
+    assert all(r["layers"] >= 1 for r in result["largest_model"])
+    assert result["cgx"]["quantize_dequantize_gb_s"] > 0
+    md = next(tmp_path.glob("gpu_*.md")).read_text()
+    assert "(a) bf16 matmul" in md and "(d) CGX" in md
+
+
+def test_whole_step_comparison_of_a_users_model(devices):
+    """A user's ViT: axonn's 2D grid against Megatron-style and FSDP GSPMD steps; every variant
+    computes the same first loss, and the Megatron layout splits the weights as axonn's does."""
+    batch = um.image_batches(8)(0)
+    report = step_bench.run(um.vit(2), batch, grids=[ParallelConfig(data=2, row=2, col=2)],
+                            devices=devices, repeats=0,
+                            baselines=("gspmd megatron tp", "gspmd fsdp"), log=lambda *_: None)
+    names = [r["name"] for r in report["rows"]]
+    assert names == ["axonn data=2 row=2 col=2", "gspmd megatron tp", "gspmd fsdp"]
+    losses = [r["loss"] for r in report["rows"]]
+    assert np.ptp(losses) <= 1e-5 * abs(losses[0])
+    assert all(r["wire_bytes"] > 0 and r["flops_per_device"] > 0 for r in report["rows"])
+    md = step_bench.markdown(report, "ViT")
+    assert md.count("\n| ") == 4  # header and three variants

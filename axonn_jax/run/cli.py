@@ -141,30 +141,41 @@ def _train(args) -> int:
     for axis in AXES[1:]:
         setattr(args, axis, getattr(config, axis))
     options = TrainOptions(parallel=config, **_option_fields(args))
-    if not _is_main(args):
+    if _is_main(args):
+        _train_logged(args, options)
+    else:
         train(options)
-        return 0
+    return 0
+
+
+def _train_logged(args, options) -> None:
+    """`train(options)` on the main process: the effective config into the run directory first,
+    and what the run prints into its `train.log` as well."""
     from rich.console import Console
 
-    from . import config as config_lib, report, rundir
+    from . import config as config_lib, rundir
+    from .loop import train
 
     run_dir = pathlib.Path(options.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.write(run_dir / rundir.CONFIG,
-                     config_lib.effective_config(args.parser, args, exclude=("run_dir", "resume")))
+                     config_lib.effective_config(args.parser, args, exclude=JOB_KEYS))
     log = rundir.Tee(run_dir / rundir.LOG)
     console = Console(file=log, soft_wrap=True)  # whole lines in the log
     try:
         console.print(f"run directory: {run_dir}")
         train(options, console=console)
-        md, images = report.report([str(run_dir)])
-        console.print(f"plots: {', '.join(i.name for i in images)} and {md.name} in {md.parent}")
+        console.print(f"everything about this run is in {run_dir}; plots: axonn-jax report "
+                      f"{run_dir}; curves: tensorboard --logdir {run_dir / rundir.TENSORBOARD}")
     except BaseException:
         log.log_only(traceback.format_exc())
         raise
     finally:
         log.close()
-    return 0
+
+
+JOB_KEYS = ("run_dir", "resume", "stop_at")
+"""Keys of one job of a run, left out of its `config.yaml` (`--resume RUN_DIR` reads it)."""
 
 
 def _resolve_run_dir(args) -> None:

@@ -30,16 +30,18 @@ def _key(option: str) -> str:
     return option.lstrip("-").replace("-", "_")
 
 
-def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """`{key: action}` for every flag of `parser` that a config may set (each long name and alias)."""
-    keys = {}
+def _flags(parser: argparse.ArgumentParser):
+    """`(keys, action)` of every flag of `parser` that a config may set: the keys of its long
+    names, the first one (the flag's own name) first."""
     for action in parser._actions:
         longs = [s for s in action.option_strings if s.startswith("--")]
-        if not longs or isinstance(action, argparse._HelpAction) or longs[0] in CONFIG_FLAGS:
-            continue
-        for option in longs:
-            keys[_key(option)] = action
-    return keys
+        if longs and not isinstance(action, argparse._HelpAction) and longs[0] not in CONFIG_FLAGS:
+            yield [_key(option) for option in longs], action
+
+
+def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """`{key: action}` for every flag of `parser` that a config may set (each long name and alias)."""
+    return {key: action for keys, action in _flags(parser) for key in keys}
 
 
 def _is_switch(action: argparse.Action) -> bool:
@@ -185,13 +187,10 @@ def effective_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
     each flag, in the parser's order), minus the keys in `exclude`: a config that `--config` reads
     back to the same arguments."""
     values = {}
-    for action in parser._actions:
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        key = _key(longs[0]) if longs else None
-        if key is None or key not in config_actions(parser) or key in exclude:
-            continue
-        value = getattr(args, action.dest)
-        values[key] = (value if action.const else not value) if _is_switch(action) else value
+    for keys, action in _flags(parser):
+        if keys[0] not in exclude:
+            value = getattr(args, action.dest)
+            values[keys[0]] = (value if action.const else not value) if _is_switch(action) else value
     return values
 
 

@@ -160,7 +160,8 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     Python standard library's sources); or any `StackedModel`, with `data` a function
     `step -> batch` or an iterable of batches (global batches: numpy pytrees with a leading batch
     axis of `options.batch_size`) and optionally `eval_data` likewise (validation needs it).
-    hooks: more hooks, run after the built-in ones.
+    hooks: more hooks, run after the built-in ones. With `options.run_dir` the metrics, HLO dump,
+    checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
     """
     from rich.console import Console
 

@@ -4,20 +4,22 @@
       config.yaml      the effective config (`axonn-jax train --config RUN_DIR/config.yaml` reruns it)
       metrics.jsonl    one JSON object per step
       train.log        what the run printed
-      checkpoints/     orbax checkpoints (`--resume RUN_DIR` continues from the latest)
+      checkpoints/     orbax checkpoints, with --checkpoint-every (`--resume RUN_DIR` continues)
       hlo/             the optimized HLO of the compiled train step
       tensorboard/     TensorBoard event files (`tensorboard --logdir RUN_DIR/tensorboard`)
       profile/         jax.profiler traces of `--profile-steps A:B`
       plots/           `axonn-jax report RUN_DIR`'s PNGs and summary
       logs/            `axonn-jax launch`'s per-process logs
 
-The command line's default is `runs/<model>-<YYYYmmdd-HHMMSS>`; the Python API writes a run directory
-only when `TrainOptions.run_dir` is set.
+The command line's default is `runs/<model>-<YYYYmmdd-HHMMSS>` (`$AXONN_RUNS/...` when that is set,
+e.g. to a scratch file system); `train(TrainOptions(run_dir=...))` fills the same directory
+(all but `config.yaml` and `train.log`, which are the command line's).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import pathlib
 import re
 import sys
@@ -31,11 +33,14 @@ TENSORBOARD = "tensorboard"
 PROFILE = "profile"
 PLOTS = "plots"
 LAUNCH_LOGS = "logs"
-DEFAULT_ROOT = "runs"
+ENV_ROOT = "AXONN_RUNS"
+"""Where default run directories go (default: `runs` in the working directory)."""
 
 
-def default_run_dir(name: str, root: str | pathlib.Path = DEFAULT_ROOT, now=None) -> pathlib.Path:
-    """`root/<name>-<YYYYmmdd-HHMMSS>`, with `-2`, `-3`, ... appended when that is taken."""
+def default_run_dir(name: str, root: str | pathlib.Path | None = None, now=None) -> pathlib.Path:
+    """`root/<name>-<YYYYmmdd-HHMMSS>` (root: `$AXONN_RUNS` or `runs`), with `-2`, `-3`, ...
+    appended when that is taken."""
+    root = root or os.environ.get(ENV_ROOT) or "runs"
     now = now or datetime.datetime.now()
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{now:%Y%m%d-%H%M%S}"
     path, n = pathlib.Path(root) / stem, 1
@@ -69,13 +74,15 @@ def agree(text: str, transport: str = "xla") -> str:
 
 def with_run_dir(options):
     """`options` (a `TrainOptions`) with the outputs it leaves unset placed in its `run_dir`:
-    metrics file, checkpoint directory and HLO dump. Unchanged without a `run_dir`."""
+    metrics file, HLO dump and, when it checkpoints or resumes, checkpoint directory. Unchanged
+    without a `run_dir`."""
     if not options.run_dir:
         return options
     root = pathlib.Path(options.run_dir)
+    checkpoints = options.checkpoint_every > 0 or options.resume
     return dataclasses.replace(
         options, metrics_out=options.metrics_out or str(root / METRICS),
-        checkpoint_dir=options.checkpoint_dir or str(root / CHECKPOINTS),
+        checkpoint_dir=options.checkpoint_dir or (str(root / CHECKPOINTS) if checkpoints else None),
         dump_hlo=options.dump_hlo or str(root / HLO))
 
 

@@ -22,8 +22,7 @@ $(VENV)/.test: $(VENV)/.core
 	touch $@
 
 train: $(VENV)/.core
-	$(BIN)/axonn-jax train --devices $(DEVICES) --model gpt-mini --steps 300 --batch-size 16 \
-		--seq-len 128 --lr 3e-3 --sample-tokens 200
+	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
 test: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests

@@ -1,10 +1,18 @@
 """Every test runs on 8 simulated CPU devices; set before JAX starts."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Default run directories of CLI runs (and of their child processes) go to a temporary folder, not
+# into the checkout.
+if "AXONN_RUNS" not in os.environ:
+    os.environ["AXONN_RUNS"] = tempfile.mkdtemp(prefix="axonn-runs-")
+    atexit.register(shutil.rmtree, os.environ["AXONN_RUNS"], True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

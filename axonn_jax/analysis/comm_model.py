@@ -376,6 +376,8 @@ class Prediction:
     memory_per_device_bytes: float
     memory_breakdown: dict[str, float]
     mfu: float
+    exposed_comm_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The exposed communication split by the mesh axes it crosses ("row", "data+depth", ...)."""
 
     def as_dict(self) -> dict:
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
@@ -383,7 +385,8 @@ class Prediction:
                 "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "bubble_s": self.bubble_s, "comm_bytes_per_device": self.comm_bytes_per_device,
                 "memory_per_device_bytes": self.memory_per_device_bytes,
-                "memory_breakdown": self.memory_breakdown, "mfu": self.mfu}
+                "memory_breakdown": self.memory_breakdown, "mfu": self.mfu,
+                "exposed_comm_by_axis": self.exposed_comm_by_axis}
 
 
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
@@ -401,6 +404,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     compute = work.flops() / devices / rate * recompute
     backward = compute * 2 / 3
     exposed = {k: 0.0 for k in KINDS}
+    by_axis: dict[str, float] = {}
     data_time = 0.0
     for c in collectives(work, grid):
         t = _collective_time(c, grid, machine)
@@ -410,16 +414,19 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         if c.overlappable:
             t = max(0.0, t - c.count * c.overlappable / rate)
         exposed[c.kind] += t
+        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     exposed_data = max(0.0, data_time - backward)
     for c in collectives(work, grid):
         if c.axes == ("data",) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
+    if data_time:
+        by_axis["data"] = exposed_data
     bubble = compute * (grid.pipe - 1) / work.microbatches if grid.pipe > 1 else 0.0
     step = compute + sum(exposed.values()) + bubble
     mem = memory_per_device(work, grid)
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
-                      mem, mfu)
+                      mem, mfu, {a: t for a, t in by_axis.items() if t > 0})
 
 
 def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:

@@ -6,9 +6,12 @@ N simulated devices.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
+import traceback
 
 from ..config import AXES
+from .config import add_config_args
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -31,13 +34,21 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="default: ten validations per run")
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--checkpoint-dir", default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (with its config.yaml) from its latest "
+                        "checkpoint")
     p.add_argument("--stop-at", type=int, default=0, metavar="STEP",
                    help="stop after this step, e.g. before a job's time limit (resume later)")
-    p.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="where the run's config, metrics, log, checkpoints, HLO, TensorBoard "
+                        "events, profile and plots go (default: runs/<model>-<time>)")
+    p.add_argument("--metrics-out", default=None, metavar="FILE.jsonl",
+                   help="default: RUN_DIR/metrics.jsonl")
     p.add_argument("--dump-hlo", default=None, metavar="DIR",
-                   help="write the optimized HLO of the compiled train step")
+                   help="write the optimized HLO of the compiled train step (default: RUN_DIR/hlo)")
+    p.add_argument("--profile-steps", type=_step_range, default=None, metavar="A:B",
+                   help="write a jax.profiler trace of steps A to B into RUN_DIR/profile")
     p.add_argument("--sample-tokens", type=int, default=0, help="generate a sample at the end")
     p.add_argument("--devices", type=int, default=None,
                    help="simulate N CPU devices (set before JAX starts)")
@@ -59,6 +70,18 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     modes.add_argument("--compress-bucket", type=int, default=1024)
     modes.add_argument("--no-error-feedback", dest="error_feedback", action="store_false")
     modes.add_argument("--transport", default="xla", choices=["xla", "mpi"])
+    add_config_args(p)
+
+
+def _step_range(text: str) -> str:
+    """`--profile-steps A:B`, checked (argparse shows the error)."""
+    from .hooks import parse_step_range
+
+    try:
+        parse_step_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--profile-steps ")) from None
+    return text
 
 
 def _parallel_config(args, num_devices: int):
@@ -112,8 +135,76 @@ def _train(args) -> int:
         print(f"--auto-grid: {grid}, {args.microbatches} microbatch(es)", file=sys.stderr)
     else:
         config = _parallel_config(args, jax.device_count())
-    train(TrainOptions(parallel=config, **_option_fields(args)))
+    _resolve_run_dir(args)
+    # The effective config names the grid that ran (and no longer asks for --auto-grid).
+    args.data, args.auto_grid = config.data, False
+    for axis in AXES[1:]:
+        setattr(args, axis, getattr(config, axis))
+    options = TrainOptions(parallel=config, **_option_fields(args))
+    if _is_main(args):
+        _train_logged(args, options)
+    else:
+        train(options)
     return 0
+
+
+def _train_logged(args, options) -> None:
+    """`train(options)` on the main process: the effective config into the run directory first,
+    and what the run prints into its `train.log` as well."""
+    from rich.console import Console
+
+    from . import config as config_lib, rundir
+    from .loop import train
+
+    run_dir = pathlib.Path(options.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.write(run_dir / rundir.CONFIG,
+                     config_lib.effective_config(args.parser, args, exclude=JOB_KEYS))
+    log = rundir.Tee(run_dir / rundir.LOG)
+    console = Console(file=log, soft_wrap=True)  # whole lines in the log
+    try:
+        console.print(f"run directory: {run_dir}")
+        train(options, console=console)
+        console.print(f"everything about this run is in {run_dir}; plots: axonn-jax report "
+                      f"{run_dir}; curves: tensorboard --logdir {run_dir / rundir.TENSORBOARD}")
+    except BaseException:
+        log.log_only(traceback.format_exc())
+        raise
+    finally:
+        log.close()
+
+
+JOB_KEYS = ("run_dir", "resume", "stop_at")
+"""Keys of one job of a run, left out of its `config.yaml` (`--resume RUN_DIR` reads it)."""
+
+
+def _resolve_run_dir(args) -> None:
+    """Sets `args.run_dir` (`--resume RUN_DIR`'s, `--run-dir`, or `runs/<model>-<time>` agreed
+    by all processes) and makes `args.resume` a bool."""
+    from . import rundir
+
+    if isinstance(args.resume, str):
+        if args.run_dir and pathlib.Path(args.run_dir).resolve() != pathlib.Path(args.resume).resolve():
+            raise ValueError(f"--resume {args.resume} and --run-dir {args.run_dir} name different "
+                             "run directories")
+        if not pathlib.Path(args.resume).is_dir():
+            raise FileNotFoundError(f"--resume: run directory {args.resume!r} does not exist")
+        args.run_dir, args.resume = args.resume, True
+    elif args.resume and not (args.run_dir or args.checkpoint_dir):
+        raise ValueError("--resume takes the run directory to continue, e.g. --resume runs/NAME")
+    if not args.run_dir:
+        args.run_dir = rundir.agree(str(rundir.default_run_dir(args.model)), args.transport)
+
+
+def _is_main(args) -> bool:
+    """This process writes the run directory's config and log (rank 0 under --transport mpi)."""
+    if args.transport == "mpi":
+        from ..transport.mpi import world
+
+        return world()[1] == 0
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _option_fields(args) -> dict:
@@ -147,6 +238,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compress-bits", type=int, default=0)
     p.add_argument("--top", type=int, default=10, help="grids to list (0: all)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the listed grids: step time (compute, communication by axis, "
+                        "bubble) and memory per device against capacity")
+    add_config_args(p)
 
 
 def _plan(args) -> int:
@@ -176,14 +271,20 @@ def _plan(args) -> int:
         raise ValueError(f"no grid of {args.num_devices} devices fits {args.model} in "
                          f"{machine.device_memory / 1e9:.0f} GB per device")
     shown = ranked[: args.top] if args.top else ranked
+    title = f"{args.model} on {args.num_devices} devices ({machine.name}), batch " \
+            f"{args.batch} × {args.seq_len}"
+    if args.plot:
+        from .report import plot_plan
+
+        path = plot_plan(shown, machine.device_memory, title, args.plot)
+        print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(json.dumps([p.as_dict() for p in shown], indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{args.model} on {args.num_devices} devices ({machine.name}), batch "
-                        f"{args.batch} × {args.seq_len}")
+    table = Table(title=title)
     for col in ("rank", "data×pipe×depth×row×col", "M", "step s", "MFU", "compute s",
                 "exposed comm s", "bubble s", "memory GB", "comm GB/device"):
         table.add_column(col, justify="right")
@@ -285,7 +386,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_args(bench)
     bench.set_defaults(run=_bench)
     _add_launch_parser(sub)
+    report = sub.add_parser("report", help="plots and a summary of one or several run directories")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--out", default=None, metavar="DIR",
+                        help="default: RUN_DIR/plots for one run, report-<time> beside the first "
+                             "of several")
+    report.set_defaults(run=_report)
+    train.set_defaults(parser=train)
     return parser
+
+
+def _report(args) -> int:
+    from .report import report
+
+    md, images = report(args.run_dirs, args.out)
+    print(md.read_text())
+    print(f"wrote {md} and {', '.join(i.name for i in images)}")
+    return 0
 
 
 def _add_launch_parser(sub) -> None:
@@ -296,24 +413,63 @@ def _add_launch_parser(sub) -> None:
     p.add_argument("--devices-per-proc", type=int, default=None,
                    help="devices per process: simulated CPU devices, or its share of the GPUs")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    p.add_argument("--log-dir", default="axonn-launch-logs",
-                   help="where proc<i>.log of every process is written")
+    p.add_argument("--log-dir", default=None,
+                   help="where proc<i>.log of every process is written (default: the run "
+                        "directory's logs/; for a script, runs/<script>-<time>/logs)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="`-- train ...`, or `-- script.py ...` (a script calling init_distributed)")
 
     def run(args) -> int:
         from .launch import main as launch_main
 
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if command and args.log_dir is None:
+            args.command, args.log_dir = _launch_run_dir(command)
         return launch_main(args)
 
     p.set_defaults(run=run)
+
+
+def parse(argv: list[str]):
+    """The arguments of `argv` with configs applied (`run.config`); `train --resume RUN_DIR`
+    without `--config` reads `RUN_DIR/config.yaml`."""
+    from . import config as config_lib, rundir
+
+    if argv[:1] == ["train"] and not any(a.split("=")[0] == "--config" for a in argv):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--resume", nargs="?", const=True)
+        resume = pre.parse_known_args(argv[1:])[0].resume
+        if isinstance(resume, str) and (pathlib.Path(resume) / rundir.CONFIG).is_file():
+            argv = [argv[0], "--config", str(pathlib.Path(resume) / rundir.CONFIG), *argv[1:]]
+    return config_lib.parse_args(build_parser(), argv)
+
+
+def _launch_run_dir(command: list[str]) -> tuple[list[str], str]:
+    """(command, log directory) of `axonn-jax launch`: a `train` command gets its run directory
+    fixed here (`--run-dir`, so that every process writes the same one) and the logs go to its
+    `logs/`; a script's to `runs/<script>-<time>/logs`."""
+    from . import rundir
+
+    if command[0] != "train":
+        return command, str(rundir.default_run_dir(pathlib.Path(command[0]).stem) / rundir.LAUNCH_LOGS)
+    args = parse(command)
+    run_dir = args.resume if isinstance(args.resume, str) else args.run_dir
+    if run_dir is None:
+        run_dir = str(rundir.default_run_dir(args.model))
+        command = [*command, "--run-dir", run_dir]
+    return command, str(pathlib.Path(run_dir) / rundir.LAUNCH_LOGS)
 
 
 def main(argv: list[str] | None = None) -> int:
     from .launch import follow_launcher
 
     follow_launcher()  # a process of `axonn-jax launch` dies with its launcher
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"axonn-jax {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "devices", None):
         from ..mesh import simulate_cpu_devices
 

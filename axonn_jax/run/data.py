@@ -40,12 +40,58 @@ def _read_text_files(files: list[pathlib.Path]) -> np.ndarray:
     return np.concatenate(chunks)
 
 
+TOKEN_FILE_DTYPES = {".uint16.bin": np.uint16, ".uint32.bin": np.uint32}
+"""Raw token files: ids of this dtype, native byte order, nothing else in the file."""
+
+CHECK_CHUNK = 1 << 26
+"""Token ids checked per read when a token file is scanned (64 Mi ids)."""
+
+
+def _open_token_file(path: pathlib.Path) -> np.ndarray:
+    """A `.npy` array or a raw `.uint16.bin` / `.uint32.bin` file of token ids, memory-mapped
+    (read-only; batches read only their rows, so the file may be larger than memory)."""
+    name = path.name.lower()
+    if name.endswith(".npy"):
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as e:  # numpy raises several types for a damaged file
+            raise ValueError(f"cannot read token array {str(path)!r}: {e}") from e
+    dtype = next((np.dtype(d) for suffix, d in TOKEN_FILE_DTYPES.items() if name.endswith(suffix)),
+                 None)
+    if dtype is None:
+        raise ValueError(f"{str(path)!r}: name a raw token file NAME.uint16.bin or NAME.uint32.bin "
+                         "(the dtype of its ids)")
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise ValueError(f"{str(path)!r} holds {size} bytes, not a positive whole number of "
+                         f"{dtype.name} ids")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _token_file(path: pathlib.Path) -> np.ndarray:
+    """The checked, memory-mapped ids of a token file (see `_open_token_file`)."""
+    tokens = _open_token_file(path)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(
+            f"{str(path)!r} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}"
+        )
+    for start in range(0, tokens.size, CHECK_CHUNK):  # one pass, a chunk in memory at a time
+        chunk = np.asarray(tokens[start:start + CHECK_CHUNK])
+        if chunk.min() < 0 or chunk.max() >= VOCAB_SIZE:
+            raise ValueError(
+                f"{str(path)!r} holds token ids outside [0, {VOCAB_SIZE}) from id {start} on: "
+                f"min {chunk.min()}, max {chunk.max()}"
+            )
+    return tokens
+
+
 def load_tokens(path: str | pathlib.Path | None = None) -> np.ndarray:
     """All tokens of a corpus as a 1-D integer array.
 
     path: None for the default corpus (the standard library's `.py` sources); a text file; a
-    directory (its text files, recursively, in sorted order); or a `.npy` array of token ids in
-    [0, VOCAB_SIZE).
+    directory (its text files, recursively, in sorted order); or a token file of ids in
+    [0, VOCAB_SIZE): a `.npy` array or raw `NAME.uint16.bin` / `NAME.uint32.bin` ids, both
+    memory-mapped (`np.memmap`), so they may be larger than memory.
     """
     if path is None:
         return _read_text_files(stdlib_sources())
@@ -57,21 +103,8 @@ def load_tokens(path: str | pathlib.Path | None = None) -> np.ndarray:
         if not files:
             raise ValueError(f"directory {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
         return _read_text_files(files)
-    if path.suffix == ".npy":
-        try:
-            tokens = np.load(path, allow_pickle=False)
-        except Exception as e:  # numpy raises several types for a damaged file
-            raise ValueError(f"cannot read token array {str(path)!r}: {e}") from e
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(
-                f"{str(path)!r} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}"
-            )
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= VOCAB_SIZE):
-            raise ValueError(
-                f"{str(path)!r} holds token ids outside [0, {VOCAB_SIZE}): "
-                f"min {tokens.min()}, max {tokens.max()}"
-            )
-        return tokens
+    if path.suffix in (".npy", ".bin"):
+        return _token_file(path)
     return _read_text_files([path])
 
 

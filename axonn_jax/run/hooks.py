@@ -147,3 +147,118 @@ class Sample(Hook):
         self.text = self.generate(loop.state["params"])
         loop.console.print("[bold]sample:[/]")
         loop.console.print(self.text, markup=False, highlight=False)
+
+
+class DeviceMemory(Hook):
+    """Adds the accelerator memory in use after each step and the peak so far, on the most loaded
+    of this process's devices in the mesh (`memory_bytes_in_use`, `memory_peak_bytes`), where the
+    backend reports them (GPUs and TPUs do; XLA:CPU does not, and then nothing is added)."""
+
+    def start(self, loop):
+        import jax
+
+        local = set(jax.local_devices())
+        self.devices = [d for d in loop.trainer.step.mesh.devices.flat if d in local]
+
+    def step(self, info):
+        stats = [s for s in (d.memory_stats() for d in self.devices) if s]
+        if stats:
+            info.record["memory_bytes_in_use"] = max(s.get("bytes_in_use", 0) for s in stats)
+            info.record["memory_peak_bytes"] = max(s.get("peak_bytes_in_use", 0) for s in stats)
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoard(Hook):
+    """TensorBoard event files in `directory` (tensorboardX), written by the main process: every
+    numeric metric of each step under its `metrics.jsonl` name (loss, val_loss, lr, grad_norm,
+    tokens_per_s, examples_per_s, step_time_s, memory, loss_scale, ...) at its step, and the run's
+    constants (`loop.report`: parameter count, state and compiled peak bytes, compression ratio)
+    once, under `run/`, at the starting step. View with `tensorboard --logdir DIR`."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.directory, self.writer, self.constants = pathlib.Path(directory), None, set()
+
+    def start(self, loop):
+        if not loop.is_main:
+            return
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.directory))
+        self.constants = set(loop.report)
+        for name, value in _scalars(loop.report).items():
+            self.writer.add_scalar(f"run/{name}", value, loop.start_step)
+
+    def step(self, info):
+        if self.writer is None:
+            return
+        for name, value in _scalars(info.record).items():
+            if name not in self.constants:
+                self.writer.add_scalar(name, value, info.step)
+        self.writer.flush()
+
+    def end(self, loop):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """`"A:B"` -> (A, B): steps A to B, both included, numbered from 1 as in `metrics.jsonl`."""
+    first, sep, last = str(text).partition(":")
+    try:
+        a, b = int(first), int(last)
+    except ValueError:
+        a = b = 0
+    if not sep or not 1 <= a <= b:
+        raise ValueError(f"--profile-steps takes A:B with 1 <= A <= B (steps A to B), got {text!r}")
+    return a, b
+
+
+class Profile(Hook):
+    """A `jax.profiler` trace of steps `first..last` (numbered from 1) in `directory`, viewable in
+    TensorBoard's profile plugin or Perfetto (`perfetto_trace.json.gz`); every process traces its
+    own devices (under `process<i>/` when there are several), the main one prints where it is."""
+
+    def __init__(self, directory: str | pathlib.Path, first: int, last: int):
+        self.directory, self.first, self.last = pathlib.Path(directory), first, last
+        self.tracing = False
+
+    def start(self, loop):
+        import jax
+
+        if jax.process_count() > 1:
+            self.directory = self.directory / f"process{jax.process_index()}"
+        self.console = loop.console
+        if loop.start_step + 1 >= self.first and loop.start_step < self.last:
+            self._start()
+
+    def _start(self):
+        import jax
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+        self.tracing = True
+
+    def _stop(self, step: int):
+        import jax
+
+        jax.profiler.stop_trace()  # the loop has waited for the step's results
+        self.tracing = False
+        traces = sorted(self.directory.glob("plugins/profile/*/"))
+        where = traces[-1] if traces else self.directory
+        self.console.print(f"profile of steps {self.first}-{step} written to {where} "
+                           f"(tensorboard --logdir {self.directory}, or perfetto_trace.json.gz "
+                           f"in ui.perfetto.dev)")
+
+    def step(self, info):
+        if info.step == self.first - 1 and not self.tracing:
+            self._start()
+        elif info.step == self.last and self.tracing:
+            self._stop(info.step)
+
+    def end(self, loop):
+        if self.tracing:
+            self._stop(int(loop.state["step"]))

@@ -7,6 +7,7 @@ The loop compiles the step, restores a checkpoint if asked, and runs the steps; 
 from __future__ import annotations
 
 import itertools
+import pathlib
 import time
 from typing import Any, Callable, Iterable
 
@@ -15,9 +16,12 @@ import numpy as np
 
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
 from ..offload.activations import compiled_peak_bytes
+from ..parallel import compression
 from ..step.model import StackedModel
 from . import data as data_lib
-from .hooks import Checkpoints, HloDump, Hook, MetricsFile, Progress, Sample, StepInfo, Validation
+from . import rundir
+from .hooks import (Checkpoints, DeviceMemory, HloDump, Hook, MetricsFile, Profile, Progress,
+                    Sample, StepInfo, TensorBoard, Validation, parse_step_range)
 from .options import TrainOptions
 from .trainer import Trainer, build_trainer
 
@@ -41,6 +45,23 @@ def state_report(state, compiled) -> dict[str, int]:
         "state_bytes_host": int(tree_bytes_per_device(state, HOST_MEMORY_KIND)),
         "peak_bytes_compiled": int(compiled_peak_bytes(compiled)),
     }
+
+
+def compression_ratio(params, bits: int, bucket_size: int) -> float:
+    """How many times fewer bytes this device sends in CGX's gradient exchange than in an exact
+    all-reduce of the same gradients (like `params`; its local shards): the wire-byte model of
+    `analysis.comm_model` (an exact all-reduce sends 2 · itemsize bytes per element, a compressed
+    one `compression.wire_bytes_per_element`), with the tensors that the size rule keeps exact."""
+    exact = sent = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        shard = jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+        n, itemsize = shard.size, shard.dtype.itemsize
+        width = compression.bits_for_leaf(jax.tree_util.keystr(path), shard, bits,
+                                          compression.DEFAULT_MIN_SIZE)
+        exact += 2 * itemsize * n
+        sent += n * (compression.wire_bytes_per_element(width, bucket_size, itemsize) if width
+                     else 2 * itemsize)
+    return exact / sent
 
 
 class Loop:
@@ -139,10 +160,13 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     Python standard library's sources); or any `StackedModel`, with `data` a function
     `step -> batch` or an iterable of batches (global batches: numpy pytrees with a leading batch
     axis of `options.batch_size`) and optionally `eval_data` likewise (validation needs it).
-    hooks: more hooks, run after the built-in ones.
+    hooks: more hooks, run after the built-in ones. With `options.run_dir` the metrics, HLO dump,
+    checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
     """
     from rich.console import Console
 
+    options = rundir.with_run_dir(options)
+    outputs = _run_dir_hooks(options)  # checked before the work starts
     corpus = None
     if model is None:
         if data is not None:
@@ -172,8 +196,10 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
         validation = Validation(_evaluator(trainer, eval_data, options.eval_batches), every,
                                 options.steps)
         built.append(validation)
+    built.append(DeviceMemory())
     if options.metrics_out:
         built.append(MetricsFile(options.metrics_out, append=options.resume))
+    built += outputs
     if checkpointer:
         built.append(Checkpoints(checkpointer))
     built.append(Progress())
@@ -182,6 +208,9 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
         sample = Sample(_gpt_sampler(trainer))
         built.append(sample)
     loop = Loop(trainer, state, batches, built + list(hooks), console, end)
+    if options.compress_bits:
+        loop.report["compression_ratio"] = compression_ratio(
+            state["params"], options.compress_bits, options.compress_bucket)
     _describe(loop, trainer, corpus, console)
     state = loop.run()
     summary = {"history": loop.history, "val_history": validation.history if validation else [],
@@ -189,6 +218,18 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     if sample is not None:
         summary["sample"] = sample.text
     return summary
+
+
+def _run_dir_hooks(options: TrainOptions) -> list[Hook]:
+    """The TensorBoard writer and the `--profile-steps` trace, in the run directory."""
+    steps = parse_step_range(options.profile_steps) if options.profile_steps else None
+    if not options.run_dir:
+        if steps:
+            raise ValueError("--profile-steps writes into the run directory: set run_dir")
+        return []
+    root = pathlib.Path(options.run_dir)
+    return [TensorBoard(root / rundir.TENSORBOARD)] + \
+        ([Profile(root / rundir.PROFILE, *steps)] if steps else [])
 
 
 def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:

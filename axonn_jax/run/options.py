@@ -33,6 +33,8 @@ class TrainOptions:
     stop_at: int = 0  # stop after this step (schedule still spans `steps`); 0: run to the end
     metrics_out: str | None = None
     dump_hlo: str | None = None
+    run_dir: str | None = None  # holds the run's outputs (run.rundir); the CLI always sets one
+    profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A..B into run_dir
     sample_tokens: int = 0
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     microbatches: int = 1
@@ -51,8 +53,8 @@ class TrainOptions:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
+        if self.resume and not (self.checkpoint_dir or self.run_dir):
+            raise ValueError("--resume needs the run directory (or --checkpoint-dir)")
 
     @property
     def warmup(self) -> int:

@@ -1,0 +1,135 @@
+"""Run directories: everything about one training run in one place.
+
+    RUN_DIR/
+      config.yaml      the effective config (`axonn-jax train --config RUN_DIR/config.yaml` reruns it)
+      metrics.jsonl    one JSON object per step
+      train.log        what the run printed
+      checkpoints/     orbax checkpoints, with --checkpoint-every (`--resume RUN_DIR` continues)
+      hlo/             the optimized HLO of the compiled train step
+      tensorboard/     TensorBoard event files (`tensorboard --logdir RUN_DIR/tensorboard`)
+      profile/         jax.profiler traces of `--profile-steps A:B`
+      plots/           `axonn-jax report RUN_DIR`'s PNGs and summary
+      logs/            `axonn-jax launch`'s per-process logs
+
+The command line's default is `runs/<model>-<YYYYmmdd-HHMMSS>` (`$AXONN_RUNS/...` when that is set,
+e.g. to a scratch file system); `train(TrainOptions(run_dir=...))` fills the same directory
+(all but `config.yaml` and `train.log`, which are the command line's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pathlib
+import re
+import sys
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+LOG = "train.log"
+CHECKPOINTS = "checkpoints"
+HLO = "hlo"
+TENSORBOARD = "tensorboard"
+PROFILE = "profile"
+PLOTS = "plots"
+LAUNCH_LOGS = "logs"
+ENV_ROOT = "AXONN_RUNS"
+"""Where default run directories go (default: `runs` in the working directory)."""
+
+
+def default_run_dir(name: str, root: str | pathlib.Path | None = None, now=None) -> pathlib.Path:
+    """`root/<name>-<YYYYmmdd-HHMMSS>` (root: `$AXONN_RUNS` or `runs`), with `-2`, `-3`, ...
+    appended when that is taken."""
+    root = root or os.environ.get(ENV_ROOT) or "runs"
+    now = now or datetime.datetime.now()
+    stem = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{now:%Y%m%d-%H%M%S}"
+    path, n = pathlib.Path(root) / stem, 1
+    while path.exists():
+        n += 1
+        path = pathlib.Path(root) / f"{stem}-{n}"
+    return path
+
+
+def agree(text: str, transport: str = "xla") -> str:
+    """Process 0's `text` on every process of the job (a default run directory chosen by the
+    clock must be one directory): broadcast over MPI under `--transport mpi`, over JAX's
+    distributed runtime when it spans several processes, else `text` itself."""
+    if transport == "mpi":
+        from ..transport.mpi import world
+
+        return world()[0].bcast(text, root=0)
+    import jax
+
+    if jax.process_count() == 1:
+        return text
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    raw = np.zeros(1024, np.uint8)
+    encoded = text.encode()[:1024]
+    raw[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+    return bytes(agreed[agreed != 0].tolist()).decode()
+
+
+def with_run_dir(options):
+    """`options` (a `TrainOptions`) with the outputs it leaves unset placed in its `run_dir`:
+    metrics file, HLO dump and, when it checkpoints or resumes, checkpoint directory. Unchanged
+    without a `run_dir`."""
+    if not options.run_dir:
+        return options
+    root = pathlib.Path(options.run_dir)
+    checkpoints = options.checkpoint_every > 0 or options.resume
+    return dataclasses.replace(
+        options, metrics_out=options.metrics_out or str(root / METRICS),
+        checkpoint_dir=options.checkpoint_dir or (str(root / CHECKPOINTS) if checkpoints else None),
+        dump_hlo=options.dump_hlo or str(root / HLO))
+
+
+_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+class Tee:
+    """A text stream writing to the `sys.stdout` of its creation (a live progress display that
+    later redirects `sys.stdout` into its console must not loop back) and to a log file. The log
+    gets plain complete lines:
+    terminal escape codes removed, and of a line redrawn with carriage returns only its last state
+    (a live progress bar appears once, as it ended)."""
+
+    def __init__(self, log_path: str | pathlib.Path):
+        self.out = sys.stdout
+        self.log = open(log_path, "a", encoding="utf-8")
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.out.write(text)
+        self.pending += _ESCAPE.sub("", text)
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.log.write(line.rsplit("\r", 1)[-1] + "\n")
+        self.log.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return self.out.isatty()
+
+    def fileno(self) -> int:
+        return self.out.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.out, "encoding", "utf-8")
+
+    def log_only(self, text: str) -> None:
+        """Write `text` to the log alone (e.g. a traceback the terminal shows in its own way)."""
+        self.log.write(text if text.endswith("\n") else text + "\n")
+        self.log.flush()
+
+    def close(self) -> None:
+        if self.pending.strip():
+            self.log.write(self.pending.rsplit("\r", 1)[-1] + "\n")
+        self.log.close()

@@ -122,7 +122,7 @@ class Odd(nn.Module):
 
 @pytest.mark.parametrize("module, error, message", [
     (WithConv(), NotImplementedError, "cannot run layer 'conv' \\(Conv\\)"),
-    (WithHeads(), NotImplementedError, "layer 'heads' \\(DenseGeneral features=\\(2, 4\\)"),
+    (WithHeads(), ValueError, "layer 'heads' \\(DenseGeneral\\): kernel \\(8, 2, 4\\) dim 1 = 2 is not divisible by row = 4"),
     (Odd(), ValueError, "layer 'odd' \\(Dense\\): tp_dense: kernel out-features = 6 is not divisible by row = 4"),
 ])
 def test_unsupported_layers_are_named(module, error, message, devices):

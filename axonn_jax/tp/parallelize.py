@@ -73,14 +73,19 @@ class _Interceptor:
         self.rules = rules
         self.placed: dict[tuple, tuple] = {}
         self.notes: dict[tuple, str] = {}
-        self.kept: list[tuple] = []
+        self.kept: set[tuple] = set()
 
     def __call__(self, next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
-        rule = find_rule(self.rules, _path(m), m) if self.rules else None
-        if isinstance(rule, Replicated):
-            self.kept.append(tuple(m.scope.path) if m.scope is not None else ())
+        if not method.isidentifier():  # Flax's own helpers (nn.scan's setup-only `<lambda>`)
             return next_fun(*args, **kwargs)
+        scope_path = tuple(m.scope.path) if m.scope is not None else ()
+        rule = find_rule(self.rules, "/".join(scope_path), m) if self.rules else None
+        if self.kept or isinstance(rule, Replicated):
+            if isinstance(rule, Replicated):
+                self.kept.add(scope_path)
+            if any(scope_path[:len(k)] == k for k in self.kept):  # it, or a module inside it
+                return next_fun(*args, **kwargs)
         if isinstance(rule, AsDense) and method == "__call__":
             return self._dense(m, next_fun, args, kwargs, rule.kernel, rule.bias,
                                tuple(range(-rule.in_ndim, 0)), rule.out_in)
@@ -260,6 +265,62 @@ def _linen_report(params, interceptor: _Interceptor) -> _report.SplitReport:
     return _report.build(entries, interceptor.sizes)
 
 
+def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, report, max_replicated):
+    """The linen form of `parallelize`: a subclass of `type(module)` with the same fields whose
+    `init` / `init_with_output` / `apply` run under an `_Interceptor`."""
+    base = type(module)
+    reported = []  # the report and notes come once per parallelized module
+
+    def traced(call):
+        """`call()` under a fresh interceptor: (result, interceptor), or (result, None) when a
+        trace is already running (`init` calls `init_with_output`: intercept once)."""
+        if _ACTIVE.get():
+            return call(), None
+        interceptor = _Interceptor(mesh, overrides, rules)
+        token = _ACTIVE.set(True)
+        try:
+            with nn.intercept_methods(interceptor):
+                return call(), interceptor
+        finally:
+            _ACTIVE.reset(token)
+
+    def finish(interceptor, params):
+        if not reported:
+            _report.act(_linen_report(params, interceptor), report, max_replicated)
+            reported.append(True)
+
+    def placed(variables, interceptor):
+        if interceptor is None or "params" not in variables:
+            return variables
+        variables = {**variables, "params": _box(variables["params"], interceptor)}
+        finish(interceptor, variables["params"])
+        return variables
+
+    def init_with_output(self, *args, **kwargs):
+        (y, variables), interceptor = traced(lambda: base.init_with_output(self, *args, **kwargs))
+        return y, placed(variables, interceptor)
+
+    def init(self, *args, **kwargs):
+        return placed(*traced(lambda: base.init(self, *args, **kwargs)))
+
+    def apply(self, variables, *args, **kwargs):
+        variables = meta.unbox(variables)  # model code reading self.variables sees plain arrays
+        out, interceptor = traced(lambda: base.apply(self, variables, *args, **kwargs))
+        if interceptor is not None:
+            finish(interceptor, variables.get("params", {}))
+        return out
+
+    methods = {"init": init, "init_with_output": init_with_output, "apply": apply}
+    for name, fn in methods.items():
+        fn.__doc__ = getattr(base, name).__doc__
+        methods[name] = nn.nowrap(fn)
+    cls = type(f"Parallel{base.__name__}", (base,),
+               {**methods, "__module__": base.__module__, "axonn_mesh": mesh})
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+              if f.init and f.name not in ("parent", "name")}
+    return cls(**fields)
+
+
 def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
                 rules: Mapping | None = None, report: bool | Callable = False,
                 max_replicated: int | None = None, example_args: tuple | None = None,
@@ -301,45 +362,7 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
     if example_args is not None or example_kwargs is not None:
         raise TypeError("parallelize: example_args / example_kwargs are for NNX modules; a linen "
                         "module's layout is traced from the inputs of its init / apply")
-    base = type(module)
-    overrides = dict(transpose or {})
-    reported = []  # the report and notes come once per parallelized module
-
-    def finish(interceptor, params):
-        if not reported:
-            _report.act(_linen_report(params, interceptor), report, max_replicated)
-            reported.append(True)
-
-    def run(method_name):
-        def wrapped(self, *args, **kwargs):
-            if _ACTIVE.get():  # `init` calls `init_with_output`: intercept once per trace
-                return getattr(base, method_name)(self, *args, **kwargs)
-            if method_name == "apply":  # model code reading self.variables sees plain arrays
-                args = (meta.unbox(args[0]), *args[1:])
-            interceptor = _Interceptor(mesh, overrides, rules)
-            token = _ACTIVE.set(True)
-            try:
-                with nn.intercept_methods(interceptor):
-                    out = getattr(base, method_name)(self, *args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-            if method_name == "apply":
-                finish(interceptor, args[0].get("params", {}))
-                return out
-            y, variables = out if method_name == "init_with_output" else (None, out)
-            variables = {**variables, "params": _box(variables["params"], interceptor)} \
-                if "params" in variables else variables
-            finish(interceptor, variables.get("params", {}))
-            return (y, variables) if method_name == "init_with_output" else variables
-        wrapped.__doc__ = getattr(base, method_name).__doc__
-        return nn.nowrap(wrapped)
-
-    cls = type(f"Parallel{base.__name__}", (base,),
-               {"init": run("init"), "apply": run("apply"), "init_with_output": run("init_with_output"),
-                "__module__": base.__module__, "axonn_mesh": mesh})
-    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-              if f.init and f.name not in ("parent", "name")}
-    return cls(**fields)
+    return _parallelize_linen(module, mesh, dict(transpose or {}), rules, report, max_replicated)
 
 
 def transpose_plan(module, mesh, *args, **kwargs) -> dict[str, bool]:

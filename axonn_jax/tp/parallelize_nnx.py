@@ -56,13 +56,14 @@ def _layers(module: nnx.Module, rules: Mapping):
     """(`{path: (layer, Flax base class or AsDense rule)}` of the layers in `module`'s graph that
     parallelize runs, paths of the modules kept as written by a Replicated rule); raises for a
     layer it cannot run tensor-parallel."""
-    modules = [("/".join(map(str, parts)) or type(m).__name__, m) for parts, m in nnx.iter_modules(module)]
+    modules = [("/".join(map(str, parts)), m) for parts, m in nnx.iter_modules(module)]
     kept = [p for p, m in modules if isinstance(find_rule(rules, p, m), Replicated)]
     found = {}
     for path, m in modules:
-        if any(path == k or path.startswith(k + "/") for k in kept):
+        if any(path == k or path.startswith(k + "/") or not k for k in kept):
             continue
         rule, base = find_rule(rules, path, m), _flax_base(m)
+        path = path or type(m).__name__  # the root, named in errors
         if isinstance(rule, AsDense):
             found[path] = (m, rule)
         elif isinstance(m, _ALREADY_PARALLEL):
@@ -195,7 +196,10 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
     parallel one; `{}` (and a note) for a table the grid does not divide."""
     name = type(m).__name__
     if isinstance(kind, AsDense):
-        kernel = getattr(m, kind.kernel)
+        kernel = getattr(m, kind.kernel, None)
+        if not isinstance(kernel, nnx.Variable):
+            raise ValueError(f"parallelize: layer '{path}' ({name}) has no parameter "
+                             f"'{kind.kernel}' for its AsDense rule")
         layer = kernel.shape[kernel.ndim - kind.in_ndim - kind.out_ndim:]
         in_dims, out_dims = (layer[kind.out_ndim:], layer[:kind.out_ndim]) if kind.out_in \
             else (layer[:kind.in_ndim], layer[kind.in_ndim:])
@@ -239,7 +243,7 @@ def _nnx_report(model, notes: dict, kept: list, mesh) -> _report.SplitReport:
     for parts, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = "/".join(map(str, parts))
         spec = var.get_metadata().get("out_sharding")
-        kept_here = any(path.startswith(k + "/") for k in kept)
+        kept_here = any(path.startswith(k + "/") or not k for k in kept)
         entries.append((path, var.shape, var.dtype, P(*spec) if spec else P(),
                         _report.RULE_NOTE if kept_here else notes.get(path, "")))
     return _report.build(entries, dict(mesh.shape))

@@ -113,6 +113,14 @@ def build(entries, sizes) -> SplitReport:
 def act(report: SplitReport, report_to, max_replicated: int | None, what: str = "parallelize"):
     """Log the notes about whole weights, enforce `max_replicated` (elements) and hand the report
     to `report_to` (True: print it; a callable: call it; False/None: nothing)."""
+    if max_replicated is not None:
+        big = [p for p in report.replicated if p.size > max_replicated and p.note != RULE_NOTE]
+        if big:
+            raise ValueError(
+                f"{what}: {len(big)} parameter(s) above max_replicated = {max_replicated} elements "
+                "would stay whole on every device: " + ", ".join(
+                    f"'{p.path}' {p.shape} ({p.note or 'no tensor-parallel layer used it'})"
+                    for p in big))
     for p in report.replicated:
         if p.note and p.note != RULE_NOTE:
             logger.warning("%s: '%s' %s stays whole on every device: %s", what, p.path, p.shape, p.note)
@@ -124,14 +132,6 @@ def act(report: SplitReport, report_to, max_replicated: int | None, what: str = 
             "rules={ModuleClass: AsDense(...)}, or mark it rules={path: Replicated()}",
             what, len(unknown), _size(sum(p.nbytes for p in unknown)),
             ", ".join(f"{p.path} {p.shape}" for p in unknown))
-    if max_replicated is not None:
-        big = [p for p in report.replicated if p.size > max_replicated and p.note != RULE_NOTE]
-        if big:
-            raise ValueError(
-                f"{what}: {len(big)} parameter(s) above max_replicated = {max_replicated} elements "
-                "would stay whole on every device: " + ", ".join(
-                    f"'{p.path}' {p.shape} ({p.note or 'no tensor-parallel layer used it'})"
-                    for p in big))
     if report_to is True:
         print(report)
     elif callable(report_to):

@@ -7,6 +7,11 @@ over `row` is transposed. When the input came through other code (attention, an 
 function), it is taken to carry the layout of the most recent dense layer's output. In a transformer
 block this gives query/key/value and mlp_up normal, attn_out and mlp_down transposed, and the
 residual stream stays split over `col` with no re-layout.
+
+The placement helpers below are shared too: `stacked_spec` (a layer's spec on a parameter stacked
+by `nn.scan` / `nnx.vmap`, the layer axes unsplit), `dense_placement` and `check_divisible` (specs
+of a dense layer's kernel and bias, or a ValueError naming the layer and the dim that does not
+divide).
 """
 from __future__ import annotations
 

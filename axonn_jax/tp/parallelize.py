@@ -55,6 +55,12 @@ def _own(cls, name):
     return getattr(fn, "__wrapped__", fn)
 
 
+def _running(context) -> Callable:
+    """The plain function an interceptor's call runs (Flax binds it with functools.partial)."""
+    fn = context.orig_method
+    return getattr(fn, "func", None) or getattr(fn, "__func__", None) or fn
+
+
 def _input(args, kwargs):
     return args[0] if args else next(iter(kwargs.values()))
 
@@ -89,7 +95,7 @@ class _Interceptor:
         if isinstance(rule, AsDense) and method == "__call__":
             return self._dense(m, next_fun, args, kwargs, rule.kernel, rule.bias,
                                tuple(range(-rule.in_ndim, 0)), rule.out_in)
-        handler = _HANDLERS.get(getattr(context.orig_method, "func", None))
+        handler = _HANDLERS.get(_running(context))
         if handler is not None:
             return handler(self, m, next_fun, args, kwargs)
         if isinstance(m, _UNSUPPORTED) and method == "__call__":

@@ -10,7 +10,8 @@ from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
 from axonn_jax.analysis import hlo
 from axonn_jax.analysis.hlo import collectives
-from axonn_jax.tp.tensor import kernel_spec, tp_dense, tp_embed
+from axonn_jax.tp.tensor import (dense_specs, kernel_spec, split_dims, tp_attend, tp_dense,
+                                 tp_dense_general, tp_embed)
 
 from conftest import relative_difference
 
@@ -123,6 +124,44 @@ def test_bad_shapes_name_the_numbers(inputs, devices):
 def test_kernel_spec_swaps_with_transpose():
     assert kernel_spec(False) == P(("col", "depth"), "row")
     assert kernel_spec(True) == P(("row", "depth"), "col")
+    assert kernel_spec(False, out_in=True) == P(("row", "depth"), "col")  # the embedding's
+
+
+def test_multi_dim_features_split_in_contiguous_blocks():
+    sizes = {"row": 4, "col": 2, "depth": 2}
+    assert split_dims((4, 16), ("row", "depth"), sizes) == ("row", "depth")  # 1 head per row
+    assert split_dims((8, 16), ("row", "depth"), sizes) == (("row", "depth"), None)
+    assert split_dims((2, 16), ("row",), sizes) is None  # half heads: no PartitionSpec says so
+    assert dense_specs((32,), (4, 16), sizes) == (P(("col", "depth"), "row", None), P("row", None))
+    assert dense_specs((4, 16), (32,), sizes, transpose=True) == (P("row", "depth", "col"), P("col"))
+
+
+@pytest.mark.parametrize("grid", [(4, 2, 1), (2, 2, 2)], ids=lambda g: "row%d_col%d_depth%d" % g)
+def test_attend_and_multi_dim_kernels_match_reference(grid, inputs, devices):
+    """A tied head (`x @ table.T`, the table as an (out, in) kernel), an attention-style projection
+    with kernel (in, heads, head_dim), and its transposed (heads, head_dim, out) partner."""
+    row, col, depth = grid
+    mesh = make_mesh(ParallelConfig(row=row, col=col, depth=depth), devices)
+    k = jax.random.split(jax.random.key(5), 3)
+    wq, bq = 0.2 * jax.random.normal(k[0], (D_IN, 4, 8)), jax.random.normal(k[1], (4, 8))
+    wo = 0.1 * jax.random.normal(k[2], (4, 8, D_IN))
+
+    def loss(attend, general):
+        def f(x, table, wq, bq, wo):
+            h = jnp.tanh(general(x, wq, bq, False, 1))  # (B, T, 4, 8)
+            y = general(h, wo, None, True, 2)  # (B, T, D_IN)
+            return jnp.sum(jnp.sin(attend(y, table)))
+        return f
+
+    ref = loss(lambda y, t: y @ t.T, lambda x, w, b, _, n: jnp.tensordot(x, w, n) + (0 if b is None else b))
+    par = loss(lambda y, t: tp_attend(y, t, mesh),
+               lambda x, w, b, t, n: tp_dense_general(x, w, b, mesh, t, n))
+    operands = (inputs["x"], inputs["table"], wq, bq, wo)
+    value, grads = jax.jit(jax.value_and_grad(par, argnums=range(5)))(*operands)
+    ref_value, ref_grads = jax.value_and_grad(ref, argnums=range(5))(*operands)
+    assert relative_difference(value, ref_value) <= 1e-5
+    for name, g, r in zip("x table wq bq wo".split(), grads, ref_grads):
+        assert relative_difference(g, r) <= 1e-5, name
 
 
 def test_compiled_backward_leaves_room_for_overlap(devices):

@@ -114,6 +114,12 @@ class WithHeads(nn.Module):
         return nn.DenseGeneral((2, 4), name="heads")(x)
 
 
+class PerBatchKernels(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.DenseGeneral(8, batch_dims=(0,), name="batched")(x)
+
+
 class Odd(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -122,10 +128,43 @@ class Odd(nn.Module):
 
 @pytest.mark.parametrize("module, error, message", [
     (WithConv(), NotImplementedError, "cannot run layer 'conv' \\(Conv\\)"),
-    (WithHeads(), NotImplementedError, "layer 'heads' \\(DenseGeneral features=\\(2, 4\\)"),
+    (WithHeads(), ValueError, "layer 'heads' \\(DenseGeneral\\): kernel \\(8, 2, 4\\) dim 1 = 2 is not divisible by row = 4"),
+    (PerBatchKernels(), NotImplementedError, "layer 'batched' \\(DenseGeneral batch_dims=\\(0,\\)\\)"),
     (Odd(), ValueError, "layer 'odd' \\(Dense\\): tp_dense: kernel out-features = 6 is not divisible by row = 4"),
 ])
 def test_unsupported_layers_are_named(module, error, message, devices):
     mesh = make_mesh(ParallelConfig(row=4, col=2), devices)
     with pytest.raises(error, match=message):
         axonn_jax.parallelize(module, mesh).init(jax.random.key(0), jnp.ones((2, 8, 8)))
+
+
+def test_attention_kernels_flatten_without_relayout(devices):
+    """nn.MultiHeadDotProductAttention on row=4 × col=2: kernels (d_model, heads, head_dim) with
+    heads over row run as 2-D layers on the flattened features, with no communication beyond the
+    algorithm's: the forward holds only all-reduces (query/key/value over col, XLA combines them;
+    the transposed output projection over row)."""
+    from axonn_jax.analysis.hlo import collectives
+
+    mesh = make_mesh(ParallelConfig(row=4, col=2), devices)
+    x = jax.random.normal(jax.random.key(0), (4, 8, 32))
+    model = axonn_jax.parallelize(nn.MultiHeadDotProductAttention(num_heads=4), mesh)
+    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
+    assert specs["query"]["kernel"] == jax.P(("col", "depth"), "row", None)
+    assert specs["out"]["kernel"] == jax.P(("row", "depth"), None, "col")
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), {"params": specs})
+    params = jax.jit(lambda k: nn.unbox(model.init(k, x)), out_shardings=shardings)(jax.random.key(0))
+    x = jax.device_put(x, NamedSharding(mesh, jax.P("depth", None, "col")))
+    text = jax.jit(model.apply).lower(params, x).compile().as_text()
+    assert {(c.kind, c.group_size) for c in collectives(text)} == {("all-reduce", 2), ("all-reduce", 4)}
+
+
+def test_replicated_rule_keeps_a_module_and_everything_inside_whole(devices):
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    reports = []
+    model = axonn_jax.parallelize(gpt.GPT(CONFIG), mesh, rules={"blocks": axonn_jax.Replicated()},
+                                  report=reports.append, max_replicated=0)
+    specs = nn.get_partition_spec(jax.eval_shape(model.init, jax.random.key(0), TOKENS[:, :-1]))
+    for name in DENSE_KERNELS:
+        assert specs["params"]["blocks"][name]["kernel"] == jax.P()
+        assert reports[0][f"blocks/{name}/kernel"].note == "kept whole by a Replicated rule"
+    assert specs["params"]["head"]["lm_head"]["kernel"] == jax.P(("col", "depth"), "row")

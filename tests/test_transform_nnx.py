@@ -11,6 +11,7 @@ from axonn_jax import ParallelConfig, layers_nnx, make_mesh
 from axonn_jax.analysis.hlo import collectives
 from axonn_jax.tp.tensor import kernel_spec
 from axonn_jax.tp.parallelize import transpose_plan
+from jax.sharding import PartitionSpec as P
 
 from conftest import relative_difference
 
@@ -198,15 +199,6 @@ class Odd(nnx.Module):
         self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 5, rngs=rngs)])
 
 
-class MyLinear(nnx.Linear):
-    pass
-
-
-class WithSubclass(nnx.Module):
-    def __init__(self, rngs):
-        self.proj = MyLinear(8, 8, rngs=rngs)
-
-
 class NarrowNorm(nnx.Module):
     def __init__(self, rngs):
         self.norm = nnx.LayerNorm(6, rngs=rngs)
@@ -215,7 +207,6 @@ class NarrowNorm(nnx.Module):
 @pytest.mark.parametrize("cls, error, message", [
     (WithConv, NotImplementedError, "cannot run layer 'conv' \\(Conv\\) tensor-parallel"),
     (Odd, ValueError, "layer 'layers/1' \\(Linear\\): kernel \\(8, 5\\) dim 1 = 5 is not divisible by row = 2"),
-    (WithSubclass, NotImplementedError, "layer 'proj' \\(MyLinear\\) subclasses a Flax layer"),
     (NarrowNorm, ValueError, "layer 'norm' \\(LayerNorm\\): scale \\(6,\\) dim 0 = 6 is not divisible by col = 4"),
 ])
 def test_unsupported_layers_are_named(cls, error, message, devices):
@@ -245,3 +236,62 @@ def test_other_variables_are_replicated_on_the_mesh(devices):
     key = pmodel.drop.rngs.key[...]
     assert key.sharding.mesh == mesh and key.sharding.spec == jax.P()
     assert pmodel.steps.get_value() == 3 and isinstance(pmodel.steps.get_value(), int)
+
+
+class TorchLinear(nnx.Module):
+    """A custom dense module parallelize does not know: torch-style `(out, in)` weight, its own matmul."""
+
+    def __init__(self, din, dout, rngs):
+        self.weight = nnx.Param(0.3 * jax.random.normal(rngs.params(), (dout, din)))
+        self.bias = nnx.Param(0.1 * jax.random.normal(rngs.params(), (dout,)))
+
+    def __call__(self, x):
+        return x @ self.weight[...].T + self.bias[...]
+
+
+class Custom(nnx.Module):
+    def __init__(self, rngs):
+        self.up = TorchLinear(16, 32, rngs)
+        self.down = TorchLinear(32, 16, rngs)
+        self.gate = nnx.Linear(16, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.gate(self.down(jax.nn.relu(self.up(x))))
+
+
+def test_custom_dense_modules_by_rule(devices, caplog):
+    """Unknown: left whole, named in a note and the report, an error under max_replicated. With an
+    AsDense rule: split and run tensor-parallel (transpose traced as for nnx.Linear); a Replicated
+    rule keeps a layer whole, as asked, without a note."""
+    from axonn_jax import AsDense, Replicated
+
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    model = Custom(nnx.Rngs(0))
+    reports = []
+    with caplog.at_level("WARNING", logger="axonn_jax.parallelize"):
+        axonn_jax.parallelize(model, mesh, report=reports.append)
+    assert {p.path for p in reports[0].replicated if len(p.shape) == 2} == {"up/weight", "down/weight"}
+    assert "2 weight(s) that no tensor-parallel layer used" in caplog.text
+    with pytest.raises(ValueError, match="2 parameter\\(s\\) above max_replicated = 256 elements "
+                                         "would stay whole on every device: 'down/weight' \\(16, 32\\)"):
+        axonn_jax.parallelize(model, mesh, max_replicated=256)
+
+    rules = {TorchLinear: AsDense(kernel="weight", out_in=True), "gate": Replicated()}
+    pmodel = axonn_jax.parallelize(model, mesh, rules=rules, example_args=(X,),
+                                   report=reports.append, max_replicated=0)
+    report = reports[-1]
+    assert report["up/weight"].spec == P(("row", "depth"), "col")  # (out, in): out over row×depth
+    assert report["down/weight"].spec == P(("col", "depth"), "row")  # transposed
+    assert report["gate/kernel"].parts == 1 and report["gate/kernel"].note.startswith("kept whole")
+    assert isinstance(pmodel.up, TorchLinear) and type(pmodel.gate) is nnx.Linear
+    value, grads = nnx.jit(nnx.value_and_grad(loss))(pmodel, X)
+    ref, ref_grads = nnx.value_and_grad(loss)(model, X)
+    assert relative_difference(value, ref) <= 1e-5
+    for path, g in flat(grads).items():
+        assert relative_difference(g, flat(ref_grads)[path]) <= 1e-5, path
+
+
+def test_rules_are_checked(devices):
+    mesh = make_mesh(ParallelConfig(row=2, col=4), devices)
+    with pytest.raises(TypeError, match="rules\\['up'\\] must be AsDense\\(...\\) or Replicated\\(\\)"):
+        axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh, rules={"up": "replicated"})

@@ -7,10 +7,20 @@ over `row` is transposed. When the input came through other code (attention, an 
 function), it is taken to carry the layout of the most recent dense layer's output. In a transformer
 block this gives query/key/value and mlp_up normal, attn_out and mlp_down transposed, and the
 residual stream stays split over `col` with no re-layout.
+
+The placement helpers below are shared too: `stacked_spec` (a layer's spec on a parameter stacked
+by `nn.scan` / `nnx.vmap`, the layer axes unsplit), `dense_placement` and `check_divisible` (specs
+of a dense layer's kernel and bias, or a ValueError naming the layer and the dim that does not
+divide).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
+
+from jax.sharding import PartitionSpec as P
+
+from .tensor import dense_specs, feature_axes
 
 
 class Layout:
@@ -58,3 +68,52 @@ class Layout:
         axis = self.axis_of(x)
         self.norm_axes[path] = axis
         return axis
+
+
+def stacked_spec(spec: P, layer_shape, shape) -> P:
+    """`spec` of one layer's parameter (shape `layer_shape`) extended to the same parameter stacked
+    by `nn.scan` / `nn.vmap` / `nnx.vmap` (shape `shape`, with extra layer axes): the stacked axes
+    are left unsplit (None), never given a feature axis's placement.
+
+    Where a stacked axis could sit in more than one place (a layer axis of the size of a
+    neighbouring feature dim), it is taken to be the leading one, as the transforms place it by
+    default. Raises ValueError when `shape` is not `layer_shape` with axes inserted.
+    """
+    layer_shape, shape = tuple(layer_shape), tuple(shape)
+    entries = list(spec) + [None] * (len(layer_shape) - len(spec))
+    out, j = [None] * len(shape), len(layer_shape) - 1
+    for i in range(len(shape) - 1, -1, -1):  # match from the right: extra axes end up leading
+        if j >= 0 and shape[i] == layer_shape[j]:
+            out[i], j = entries[j], j - 1
+    if j >= 0:
+        raise ValueError(f"a parameter of shape {shape} is not a stack of layers' {layer_shape}")
+    return P(*out)
+
+
+def check_divisible(path: str, kind: str, name: str, shape, spec: P, mesh):
+    """ValueError naming the layer `path` if a dim of its variable `name` is not divisible by the
+    mesh axes that `spec` splits it over."""
+    sizes = dict(mesh.shape)
+    for dim, (n, axes) in enumerate(zip(shape, spec)):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        parts = math.prod(sizes[a] for a in axes)
+        if n % parts:
+            raise ValueError(f"parallelize: layer '{path}' ({kind}): {name} {tuple(shape)} dim {dim} "
+                             f"= {n} is not divisible by {'×'.join(axes)} = {parts}")
+
+
+def dense_placement(path, kind, in_dims, out_dims, flip, out_in, mesh):
+    """`{'kernel': (layer shape, spec), 'bias': (layer shape, spec)}` of the dense layer `path`
+    (`tensor.dense_specs`), or a ValueError naming it and the first dim the grid does not divide."""
+    kernel_shape = (*out_dims, *in_dims) if out_in else (*in_dims, *out_dims)
+    specs = dense_specs(in_dims, out_dims, dict(mesh.shape), flip, out_in)
+    if specs is None:  # name the first dim that does not divide, else the contiguity
+        fin, fout = feature_axes(flip)
+        lead = lambda dims, axes: [axes] + [None] * (len(dims) - 1)  # noqa: E731
+        naive = P(*lead(out_dims, (fout, "depth")), *lead(in_dims, fin)) if out_in \
+            else P(*lead(in_dims, (fin, "depth")), *lead(out_dims, fout))
+        check_divisible(path, kind, "kernel", kernel_shape, naive, mesh)
+        raise ValueError(f"parallelize: layer '{path}' ({kind}): kernel {kernel_shape} cannot be "
+                         "split in contiguous blocks of its features (the leading feature dim must "
+                         f"be divisible by the mesh axes splitting it: {dict(mesh.shape)})")
+    return {"kernel": (kernel_shape, specs[0]), "bias": (tuple(out_dims), specs[1])}

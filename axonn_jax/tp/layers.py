@@ -4,8 +4,8 @@ feature-sharded activations.
 Parameters are created with `nn.with_partitioning`, so `init` returns `nn.Partitioned` boxes whose
 `nn.get_partition_spec` gives each array's placement on the `('depth','row','col')` axes; initialize
 under `jax.jit(..., out_shardings=...)` and no device ever holds a full copy. The names, shapes and
-initializers are those of `nn.Dense` / `nn.Embed` / `nn.LayerNorm`, and the `*_call` functions below
-are shared with `axonn_jax.parallelize`, which runs them on Flax's own layers.
+initializers are those of `nn.Dense` / `nn.Embed` / `nn.LayerNorm`. (`axonn_jax.parallelize` runs
+Flax's own layers with the same kernels, `axonn_jax.tp.tensor`, and places their parameters itself.)
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tensor-parallel Flax NNX layers: `Dense`, vocabulary-parallel `Embed`, `LayerNorm` for
+"""Tensor-parallel Flax NNX layers: `Dense`, `DenseGeneral` (several feature dims: attention's
+heads × head_dim), vocabulary-parallel `Embed` (lookup and `attend`), `LayerNorm` for
 feature-sharded activations (the NNX counterparts of `axonn_jax.layers`).
 
 Each is a subclass of the NNX layer it replaces, with the same parameters (names, shapes,
@@ -8,9 +9,21 @@ create the model under `nnx.jit` so that no device ever holds a full copy.
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
-from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
+from .tensor import (bias_spec, dense_specs, embed_spec, kernel_spec, tp_attend, tp_dense,
+                     tp_dense_general, tp_embed)
+
+
+def _no_out_sharding(layer, out_sharding):
+    if out_sharding is not None:
+        raise NotImplementedError(f"{type(layer).__name__}: out_sharding={out_sharding} is not "
+                                  "supported; the tensor-parallel layer places its own output")
+
+
+def _tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 class Dense(nnx.Linear):
@@ -26,25 +39,64 @@ class Dense(nnx.Linear):
                          **kwargs)
         self.mesh, self.transpose = mesh, transpose
 
-    def __call__(self, x):
+    def __call__(self, x, out_sharding=None):
+        _no_out_sharding(self, out_sharding)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
         return tp_dense(x, kernel, bias, self.mesh, self.transpose)
 
 
+class DenseGeneral(nnx.LinearGeneral):
+    """Tensor-parallel `nnx.LinearGeneral` without `batch_axis`: `x` contracted over `axis` with a
+    kernel `(*in_features, *out_features)` -> `(..., *out_features)`. Split like `Dense` over the
+    flattened features, the mesh axes on the leading feature dims (attention's query projection,
+    kernel `(d_model, heads, head_dim)`: heads over `row`). See `tensor.tp_dense_general`."""
+
+    def __init__(self, in_features, out_features, *, mesh, transpose: bool = False,
+                 rngs: nnx.Rngs, **kwargs):
+        specs = dense_specs(_tuple(in_features), _tuple(out_features), dict(mesh.shape), transpose)
+        if specs is None:
+            raise ValueError(f"DenseGeneral: features {in_features} -> {out_features} cannot be "
+                             f"split in contiguous blocks over {dict(mesh.shape)}")
+        super().__init__(in_features, out_features, rngs=rngs,
+                         kernel_metadata={"out_sharding": tuple(specs[0]), "mesh": mesh},
+                         bias_metadata={"out_sharding": tuple(specs[1]), "mesh": mesh}, **kwargs)
+        self.mesh, self.transpose = mesh, transpose
+
+    def __call__(self, x, out_sharding=None):
+        _no_out_sharding(self, out_sharding)
+        if self.batch_axis:
+            raise NotImplementedError(f"DenseGeneral: batch_axis={dict(self.batch_axis)} is not "
+                                      "supported tensor-parallel")
+        axis, trailing = tuple(a % x.ndim for a in self.axis), tuple(range(x.ndim - len(self.axis), x.ndim))
+        if axis != trailing:
+            x = jnp.moveaxis(x, axis, trailing)
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        return tp_dense_general(x, kernel, bias, self.mesh, self.transpose, len(axis))
+
+
 class Embed(nnx.Embed):
     """Vocabulary-parallel `nnx.Embed`: table vocab over (`row`, `depth`), features over `col`;
-    `tokens (batch, ...)` -> `(batch, ..., features)` over `col` (zeros for out-of-range tokens)."""
+    `tokens (batch, ...)` -> `(batch, ..., features)` over `col` (zeros for out-of-range tokens);
+    `attend(query)` -> `(batch, ..., vocab)` over `row` (a tied output head, `tp_attend`)."""
 
     def __init__(self, num_embeddings: int, features: int, *, mesh, rngs: nnx.Rngs, **kwargs):
         super().__init__(num_embeddings, features, rngs=rngs,
                          embedding_metadata={"out_sharding": tuple(embed_spec()), "mesh": mesh}, **kwargs)
         self.mesh = mesh
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, out_sharding=None):
+        _no_out_sharding(self, out_sharding)
         (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         return tp_embed(tokens, embedding, self.mesh)
+
+    def attend(self, query, out_sharding=None):
+        _no_out_sharding(self, out_sharding)
+        query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        return tp_attend(query, embedding, self.mesh)
 
 
 class LayerNorm(nnx.LayerNorm):

@@ -4,11 +4,17 @@ file holds the one public entry point and the linen transform; NNX modules go to
 
 For linen, the returned module is an instance of a subclass of the model's class with the same
 fields. Its `init` and `apply` run the model under `nn.intercept_methods`, which replaces the
-arithmetic of Flax's own `nn.Dense`, `nn.DenseGeneral` (2-D kernels), `nn.Embed`, `nn.LayerNorm`
-and `nn.RMSNorm` by the tensor-parallel versions of `axonn_jax.layers`. Parameter names, global
-shapes and initializers are Flax's, so the parameter tree is the original's: `init` returns it boxed in
-`nn.Partitioned` (`nn.get_partition_spec` gives the placement, `nn.unbox` the plain tree, which the
-original module accepts), and `apply` accepts the original's parameters and lays them out as it goes.
+arithmetic of Flax's own `nn.Dense`, `nn.DenseGeneral` (several feature dims too: attention's
+heads × head_dim), `nn.Embed` (lookup and `attend`) by the tensor-parallel kernels of
+`axonn_jax.tp.tensor`, and places the parameters of those and of `nn.LayerNorm` / `nn.RMSNorm`.
+Only the Flax layers' own methods are replaced: a subclass's `__call__` runs as written around
+them (`super().__call__(x) * 2` stays doubled), and modules named in `rules` run as the rule says.
+
+Parameters are created by the layers' own code (names, shapes, initializers are Flax's), so the
+parameter tree is the original's and model code reading `self.variables` sees plain arrays. `init`
+returns the parameters boxed in `nn.Partitioned` (`nn.get_partition_spec` gives the placement,
+`nn.unbox` the plain tree, which the original module accepts), the layer axes added by `nn.scan` /
+`nn.vmap` left unsplit; `apply` accepts either tree and lays the arrays out as it goes.
 
 Choosing `transpose` follows the layout of activations through the trace (`axonn_jax.tp._layout`).
 """
@@ -16,18 +22,26 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from flax import nnx
+from flax.core import meta
+from jax.sharding import PartitionSpec as P
 
-from . import layers
-from ._layout import Layout
+from . import report as _report
+from ._layout import Layout, dense_placement, stacked_spec
 from .parallelize_nnx import parallelize_nnx, trace_layout
+from .rules import AsDense, Replicated, check_rules, find_rule
+from .tensor import embed_spec, table_divides, tp_attend, tp_dense_general, tp_embed
 
 _ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.GroupNorm,
                 nn.InstanceNorm, nn.SpectralNorm, nn.WeightNorm)
+_SUPPORTED_NAMES = ("nn.Dense, nn.DenseGeneral, nn.Embed (lookup and attend), nn.LayerNorm, "
+                    "nn.RMSNorm, and modules given an AsDense or Replicated rule")
 
 
 def _path(m: nn.Module) -> str:
@@ -35,135 +49,335 @@ def _path(m: nn.Module) -> str:
     return "/".join(scope.path) if scope is not None and scope.path else (m.name or type(m).__name__)
 
 
+def _own(cls, name):
+    """The function Flax defines as `cls.name`, unwrapped as interceptors see it."""
+    fn = getattr(cls, name)
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _running(context) -> Callable:
+    """The plain function an interceptor's call runs (Flax binds it with functools.partial)."""
+    fn = context.orig_method
+    return getattr(fn, "func", None) or getattr(fn, "__func__", None) or fn
+
+
+def _input(args, kwargs):
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 class _Interceptor:
-    """The method interceptor of one trace, choosing layouts with a `Layout`."""
+    """The method interceptor of one trace: runs Flax's layers tensor-parallel, chooses their
+    layout with a `Layout`, and records where each parameter it handles goes.
 
-    def __init__(self, mesh, transpose: Mapping[str, bool]):
-        self.mesh = mesh
+    placed: `{parameter path: (shape in the layer's call, PartitionSpec)}`; notes: `{parameter
+    path: why it stays whole}`; kept: paths of modules kept as written by a Replicated rule.
+    """
+
+    def __init__(self, mesh, transpose: Mapping[str, bool], rules: Mapping):
+        self.mesh, self.sizes = mesh, dict(mesh.shape)
         self.layout = Layout(transpose)
-
-    def _dense(self, m, x, features: int):
-        path = _path(m)
-        transpose = self.layout.dense(path, x)
-        try:
-            y = layers.dense_call(m, x, features, self.mesh, transpose)
-        except ValueError as e:
-            raise ValueError(f"parallelize: layer '{path}' ({type(m).__name__}): {e}") from None
-        return self.layout.dense_output(y, transpose)
+        self.rules = rules
+        self.placed: dict[tuple, tuple] = {}
+        self.notes: dict[tuple, str] = {}
+        self.kept: set[tuple] = set()
 
     def __call__(self, next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
-        if isinstance(m, _UNSUPPORTED):
+        if not method.isidentifier():  # Flax's own helpers (nn.scan's setup-only `<lambda>`)
+            return next_fun(*args, **kwargs)
+        scope_path = tuple(m.scope.path) if m.scope is not None else ()
+        rule = find_rule(self.rules, "/".join(scope_path), m) if self.rules else None
+        if self.kept or isinstance(rule, Replicated):
+            if isinstance(rule, Replicated):
+                self.kept.add(scope_path)
+            if any(scope_path[:len(k)] == k for k in self.kept):  # it, or a module inside it
+                return next_fun(*args, **kwargs)
+        if isinstance(rule, AsDense) and method == "__call__":
+            return self._dense(m, next_fun, args, kwargs, rule.kernel, rule.bias,
+                               tuple(range(-rule.in_ndim, 0)), rule.out_in)
+        handler = _HANDLERS.get(_running(context))
+        if handler is not None:
+            return handler(self, m, next_fun, args, kwargs)
+        if isinstance(m, _UNSUPPORTED) and method == "__call__":
             raise NotImplementedError(
                 f"parallelize: cannot run layer '{_path(m)}' ({type(m).__name__}) tensor-parallel; "
-                "supported: nn.Dense, nn.DenseGeneral with a 2-D kernel, nn.Embed, nn.LayerNorm, "
-                "nn.RMSNorm")
-        if isinstance(m, nn.Embed):
-            if method == "setup":
-                m.embedding = layers.embed_param(m)
-                return None
-            if method == "__call__":
-                try:
-                    return self.layout.mark(layers.embed_call(m, m.embedding, args[0], self.mesh), "col")
-                except ValueError as e:
-                    raise ValueError(f"parallelize: layer '{_path(m)}' (Embed): {e}") from None
-            raise NotImplementedError(f"parallelize: Embed.{method} of layer '{_path(m)}' (e.g. "
-                                      "tied output heads via `attend`) is not supported")
-        if method != "__call__":
-            return next_fun(*args, **kwargs)
-        if isinstance(m, nn.Dense):
-            self._check_plain_dot(m)
-            return self._dense(m, args[0], m.features)
-        if isinstance(m, nn.DenseGeneral):
-            self._check_plain_dot(m)
-            features = (m.features,) if isinstance(m.features, int) else tuple(m.features)
-            axis = (m.axis,) if isinstance(m.axis, int) else tuple(m.axis)
-            if len(features) != 1 or axis not in ((-1,), (args[0].ndim - 1,)) or tuple(m.batch_dims):
-                raise NotImplementedError(
-                    f"parallelize: layer '{_path(m)}' (DenseGeneral features={m.features}, "
-                    f"axis={m.axis}, batch_dims={m.batch_dims}) has a kernel that is not 2-D "
-                    "(in, out); only features=int, axis=-1, batch_dims=() is supported")
-            return self._dense(m, args[0], features[0])
-        if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-            x = args[0]
-            if m.reduction_axes not in (-1, (-1,)) or m.feature_axes not in (-1, (-1,)) or m.axis_name:
-                raise NotImplementedError(
-                    f"parallelize: layer '{_path(m)}' ({type(m).__name__}) normalizes over "
-                    f"reduction_axes={m.reduction_axes}, feature_axes={m.feature_axes}, "
-                    f"axis_name={m.axis_name}; only the last axis, without axis_name, is supported")
-            axis = self.layout.norm(_path(m), x)
-            return self.layout.mark(layers.norm_call(m, x, axis, rms=isinstance(m, nn.RMSNorm)), axis)
+                f"supported: {_SUPPORTED_NAMES}")
         return next_fun(*args, **kwargs)
 
+    # -- parameters
+
+    def _place(self, m, name: str, shape, spec: P):
+        self.placed[(*m.scope.path, name)] = (tuple(shape), spec)
+
     @staticmethod
-    def _check_plain_dot(m):
-        if m.dot_general is not None or m.dot_general_cls is not None:
-            raise NotImplementedError(f"parallelize: layer '{_path(m)}' ({type(m).__name__}) sets a "
-                                      "custom dot_general, which the tensor-parallel matmul replaces")
+    def _read(m, name: str):
+        value = m.get_variable("params", name)
+        if value is None:
+            names = sorted(m.variables.get("params", {}))
+            raise ValueError(f"parallelize: layer '{_path(m)}' ({type(m).__name__}) has no parameter "
+                             f"'{name}' (its parameters: {names})")
+        return meta.unbox(value)
+
+    # -- dense layers
+
+    def _dense(self, m, next_fun, args, kwargs, kernel_name, bias_name, axes, out_in):
+        """Any dense layer: `x` contracted over `axes` with `kernel_name` (+ `bias_name`)."""
+        path, kind = _path(m), type(m).__name__
+        if not m.has_variable("params", kernel_name):
+            next_fun(*args, **kwargs)  # init: the layer creates its parameters itself
+        kernel = self._read(m, kernel_name)
+        bias = self._read(m, bias_name) if bias_name else None
+        x = _input(args, kwargs)
+        transpose = self.layout.dense(path, x)
+        axes, trailing = tuple(a % x.ndim for a in axes), tuple(range(x.ndim - len(axes), x.ndim))
+        if axes != trailing:  # DenseGeneral(axis=...) contracting inner dims: move them last
+            x = jnp.moveaxis(x, axes, trailing)
+        promote = getattr(m, "promote_dtype", nn.dtypes.promote_dtype)
+        x, kernel, bias = promote(x, kernel, bias, dtype=getattr(m, "dtype", None))
+        hint = f" (keep it whole with rules={{'{path}': Replicated()}})"
+        try:
+            y = tp_dense_general(x, kernel, bias, self.mesh, transpose, len(axes), out_in)
+        except ValueError as e:
+            raise ValueError(f"parallelize: layer '{path}' ({kind}): {e}{hint}") from None
+        n_in, n_out = len(axes), kernel.ndim - len(axes)
+        out_dims = kernel.shape[:n_out] if out_in else kernel.shape[n_in:]
+        try:
+            specs = dense_placement(path, kind, x.shape[x.ndim - n_in:], out_dims, transpose, out_in,
+                                    self.mesh)
+        except ValueError as e:
+            raise ValueError(f"{e}{hint}") from None
+        self._place(m, kernel_name, kernel.shape, specs["kernel"][1])
+        if bias is not None:
+            self._place(m, bias_name, bias.shape, specs["bias"][1])
+        return self.layout.dense_output(y, transpose)
+
+    def _flax_dense(self, m, next_fun, args, kwargs):
+        _check_plain_dot(m)
+        return self._dense(m, next_fun, args, kwargs, "kernel", "bias" if m.use_bias else None,
+                           (-1,), False)
+
+    def _flax_dense_general(self, m, next_fun, args, kwargs):
+        _check_plain_dot(m)
+        if m.batch_dims not in ((), None):
+            raise NotImplementedError(
+                f"parallelize: layer '{_path(m)}' (DenseGeneral batch_dims={m.batch_dims}) has a "
+                "kernel per batch entry; only batch_dims=() runs tensor-parallel")
+        axis = (m.axis,) if isinstance(m.axis, int) else tuple(m.axis)
+        return self._dense(m, next_fun, args, kwargs, "kernel", "bias" if m.use_bias else None,
+                           axis, False)
+
+    # -- embeddings
+
+    def _table(self, m, table) -> bool:
+        """Whether `m`'s table splits on the grid (placing it); if not it stays whole, noted."""
+        if table_divides(table.shape, self.mesh):
+            self._place(m, "embedding", table.shape, embed_spec())
+            return True
+        self.notes[(*m.scope.path, "embedding")] = (
+            f"(vocabulary, features) = {tuple(table.shape)} not divisible by (row×depth, col) = "
+            f"({self.sizes['row'] * self.sizes['depth']}, {self.sizes['col']})")
+        return False
+
+    def _embed(self, m, next_fun, args, kwargs):
+        if not self._table(m, m.embedding):
+            return next_fun(*args, **kwargs)
+        tokens = _input(args, kwargs)
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"Embed: input type must be an integer, got {tokens.dtype}")
+        (table,) = m.promote_dtype(m.embedding, dtype=m.dtype, inexact=False)
+        try:
+            return self.layout.mark(tp_embed(tokens, table, self.mesh), "col")
+        except ValueError as e:
+            raise ValueError(f"parallelize: layer '{_path(m)}' (Embed): {e}") from None
+
+    def _attend(self, m, next_fun, args, kwargs):
+        if not self._table(m, m.embedding):
+            return next_fun(*args, **kwargs)
+        query, table = m.promote_dtype(_input(args, kwargs), m.embedding, dtype=m.dtype)
+        try:
+            return self.layout.dense_output(tp_attend(query, table, self.mesh), False)
+        except ValueError as e:
+            raise ValueError(f"parallelize: layer '{_path(m)}' (Embed.attend): {e}") from None
+
+    # -- norms: Flax's own arithmetic on feature-split activations (GSPMD all-reduces the stats)
+
+    def _norm(self, m, next_fun, args, kwargs):
+        x = _input(args, kwargs)
+        if m.reduction_axes not in (-1, (-1,)) or m.feature_axes not in (-1, (-1,)) or m.axis_name:
+            raise NotImplementedError(
+                f"parallelize: layer '{_path(m)}' ({type(m).__name__}) normalizes over "
+                f"reduction_axes={m.reduction_axes}, feature_axes={m.feature_axes}, "
+                f"axis_name={m.axis_name}; only the last axis, without axis_name, is supported")
+        axis = self.layout.norm(_path(m), x)
+        if x.shape[-1] % self.sizes[axis]:
+            raise ValueError(f"parallelize: layer '{_path(m)}' ({type(m).__name__}): features "
+                             f"{x.shape[-1]} are not divisible by {axis} = {self.sizes[axis]}")
+        y = next_fun(*args, **kwargs)
+        for name in ("scale", "bias"):
+            if m.has_variable("params", name):
+                self._place(m, name, (x.shape[-1],), P(axis))
+        return self.layout.mark(y, axis)
+
+
+def _check_plain_dot(m):
+    if m.dot_general is not None or m.dot_general_cls is not None:
+        raise NotImplementedError(f"parallelize: layer '{_path(m)}' ({type(m).__name__}) sets a "
+                                  "custom dot_general, which the tensor-parallel matmul replaces")
+
+
+# Keyed by the function being run: a subclass's own methods run as written around these.
+_HANDLERS: dict[Callable, Callable] = {
+    _own(nn.Dense, "__call__"): _Interceptor._flax_dense,
+    _own(nn.DenseGeneral, "__call__"): _Interceptor._flax_dense_general,
+    _own(nn.Embed, "__call__"): _Interceptor._embed,
+    _own(nn.Embed, "attend"): _Interceptor._attend,
+    _own(nn.LayerNorm, "__call__"): _Interceptor._norm,
+    _own(nn.RMSNorm, "__call__"): _Interceptor._norm,
+}
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+
+
+def _spec_of(interceptor: _Interceptor, key: tuple, shape) -> P:
+    if key not in interceptor.placed:
+        return P()
+    layer_shape, spec = interceptor.placed[key]
+    try:
+        return stacked_spec(spec, layer_shape, shape)
+    except ValueError as e:
+        raise ValueError(f"parallelize: parameter '{'/'.join(key)}': {e}") from None
+
+
+def _box(params, interceptor: _Interceptor):
+    """`params` with every parameter the trace placed in an `nn.Partitioned` box."""
+    def box(path, leaf):
+        key, value = _path_key(path), meta.unbox(leaf)
+        if key not in interceptor.placed:
+            return leaf
+        return nn.Partitioned(value, tuple(_spec_of(interceptor, key, value.shape)))
+    return jax.tree_util.tree_map_with_path(box, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))
+
+
+def _linen_report(params, interceptor: _Interceptor) -> _report.SplitReport:
+    entries = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(meta.unbox(params))[0]:
+        key = _path_key(path)
+        kept = any(key[:len(k)] == k for k in interceptor.kept)
+        note = _report.RULE_NOTE if kept else interceptor.notes.get(key, "")
+        entries.append(("/".join(map(str, key)), jnp.shape(leaf), leaf.dtype,
+                        _spec_of(interceptor, key, jnp.shape(leaf)), note))
+    return _report.build(entries, interceptor.sizes)
+
+
+def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, report, max_replicated):
+    """The linen form of `parallelize`: a subclass of `type(module)` with the same fields whose
+    `init` / `init_with_output` / `apply` run under an `_Interceptor`."""
+    base = type(module)
+    reported = []  # the report and notes come once per parallelized module
+
+    def traced(call):
+        """`call()` under a fresh interceptor: (result, interceptor), or (result, None) when a
+        trace is already running (`init` calls `init_with_output`: intercept once)."""
+        if _ACTIVE.get():
+            return call(), None
+        interceptor = _Interceptor(mesh, overrides, rules)
+        token = _ACTIVE.set(True)
+        try:
+            with nn.intercept_methods(interceptor):
+                return call(), interceptor
+        finally:
+            _ACTIVE.reset(token)
+
+    def finish(interceptor, params):
+        if not reported:
+            _report.act(_linen_report(params, interceptor), report, max_replicated)
+            reported.append(True)
+
+    def placed(variables, interceptor):
+        if interceptor is None or "params" not in variables:
+            return variables
+        variables = {**variables, "params": _box(variables["params"], interceptor)}
+        finish(interceptor, variables["params"])
+        return variables
+
+    def init_with_output(self, *args, **kwargs):
+        (y, variables), interceptor = traced(lambda: base.init_with_output(self, *args, **kwargs))
+        return y, placed(variables, interceptor)
+
+    def init(self, *args, **kwargs):
+        return placed(*traced(lambda: base.init(self, *args, **kwargs)))
+
+    def apply(self, variables, *args, **kwargs):
+        variables = meta.unbox(variables)  # model code reading self.variables sees plain arrays
+        out, interceptor = traced(lambda: base.apply(self, variables, *args, **kwargs))
+        if interceptor is not None:
+            finish(interceptor, variables.get("params", {}))
+        return out
+
+    methods = {"init": init, "init_with_output": init_with_output, "apply": apply}
+    for name, fn in methods.items():
+        fn.__doc__ = getattr(base, name).__doc__
+        methods[name] = nn.nowrap(fn)
+    cls = type(f"Parallel{base.__name__}", (base,),
+               {**methods, "__module__": base.__module__, "axonn_mesh": mesh})
+    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+              if f.init and f.name not in ("parent", "name")}
+    return cls(**fields)
 
 
 def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
-                example_args: tuple | None = None, example_kwargs: Mapping | None = None):
+                rules: Mapping | None = None, report: bool | Callable = False,
+                max_replicated: int | None = None, example_args: tuple | None = None,
+                example_kwargs: Mapping | None = None):
     """The tensor-parallel version of a Flax `module` (linen or NNX) on `mesh` (axes `depth, row, col`).
 
     Linen: returns an instance of a subclass of `type(module)` with the same fields, whose `init` /
-    `apply` run the model's dense layers, embeddings and norms with `axonn_jax.layers` (see the
-    module docstring); the layout is traced at `init` / `apply`.
-    NNX: returns a copy of `module` whose `nnx.Linear` / `nnx.Embed` run tensor-parallel
-    (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
+    `apply` run the model's dense layers, embeddings and norms tensor-parallel (see the module
+    docstring); the layout is traced at `init` / `apply`.
+    NNX: returns a copy of `module` whose `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Embed` run
+    tensor-parallel (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
     `axonn_jax.tp.parallelize_nnx`); `example_args` / `example_kwargs` (inputs of `module.__call__`)
     let it trace the layout and alternate `transpose`; without them dense layers are normal.
 
     transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`, NNX `'blocks/0/up'`)
-    overriding the automatic choice of normal / transposed layers. Raises NotImplementedError
-    naming a layer it cannot run tensor-parallel (convolutions, batch norm, multi-dim
-    DenseGeneral / LinearGeneral, Embed.attend in linen), ValueError naming a layer whose
-    dimensions the grid does not divide.
+    overriding the automatic choice of normal / transposed layers.
+    rules: `{module class or path glob: AsDense(...) | Replicated()}` (`axonn_jax.tp.rules`): run
+    a custom dense module tensor-parallel, or keep a module as written with whole parameters.
+    report: True prints a `SplitReport` (every parameter, its split and the bytes left whole on
+    each device) once the layout is known (linen: at the first `init` / `apply`; NNX: here); a
+    callable receives it instead. Weights left whole are named in one-line log notes either way.
+    max_replicated: raise ValueError if a parameter above this many elements would stay whole on
+    every device (except those kept so by a Replicated rule).
+
+    Raises NotImplementedError naming a layer it cannot run tensor-parallel (convolutions, batch
+    norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
+    not divide. Embedding tables the grid does not divide stay whole (noted).
     """
     missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
     if missing:
         raise ValueError(f"parallelize: the mesh lacks axes {sorted(missing)}; build it with make_mesh")
+    rules = check_rules(rules)
     if isinstance(module, nnx.Module):
-        return parallelize_nnx(module, mesh, transpose=transpose, example_args=example_args,
+        return parallelize_nnx(module, mesh, transpose=transpose, rules=rules, report=report,
+                               max_replicated=max_replicated, example_args=example_args,
                                example_kwargs=example_kwargs)
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize takes a flax.linen or flax.nnx Module, got {type(module).__name__}")
     if example_args is not None or example_kwargs is not None:
         raise TypeError("parallelize: example_args / example_kwargs are for NNX modules; a linen "
                         "module's layout is traced from the inputs of its init / apply")
-    base = type(module)
-    overrides = dict(transpose or {})
-
-    def run(method_name):
-        def wrapped(self, *args, **kwargs):
-            if _ACTIVE.get():  # `init` calls `init_with_output`: intercept once per trace
-                return getattr(base, method_name)(self, *args, **kwargs)
-            token = _ACTIVE.set(True)
-            try:
-                with nn.intercept_methods(_Interceptor(mesh, overrides)):
-                    return getattr(base, method_name)(self, *args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-        wrapped.__doc__ = getattr(base, method_name).__doc__
-        return nn.nowrap(wrapped)
-
-    cls = type(f"Parallel{base.__name__}", (base,),
-               {"init": run("init"), "apply": run("apply"), "init_with_output": run("init_with_output"),
-                "__module__": base.__module__, "axonn_mesh": mesh})
-    fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-              if f.init and f.name not in ("parent", "name")}
-    return cls(**fields)
+    return _parallelize_linen(module, mesh, dict(transpose or {}), rules, report, max_replicated)
 
 
 def transpose_plan(module, mesh, *args, **kwargs) -> dict[str, bool]:
     """`{dense layer path: transpose}` that `parallelize` chooses for a linen `module` with inputs
     `args` / `kwargs` (or an NNX `module` with `example_args=args, example_kwargs=kwargs`), traced
     abstractly; nothing is computed."""
-    import jax
-
     if isinstance(module, nnx.Module):
         return dict(trace_layout(module, {}, args, kwargs).decisions)
-    interceptor = _Interceptor(mesh, {})
+    interceptor = _Interceptor(mesh, {}, {})
 
     def init(key):
         with nn.intercept_methods(interceptor):

@@ -1,14 +1,16 @@
 """`parallelize` for Flax NNX modules: the same model object graph, its Flax layers made
 tensor-parallel and its parameters placed on the mesh.
 
-The result is a copy (`nnx.clone`) of the model in which every `nnx.Linear` becomes an
-`axonn_jax.layers_nnx.Dense` and every `nnx.Embed` an `axonn_jax.layers_nnx.Embed` (subclasses of
-the Flax layers that keep their attributes and parameters), and the `scale` / `bias` of every
-`nnx.LayerNorm` / `nnx.RMSNorm` are split like the features of that norm's input; Flax's own norm
-arithmetic then runs on the feature-sharded activations, with GSPMD adding the all-reduces of the
-statistics. Every variable keeps its path and global shape and is placed by an `out_sharding`
-annotation (`nnx.get_partition_spec` / `nnx.get_named_sharding` give the placement); variables
-outside these layers are replicated over the mesh.
+The result is a copy (`nnx.clone`) of the model in which every `nnx.Linear`, `nnx.LinearGeneral`
+and `nnx.Embed` runs as the `axonn_jax.layers_nnx` layer of its kind (a subclass of the Flax layer
+keeping its attributes and parameters; a user's subclass of a Flax layer gets the parallel layer
+slotted in under its own methods, so its `__call__` runs as written around the parallel kernel),
+modules named in `rules` run as the rule says, and the `scale` / `bias` of every `nnx.LayerNorm` /
+`nnx.RMSNorm` are split like the features of that norm's input; Flax's own norm arithmetic then
+runs on the feature-sharded activations, with GSPMD adding the all-reduces of the statistics.
+Every variable keeps its path and global shape and is placed by an `out_sharding` annotation
+(`nnx.get_partition_spec` / `nnx.get_named_sharding` give the placement); layer axes of stacks
+made with `nnx.vmap` stay unsplit; variables outside these layers are replicated over the mesh.
 
 `transpose` of each dense layer comes from one abstract trace of the model's `__call__` on example
 inputs (`axonn_jax.tp._layout.Layout`, shared with the linen transform; nothing is computed). Without
@@ -17,57 +19,77 @@ example inputs, a layer is normal unless the `transpose` overrides say otherwise
 from __future__ import annotations
 
 import contextvars
-import math
-from typing import Mapping
+import functools
+from typing import Callable, Mapping
 
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import layers_nnx
-from ._layout import Layout
-from .tensor import bias_spec, embed_spec, kernel_spec
+from . import report as _report
+from ._layout import Layout, check_divisible, dense_placement, stacked_spec
+from .rules import AsDense, Replicated, find_rule
+from .tensor import embed_spec, table_divides, tp_dense_general
 
 _NORMS = (nnx.LayerNorm, nnx.RMSNorm)
-_SUPPORTED = (nnx.Linear, nnx.Embed, *_NORMS)
-_ALREADY_PARALLEL = (layers_nnx.Dense, layers_nnx.Embed, layers_nnx.LayerNorm)
-_UNSUPPORTED = (nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose, nnx.BatchNorm,
-                nnx.GroupNorm, nnx.InstanceNorm, nnx.WeightNorm, nnx.SpectralNorm, nnx.LoRA)
-_SUPPORTED_NAMES = "nnx.Linear, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm"
+_DENSE = (nnx.Linear, nnx.LinearGeneral)
+_FLAX = (*_DENSE, nnx.Embed, *_NORMS)
+_PARALLEL = {nnx.Linear: layers_nnx.Dense, nnx.LinearGeneral: layers_nnx.DenseGeneral,
+             nnx.Embed: layers_nnx.Embed}
+_ALREADY_PARALLEL = (layers_nnx.Dense, layers_nnx.DenseGeneral, layers_nnx.Embed, layers_nnx.LayerNorm)
+_UNSUPPORTED = (nnx.Einsum, nnx.Conv, nnx.ConvTranspose, nnx.BatchNorm, nnx.GroupNorm,
+                nnx.InstanceNorm, nnx.WeightNorm, nnx.SpectralNorm, nnx.LoRA)
+_SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm, and "
+                    "modules given an AsDense or Replicated rule")
 _TRACE = contextvars.ContextVar("axonn_nnx_trace", default=None)
 
 
-def _layers(module: nnx.Module) -> dict[str, nnx.Module]:
-    """`{path: layer}` of the Flax layers in `module`'s graph that parallelize replaces; raises for
-    a layer it cannot run tensor-parallel."""
+def _flax_base(m) -> type | None:
+    """The Flax layer class `m` is (or subclasses) among those parallelize runs."""
+    return next((c for c in type(m).__mro__ if c in _FLAX), None)
+
+
+def _layers(module: nnx.Module, rules: Mapping):
+    """(`{path: (layer, Flax base class or AsDense rule)}` of the layers in `module`'s graph that
+    parallelize runs, paths of the modules kept as written by a Replicated rule); raises for a
+    layer it cannot run tensor-parallel."""
+    modules = [("/".join(map(str, parts)), m) for parts, m in nnx.iter_modules(module)]
+    kept = [p for p, m in modules if isinstance(find_rule(rules, p, m), Replicated)]
     found = {}
-    for parts, m in nnx.iter_modules(module):
-        path = "/".join(map(str, parts)) or type(m).__name__
-        if isinstance(m, _ALREADY_PARALLEL):
+    for path, m in modules:
+        if any(path == k or path.startswith(k + "/") or not k for k in kept):
             continue
-        kind = type(m).__name__
-        if type(m) in _SUPPORTED:
+        rule, base = find_rule(rules, path, m), _flax_base(m)
+        path = path or type(m).__name__  # the root, named in errors
+        if isinstance(rule, AsDense):
+            found[path] = (m, rule)
+        elif isinstance(m, _ALREADY_PARALLEL):
+            continue
+        elif base is not None:
             _check_options(path, m)
-            found[path] = m
-        elif isinstance(m, _SUPPORTED):
-            raise NotImplementedError(
-                f"parallelize: layer '{path}' ({kind}) subclasses a Flax layer and may change its "
-                f"arithmetic; only the Flax layers themselves are replaced: {_SUPPORTED_NAMES}")
+            found[path] = (m, base)
         elif isinstance(m, _UNSUPPORTED):
-            raise NotImplementedError(f"parallelize: cannot run layer '{path}' ({kind}) "
+            raise NotImplementedError(f"parallelize: cannot run layer '{path}' ({type(m).__name__}) "
                                       f"tensor-parallel; supported: {_SUPPORTED_NAMES}")
-    return found
+    return found, kept
 
 
 def _check_options(path: str, m: nnx.Module):
     kind = type(m).__name__
-    if isinstance(m, nnx.Linear):
-        if m.dot_general is not jax.lax.dot_general or m.preferred_element_type is not None \
-                or m.precision is not None:
+    if isinstance(m, _DENSE):
+        if m.dot_general is not jax.lax.dot_general and m.dot_general is not None \
+                or getattr(m, "dot_general_cls", None) is not None \
+                or m.preferred_element_type is not None or m.precision is not None:
             raise NotImplementedError(
-                f"parallelize: layer '{path}' (Linear) sets dot_general, precision or "
+                f"parallelize: layer '{path}' ({kind}) sets dot_general, precision or "
                 "preferred_element_type, which the tensor-parallel matmul does not take")
+        if isinstance(m, nnx.LinearGeneral) and m.batch_axis:
+            raise NotImplementedError(f"parallelize: layer '{path}' ({kind} batch_axis="
+                                      f"{dict(m.batch_axis)}) has a kernel per batch entry; only "
+                                      "LinearGeneral without batch_axis runs tensor-parallel")
     elif isinstance(m, _NORMS):
         if m.reduction_axes not in (-1, (-1,)) or m.feature_axes not in (-1, (-1,)) or m.axis_name:
             raise NotImplementedError(
@@ -76,29 +98,70 @@ def _check_options(path: str, m: nnx.Module):
                 "the last axis, without axis_name, is supported")
 
 
-def _record(layout: Layout, path: str, m: nnx.Module, x, y):
-    if isinstance(m, nnx.Linear):
+# -- classes: a layer's class is swapped on the copy, keeping a user subclass's own methods on top
+
+
+@functools.lru_cache(maxsize=None)
+def _under(cls: type, parallel: type, prefix: str) -> type:
+    """`parallel` (a subclass of the Flax layer that `cls` is or subclasses) slotted under `cls`'s
+    own methods: `super()` in `cls` reaches `parallel`'s methods."""
+    if parallel.__mro__[1] is cls:
+        return parallel
+    return type(f"{prefix}{cls.__name__}", (cls, parallel), {"__module__": cls.__module__})
+
+
+def _rule_call(rule: AsDense) -> Callable:
+    def __call__(self, x):
+        kernel = getattr(self, rule.kernel)[...]
+        bias = getattr(self, rule.bias, None) if rule.bias else None
+        bias = None if bias is None else bias[...]
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=getattr(self, "dtype", None))
+        return tp_dense_general(x, kernel, bias, self._axonn_mesh, self._axonn_transpose,
+                                rule.in_ndim, rule.out_in)
+    return __call__
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_class(cls: type, rule: AsDense) -> type:
+    return type(f"Parallel{cls.__name__}", (cls,), {"__call__": _rule_call(rule),
+                                                      "__module__": cls.__module__})
+
+
+def _record(path: str, kind, x, y, attend: bool = False):
+    layout = _TRACE.get()
+    if isinstance(kind, AsDense) or kind in _DENSE:
         layout.dense_output(y, layout.dense(path, x))
-    elif isinstance(m, nnx.Embed):
-        layout.mark(y, "col")
+    elif kind is nnx.Embed:
+        layout.dense_output(y, False) if attend else layout.mark(y, "col")
     else:
         layout.mark(y, layout.norm(path, x))
     return y
 
 
-def _tracing(base):
+def _tracing_base(base):
     """A subclass of the Flax layer `base` whose calls report to the active trace's `Layout`."""
     def __call__(self, x, *args, **kwargs):
-        layout, paths = _TRACE.get()
-        return _record(layout, paths[id(self)], self, x, base.__call__(self, x, *args, **kwargs))
-    return type(f"_Tracing{base.__name__}", (base,), {"__call__": __call__})
+        return _record(self._axonn_path, base, x, base.__call__(self, x, *args, **kwargs))
+
+    def attend(self, query, *args, **kwargs):
+        return _record(self._axonn_path, base, query, base.attend(self, query, *args, **kwargs), True)
+
+    methods = {"__call__": __call__, **({"attend": attend} if base is nnx.Embed else {})}
+    return type(f"_Tracing{base.__name__}", (base,), methods)
 
 
-_TRACING = {base: _tracing(base) for base in _SUPPORTED}
+_TRACING = {base: _tracing_base(base) for base in _FLAX}
+
+
+@functools.lru_cache(maxsize=None)
+def _tracing_rule(cls: type, rule: AsDense) -> type:
+    def __call__(self, x, *args, **kwargs):
+        return _record(self._axonn_path, rule, x, cls.__call__(self, x, *args, **kwargs))
+    return type(f"_Tracing{cls.__name__}", (cls,), {"__call__": __call__})
 
 
 def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args: tuple,
-                 kwargs: Mapping | None = None) -> Layout:
+                 kwargs: Mapping | None = None, rules: Mapping | None = None) -> Layout:
     """The `Layout` of one abstract call `module(*args, **kwargs)` (`jax.eval_shape`: nothing is
     computed and `module` is not changed). Array arguments may be `jax.ShapeDtypeStruct`s."""
     layout = Layout(overrides)
@@ -110,11 +173,12 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
         arrays = iter(arrays)
         a, k = jax.tree.unflatten(treedef, [next(arrays) if f else v for v, f in zip(leaves, is_array)])
         model = nnx.merge(graphdef, state)
-        paths = {}
-        for path, m in _layers(model).items():
-            object.__setattr__(m, "__class__", _TRACING[type(m)])  # this copy only
-            paths[id(m)] = path
-        token = _TRACE.set((layout, paths))
+        for path, (m, kind) in _layers(model, rules or {})[0].items():  # this copy only
+            cls = _tracing_rule(type(m), kind) if isinstance(kind, AsDense) \
+                else _under(type(m), _TRACING[kind], "_Tracing")
+            object.__setattr__(m, "__class__", cls)
+            m._axonn_path = path  # static: survives the splits of nnx.scan / nnx.vmap
+        token = _TRACE.set(layout)
         try:
             model(*a, **k)
         finally:
@@ -124,14 +188,46 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
     return layout
 
 
-def _check_divisible(path: str, kind: str, name: str, shape, spec: P, mesh):
-    sizes = dict(mesh.shape)
-    for dim, (n, axes) in enumerate(zip(shape, spec)):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        parts = math.prod(sizes[a] for a in axes)
-        if n % parts:
-            raise ValueError(f"parallelize: layer '{path}' ({kind}): {name} {tuple(shape)} dim {dim} "
-                             f"= {n} is not divisible by {'×'.join(axes)} = {parts}")
+# -- placement
+
+
+def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
+    """`{variable name: (one layer's shape, spec)}` for the layer `m`, switching its class to the
+    parallel one; `{}` (and a note) for a table the grid does not divide."""
+    name = type(m).__name__
+    if isinstance(kind, AsDense):
+        kernel = getattr(m, kind.kernel, None)
+        if not isinstance(kernel, nnx.Variable):
+            raise ValueError(f"parallelize: layer '{path}' ({name}) has no parameter "
+                             f"'{kind.kernel}' for its AsDense rule")
+        layer = kernel.shape[kernel.ndim - kind.in_ndim - kind.out_ndim:]
+        in_dims, out_dims = (layer[kind.out_ndim:], layer[:kind.out_ndim]) if kind.out_in \
+            else (layer[:kind.in_ndim], layer[kind.in_ndim:])
+        specs = dense_placement(path, name, in_dims, out_dims, flip, kind.out_in, mesh)
+        object.__setattr__(m, "__class__", _rule_class(type(m), kind))
+        m._axonn_mesh, m._axonn_transpose = mesh, flip
+        return {kind.kernel: specs["kernel"], **({kind.bias: specs["bias"]} if kind.bias else {})}
+    if kind in _DENSE:
+        in_dims, out_dims = (tuple(np.atleast_1d(m.in_features)), tuple(np.atleast_1d(m.out_features)))
+        specs = dense_placement(path, name, tuple(map(int, in_dims)), tuple(map(int, out_dims)),
+                                flip, False, mesh)
+    elif kind is nnx.Embed:
+        table = m.embedding.shape[-2:]
+        if not table_divides(table, mesh):
+            sizes = dict(mesh.shape)
+            notes[f"{path}/embedding"] = (
+                f"(vocabulary, features) = {tuple(table)} not divisible by (row×depth, col) = "
+                f"({sizes['row'] * sizes['depth']}, {sizes['col']})")
+            return {}
+        specs = {"embedding": (tuple(table), embed_spec())}
+    else:
+        axis = layout.norm_axes.get(path, "col")
+        return {"scale": ((m.num_features,), P(axis)), "bias": ((m.num_features,), P(axis))}
+    object.__setattr__(m, "__class__", _under(type(m), _PARALLEL[kind], "Parallel"))
+    m.mesh = mesh
+    if kind in _DENSE:
+        m.transpose = flip
+    return specs
 
 
 def _place(value, sharding: NamedSharding):
@@ -142,47 +238,57 @@ def _place(value, sharding: NamedSharding):
     return value  # a Python scalar in a Variable stays one
 
 
+def _nnx_report(model, notes: dict, kept: list, mesh) -> _report.SplitReport:
+    entries = []
+    for parts, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = "/".join(map(str, parts))
+        spec = var.get_metadata().get("out_sharding")
+        kept_here = any(path.startswith(k + "/") or not k for k in kept)
+        entries.append((path, var.shape, var.dtype, P(*spec) if spec else P(),
+                        _report.RULE_NOTE if kept_here else notes.get(path, "")))
+    return _report.build(entries, dict(mesh.shape))
+
+
 def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] | None = None,
-                    example_args: tuple | None = None, example_kwargs: Mapping | None = None):
+                    rules: Mapping | None = None, report: bool | Callable = False,
+                    max_replicated: int | None = None, example_args: tuple | None = None,
+                    example_kwargs: Mapping | None = None):
     """The tensor-parallel copy of the NNX `module` on `mesh` (see the module docstring).
 
     transpose: `{layer path: bool}` (paths like `'blocks/0/up'`) overriding the automatic choice.
+    rules / report / max_replicated: as for `axonn_jax.parallelize`.
     example_args / example_kwargs: inputs of `module.__call__` (arrays or ShapeDtypeStructs) from
     which the layout is traced; without them every dense layer not in `transpose` is normal.
     `module` is not changed; the copy's arrays are new shardings of its arrays (`jax.device_put`
     sends each device its shard); an abstract `module` (`nnx.eval_shape`) gives an abstract copy
     whose ShapeDtypeStructs carry the shardings.
     """
+    rules = dict(rules or {})
     if example_args is not None or example_kwargs is not None:
-        layout = trace_layout(module, transpose, tuple(example_args or ()), example_kwargs)
+        layout = trace_layout(module, transpose, tuple(example_args or ()), example_kwargs, rules)
     else:
         layout = Layout(transpose)
     model = nnx.clone(module)
-    found = _layers(model)
-    unknown = sorted(set(layout.overrides) - {p for p, m in found.items() if isinstance(m, nnx.Linear)})
+    found, kept = _layers(model, rules)
+    dense = {p for p, (m, kind) in found.items() if isinstance(kind, AsDense) or kind in _DENSE}
+    unknown = sorted(set(layout.overrides) - dense)
     if unknown:
         raise ValueError(f"parallelize: transpose names no nnx.Linear of the model: {unknown}")
-    for path, m in found.items():
-        kind = type(m).__name__
-        if isinstance(m, nnx.Linear):
-            flip = layout.decisions.get(path, layout.overrides.get(path, False))
-            specs = {"kernel": kernel_spec(flip), "bias": bias_spec(flip)}
-            object.__setattr__(m, "__class__", layers_nnx.Dense)
-            m.mesh, m.transpose = mesh, flip
-        elif isinstance(m, nnx.Embed):
-            specs = {"embedding": embed_spec()}
-            object.__setattr__(m, "__class__", layers_nnx.Embed)
-            m.mesh = mesh
-        else:
-            axis = layout.norm_axes.get(path, "col")
-            specs = {"scale": P(axis), "bias": P(axis)}
-        for name, spec in specs.items():
+    notes: dict[str, str] = {}
+    for path, (m, kind) in found.items():
+        flip = layout.decisions.get(path, layout.overrides.get(path, False))
+        for name, (layer_shape, spec) in _layer_specs(path, m, kind, flip, mesh, layout, notes).items():
             var = getattr(m, name, None)
             if var is None:  # use_bias / use_scale off
                 continue
-            _check_divisible(path, kind, name, var.shape, spec, mesh)
+            try:
+                spec = stacked_spec(spec, layer_shape, var.shape)
+            except ValueError as e:
+                raise ValueError(f"parallelize: layer '{path}' ({type(m).__name__}): {name}: {e}") from None
+            check_divisible(path, type(m).__name__, name, var.shape, spec, mesh)
             var.set_metadata("out_sharding", tuple(spec))
             var.set_metadata("mesh", mesh)
     state = nnx.state(model)
     nnx.update(model, jax.tree.map(_place, state, nnx.get_named_sharding(state, mesh)))
+    _report.act(_nnx_report(model, notes, kept, mesh), report, max_replicated)
     return model

@@ -12,6 +12,11 @@ Layout (Flax's `(in, out)` kernel layout; `transpose=True` swaps `row` and `col`
     bias    (out,)             over `row`, replicated over `col` and `depth`
     y       (batch, ..., out)  batch over `depth`, `out` over `row`, replicated over `col`
 
+A kernel stored `(out, in)` (`out_in=True`: an embedding table used as an output head, torch-style
+weights) is split the same way with `depth` on its first dim: `out` over (`row`, `depth`), `in`
+over `col`. Kernels with several input or output feature dims (attention's heads × head_dim) run
+as the 2-D layer on the flattened features (`tp_dense_general`), the mesh axes on their leading dims.
+
 Forward: all-gather the kernel over `depth`, local matmul, all-reduce over `col`.
 Backward: all-gather the kernel over `depth` again (it is not kept), input gradient all-reduced over
 `row`, kernel gradient reduce-scattered over `depth`, bias gradient all-reduced over `depth` (the only
@@ -20,6 +25,7 @@ axis whose devices hold different rows of the batch; the `col` copies already ho
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +44,46 @@ def feature_axes(transpose: bool) -> tuple[str, str]:
     return ("row", "col") if transpose else ("col", "row")
 
 
-def kernel_spec(transpose: bool = False) -> P:
-    """PartitionSpec of a `(in, out)` kernel: `in` over (in-axis, `depth`), `out` over out-axis."""
+def kernel_spec(transpose: bool = False, out_in: bool = False) -> P:
+    """PartitionSpec of a `(in, out)` kernel: `in` over (in-axis, `depth`), `out` over out-axis;
+    of a `(out, in)` kernel (`out_in`): `out` over (out-axis, `depth`), `in` over in-axis."""
     fin, fout = feature_axes(transpose)
-    return P((fin, "depth"), fout)
+    return P((fout, "depth"), fin) if out_in else P((fin, "depth"), fout)
+
+
+def split_dims(dims, axes, sizes) -> tuple | None:
+    """PartitionSpec entries splitting `dims` (one multi-dim feature axis, e.g. (heads, head_dim))
+    over the mesh `axes` (outermost first) so that each device holds one contiguous block of the
+    flattened features, in the order the 2-D layer splits them: the axes fill the leading dims,
+    moving to the next dim only once one is split down to size 1. None when no such split exists
+    (e.g. 2 heads over `row` = 4). Axes of size 1 stay on the current dim."""
+    if not dims:
+        return None
+    entries, left, i = [[] for _ in dims], list(dims), 0
+    for axis in axes:
+        n = sizes[axis]
+        if n > 1:
+            while i < len(dims) - 1 and left[i] == 1:
+                i += 1
+            if left[i] % n:
+                return None
+            left[i] //= n
+        entries[i].append(axis)
+    return tuple(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)
+
+
+def dense_specs(in_dims, out_dims, sizes, transpose: bool = False, out_in: bool = False):
+    """(kernel spec, bias spec) of a dense layer with input features `in_dims` and output features
+    `out_dims` (tuples; kernel `(*in_dims, *out_dims)`, or `(*out_dims, *in_dims)` when `out_in`),
+    split as `kernel_spec` over the flattened features (see `split_dims`); None when the dims
+    cannot be split so. `sizes`: `{mesh axis: size}`."""
+    fin, fout = feature_axes(transpose)
+    kin = split_dims(in_dims, (fin,) if out_in else (fin, "depth"), sizes)
+    kout = split_dims(out_dims, (fout, "depth") if out_in else (fout,), sizes)
+    bias = split_dims(out_dims, (fout,), sizes)
+    if kin is None or kout is None or bias is None:
+        return None
+    return P(*kout, *kin) if out_in else P(*kin, *kout), P(*bias)
 
 
 def bias_spec(transpose: bool = False) -> P:
@@ -73,31 +115,36 @@ def _gather_depth(w_shard):
     return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
 
 
-def _check_dense(x, kernel, bias, mesh, transpose):
+def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
     fin, fout = feature_axes(transpose)
     sizes = dict(current_mesh(mesh).shape)
-    if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
-        raise ValueError(f"tp_dense: x {x.shape} does not match kernel {kernel.shape} (in, out)")
+    layout = "(out, in)" if out_in else "(in, out)"
+    n_in, n_out = (kernel.shape[::-1] if out_in else kernel.shape) if kernel.ndim == 2 else (None, None)
+    if n_in is None or x.shape[-1] != n_in:
+        raise ValueError(f"tp_dense: x {x.shape} does not match kernel {kernel.shape} {layout}")
     if x.ndim < 2:
         raise ValueError(f"tp_dense: x must be (batch, ..., features), got shape {x.shape}")
-    checks = [("kernel in-features", kernel.shape[0], sizes[fin] * sizes["depth"], f"{fin}×depth"),
-              ("kernel out-features", kernel.shape[1], sizes[fout], fout),
+    in_parts, out_parts = ((sizes[fin], f"{fin}"), (sizes[fout] * sizes["depth"], f"{fout}×depth")) \
+        if out_in else ((sizes[fin] * sizes["depth"], f"{fin}×depth"), (sizes[fout], fout))
+    checks = [("kernel in-features", n_in, *in_parts), ("kernel out-features", n_out, *out_parts),
               ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
     for what, n, parts, axes in checks:
         if n % parts:
             raise ValueError(f"tp_dense: {what} = {n} is not divisible by {axes} = {parts}")
-    if bias is not None and bias.shape != (kernel.shape[1],):
-        raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
 
 @functools.lru_cache(maxsize=None)
-def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
+def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False):
     fin, fout = feature_axes(transpose)
     x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
-    w_spec, b_spec = kernel_spec(transpose), bias_spec(transpose)
-    contract = (((ndim - 1,), (0,)), ((), ()))
+    w_spec, b_spec = kernel_spec(transpose, out_in), bias_spec(transpose)
+    w_in, w_out = (1, 0) if out_in else (0, 1)  # the kernel dims holding in / out features
+    contract = (((ndim - 1,), (w_in,)), ((), ()))
 
     def local_forward(x, w, *b):
+        # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
         y = psum(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
         return y + b[0] if b else y
 
@@ -106,9 +153,9 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
         return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
 
     def local_backward(x, w, dy):
-        dx = psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (1,)), ((), ()))), fout)
+        dx = psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))), fout)
         rows = tuple(range(ndim - 1))
-        dw = jax.lax.dot_general(x, dy, ((rows, rows), ((), ())))
+        dw = jax.lax.dot_general(*((dy, x) if out_in else (x, dy)), ((rows, rows), ((), ())))
         dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
         if not has_bias:
             return dx, dw
@@ -132,26 +179,66 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool):
     return jax.jit(dense)  # eager partial-manual shard_map is unsupported; under jit it inlines
 
 
-def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False):
+def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
     """`x @ kernel + bias` with AxoNN's 2D/3D tensor-parallel algorithm (see the module docstring).
 
-    x: `(batch, ..., in)`; kernel: `(in, out)`; bias: `(out,)` or None; all global arrays, placed by
-    the shard_map's in_specs (GSPMD re-lays them out if they arrive otherwise). Returns
-    `(batch, ..., out)`: batch over `depth`, features over `row` (`col` when `transpose`).
-    `mesh` must have axes `depth, row, col` (inside an enclosing shard_map its context mesh is used).
+    x: `(batch, ..., in)`; kernel: `(in, out)` (`(out, in)` when `out_in`, computing
+    `x @ kernel.T`); bias: `(out,)` or None; all global arrays, placed by the shard_map's in_specs
+    (GSPMD re-lays them out if they arrive otherwise). Returns `(batch, ..., out)`: batch over
+    `depth`, features over `row` (`col` when `transpose`). `mesh` must have axes `depth, row, col`
+    (inside an enclosing shard_map its context mesh is used).
     """
-    _check_dense(x, kernel, bias, mesh, transpose)
+    _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
-    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None)
+    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in))
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)
 
 
+def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n_in: int = 1,
+                     out_in: bool = False):
+    """`tp_dense` contracting the last `n_in` dims of `x` with a kernel of several feature dims:
+    `(*in_dims, *out_dims)` (`(*out_dims, *in_dims)` when `out_in`), bias `out_dims` or None.
+
+    The features are flattened to run the 2-D layer and the output reshaped to
+    `(*x.shape[:-n_in], *out_dims)`; a kernel placed by `dense_specs` (mesh axes on the leading
+    feature dims) flattens to the 2-D layout without communication. E.g. attention's query
+    projection, kernel `(d_model, heads, head_dim)`: heads over `row`, output `(batch, seq, heads,
+    head_dim)` with heads over `row`.
+    """
+    in_dims = x.shape[x.ndim - n_in:]
+    n_out = kernel.ndim - n_in
+    out_dims = kernel.shape[:n_out] if out_in else kernel.shape[n_in:]
+    if (kernel.shape[n_out:] if out_in else kernel.shape[:n_in]) != in_dims:
+        raise ValueError(f"tp_dense: x {x.shape} does not match kernel {kernel.shape} "
+                         f"({'out..., in...' if out_in else 'in..., out...'}, {n_in} input dims)")
+    n, m = math.prod(in_dims), math.prod(out_dims)
+    y = tp_dense(x.reshape(*x.shape[:x.ndim - n_in], n), kernel.reshape((m, n) if out_in else (n, m)),
+                 None if bias is None else bias.reshape(-1), mesh, transpose, out_in)
+    return y.reshape(*y.shape[:-1], *out_dims)
+
+
 def embed_spec() -> P:
     """PartitionSpec of a `(vocab, features)` table: vocab over (`row`, `depth`), features over `col`."""
     return P(("row", "depth"), "col")
+
+
+def _check_table(table, sizes, name):
+    vocab, features = table.shape
+    checks = [("vocabulary", vocab, sizes["row"] * sizes["depth"], "row×depth"),
+              ("features", features, sizes["col"], "col")]
+    for what, n, parts, axes in checks:
+        if n % parts:
+            raise ValueError(f"{name}: {what} = {n} is not divisible by {axes} = {parts}")
+
+
+def table_divides(shape, mesh) -> bool:
+    """Whether a `(vocab, features)` table can be split as `embed_spec` on `mesh`."""
+    sizes = dict(mesh.shape)
+    return len(shape) == 2 and shape[0] % (sizes["row"] * sizes["depth"]) == 0 \
+        and shape[1] % sizes["col"] == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,14 +293,22 @@ def tp_embed(tokens, table, mesh=None):
     """
     sizes = dict(current_mesh(mesh).shape)
     batched = tokens.ndim >= 2
-    vocab, features = table.shape
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tp_embed: tokens must be integers, got {tokens.dtype}")
-    checks = [("vocabulary", vocab, sizes["row"] * sizes["depth"], "row×depth"),
-              ("features", features, sizes["col"], "col")]
-    if batched:
-        checks.append(("batch (leading dim of tokens)", tokens.shape[0], sizes["depth"], "depth"))
-    for what, n, parts, axes in checks:
-        if n % parts:
-            raise ValueError(f"tp_embed: {what} = {n} is not divisible by {axes} = {parts}")
+    _check_table(table, sizes, "tp_embed")
+    if batched and tokens.shape[0] % sizes["depth"]:
+        raise ValueError(f"tp_embed: batch (leading dim of tokens) = {tokens.shape[0]} is not "
+                         f"divisible by depth = {sizes['depth']}")
     return _embed_fn(current_mesh(mesh), tokens.ndim, batched)(tokens, table)
+
+
+def tp_attend(x, table, mesh=None):
+    """`x @ table.T`: the logits of a tied output head against a vocabulary-parallel table.
+
+    x: `(batch, ..., features)`, features over `col`, batch over `depth`; table: `(vocab,
+    features)` placed as `embed_spec` (vocab over (`row`, `depth`), features over `col`). This is
+    `tp_dense` with the table as an `(out, in)` kernel: no copy or re-layout of the table. Returns
+    `(batch, ..., vocab)`, vocab over `row`; the table's gradient is reduce-scattered over `depth`.
+    """
+    _check_table(table, dict(current_mesh(mesh).shape), "tp_attend")
+    return tp_dense(x, table, None, mesh, transpose=False, out_in=True)

@@ -147,3 +147,16 @@ class Sample(Hook):
         self.text = self.generate(loop.state["params"])
         loop.console.print("[bold]sample:[/]")
         loop.console.print(self.text, markup=False, highlight=False)
+
+
+class ExportPretrained(Hook):
+    """At the end of a completed run, `write(params)` (e.g. a Hugging Face directory; called on
+    every process: gathering sharded parameters is collective)."""
+
+    def __init__(self, write: Callable[[Any], None]):
+        self.write = write
+
+    def end(self, loop):
+        if loop.completed:
+            self.write(loop.state["params"])
+            loop.console.print("exported the trained model")

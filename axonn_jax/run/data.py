@@ -70,12 +70,12 @@ def load_tokens(path: str | pathlib.Path | None = None, tokenizer: str | pathlib
     if path is None or path.suffix != ".npy":
         if tokenizer is None:
             return _read_text_files(_text_files(path))
-        tokens, source = tokenize(path, tokenizer), f"the tokenizer {str(tokenizer)!r}"
+        tokens, source = tokenize(path, tokenizer), f"the tokenization by {str(tokenizer)!r}"
     else:
         tokens, source = _load_npy(path), repr(str(path))
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise ValueError(f"{source} gives token ids outside the model's vocabulary [0, "
-                         f"{vocab_size}): min {tokens.min()}, max {tokens.max()}")
+        raise ValueError(f"{source} holds token ids outside [0, {vocab_size}) (the model's "
+                         f"vocabulary): min {tokens.min()}, max {tokens.max()}")
     return tokens
 
 

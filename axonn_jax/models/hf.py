@@ -27,6 +27,7 @@ import pathlib
 import re
 from typing import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 checkpoints)
@@ -144,6 +145,12 @@ class Checkpoint:
         if set(flat) != set(tensors):
             raise ValueError(f"no checkpoint mapping for parameters "
                              f"{sorted('/'.join(p) for p in set(flat) - set(tensors))}")
+        sources = self._sources(tensors, flat, ignore)
+        out = {path: self._array(tensors[path], sources[path], flat[path], dtype) for path in flat}
+        return traverse_util.unflatten_dict(out)
+
+    def _sources(self, tensors, flat, ignore) -> dict[tuple[str, ...], list[str]]:
+        """`{leaf path: the names of its tensors}`, checked against the files (see `load`)."""
         sources, problems = {}, []
         for path, t in tensors.items():
             names, want = [self.resolve(n) for n in t.names(self.format)], flat[path].shape
@@ -173,8 +180,7 @@ class Checkpoint:
         if problems:
             raise ValueError(f"checkpoint {str(self.path)!r} does not match the model: "
                              + "; ".join(problems))
-        out = {path: self._array(tensors[path], sources[path], flat[path], dtype) for path in flat}
-        return traverse_util.unflatten_dict(out)
+        return sources
 
     def _array(self, t: Tensor, names: list[str], abstract, dtype):
         transposed = t.transposed(self.format)
@@ -280,8 +286,6 @@ def shardings(module, mesh, max_seq_len: int):
     rows = 1 if mesh is None else mesh.shape["depth"]
     tokens = jax.ShapeDtypeStruct((rows, min(8, max_seq_len)), jnp.int32)
     boxed = jax.eval_shape(parallel.init, jax.random.key(0), tokens)["params"]
-    import flax.linen as nn
-
     shapes = nn.unbox(boxed)
     if mesh is None:
         device = SingleDeviceSharding(jax.devices()[0])

@@ -201,6 +201,9 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     if options.export_to:
         if not trainer.preset:
             raise ValueError("train: export_to needs a built-in or --init-from model")
+        if options.transport == "mpi" and options.parallel.pipe > 1:
+            raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
+                                      "implemented yet (each process holds one stage's parameters)")
         built.append(ExportPretrained(lambda params: _export(trainer, params)))
     loop = Loop(trainer, state, batches, built + list(hooks), console, end)
     _describe(loop, trainer, corpus, console)
@@ -255,9 +258,6 @@ def _export(trainer: Trainer, params) -> None:
     """Write `params` to `--export-to` as a Hugging Face directory, with the `--init-from`
     directory's tokenizer and generation files."""
     o, preset = trainer.options, trainer.preset
-    if o.transport == "mpi" and o.parallel.pipe > 1:
-        raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not implemented "
-                                  "yet (each process holds one stage's parameters)")
     network = preset.network(DTYPES[o.dtype], o.parallel)
     preset.family.to_pretrained(network, params, o.export_to)
     if o.init_from and jax.process_index() == 0:

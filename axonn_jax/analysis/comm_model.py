@@ -1,6 +1,7 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
-For a GPT and a grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
+For a model (a GPT or a Llama: `shape_of` reduces either to the layers that communicate) and a
+grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
 of every collective the axonn_jax train step issues, component by component (dense layers,
 vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends; the
 same convention as `axonn_jax.analysis.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
@@ -22,6 +23,7 @@ from typing import Iterable
 
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.gpt import GPTConfig
+from ..models.llama import LlamaConfig
 from ..parallel.pipeline import make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -65,9 +67,10 @@ MACHINES: dict[str, Machine] = {
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """What one step computes: a GPT, the global batch (sequences), sequence length, dtypes."""
+    """What one step computes: a model (`GPTConfig` or `LlamaConfig`), the global batch
+    (sequences), sequence length, dtypes."""
 
-    model: GPTConfig
+    model: GPTConfig | LlamaConfig
     batch: int
     seq_len: int
     compute_bytes: int = 2  # bf16 activations and matmul operands
@@ -98,17 +101,54 @@ class DenseLayer:
     bias: bool = True
 
 
-def dense_layers(model: GPTConfig) -> list[DenseLayer]:
-    """The GPT's dense layers in the order the transform assigns `transpose`: q/k/v and mlp_up
-    normal (outputs over `row`), attn_out and mlp_down transposed (outputs back over `col`)."""
-    d, f, n = model.d_model, model.d_ff, model.num_layers
-    return [
-        DenseLayer("qkv", d, d, False, 3 * n),
-        DenseLayer("attn_out", d, d, True, n),
-        DenseLayer("mlp_up", d, f, False, n),
-        DenseLayer("mlp_down", f, d, True, n),
-        DenseLayer("head", d, model.vocab_size, False, 1, bias=False),
-    ]
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the communication model needs to know of a model (see `shape_of`)."""
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    vocab_size: int
+    position_rows: int
+    """Rows of a learned position table (0: none, e.g. rotary positions)."""
+    layers: tuple[DenseLayer, ...]
+    """The tensor-parallel dense layers in the order the transform assigns `transpose`; the
+    output head, named 'head', last (with `tied`, its matrix is the token table)."""
+    replicated: tuple[DenseLayer, ...] = ()
+    """Per-block dense layers kept whole over `row` (a Llama's key/value projections when their
+    heads do not divide over it): kernel split over col·depth only, laid out by GSPMD."""
+    norm_stats: int = 2
+    """Per-token sums a norm takes over `col`: LayerNorm 2 (mean, mean of squares), RMSNorm 1."""
+    norm_params: int = 2
+    """Vectors per norm: LayerNorm's scale and bias, RMSNorm's scale."""
+    tied: bool = False
+    """The output head multiplies by the token table (GSPMD lays out that matmul)."""
+
+
+def shape_of(model: GPTConfig | LlamaConfig, grid: ParallelConfig) -> ModelShape:
+    """The communicating parts of `model` on `grid`."""
+    d, n = model.d_model, model.num_layers
+    # A tied head multiplies by the token table: its activations communicate like a dense
+    # layer's, its parameters are the table's.
+    head = (DenseLayer("head", d, model.vocab_size, False, 1, bias=False),)
+    if isinstance(model, GPTConfig):
+        f = model.d_ff
+        layers = (DenseLayer("qkv", d, d, False, 3 * n), DenseLayer("attn_out", d, d, True, n),
+                  DenseLayer("mlp_up", d, f, False, n), DenseLayer("mlp_down", f, d, True, n))
+        return ModelShape(n, d, model.num_heads, model.vocab_size, model.max_seq_len,
+                          layers + head, tied=model.tie_embeddings)
+    if isinstance(model, LlamaConfig):
+        q, kv, f = model.q_features, model.kv_features, model.d_ff
+        kv_layers = (DenseLayer("kv", d, kv, False, 2 * n, bias=False),)
+        split, replicated = ((), kv_layers) if model.replicate_kv(grid) else (kv_layers, ())
+        layers = (DenseLayer("q", d, q, False, n, bias=False), *split,
+                  DenseLayer("attn_out", q, d, True, n, bias=False),
+                  DenseLayer("mlp_in", d, f, False, 2 * n, bias=False),
+                  DenseLayer("mlp_down", f, d, True, n, bias=False))
+        return ModelShape(n, d, model.num_heads, model.vocab_size, 0, layers + head, replicated,
+                          norm_stats=1, norm_params=1, tied=model.tie_embeddings)
+    raise TypeError(f"the communication model knows GPTConfig and LlamaConfig, not "
+                    f"{type(model).__name__}")
 
 
 def _ring(kind: str, size: float, g: int) -> float:
@@ -136,9 +176,12 @@ class Collective:
     """Parameter-sized (a weight gather, a weight-gradient reduction): the pipeline runs it in
     every microbatch's operation, so with `pipe > 1` it happens M times per step instead of once.
     Activation-sized collectives split with the tokens and add up to the same bytes either way."""
+    group_size: int = 0
+    """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
+    0: all the devices of `axes`."""
 
     def group(self, grid: ParallelConfig) -> int:
-        return math.prod(getattr(grid, a) for a in self.axes)
+        return self.group_size or math.prod(getattr(grid, a) for a in self.axes)
 
     def wire_bytes(self, grid: ParallelConfig) -> float:
         return self.count * _ring(self.kind, self.size, self.group(grid))
@@ -148,7 +191,8 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
     compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py).
     Scalar reductions of the loss and the gradient norm (a few bytes) are left out."""
-    found = [*_dense_collectives(work, grid), *_embedding_collectives(work, grid),
+    found = [*_dense_collectives(work, grid), *_replicated_collectives(work, grid),
+             *_embedding_collectives(work, grid),
              *_norm_collectives(work, grid), *_loss_collectives(work, grid),
              *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
     if grid.pipe > 1:
@@ -166,10 +210,10 @@ def _local_tokens(work: Workload, grid: ParallelConfig) -> float:
 def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """AxoNN's 3D dense layers (`axonn_jax.tp.tensor`): kernels split over (in, out) axes and
     over depth, activations split over the input axis."""
-    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    m, g, cb, pb = shape_of(work.model, grid), grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
     out: list[Collective] = []
-    for layer in dense_layers(m):
+    for layer in m.layers:
         head = layer.name == "head"
         count = layer.count if head else layer.count // m.num_layers * (m.num_layers // g.pipe)
         fin, fout = ("row", "col") if layer.transpose else ("col", "row")
@@ -184,10 +228,12 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
             Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count,
                        stage_forward=not head),
             # backward: input gradient over the output axis (hidden behind the weight-gradient
-            # matmul), weight gradient reduce-scattered over depth
+            # matmul), weight gradient reduce-scattered over depth (a tied head's, laid out by
+            # GSPMD, all-reduced)
             Collective("all-reduce", (fout,), tokens * layer.fan_in / nin * cb, count,
                        overlappable=mm_flops),
-            Collective("reduce-scatter", ("depth",), block * pb, count, per_microbatch=True),
+            Collective("all-reduce" if head and m.tied else "reduce-scatter", ("depth",),
+                       block * pb, count, per_microbatch=True),
         ]
         if not head:
             # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
@@ -200,43 +246,89 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
     return out
 
 
+def _replicated_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """Key/value projections kept whole over `row` (`models.llama.ReplicatedDense`), as GSPMD
+    lays them out (measured in tests/test_comm_model.py): the query heads' split over `row`
+    factors into a split of the key/value heads over `r = gcd(kv_heads, row)` devices and of each
+    group's query heads over `row / r`, and the projections follow it: each device computes its
+    `1/r` of the key/value features. Forward, the partial sums over `col`; backward, the
+    attention's key/value gradients summed over the `row / r` devices sharing a head, the input
+    gradient over the `r` devices holding different heads; after the step, the kernel and its two
+    Adam moments, updated in `r` pieces, are all-gathered back to whole."""
+    model, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    m = shape_of(model, grid)
+    tokens = _local_tokens(work, grid)
+    out: list[Collective] = []
+    for layer in m.replicated:
+        per_stage = layer.count // m.num_layers * (m.num_layers // g.pipe)
+        r = math.gcd(model.num_kv_heads, g.row)
+        features = tokens * layer.fan_out / r * cb
+        kernel = m.num_layers // g.pipe * layer.fan_in * layer.fan_out / (g.col * g.depth) * pb
+        out += [Collective("all-reduce", ("col",), features, per_stage, stage_forward=True),
+                Collective("all-reduce", ("row",), features, per_stage, group_size=g.row // r),
+                Collective("all-reduce", ("row",), tokens * layer.fan_in / g.col * cb, per_stage,
+                           group_size=r),
+                Collective("all-gather", ("row",), kernel, 3 * layer.count // m.num_layers,
+                           group_size=r)]
+        if g.depth > 1:
+            # The kernel's slice `b` is moved into place and gathered over depth for the forward
+            # and again for the backward; its gradient summed over depth and moved back.
+            b = layer.fan_in * layer.fan_out / (g.col * g.depth * r) * pb
+            # (Measured: with whole key/value heads, r = 1, GSPMD also moves the gathered
+            # kernel, once for the forward and once for the backward.)
+            moves = [Collective("collective-permute", ("depth",), b * g.depth, 2 * per_stage,
+                                per_microbatch=True)] if r == 1 else []
+            out += [*moves, Collective("collective-permute", ("depth",), b, 3 * per_stage,
+                                       per_microbatch=True),
+                    Collective("all-gather", ("depth",), b * g.depth, 2 * per_stage,
+                               per_microbatch=True),
+                    Collective("all-reduce", ("depth",), b, per_stage, per_microbatch=True)]
+    return out
+
+
 def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
-    """Vocabulary-parallel token and position tables: rows split over row, features over col,
-    both over depth (gathered for the lookup like a dense kernel)."""
-    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    """Vocabulary-parallel token (and learned position) tables: rows split over row, features
+    over col, both over depth (gathered for the lookup like a dense kernel)."""
+    m, g, cb, pb = shape_of(work.model, grid), grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
     wte = m.vocab_size * m.d_model / (g.row * g.col)
-    wpe = m.max_seq_len * m.d_model / (g.row * g.col)
-    return [
+    out = [
         Collective("all-gather", ("depth",), wte * pb, stage_forward=True, per_microbatch=True),
-        Collective("all-gather", ("depth",), wpe * pb, stage_forward=True, per_microbatch=True),
         # each row shard looks up the ids it owns (zeros elsewhere); the sum over row completes
-        # the token embeddings, and the positions' once per sequence position
+        # the token embeddings
         Collective("all-reduce", ("row",), tokens * m.d_model / g.col * cb, stage_forward=True),
-        Collective("all-reduce", ("row",), work.seq_len * m.d_model / g.col * cb,
-                   stage_forward=True, per_microbatch=True),
-        # token-table gradient scattered back over depth; the position gradient is first summed
-        # over the batch, which depth splits
+        # token-table gradient scattered back over depth
         Collective("reduce-scatter", ("depth",), wte * pb, per_microbatch=True),
-        Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb,
-                   per_microbatch=True),
     ]
+    if m.position_rows:
+        wpe = m.position_rows * m.d_model / (g.row * g.col)
+        out += [
+            Collective("all-gather", ("depth",), wpe * pb, stage_forward=True, per_microbatch=True),
+            # the positions' lookup sum, once per sequence position; their gradient is first
+            # summed over the batch, which depth splits
+            Collective("all-reduce", ("row",), work.seq_len * m.d_model / g.col * cb,
+                       stage_forward=True, per_microbatch=True),
+            Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb,
+                       per_microbatch=True),
+        ]
+    return out
 
 
 def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
-    """LayerNorms (two per block and the final one) on activations whose features are split over
-    col: per-token statistics are sums over col; the scale and bias are replicated over depth."""
-    m, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    """Norms (two per block and the final one) on activations whose features are split over
+    col: per-token statistics are sums over col (LayerNorm: mean and mean of squares; RMSNorm:
+    mean of squares); the scale (and bias) are replicated over depth."""
+    m, g, cb, pb = shape_of(work.model, grid), grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
     in_blocks = 2 * (m.num_layers // g.pipe)
     norms = in_blocks + 1  # and the final norm, which runs with the head
+    stats = m.norm_stats * tokens * cb
     return [
-        # forward: mean, mean of squares
-        Collective("all-reduce", ("col",), 2 * tokens * cb, in_blocks, stage_forward=True),
-        Collective("all-reduce", ("col",), 2 * tokens * cb),
-        Collective("all-reduce", ("col",), 2 * tokens * cb, norms),  # backward: the two matching sums
-        Collective("all-reduce", ("depth",), 2 * m.d_model / g.col * pb, norms,  # scale, bias grads
-                   per_microbatch=True),
+        Collective("all-reduce", ("col",), stats, in_blocks, stage_forward=True),  # forward
+        Collective("all-reduce", ("col",), stats),
+        Collective("all-reduce", ("col",), stats, norms),  # backward: the matching sums
+        Collective("all-reduce", ("depth",), m.norm_params * m.d_model / g.col * pb, norms,
+                   per_microbatch=True),  # scale (and bias) gradients
     ]
 
 
@@ -251,7 +343,7 @@ def _gradient_collectives(work: Workload, grid: ParallelConfig) -> list[Collecti
     """Data-parallel gradient exchange of this device's parameter shard, exact or compressed (CGX,
     `axonn_jax.parallel.compression`), and the pipeline's sum of the embedding, final norm and head
     gradients, which every stage holds but only the first and last use."""
-    m, g, pb = work.model, grid, work.param_bytes
+    m, g, pb = shape_of(work.model, grid), grid, work.param_bytes
     out: list[Collective] = []
     if work.compress_bits:
         exact, packed = _compression_split(work, grid)
@@ -260,9 +352,11 @@ def _gradient_collectives(work: Workload, grid: ParallelConfig) -> list[Collecti
         out += [Collective("all-to-all", ("data",), packed), Collective("all-gather", ("data",), packed),
                 Collective("all-reduce", ("data",), exact * pb)]
     else:
-        out.append(Collective("all-reduce", ("data",), parameters_per_device(work, grid) * pb))
+        out.append(Collective("all-reduce", ("data",), _reduced_parameters(work, grid) * pb))
     if g.pipe > 1:
-        outside = (2 * m.vocab_size + m.max_seq_len) * m.d_model + 2 * m.d_model
+        outside = _outside_blocks(m)
+        if m.tied:  # the head's gradient of the table is summed apart from the embedding's
+            outside += m.vocab_size * m.d_model
         out.append(Collective("all-reduce", ("pipe",), outside * pb))
     return out
 
@@ -279,14 +373,25 @@ def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, flo
     the buffer padded to `data` shards. Each device compresses its own shard
     (`compression.sharded_compressed_psum`): kernels and tables count their tensor-parallel shard,
     biases and norms in full (they stay exact at these sizes)."""
-    m, g = work.model, grid
+    m, g = shape_of(work.model, grid), grid
     n = m.num_layers // g.pipe
-    d, f, v = m.d_model, m.d_ff, m.vocab_size
+    d, v = m.d_model, m.vocab_size
     tp = g.depth * g.row * g.col
     # (elements on this device, ndim) of every parameter tensor; block ones stacked over layers
-    tensors = [(v * d / tp, 2), (m.max_seq_len * d / tp, 2), (d * v / tp, 2), (d, 1), (d, 1)]
-    tensors += [(n * d * d / tp, 3)] * 4 + [(n * d * f / tp, 3)] * 2
-    tensors += [(n * d, 2)] * 4 + [(n * f, 2), (n * d, 2)] + [(n * d, 2)] * 4
+    tensors = [(v * d / tp, 2)] + [(d, 1)] * m.norm_params  # token table, final norm
+    if m.position_rows:
+        tensors.append((m.position_rows * d / tp, 2))
+    for layer in m.layers:
+        per_block = layer.count // m.num_layers
+        if layer.name == "head":
+            tensors += [] if m.tied else [(layer.fan_in * layer.fan_out / tp, 2)]
+            continue
+        tensors += [(n * layer.fan_in * layer.fan_out / tp, 3)] * per_block
+        tensors += [(n * layer.fan_out, 2)] * (per_block if layer.bias else 0)
+    for layer in m.replicated:
+        tensors += [(n * layer.fan_in * layer.fan_out / (g.col * g.depth), 3)] * (
+            layer.count // m.num_layers)
+    tensors += [(n * d, 2)] * (2 * m.norm_params)  # two norms per block
     exact = sum(size for size, ndim in tensors if ndim <= 1 or size < COMPRESS_MIN_SIZE)
     buckets = sum(math.ceil(size / COMPRESS_BUCKET) for size, ndim in tensors
                   if not (ndim <= 1 or size < COMPRESS_MIN_SIZE))
@@ -316,12 +421,39 @@ def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
 def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
     """Parameters one device holds: dense kernels split over pipe·depth·row·col; embeddings split
     over row·depth·col (vocabulary-parallel); norms and biases replicated within a stage."""
-    m, g = work.model, grid
+    m, g = shape_of(work.model, grid), grid
     tp = g.depth * g.row * g.col
-    dense = sum(l.fan_in * l.fan_out * l.count for l in dense_layers(m) if l.name != "head")
-    small = m.num_layers * (9 * m.d_model + m.d_ff)  # biases (4d + f + d) and two norms (4d)
-    embed = (m.vocab_size + m.max_seq_len) * m.d_model + m.d_model * m.vocab_size
-    return (dense / tp + small) / g.pipe + embed / tp + 2 * m.d_model
+    blocks = [l for l in m.layers if l.name != "head"]
+    dense = sum(l.fan_in * l.fan_out * l.count for l in blocks)
+    replicated = sum(l.fan_in * l.fan_out * l.count for l in m.replicated) / (g.col * g.depth)
+    # biases and two norms per block
+    small = sum(l.fan_out * l.count for l in blocks if l.bias) + \
+        m.num_layers * 2 * m.norm_params * m.d_model
+    tables = (m.vocab_size + m.position_rows) * m.d_model + _head_parameters(m)
+    return (dense / tp + replicated + small) / g.pipe + tables / tp + m.norm_params * m.d_model
+
+
+def _reduced_parameters(work: Workload, grid: ParallelConfig) -> float:
+    """Parameters whose gradients one device reduces over `data`: its parameters, of which the
+    replicated key/value kernels only in their `1/r` pieces (see `_replicated_collectives`)."""
+    m, g = shape_of(work.model, grid), grid
+    if not m.replicated:
+        return parameters_per_device(work, grid)
+    r = math.gcd(work.model.num_kv_heads, g.row)
+    whole = sum(l.fan_in * l.fan_out * l.count for l in m.replicated) / (g.col * g.depth * g.pipe)
+    return parameters_per_device(work, grid) - whole * (1 - 1 / r)
+
+
+def _outside_blocks(m: ModelShape) -> float:
+    """Parameters outside the blocks (tables, output head, final norm): every pipeline stage
+    holds them, the first and last use them."""
+    return (m.vocab_size + m.position_rows) * m.d_model + _head_parameters(m) + \
+        m.norm_params * m.d_model
+
+
+def _head_parameters(m: ModelShape) -> float:
+    """The output head's own parameters (none when tied to the token table)."""
+    return 0 if m.tied else sum(l.fan_in * l.fan_out for l in m.layers if l.name == "head")
 
 
 def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:

@@ -6,10 +6,15 @@ same network as one linen module, `tokens (b, t) -> logits (b, t, vocab)`, with 
 tree `{'embed': {'wte', 'wpe'}, 'blocks': {...}, 'head': {'ln_f', 'lm_head'}}` (every block parameter
 stacked on a leading layer axis of length `num_layers`), so parameters trained by one run the other.
 `axonn_jax.parallelize` swaps the dense layers for tensor-parallel ones without touching this file.
+
+`from_pretrained(path, mesh)` / `to_pretrained(module, params, path)` read and write Hugging Face
+GPT-2 directories (its fused query/key/value `c_attn` split into `query`, `key`, `value`; its
+Conv1D kernels, stored `(in, out)` by PyTorch and `(out, in)` by Flax, mapped to ours).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import flax.linen as nn
@@ -19,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
+from . import hf
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -30,6 +36,11 @@ class GPTConfig:
     d_ff: int = 0
     vocab_size: int = 256  # the byte-level tokens of the built-in corpus (axonn_jax.run.data)
     max_seq_len: int = 1024
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False  # the output head multiplies by the token table (GPT-2)
+    hf_config: str = dataclasses.field(default="", compare=False, repr=False)
+    """The Hugging Face `config.json` this came from (JSON text), whose other fields
+    `to_pretrained` keeps."""
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -42,10 +53,11 @@ class GPTConfig:
         return self.d_model // self.num_heads
 
     def num_params(self) -> int:
-        """Parameter count (embeddings, blocks, final norm and untied output head)."""
+        """Parameter count (embeddings, blocks, final norm and the output head unless tied)."""
         d, f, v = self.d_model, self.d_ff, self.vocab_size
         block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # q,k,v,o (+bias), mlp, 2 norms
-        return v * d + self.max_seq_len * d + self.num_layers * block + 2 * d + d * v
+        head = 0 if self.tie_embeddings else d * v
+        return v * d + self.max_seq_len * d + self.num_layers * block + 2 * d + head
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
@@ -89,14 +101,20 @@ def get_config(name: str, **overrides) -> GPTConfig:
 
 
 def causal_attention(q, k, v):
-    """Softmax attention with a causal mask. q, k, v: `(batch, seq, heads, head_dim)`."""
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-    t = q.shape[1]
+    """Softmax attention with a causal mask. q: `(batch, seq, heads, head_dim)`; k, v: `(batch,
+    seq, kv_heads, head_dim)` with kv_heads dividing heads: query head `h` attends with key/value
+    head `h // (heads / kv_heads)` (grouped-query attention; kv_heads = 1 is multi-query, = heads
+    multi-head). Returns `(batch, seq, heads, head_dim)`."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    if h % kv:
+        raise ValueError(f"{h} query heads are not divisible by {kv} key/value heads")
+    q = q.reshape(b, t, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * d ** -0.5
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, d)
 
 
 ACTIVATION_NAMES = ("q", "k", "v", "attn", "attn_proj", "mlp_up")
@@ -110,15 +128,21 @@ class Embedding(nn.Module):
     config: GPTConfig
     dtype: Any = jnp.float32
 
-    @nn.compact
+    def setup(self):
+        c = self.config
+        self.wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype)
+        self.wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype)
+
     def __call__(self, batch):
         c, tokens = self.config, batch["inputs"]
         t = tokens.shape[1]
         if t > c.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's max_seq_len {c.max_seq_len}")
-        wte = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, name="wte")
-        wpe = nn.Embed(c.max_seq_len, c.d_model, dtype=self.dtype, name="wpe")
-        return wte(tokens) + wpe(jnp.arange(t))[None]
+        return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+
+    def table(self):
+        """The token table `(vocab, d_model)` (what a tied head multiplies by)."""
+        return self.wte.embedding
 
 
 class Block(nn.Module):
@@ -133,34 +157,38 @@ class Block(nn.Module):
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
         # The norms' outputs carry no name (they are recomputed): a name between a norm and a
         # tensor-parallel layer hides the feature split from GSPMD, which then moves data around.
-        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        h = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, name="ln1")(x)
         b, t, _d = h.shape
         heads = lambda y, n: checkpoint_name(y.reshape(b, t, c.num_heads, c.head_dim), n)
         q, k, v = (heads(dense(c.d_model, n)(h), s)
                    for n, s in (("query", "q"), ("key", "k"), ("value", "v")))
         y = checkpoint_name(causal_attention(q, k, v).reshape(b, t, c.d_model), "attn")
         x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
-        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
+        h = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, name="ln2")(x)
         h = nn.gelu(checkpoint_name(dense(c.d_ff, "mlp_up")(h), "mlp_up"))
         return x + dense(c.d_model, "mlp_down")(h)
 
 
 class Head(nn.Module):
-    """Final norm and untied output head; `__call__(x, batch)` is the mean token cross-entropy
-    against `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits."""
+    """Final norm and output head; `__call__(x, batch)` is the mean token cross-entropy against
+    `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits. With `tie_embeddings` the
+    head has no matrix of its own: `logits(x, table)` multiplies by the token table and
+    `__call__(x, batch, embed_params)` takes it from the embedding's parameters."""
 
     config: GPTConfig
     dtype: Any = jnp.float32
 
     def setup(self):
-        self.ln_f = nn.LayerNorm(dtype=self.dtype)
-        self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
+        self.ln_f = nn.LayerNorm(epsilon=self.config.norm_eps, dtype=self.dtype)
+        if not self.config.tie_embeddings:
+            self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
 
-    def logits(self, x):
-        return self.lm_head(self.ln_f(x)).astype(jnp.float32)
+    def logits(self, x, table=None):
+        return output_logits(self, self.ln_f(x), table)
 
-    def __call__(self, x, batch):
-        return cross_entropy(self.logits(x), batch["targets"])
+    def __call__(self, x, batch, embed_params=None):
+        table = None if embed_params is None else embed_params["wte"]["embedding"]
+        return cross_entropy(self.logits(x, table), batch["targets"])
 
 
 class ScannedBlock(Block):
@@ -186,13 +214,25 @@ class GPT(nn.Module):
 
     def __call__(self, tokens):
         x, _ = self.blocks(self.embed({"inputs": tokens}), None)
-        return self.head.logits(x)
+        return self.head.logits(x, self.embed.table() if self.config.tie_embeddings else None)
 
 
-def stacked(config: GPTConfig, dtype=jnp.float32) -> StackedModel:
-    """The GPT as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`)."""
+def stacked(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
+    """The GPT as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`); `grid` is not
+    used (no layer's layout depends on it)."""
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
-                        config.num_layers, offload_names=ACTIVATION_NAMES)
+                        config.num_layers, offload_names=ACTIVATION_NAMES,
+                        head_reads_embed=config.tie_embeddings)
+
+
+def output_logits(head: nn.Module, h, table=None):
+    """float32 logits `(b, t, vocab)` of the normalized `h (b, t, d)`: `head.lm_head(h)`, or,
+    when `table (vocab, d)` is given (tied embeddings), `h @ table.T` (a plain matmul: with tensor
+    parallelism GSPMD lays it out from the table's vocabulary-parallel split)."""
+    if table is None:
+        return head.lm_head(h).astype(jnp.float32)
+    h, table = nn.dtypes.promote_dtype(h, table, dtype=head.dtype)
+    return jnp.einsum("btd,vd->btv", h, table).astype(jnp.float32)
 
 
 def cross_entropy(logits, targets):
@@ -204,28 +244,77 @@ def cross_entropy(logits, targets):
     return -jnp.mean(picked)
 
 
-def generate(config: GPTConfig, params, prompt, num_tokens: int, *, window: int, key,
-             temperature: float = 0.8, dtype=jnp.float32) -> list[int]:
-    """Continue the token list `prompt` by `num_tokens` sampled tokens, in a sliding window of
-    `window` tokens. `params`: the GPT's (sharded or not: the model runs under jit on them)."""
-    model = GPT(config, dtype)
-    tokens = jnp.zeros((1, window), jnp.int32)
-    prompt = list(prompt)[-window:]
-    tokens = tokens.at[0, :len(prompt)].set(jnp.asarray(prompt, jnp.int32))
+def network(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> GPT:
+    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree."""
+    return GPT(config, dtype)
 
-    @jax.jit
-    def next_token(params, tokens, pos, key):
-        logits = jax.lax.dynamic_index_in_dim(model.apply({"params": params}, tokens), pos - 1,
-                                              axis=1, keepdims=False)
-        return jax.random.categorical(key, logits / temperature, axis=-1)[0]
 
-    out, pos = list(prompt), len(prompt)
-    for _ in range(num_tokens):
-        key, sub = jax.random.split(key)
-        if pos == window:  # slide the window
-            tokens, pos = jnp.roll(tokens, -1, axis=1), pos - 1
-        nxt = next_token(params, tokens, pos, sub)
-        tokens = tokens.at[0, pos].set(nxt)
-        out.append(int(nxt))
-        pos += 1
+# ----------------------------------------------------------------------------- Hugging Face
+
+def _tensors(config: GPTConfig) -> dict[tuple[str, ...], hf.Tensor]:
+    """Where every parameter leaf lives in a Hugging Face GPT-2 checkpoint."""
+    d, n = config.d_model, config.num_layers
+    layer = lambda name, kind, offset=0: hf.Tensor(  # noqa: E731
+        "transformer.h.{}." + name, kind, n, offset)
+    out = {("embed", "wte", "embedding"): hf.Tensor("transformer.wte", "embedding"),
+           ("embed", "wpe", "embedding"): hf.Tensor("transformer.wpe", "embedding"),
+           ("head", "ln_f", "scale"): hf.Tensor("transformer.ln_f", "layernorm"),
+           ("head", "ln_f", "bias"): hf.Tensor("transformer.ln_f", "bias")}
+    for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+        out[("blocks", ours, "scale")] = layer(theirs, "layernorm")
+        out[("blocks", ours, "bias")] = layer(theirs, "bias")
+    dense = {"query": ("attn.c_attn", 0), "key": ("attn.c_attn", d), "value": ("attn.c_attn", 2 * d),
+             "attn_out": ("attn.c_proj", 0), "mlp_up": ("mlp.c_fc", 0),
+             "mlp_down": ("mlp.c_proj", 0)}
+    for ours, (theirs, offset) in dense.items():
+        out[("blocks", ours, "kernel")] = layer(theirs, "conv1d", offset)
+        out[("blocks", ours, "bias")] = layer(theirs, "bias", offset)
+    if not config.tie_embeddings:
+        out[("head", "lm_head", "kernel")] = hf.Tensor("lm_head", "linear")
     return out
+
+
+# The causal-mask buffers of PyTorch GPT-2 exports.
+_IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",)
+
+
+def config_from_hf(cfg: dict) -> GPTConfig:
+    """A `GPTConfig` from a Hugging Face GPT-2 `config.json` dict; ValueError naming what does
+    not match (architecture, activation, attention variants)."""
+    hf.expect(cfg, "model_type", ("gpt2",))
+    hf.expect(cfg, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+    hf.expect(cfg, "scale_attn_weights", (True,), True)
+    hf.expect(cfg, "scale_attn_by_inverse_layer_idx", (False,), False)
+    hf.expect(cfg, "add_cross_attention", (False,), False)
+    return GPTConfig(num_layers=cfg["n_layer"], d_model=cfg["n_embd"], num_heads=cfg["n_head"],
+                     d_ff=cfg.get("n_inner") or 0, vocab_size=cfg["vocab_size"],
+                     max_seq_len=cfg["n_positions"], norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                     tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                     hf_config=json.dumps(cfg))
+
+
+def config_to_hf(config: GPTConfig, dtype: str) -> dict:
+    """The Hugging Face GPT-2 `config.json` dict of `config` (the source's other fields kept)."""
+    c = config
+    base = json.loads(c.hf_config) if c.hf_config else {}
+    return {**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+            "n_layer": c.num_layers, "n_embd": c.d_model, "n_head": c.num_heads, "n_inner": c.d_ff,
+            "vocab_size": c.vocab_size, "n_positions": c.max_seq_len,
+            "layer_norm_epsilon": c.norm_eps, "activation_function": "gelu_new",
+            "tie_word_embeddings": c.tie_embeddings, "torch_dtype": dtype}
+
+
+HF = hf.Family("gpt2", config_from_hf, config_to_hf, _tensors, network, _IGNORED)
+
+
+def from_pretrained(path, mesh=None, dtype=jnp.float32):
+    """Read the Hugging Face GPT-2 directory `path` (`config.json`, `model.safetensors` or a
+    sharded index; PyTorch or Flax layout). Returns `(module, params)` as
+    `axonn_jax.models.llama.from_pretrained` does (the module a `GPT`, tensor-parallel on `mesh`)."""
+    return HF.from_pretrained(path, mesh, dtype)
+
+
+def to_pretrained(module: GPT, params, path, dtype=None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `params` (of `module`, a `GPT`, or of `stacked(module.config)`) as a Hugging Face
+    GPT-2 directory (see `axonn_jax.models.llama.to_pretrained`)."""
+    HF.to_pretrained(module, params, path, dtype, max_shard_bytes)

@@ -50,6 +50,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=_step_range, default=None, metavar="A:B",
                    help="write a jax.profiler trace of steps A to B into RUN_DIR/profile")
     p.add_argument("--sample-tokens", type=int, default=0, help="generate a sample at the end")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="fine-tune a Hugging Face Llama or GPT-2 directory (config.json + "
+                        "safetensors; its tokenizer.json tokenizes --data); replaces --model")
+    p.add_argument("--export-to", default=None, metavar="DIR",
+                   help="write the trained model there as a Hugging Face directory")
     p.add_argument("--devices", type=int, default=None,
                    help="simulate N CPU devices (set before JAX starts)")
     grid = p.add_argument_group("grid (sizes multiply to the device count; --data fills the rest)")
@@ -104,14 +109,15 @@ def _auto_grid(args, num_devices: int):
     import jax
 
     from ..analysis import comm_model as cm
-    from ..models.gpt import get_config
+    from ..models import get, pretrained
 
     explicit = [f"--{a}" for a in AXES[1:] if getattr(args, a) != 1] + (["--data"] if args.data else [])
     if explicit:
         raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
     machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
     nbytes = {"float32": 4}.get(args.dtype, 2)
-    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+    model = (pretrained(args.init_from) if args.init_from else get(args.model)).config
+    work = cm.Workload(model, args.batch_size, args.seq_len, compute_bytes=nbytes,
                        schedule=args.schedule, compress_bits=args.compress_bits,
                        offload_optimizer=args.offload_optimizer)
     choices = [args.microbatches] if args.microbatches > 1 else None
@@ -216,10 +222,10 @@ def _option_fields(args) -> dict:
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    from ..models.gpt import PRESETS
     from ..analysis.comm_model import MACHINES
+    from ..models import presets
 
-    p.add_argument("--model", default="gpt-20b", choices=sorted(PRESETS))
+    p.add_argument("--model", default="gpt-20b", choices=sorted(presets()))
     p.add_argument("--devices", dest="num_devices", type=int, required=True,
                    help="devices to plan for")
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
@@ -248,9 +254,9 @@ def _plan(args) -> int:
     import dataclasses
     import json
 
-    from ..config import ParallelConfig
-    from ..models.gpt import get_config
     from ..analysis import comm_model as cm
+    from ..config import ParallelConfig
+    from ..models import get
 
     machine = cm.MACHINES[args.machine]
     overrides = {"devices_per_node": args.devices_per_node, "efficiency": args.efficiency,
@@ -259,7 +265,7 @@ def _plan(args) -> int:
                  "device_memory": args.device_memory and args.device_memory * 1e9,
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = cm.Workload(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+    work = cm.Workload(get(args.model).config, args.batch, args.seq_len, schedule=args.schedule,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None
     if grid:
@@ -376,7 +382,7 @@ def _bench_steps(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonn-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a GPT")
+    train = sub.add_parser("train", help="train a model (a preset or a Hugging Face directory)")
     _add_train_args(train)
     train.set_defaults(run=_train)
     plan = sub.add_parser("plan", help="rank grids with the communication model")

@@ -5,6 +5,8 @@ Batches are a pure function of `(seed, step)`: a resumed run sees exactly the da
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import pathlib
 import sysconfig
 
@@ -69,43 +71,103 @@ def _open_token_file(path: pathlib.Path) -> np.ndarray:
 
 
 def _token_file(path: pathlib.Path) -> np.ndarray:
-    """The checked, memory-mapped ids of a token file (see `_open_token_file`)."""
+    """The memory-mapped ids of a token file (see `_open_token_file`), checked to be 1-D integers."""
     tokens = _open_token_file(path)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(
             f"{str(path)!r} must hold a 1-D integer token array, got {tokens.dtype} {tokens.shape}"
         )
-    for start in range(0, tokens.size, CHECK_CHUNK):  # one pass, a chunk in memory at a time
-        chunk = np.asarray(tokens[start:start + CHECK_CHUNK])
-        if chunk.min() < 0 or chunk.max() >= VOCAB_SIZE:
-            raise ValueError(
-                f"{str(path)!r} holds token ids outside [0, {VOCAB_SIZE}) from id {start} on: "
-                f"min {chunk.min()}, max {chunk.max()}"
-            )
     return tokens
 
 
-def load_tokens(path: str | pathlib.Path | None = None) -> np.ndarray:
+def _check_ids(tokens: np.ndarray, vocab_size: int, source: str) -> np.ndarray:
+    """`tokens`, after one pass (a chunk in memory at a time) checking every id is in
+    [0, vocab_size)."""
+    for start in range(0, tokens.size, CHECK_CHUNK):
+        chunk = np.asarray(tokens[start:start + CHECK_CHUNK])
+        if chunk.min() < 0 or chunk.max() >= vocab_size:
+            raise ValueError(
+                f"{source} holds token ids outside [0, {vocab_size}) (the model's vocabulary) "
+                f"from id {start} on: min {chunk.min()}, max {chunk.max()}")
+    return tokens
+
+
+def _text_files(path: pathlib.Path | None) -> list[pathlib.Path]:
+    """The text files of a corpus path (None: the built-in corpus); the path must exist."""
+    if path is None:
+        return stdlib_sources()
+    if not path.is_dir():
+        return [path]
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ValueError(f"directory {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
+    return files
+
+
+def load_tokens(path: str | pathlib.Path | None = None, tokenizer: str | pathlib.Path | None = None,
+                vocab_size: int = VOCAB_SIZE) -> np.ndarray:
     """All tokens of a corpus as a 1-D integer array.
 
     path: None for the default corpus (the standard library's `.py` sources); a text file; a
     directory (its text files, recursively, in sorted order); or a token file of ids in
-    [0, VOCAB_SIZE): a `.npy` array or raw `NAME.uint16.bin` / `NAME.uint32.bin` ids, both
-    memory-mapped (`np.memmap`), so they may be larger than memory.
+    [0, vocab_size): a `.npy` array or raw `NAME.uint16.bin` / `NAME.uint32.bin` ids, both
+    memory-mapped (`np.memmap`), so they may be larger than memory. tokenizer: a Hugging Face
+    `tokenizer.json` that tokenizes the text (see `tokenize`); without it every byte is a token.
     """
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"data path {str(path)!r} does not exist")
+        if path.suffix in (".npy", ".bin"):
+            return _check_ids(_token_file(path), vocab_size, repr(str(path)))
+    if tokenizer is None:
+        return _check_ids(_read_text_files(_text_files(path)), vocab_size, "the corpus")
+    return _check_ids(tokenize(path, tokenizer), vocab_size,
+                      f"the tokenization by {str(tokenizer)!r}")
+
+
+def _cache_file(path: pathlib.Path | None, digest: str) -> pathlib.Path:
+    """Where the token file of corpus `path` is cached: next to the data (the built-in corpus:
+    in the user's cache directory)."""
+    name = f".tokens-{digest}.npy"
     if path is None:
-        return _read_text_files(stdlib_sources())
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data path {str(path)!r} does not exist")
-    if path.is_dir():
-        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise ValueError(f"directory {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES)})")
-        return _read_text_files(files)
-    if path.suffix in (".npy", ".bin"):
-        return _token_file(path)
-    return _read_text_files([path])
+        root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
+        return root / "axonn_jax" / f"stdlib{name}"
+    path = path.resolve()
+    return path.with_name(path.name + name)
+
+
+def tokenize(path: pathlib.Path | None, tokenizer: str | pathlib.Path) -> np.ndarray:
+    """Token ids (int32) of the text corpus `path` (a text file or a directory of them; None: the
+    built-in corpus) under the Hugging Face tokenizer file `tokenizer` (`tokenizer.json`), files
+    concatenated in order, no special tokens added. Cached as a `.npy` token file next to the
+    data, named by a digest of the tokenizer and the files' names, sizes and modification times
+    (a changed file or tokenizer tokenizes again)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ImportError("tokenizing with a tokenizer.json needs tokenizers: pip install "
+                          "'axonn_jax[hf]'") from e
+
+    tokenizer = pathlib.Path(tokenizer)
+    files = _text_files(path)
+    digest = hashlib.sha256(tokenizer.read_bytes())
+    for f in files:
+        stat = f.stat()
+        digest.update(f"{f.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    cache = _cache_file(path, digest.hexdigest()[:16])
+    if cache.is_file():
+        return np.load(cache)
+    encoder = Tokenizer.from_file(str(tokenizer))
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    ids = [np.asarray(e.ids, np.int32) for e in encoder.encode_batch(texts, add_special_tokens=False)]
+    tokens = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # several processes may race
+    with open(partial, "wb") as out:
+        np.save(out, tokens)
+    os.replace(partial, cache)
+    return tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +178,10 @@ class Corpus:
     val: np.ndarray
 
     @classmethod
-    def load(cls, path=None, val_fraction: float = 0.05, min_tokens: int = 0) -> "Corpus":
-        tokens = load_tokens(path)
+    def load(cls, path=None, val_fraction: float = 0.05, min_tokens: int = 0, tokenizer=None,
+             vocab_size: int = VOCAB_SIZE) -> "Corpus":
+        """The corpus at `path` (see `load_tokens`), split into train and validation."""
+        tokens = load_tokens(path, tokenizer, vocab_size)
         n_val = max(int(len(tokens) * val_fraction), min_tokens)
         if len(tokens) - n_val < min_tokens:
             raise ValueError(

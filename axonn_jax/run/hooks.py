@@ -262,3 +262,16 @@ class Profile(Hook):
     def end(self, loop):
         if self.tracing:
             self._stop(int(loop.state["step"]))
+
+
+class ExportPretrained(Hook):
+    """At the end of a completed run, `write(params)` (e.g. a Hugging Face directory; called on
+    every process: gathering sharded parameters is collective)."""
+
+    def __init__(self, write: Callable[[Any], None]):
+        self.write = write
+
+    def end(self, loop):
+        if loop.completed:
+            self.write(loop.state["params"])
+            loop.console.print("exported the trained model")

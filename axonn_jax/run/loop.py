@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import itertools
 import pathlib
+import shutil
 import time
 from typing import Any, Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from .. import models
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
+from ..offload.precision import DTYPES
 from ..offload.activations import compiled_peak_bytes
 from ..parallel import compression
 from ..step.model import StackedModel
 from . import data as data_lib
 from . import rundir
-from .hooks import (Checkpoints, DeviceMemory, HloDump, Hook, MetricsFile, Profile, Progress,
-                    Sample, StepInfo, TensorBoard, Validation, parse_step_range)
+from .hooks import (Checkpoints, DeviceMemory, ExportPretrained, HloDump, Hook, MetricsFile, Profile,
+                    Progress, Sample, StepInfo, TensorBoard, Validation, parse_step_range)
 from .options import TrainOptions
 from .trainer import Trainer, build_trainer
 
@@ -144,8 +148,17 @@ def _evaluator(trainer: Trainer, batches, num_batches: int):
     return lambda params: float(np.mean([float(trainer.step.eval_loss(params, b)) for b in placed]))
 
 
-def _language_model_data(options: TrainOptions):
-    corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2)
+def _tokenizer(options: TrainOptions):
+    """The `tokenizer.json` of the `--init-from` directory, or None (byte-level tokens)."""
+    if not options.init_from:
+        return None
+    path = pathlib.Path(options.init_from) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def _language_model_data(options: TrainOptions, vocab_size: int):
+    corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2,
+                                  tokenizer=_tokenizer(options), vocab_size=vocab_size)
     make = lambda tokens, seed: data_lib.TokenBatches(tokens, seed, options.batch_size,  # noqa: E731
                                                       options.seq_len)
     return make(corpus.train, options.seed), make(corpus.val, options.seed + 10_000), corpus
@@ -171,7 +184,9 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     if model is None:
         if data is not None:
             raise ValueError("train: data without a model; the built-in models read options.data_path")
-        data, eval_data, corpus = _language_model_data(options)
+        preset = models.pretrained(options.init_from) if options.init_from else \
+            models.get(options.model)
+        data, eval_data, corpus = _language_model_data(options, preset.config.vocab_size)
     elif data is None:
         raise ValueError("train: a caller's model needs data (a function step -> batch or an "
                          "iterable of batches)")
@@ -205,8 +220,15 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     built.append(Progress())
     sample = None
     if options.sample_tokens and trainer.preset:
-        sample = Sample(_gpt_sampler(trainer))
+        sample = Sample(_sampler(trainer))
         built.append(sample)
+    if options.export_to:
+        if not trainer.preset:
+            raise ValueError("train: export_to needs a built-in or --init-from model")
+        if options.transport == "mpi" and options.parallel.pipe > 1:
+            raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
+                                      "implemented yet (each process holds one stage's parameters)")
+        built.append(ExportPretrained(lambda params: _export(trainer, params)))
     loop = Loop(trainer, state, batches, built + list(hooks), console, end)
     if options.compress_bits:
         loop.report["compression_ratio"] = compression_ratio(
@@ -235,7 +257,7 @@ def _run_dir_hooks(options: TrainOptions) -> list[Hook]:
 def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:
     o, r = trainer.options, loop.report
     grid = " ".join(f"{k}={v}" for k, v in o.parallel.as_dict().items())
-    name = o.model if trainer.preset else type(trainer.model.block).__name__ + " stack"
+    name = trainer.preset.name if trainer.preset else type(trainer.model.block).__name__ + " stack"
     data = f"; corpus {len(corpus.train):,} train / {len(corpus.val):,} validation tokens" \
         if corpus is not None else ""
     console.print(
@@ -248,17 +270,37 @@ def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:
         console.print(plan.describe(r["peak_bytes_compiled"]))
 
 
-def _gpt_sampler(trainer: Trainer) -> Callable[[Any], str]:
-    from ..models import gpt
+def _sampler(trainer: Trainer) -> Callable[[Any], str]:
+    """`params -> text`: a continuation of "def " (tokenized like the training data)."""
+    from ..models.sampling import generate
 
-    o = trainer.options
+    o, preset = trainer.options, trainer.preset
+    tokenizer = _tokenizer(o)
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
 
-    def generate(params) -> str:
-        prompt = data_lib.encode("def ")
-        tokens = gpt.generate(trainer.preset.config, params, prompt, o.sample_tokens,
-                              window=o.seq_len, key=jax.random.key(o.seed))
-        return data_lib.decode(tokens)
+        tok = Tokenizer.from_file(str(tokenizer))
+        encode, decode = (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.decode
+    else:
+        encode, decode = data_lib.encode, data_lib.decode
+    network = preset.network(jnp.float32, o.parallel)
 
-    return generate
+    def sample(params) -> str:
+        tokens = generate(network, params, encode("def "), o.sample_tokens, window=o.seq_len,
+                          key=jax.random.key(o.seed))
+        return decode(tokens)
+
+    return sample
 
 
+def _export(trainer: Trainer, params) -> None:
+    """Write `params` to `--export-to` as a Hugging Face directory, with the `--init-from`
+    directory's tokenizer and generation files."""
+    o, preset = trainer.options, trainer.preset
+    network = preset.network(DTYPES[o.dtype], o.parallel)
+    preset.family.to_pretrained(network, params, o.export_to)
+    if o.init_from and jax.process_index() == 0:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json", "tokenizer.model"):
+            if (pathlib.Path(o.init_from) / name).is_file():
+                shutil.copyfile(pathlib.Path(o.init_from) / name, pathlib.Path(o.export_to) / name)

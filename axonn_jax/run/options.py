@@ -46,6 +46,8 @@ class TrainOptions:
     compress_bucket: int = 1024
     error_feedback: bool = True
     transport: str = "xla"
+    init_from: str | None = None  # a Hugging Face directory: its model and parameters (not --model)
+    export_to: str | None = None  # write the trained model there as a Hugging Face directory
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from .. import models
 from ..config import ParallelConfig, check_grid
@@ -41,11 +42,20 @@ class Trainer:
     make_checkpointer: Callable[[str, int], Checkpointer]
 
     def init_state(self, abstract: bool = False):
-        """Fresh state (from `options.seed`), created in its placement (`abstract`:
-        ShapeDtypeStructs with those shardings, nothing allocated)."""
+        """Fresh state (from `options.seed`, parameters from the preset's checkpoint if it has
+        one), created in its placement (`abstract`: ShapeDtypeStructs with those shardings,
+        nothing allocated)."""
         if abstract:
             return self.step.abstract_state(self.local_example())
-        return self.step.init_state(jax.random.key(self.options.seed), self.local_example())
+        params = None
+        if self.preset is not None and self.preset.checkpoint:
+            # Read straight into the parameters' placement: each process reads its slices.
+            bound = self.bound
+            shapes = jax.eval_shape(bound.fns.init, jax.random.key(0))
+            abstract = jax.tree.map(lambda a, spec: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(self.step.mesh, spec)), shapes, bound.specs)
+            params = models.load_pretrained(self.preset, abstract)
+        return self.step.init_state(jax.random.key(self.options.seed), self.local_example(), params)
 
     def local_example(self):
         """This process's share of the example batch (ShapeDtypeStructs)."""
@@ -76,13 +86,18 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
     `StackedModel`, whose batches look like `example_batch` (a global batch: arrays or
     ShapeDtypeStructs).
     """
-    preset = models.get(options.model) if model is None else None
+    preset = None
+    if model is None:
+        preset = models.pretrained(options.init_from) if options.init_from else \
+            models.get(options.model)
     if preset is not None:
         if options.seq_len > preset.config.max_seq_len:
-            raise ValueError(f"--seq-len {options.seq_len} exceeds {options.model}'s max_seq_len "
+            raise ValueError(f"--seq-len {options.seq_len} exceeds {preset.name}'s max_seq_len "
                              f"{preset.config.max_seq_len}")
-        model = preset.build(DTYPES[options.dtype])
+        model = preset.build(DTYPES[options.dtype], options.parallel)
         example_batch = lm_example(options)
+    elif options.init_from:
+        raise ValueError("build_trainer: init_from builds the checkpoint's model; pass no model")
     elif example_batch is None:
         raise ValueError("build_trainer: a caller's model needs an example batch")
     optimizer, lr_schedule = make_optimizer(options)

@@ -6,6 +6,8 @@ the loss.
     embed(batch) -> x          batch: any pytree of arrays with a leading batch axis
     block(x) -> x              `num_layers` times, parameters stacked on a leading layer axis
     head(x, batch) -> loss     a float scalar: the mean loss of the rows of `batch`
+    head(x, batch, embed_params) -> loss    with `head_reads_embed` (weight tying: e.g. an
+                               output layer that multiplies by the embedding's table)
 
 Its parameters are the tree `{'embed': ..., 'blocks': ..., 'head': ...}`, every leaf of `blocks`
 with a leading axis of length `num_layers`. Nothing here knows a model's parameter names: the step
@@ -159,6 +161,9 @@ class StackedModel:
     offload_names: `checkpoint_name`s of a block's intermediates that `remat='offload'` moves to
     host memory (None: the outputs of every matmul without batch dimensions and of every
     tensor-parallel dense layer).
+    head_reads_embed: the head is called with the embedding's parameters as a third argument
+    (tied weights): they are stored once, in `params['embed']`, and their gradient is the sum of
+    both uses.
     """
 
     embed: Any
@@ -166,6 +171,7 @@ class StackedModel:
     head: Any
     num_layers: int
     offload_names: tuple[str, ...] | None = None
+    head_reads_embed: bool = False
 
     def __post_init__(self):
         if not isinstance(self.num_layers, int) or self.num_layers < 1:
@@ -218,7 +224,11 @@ class ModelFunctions:
 
         embed(params['embed'], batch) -> x
         block(layer_params, x) -> x          one layer's slice of params['blocks']
-        head(params['head'], x, batch) -> scalar loss
+        head(head_params(params), x, batch) -> scalar loss
+
+    `head_params(params)` is `params['head']`, or `(params['head'], params['embed'])` when the
+    head reads the embedding's parameters; `embed_and_head_grads` folds gradients taken with
+    respect to it back into the two parts.
 
     `specs`: PartitionSpecs like the parameters over the tensor axes (`depth, row, col`; the layer
     axis of the blocks unsplit); `activation`: the ShapeDtypeStruct of `x` for the whole batch.
@@ -238,13 +248,14 @@ class ModelFunctions:
         init_parts = (embed, block, head)
         e_abs = jax.eval_shape(embed.init, jax.random.key(0), batch)
         x = jax.eval_shape(embed.apply, e_abs, batch)
+        head_extra = (e_abs,) if model.head_reads_embed else ()
         specs = None
         tensor = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col")) \
             and mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
                 embed.parallelize(mesh, batch), block.parallelize(mesh, x),
-                head.parallelize(mesh, x, batch))
+                head.parallelize(mesh, x, batch, *head_extra))
             specs = {"embed": e_spec, "blocks": jax.tree.map(lambda s: P(None, *s), b_spec,
                                                              is_leaf=lambda s: isinstance(s, P)),
                      "head": h_spec}
@@ -258,12 +269,31 @@ class ModelFunctions:
             else:
                 keys = jax.random.split(k_blocks, model.num_layers)
                 p_blocks = jax.vmap(lambda k: part.init(k, h))(keys)
-            return {"embed": init_parts[0].init(k_embed, b), "blocks": p_blocks,
-                    "head": init_parts[2].init(k_head, h, b)}
+            p_embed = init_parts[0].init(k_embed, b)
+            extra = (p_embed,) if model.head_reads_embed else ()
+            return {"embed": p_embed, "blocks": p_blocks,
+                    "head": init_parts[2].init(k_head, h, b, *extra)}
 
         if specs is None:
             specs = jax.tree.map(lambda _: P(), jax.eval_shape(init, jax.random.key(0)))
-        return cls(model, embed.apply, block.apply, head.apply, specs, x, init)
+        head_apply = head.apply
+        if model.head_reads_embed:
+            head_apply = lambda hp, y, b: head.apply(hp[0], y, b, hp[1])  # noqa: E731
+        return cls(model, embed.apply, block.apply, head_apply, specs, x, init)
+
+    def head_params(self, params):
+        """What `head` takes of the model's parameters (see the class docstring)."""
+        if self.model.head_reads_embed:
+            return params["head"], params["embed"]
+        return params["head"]
+
+    def embed_and_head_grads(self, g_embed, g_head_params):
+        """(embedding gradients, head gradients) from the gradients of `embed`'s and of
+        `head_params`'s parameters: a tied head's gradient of the embedding is added."""
+        if self.model.head_reads_embed:
+            g_head, g_tied = g_head_params
+            return jax.tree.map(jnp.add, g_embed, g_tied), g_head
+        return g_embed, g_head_params
 
     def run_blocks(self, stacked, x, groups=None):
         """`x` through the stacked blocks (see `scan_layers`)."""
@@ -271,4 +301,5 @@ class ModelFunctions:
 
     def loss(self, params, batch, groups=None):
         x = self.embed(params["embed"], batch)
-        return self.head(params["head"], self.run_blocks(params["blocks"], x, groups), batch)
+        return self.head(self.head_params(params), self.run_blocks(params["blocks"], x, groups),
+                         batch)

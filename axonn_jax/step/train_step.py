@@ -88,6 +88,12 @@ def _cast_floating(tree, dtype):
                         tree)
 
 
+def _shapes(tree) -> str:
+    """`{path: shape}` of a pytree's leaves, for error messages."""
+    return str({jax.tree_util.keystr(k): tuple(jnp.shape(v))
+                for k, v in jax.tree_util.tree_leaves_with_path(tree)})
+
+
 def _abstract_batch(batch):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), batch)
 
@@ -131,9 +137,11 @@ class TrainStep:
 
     # ------------------------------------------------------------------ state and batches
 
-    def init_state(self, key, example_batch):
-        """Fresh state for batches like `example_batch`, created directly in its placement."""
-        return self.bind(example_batch).init_state(key)
+    def init_state(self, key, example_batch, params=None):
+        """Fresh state for batches like `example_batch`, created directly in its placement;
+        `params`: start from these parameters (a tree like the model's, any placement: e.g. a
+        pretrained checkpoint) instead of initializing them from `key`."""
+        return self.bind(example_batch).init_state(key, params)
 
     def abstract_state(self, example_batch):
         """ShapeDtypeStructs of the state with their shardings (nothing allocated)."""
@@ -269,9 +277,9 @@ class BoundStep:
 
     # ------------------------------------------------------------------ state
 
-    def _init(self, key):
+    def _init(self, key, params=None):
         s = self.owner
-        params = self.fns.init(key)
+        params = self.fns.init(key) if params is None else params
         if self.engine is not None:
             params = self.engine.stage_params(params)
         state = initial_state(params, optimizer=s.optimizer, scaler=s.scaler,
@@ -327,8 +335,18 @@ class BoundStep:
     def state_shardings(self):
         return jax.tree.map(lambda a: a.sharding, self._abstract_state)
 
-    def init_state(self, key):
-        return jax.jit(self._init, out_shardings=self.state_shardings())(key)
+    def init_state(self, key, params=None):
+        shardings = self.state_shardings()
+        if params is None:
+            return jax.jit(self._init, out_shardings=shardings)(key)
+        abstract = jax.eval_shape(self.fns.init, key)
+        if jax.tree.structure(params) != jax.tree.structure(abstract) or any(
+                jnp.shape(p) != a.shape for p, a in zip(jax.tree.leaves(params),
+                                                        jax.tree.leaves(abstract))):
+            raise ValueError("init_state: the given parameters do not match the model's: "
+                             f"{_shapes(params)} vs {_shapes(abstract)}")
+        params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), params, abstract)
+        return jax.jit(self._init, out_shardings=shardings)(key, params)
 
     # ------------------------------------------------------------------ phase 1 and 2
 
@@ -338,7 +356,7 @@ class BoundStep:
         params = _cast_floating(params, dtype)
         x = fns.embed(params["embed"], batch).astype(dtype)
         y = fns.run_blocks(params["blocks"], x, self.groups)
-        return fns.head(params["head"], y, batch).astype(jnp.float32)
+        return fns.head(fns.head_params(params), y, batch).astype(jnp.float32)
 
     def _stage_functions(self):
         """The pipeline engine's embed, stage and head functions (parameters cast, remat plan)."""
@@ -367,7 +385,8 @@ class BoundStep:
                                                self.owner.options.microbatches)
             loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
                 embed, stage, lambda p, y, b: head(p, y, b) * scale,
-                (params["embed"], params["blocks"], params["head"]), batch, sched)
+                (params["embed"], params["blocks"], self.fns.head_params(params)), batch, sched)
+            g_e, g_h = self.fns.embed_and_head_grads(g_e, g_h)
             grads = {"embed": g_e, "blocks": g_b, "head": g_h}
         else:
             # Varying over `data`: each shard keeps its own gradients until the explicit reduction.

@@ -155,6 +155,11 @@ class StageEngine:
                  num_microbatches: int):
         import mpi4jax
 
+        if functions.model.head_reads_embed:
+            # The first and last stages would each hold the table and sum its two gradients.
+            raise NotImplementedError("a head that reads the embedding's parameters (tied "
+                                      "embeddings) with --transport mpi --pipe > 1 is not "
+                                      "implemented yet")
         self.position, self.schedule, self.m = position, schedule, num_microbatches
         self.comm = position.pipe_comm
         s, m, pos = position.stage, num_microbatches, position

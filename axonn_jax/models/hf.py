@@ -1,0 +1,374 @@
+"""Hugging Face checkpoints: a directory with `config.json` and `model.safetensors` (or shards
+listed in `model.safetensors.index.json`), read straight into sharded parameters and written
+back.
+
+A model says where each of its parameter leaves lives with `Tensor`s (a Hugging Face module name
+and what kind of layer it is); this module knows the two tensor layouts such directories come
+in: PyTorch's (what the Hub holds; `format: pt` in the file's metadata) and Flax's (what
+`transformers`' Flax models write; `format: flax`):
+
+    kind        PyTorch name / layout          Flax name / layout      ours
+    linear      .weight (out, in)              .kernel (in, out)       kernel (in, out)
+    conv1d      .weight (in, out)              .kernel (out, in)       kernel (in, out)  (GPT-2)
+    embedding   .weight (vocab, d)             .embedding              embedding (vocab, d)
+    layernorm   .weight                        .scale                  scale
+    rmsnorm     .weight                        .weight                 scale
+    bias        .bias                          .bias                   bias
+
+Reading goes through `jax.make_array_from_callback`: each process reads, with safetensors'
+slicing, only the blocks its own devices hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for bf16 checkpoints)
+import numpy as np
+from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from ..config import ParallelConfig
+from ..mesh import config_of
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+KINDS = ("linear", "conv1d", "embedding", "layernorm", "rmsnorm", "bias")
+_SUFFIX = {"pt": {"linear": "weight", "conv1d": "weight", "embedding": "weight",
+                  "layernorm": "weight", "rmsnorm": "weight", "bias": "bias"},
+           "flax": {"linear": "kernel", "conv1d": "kernel", "embedding": "embedding",
+                    "layernorm": "scale", "rmsnorm": "weight", "bias": "bias"}}
+_TRANSPOSED = {"pt": {"linear"}, "flax": {"conv1d"}}  # stored (out, in) while ours is (in, out)
+
+
+def _require(module: str):
+    """`module`, or ImportError saying how to install Hugging Face support."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"Hugging Face checkpoints need {module.split('.')[0]}: "
+                          "pip install 'axonn_jax[hf]'") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """Where one parameter leaf lives: the Hugging Face module `name` (with `{}` for the layer
+    index when `layers` > 0: the leaf stacks `layers` tensors on a leading axis) and its `kind`
+    (see the module docstring). `offset`: the leaf is columns `[offset, offset + n)` of the
+    tensor's output features (GPT-2's fused query/key/value projection)."""
+
+    name: str
+    kind: str
+    layers: int = 0
+    offset: int = 0
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Tensor kind {self.kind!r} is not one of {KINDS}")
+
+    def names(self, fmt: str) -> list[str]:
+        """The tensor names in a checkpoint of format `fmt` ('pt' or 'flax'), one per layer."""
+        full = f"{self.name}.{_SUFFIX[fmt][self.kind]}"
+        return [full.format(i) for i in range(self.layers)] if self.layers else [full]
+
+    def transposed(self, fmt: str) -> bool:
+        return self.kind in _TRANSPOSED[fmt]
+
+
+def expect(config: dict, key: str, allowed: tuple, default=None) -> None:
+    """ValueError unless `config[key]` (or `default` when absent) is one of `allowed`."""
+    value = config.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"config.json: {key} = {value!r} is not supported (supported: "
+                         f"{', '.join(map(repr, allowed))})")
+
+
+class Checkpoint:
+    """An opened Hugging Face directory: its `config` (the `config.json` dict), its tensors'
+    names and shapes, and the tensor layout `format` ('pt' or 'flax')."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        if not (self.path / CONFIG).is_file():
+            raise FileNotFoundError(f"{str(self.path)!r} is not a Hugging Face model directory "
+                                    f"(no {CONFIG})")
+        self.config = json.loads((self.path / CONFIG).read_text())
+        if (self.path / INDEX).is_file():
+            weight_map = json.loads((self.path / INDEX).read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.path / WEIGHTS).is_file():
+            files = [WEIGHTS]
+        else:
+            raise FileNotFoundError(f"{str(self.path)!r} holds neither {WEIGHTS} nor {INDEX} "
+                                    "(only safetensors checkpoints are read)")
+        safe_open = _require("safetensors").safe_open
+        self._files = {f: safe_open(str(self.path / f), framework="numpy") for f in files}
+        self.file_of = {name: f for f, handle in self._files.items() for name in handle.keys()}
+        meta = self._files[files[0]].metadata() or {}
+        self.format = meta.get("format", "pt")
+        if self.format not in _SUFFIX:
+            raise ValueError(f"{str(self.path / files[0])!r}: tensor format {self.format!r} is "
+                             "not read (supported: pt, flax)")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._files[self.file_of[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block `index` (slices, one per axis) of tensor `name`, read from the file."""
+        return self._files[self.file_of[name]].get_slice(name)[index]
+
+    def resolve(self, name: str) -> str | None:
+        """`name` as this checkpoint spells it: as is, or without its first component (GPT-2
+        checkpoints on the Hub lack the `transformer.` prefix); None when absent."""
+        if name in self.file_of:
+            return name
+        short = name.split(".", 1)[-1]
+        return short if short in self.file_of else None
+
+    def load(self, tensors: dict[tuple[str, ...], Tensor], abstract, dtype,
+             ignore: tuple[str, ...] = ()):
+        """The parameters described by `tensors` (`{leaf path: Tensor}`), as arrays of `dtype`
+        shaped and placed like `abstract` (a tree of ShapeDtypeStructs with shardings).
+        ValueError naming every missing tensor, shape mismatch, and unexpected tensor (other
+        than those matching the `ignore` regular expressions)."""
+        flat = traverse_util.flatten_dict(abstract)
+        if set(flat) != set(tensors):
+            raise ValueError(f"no checkpoint mapping for parameters "
+                             f"{sorted('/'.join(p) for p in set(flat) - set(tensors))}")
+        sources = self._sources(tensors, flat, ignore)
+        out = {path: self._array(tensors[path], sources[path], flat[path], dtype) for path in flat}
+        return traverse_util.unflatten_dict(out)
+
+    def _sources(self, tensors, flat, ignore) -> dict[tuple[str, ...], list[str]]:
+        """`{leaf path: the names of its tensors}`, checked against the files (see `load`)."""
+        sources, problems = {}, []
+        for path, t in tensors.items():
+            names, want = [self.resolve(n) for n in t.names(self.format)], flat[path].shape
+            missing = [n for n, r in zip(t.names(self.format), names) if r is None]
+            if missing:
+                problems.append(f"missing tensor(s) {', '.join(missing[:3])}"
+                                + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""))
+                continue
+            layer_shape = want[1:] if t.layers else want
+            group = _group(tensors, t)  # the leaves that make up this tensor (fused: several)
+            width = sum((flat[p].shape[-1] for p in group), 0) if len(group) > 1 else layer_shape[-1]
+            needed = (*layer_shape[:-1], width)
+            for n in names:
+                have = self.shape(n)
+                if (have[::-1] if t.transposed(self.format) else have) != needed:
+                    stored = needed[::-1] if t.transposed(self.format) else needed
+                    problems.append(f"{n} has shape {have}, the model needs {stored} for "
+                                    f"{'/'.join(path)}")
+                    break
+            sources[path] = names
+        used = {n for names in sources.values() for n in names}
+        extra = sorted(n for n in self.file_of if n not in used
+                       and not any(re.fullmatch(p, n) for p in ignore))
+        if extra:
+            problems.append(f"unexpected tensor(s) {', '.join(extra[:5])}"
+                            + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else ""))
+        if problems:
+            raise ValueError(f"checkpoint {str(self.path)!r} does not match the model: "
+                             + "; ".join(problems))
+        return sources
+
+    def _array(self, t: Tensor, names: list[str], abstract, dtype):
+        transposed = t.transposed(self.format)
+        cache: dict = {}  # devices holding the same block share one read
+
+        def block(index):
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in cache:
+                if t.layers:
+                    layers = range(t.layers)[index[0]]
+                    cache[key] = np.stack([self._block(names[i], index[1:], transposed, t.offset)
+                                           for i in layers])
+                else:
+                    cache[key] = self._block(names[0], index, transposed, t.offset)
+                cache[key] = cache[key].astype(dtype)
+            return cache[key]
+
+        shape = abstract.shape
+        full = tuple(slice(0, n) for n in shape)
+
+        def callback(index):
+            index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape)) or full
+            return block(index)
+
+        return jax.make_array_from_callback(shape, abstract.sharding, callback)
+
+    def _block(self, name, index, transposed, offset):
+        index = list(index)
+        if offset:
+            last = index[-1]
+            index[-1] = slice(last.start + offset, last.stop + offset)
+        data = self.read(name, tuple(index[::-1] if transposed else index))
+        return data.T if transposed else data
+
+
+def _group(tensors: dict, t: Tensor) -> list[tuple[str, ...]]:
+    """The leaves stored in `t`'s tensor (several for GPT-2's fused query/key/value)."""
+    return [p for p, other in tensors.items() if (other.name, other.kind) == (t.name, t.kind)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one architecture meets Hugging Face's: `config_from_hf(config.json dict) -> config`,
+    `config_to_hf(config, dtype name) -> dict`, `tensors(config) -> {leaf path: Tensor}`,
+    `network(config, dtype, grid) -> module` (tokens -> logits), and `ignore`: regular
+    expressions of checkpoint tensors that are not parameters (buffers of old exports)."""
+
+    model_type: str
+    config_from_hf: Callable
+    config_to_hf: Callable
+    tensors: Callable
+    network: Callable
+    ignore: tuple[str, ...] = ()
+
+    def load(self, checkpoint: Checkpoint, abstract, dtype=jnp.float32):
+        """`checkpoint`'s parameters, of `dtype`, shaped and placed like `abstract`
+        (ShapeDtypeStructs with shardings)."""
+        config = self.config_from_hf(checkpoint.config)
+        # With tied embeddings an output matrix in the files is not used (as in transformers).
+        tied = (r"lm_head\.(weight|kernel)",) if config.tie_embeddings else ()
+        return checkpoint.load(self.tensors(config), abstract, dtype, ignore=self.ignore + tied)
+
+    def from_pretrained(self, path, mesh=None, dtype=jnp.float32):
+        """(module, params) of the Hugging Face directory `path` (see
+        `axonn_jax.models.llama.from_pretrained`)."""
+        checkpoint = Checkpoint(path)
+        config = self.config_from_hf(checkpoint.config)
+        module = self.network(config, dtype, grid_of(mesh))
+        params = self.load(checkpoint, shardings(module, mesh, config.max_seq_len), dtype)
+        return parallel_module(module, mesh), params
+
+    def to_pretrained(self, module, params, path, dtype=None, max_shard_bytes: int = 5 * 2**30):
+        """Write `params` of `module` (whose `.config` is this family's) as a Hugging Face
+        directory (see `save`)."""
+        config = module.config
+        save(path, self.tensors(config), params, lambda d: self.config_to_hf(config, d), dtype,
+             max_shard_bytes)
+
+
+# ----------------------------------------------------------------------------- placement
+
+def grid_of(mesh) -> ParallelConfig | None:
+    return None if mesh is None else config_of(mesh)
+
+
+def _tensor_parallel(mesh) -> bool:
+    return mesh is not None and math.prod(mesh.shape[a] for a in ("depth", "row", "col")) > 1
+
+
+def parallel_module(module, mesh):
+    """`module` made tensor-parallel on `mesh` (unchanged without one, or when its tensor axes
+    hold one device)."""
+    from ..tp.parallelize import parallelize
+
+    return parallelize(module, mesh) if _tensor_parallel(mesh) else module
+
+
+def shardings(module, mesh, max_seq_len: int):
+    """ShapeDtypeStructs (with shardings) of a language model's parameters: split over the tensor
+    axes as `axonn_jax.parallelize` lays them out, replicated over the others; on the default
+    device without a mesh. `module`: a linen `tokens -> logits` module."""
+    parallel = parallel_module(module, mesh)
+    rows = 1 if mesh is None else mesh.shape["depth"]
+    tokens = jax.ShapeDtypeStruct((rows, min(8, max_seq_len)), jnp.int32)
+    boxed = jax.eval_shape(parallel.init, jax.random.key(0), tokens)["params"]
+    shapes = nn.unbox(boxed)
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), shapes)
+    specs = nn.get_partition_spec(boxed) if _tensor_parallel(mesh) else \
+        jax.tree.map(lambda _: P(), shapes)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                          sharding=NamedSharding(mesh, s)),
+                        shapes, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _host(x) -> np.ndarray:
+    """A (possibly multi-process) array as one host numpy array (a collective across processes)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _hf_tensors(tensors: dict[tuple[str, ...], Tensor]):
+    """`{hf name: [(leaf path, layer or None, Tensor), ...]}` in the PyTorch layout; several
+    leaves at increasing offsets make up a fused tensor."""
+    out: dict[str, list] = {}
+    for path, t in tensors.items():
+        for i, name in enumerate(t.names("pt")):
+            out.setdefault(name, []).append((path, i if t.layers else None, t))
+    for parts in out.values():
+        parts.sort(key=lambda p: p[2].offset)
+    return out
+
+
+def save(path, tensors: dict[tuple[str, ...], Tensor], params, make_config: Callable[[str], dict],
+         dtype=None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `params` as a Hugging Face directory in the PyTorch layout: `config.json`
+    (`make_config(dtype name)`) and the tensors, in one `model.safetensors` or in shards of at
+    most `max_shard_bytes` (a tensor larger than that gets a shard of its own) with an index.
+    Every process must call it (gathering a multi-process array is collective); process 0
+    writes."""
+    save_file = _require("safetensors.numpy").save_file
+    flat = traverse_util.flatten_dict(params)
+    if set(flat) != set(tensors):
+        raise ValueError(f"to_pretrained: the parameters do not match the model: missing "
+                         f"{sorted('/'.join(p) for p in set(tensors) - set(flat))}, unexpected "
+                         f"{sorted('/'.join(p) for p in set(flat) - set(tensors))}")
+    dtype = np.dtype(dtype or jax.tree.leaves(params)[0].dtype)
+    names = _hf_tensors(tensors)
+
+    def nbytes(name):
+        return sum(math.prod(flat[p].shape[1:] if i is not None else flat[p].shape)
+                   for p, i, _ in names[name]) * dtype.itemsize
+
+    shards, size = [[]], 0
+    for name in names:
+        if shards[-1] and size + nbytes(name) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes(name)
+    files = [WEIGHTS] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    out = pathlib.Path(path)
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    for file, shard in zip(files, shards):
+        data = {}
+        for name in shard:
+            # One layer of one leaf on the host at a time.
+            parts = [_host(flat[leaf] if layer is None else flat[leaf][layer])
+                     for leaf, layer, _ in names[name]]
+            block = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+            t = names[name][0][2]
+            data[name] = np.ascontiguousarray(block.T if t.transposed("pt") else block, dtype)
+        if writer:
+            save_file(data, str(out / file), metadata={"format": "pt"})
+    if not writer:
+        return
+    if len(files) > 1:
+        weight_map = {n: f for f, shard in zip(files, shards) for n in shard}
+        total = sum(nbytes(n) for n in names)
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                             "weight_map": weight_map}, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(make_config(dtype.name), indent=2) + "\n")

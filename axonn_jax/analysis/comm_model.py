@@ -253,8 +253,9 @@ def _replicated_collectives(work: Workload, grid: ParallelConfig) -> list[Collec
     group's query heads over `row / r`, and the projections follow it: each device computes its
     `1/r` of the key/value features. Forward, the partial sums over `col`; backward, the
     attention's key/value gradients summed over the `row / r` devices sharing a head, the input
-    gradient over the `r` devices holding different heads; after the step, the kernel and its two
-    Adam moments, updated in `r` pieces, are all-gathered back to whole."""
+    gradient over the `r` devices holding different heads; the kernel's gradient, computed in `r`
+    pieces, is all-gathered to the kernel's layout before the update (`step.train_step` lays
+    gradients out like their parameters)."""
     model, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
     m = shape_of(model, grid)
     tokens = _local_tokens(work, grid)
@@ -268,7 +269,7 @@ def _replicated_collectives(work: Workload, grid: ParallelConfig) -> list[Collec
                 Collective("all-reduce", ("row",), features, per_stage, group_size=g.row // r),
                 Collective("all-reduce", ("row",), tokens * layer.fan_in / g.col * cb, per_stage,
                            group_size=r),
-                Collective("all-gather", ("row",), kernel, 3 * layer.count // m.num_layers,
+                Collective("all-gather", ("row",), kernel, layer.count // m.num_layers,
                            group_size=r)]
         if g.depth > 1:
             # The kernel's slice `b` is moved into place and gathered over depth for the forward

@@ -262,12 +262,15 @@ def _box(params, interceptor: _Interceptor):
 
 def _linen_report(params, interceptor: _Interceptor) -> _report.SplitReport:
     entries = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(meta.unbox(params))[0]:
-        key = _path_key(path)
+    boxed = lambda x: isinstance(x, meta.AxisMetadata)  # noqa: E731
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=boxed)[0]:
+        key, value = _path_key(path), meta.unbox(leaf)
         kept = any(key[:len(k)] == k for k in interceptor.kept)
         note = _report.RULE_NOTE if kept else interceptor.notes.get(key, "")
-        entries.append(("/".join(map(str, key)), jnp.shape(leaf), leaf.dtype,
-                        _spec_of(interceptor, key, jnp.shape(leaf)), note))
+        spec = _spec_of(interceptor, key, jnp.shape(value))
+        if key not in interceptor.placed and isinstance(leaf, nn.Partitioned):
+            spec = leaf.get_partition_spec()  # placed by the model's own code
+        entries.append(("/".join(map(str, key)), jnp.shape(value), value.dtype, spec, note))
     return _report.build(entries, interceptor.sizes)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import AXES
+from ..config import AXES, SCHEDULES
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +50,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       help="let the communication model's planner choose the grid (and microbatches)")
     modes = p.add_argument_group("modes")
     modes.add_argument("--microbatches", type=int, default=1)
-    modes.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    modes.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    modes.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                       help="interleaved-1f1b: layer chunks per pipeline stage")
     modes.add_argument("--offload-optimizer", action="store_true")
     modes.add_argument("--remat", default="none", choices=["none", "full", "offload", "auto"])
     modes.add_argument("--memory-budget", dest="memory_budget_gb", type=float, default=None,
@@ -141,7 +143,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, metavar="T")
     p.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach")
     p.add_argument("--grid", default=None, help="only this grid, e.g. data=8,pipe=2,row=2,col=2")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--compress-bits", type=int, default=0)
     p.add_argument("--top", type=int, default=10, help="grids to list (0: all)")

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -47,6 +48,7 @@ class StepOptions:
 
     microbatches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     offload_optimizer: bool = False
     remat: Any = "none"  # 'none' | 'full' | 'offload' | 'auto' | activations.Plan
     memory_budget_gb: float | None = None
@@ -64,7 +66,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
     """The train step of `model` with `optimizer` on `mesh` (axes `data, pipe, depth, row, col`).
 
     options (see `StepOptions`):
-      microbatches, schedule: pipeline microbatches and timetable (`gpipe` | `1f1b`), pipe > 1.
+      microbatches, schedule, virtual_stages: pipeline microbatches and timetable (`gpipe` |
+        `1f1b` | `interleaved-1f1b` with `virtual_stages` chunks per device | `zb-h1`), pipe > 1.
       offload_optimizer: fp32 masters and optimizer state in host memory, streamed per layer;
         `optimizer` must then be elementwise (AdamW is), and clipping is `clip_norm`.
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
@@ -111,6 +114,12 @@ class TrainStep:
         self.process_reducer, self.engine = reducer, engine
         if engine is not None and reducer is None:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
+        if self.grid.pipe > 1:
+            pipeline_lib.check_schedule(options.schedule, self.grid.pipe, options.microbatches,
+                                        options.virtual_stages)
+            pipeline_lib.check_layers(model.num_layers, self.grid.pipe, options.virtual_stages)
+        elif options.virtual_stages > 1:
+            raise ValueError(f"--virtual-stages {options.virtual_stages} needs --pipe > 1")
         if self.grid.pipe > 1 and options.remat == "auto":
             # Every stage runs one program, so a per-layer plan must be uniform.
             raise NotImplementedError("remat='auto' with pipe > 1 is not implemented yet")
@@ -119,6 +128,51 @@ class TrainStep:
                              "data-parallel copy there is no gradient exchange to compress")
         self.scaler = loss_scaler(options.dtype)
         self._bound: dict = {}
+
+    # ------------------------------------------------------------------ layer order
+
+    @functools.cached_property
+    def layer_order(self):
+        """Which model layer each position of the stored `blocks` stack holds (a numpy array), or
+        None when they are in order. Interleaved stages store each device's chunks contiguously,
+        so that the stack stays split over `pipe` in blocks (`parallel.pipeline.interleave_order`);
+        `eval_loss`, checkpoints (`canonical_state`) and `canonical_params` see the model's order."""
+        o = self.options
+        if self.grid.pipe == 1 or o.virtual_stages == 1:
+            return None
+        return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
+                                             o.virtual_stages)
+
+    def _reorder(self, tree, to_model: bool):
+        """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
+        stored order to the model's (`to_model`) or back; traceable."""
+        order = self.layer_order
+        if order is None:
+            return tree
+        index = np.argsort(order) if to_model else order
+        layers = self.model.num_layers
+
+        def one(path, x):
+            blocks = any(getattr(k, "key", None) == "blocks" for k in path)
+            if blocks and getattr(x, "ndim", 0) and x.shape[0] == layers:
+                return jnp.take(x, jnp.asarray(index), axis=0)
+            return x
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def canonical_params(self, params):
+        """`params` with the blocks in the model's layer order (for `StackedModel.loss`, sampling)."""
+        return self._reorder(params, to_model=True)
+
+    def canonical_state(self, state, inverse: bool = False):
+        """The state with every block-stacked leaf (parameters, optimizer moments, reducer
+        residuals) in the model's layer order, placed like `state` (`inverse`: back to the stored
+        order): what checkpoints hold, so that they restore on any grid."""
+        if self.layer_order is None:
+            return state
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return jax.jit(lambda s: self._reorder(s, to_model=not inverse),
+                       out_shardings=shardings)(state)
 
     # ------------------------------------------------------------------ binding to a batch shape
 
@@ -273,7 +327,7 @@ class _Bound:
 
     def _init(self, key):
         s = self.step_obj
-        params = self.fns.init(key)
+        params = s._reorder(self.fns.init(key), to_model=False)
         if self.engine_or_none() is not None:
             params = self.engine.stage_params(params)
         state = initial_state(params, optimizer=s.optimizer, scaler=s.scaler,
@@ -332,15 +386,17 @@ class _Bound:
     def loss_fn(self, params, batch):
         """The mean loss of `batch` in the compute dtype (parameters cast for the forward)."""
         fns, dtype = self.fns, self.compute_dtype
-        params = _cast_floating(params, dtype)
+        params = _cast_floating(self.step_obj.canonical_params(params), dtype)
         x = fns.embed(params["embed"], batch).astype(dtype)
         y = fns.run_blocks(params["blocks"], x, self.groups)
         return fns.head(params["head"], y, batch).astype(jnp.float32)
 
     def _stage_functions(self):
-        """The pipeline engine's embed, stage and head functions (parameters cast, remat plan)."""
-        fns, dtype = self.fns, self.compute_dtype
-        layers = pipeline_lib.check_layers(self.step_obj.model.num_layers, self.step_obj.grid.pipe)
+        """The pipeline engine's embed, stage and head functions (parameters cast, remat plan); the
+        stage function runs one chunk of `num_layers / (pipe · virtual_stages)` layers."""
+        fns, dtype, o = self.fns, self.compute_dtype, self.step_obj.options
+        layers = pipeline_lib.check_layers(self.step_obj.model.num_layers, self.step_obj.grid.pipe,
+                                           o.virtual_stages)
         groups = None if self.groups is None else ((layers, self.groups[0][1]),)
 
         def embed(p, batch):
@@ -360,8 +416,9 @@ class _Bound:
         if grid.pipe > 1:
             params = ensure_varying(params, ("data", "pipe"))
             embed, stage, head = self._stage_functions()
-            sched = pipeline_lib.make_schedule(self.step_obj.options.schedule, grid.pipe,
-                                               self.step_obj.options.microbatches)
+            o = self.step_obj.options
+            sched = pipeline_lib.make_schedule(o.schedule, grid.pipe, o.microbatches,
+                                               o.virtual_stages)
             loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
                 embed, stage, lambda p, y, b: head(p, y, b) * scale,
                 (params["embed"], params["blocks"], params["head"]), batch, sched)

@@ -158,4 +158,5 @@ def jaxpr_internals():
     import jax.extend.core as core
     from jax._src.interpreters import partial_eval as pe
 
-    return types.SimpleNamespace(Literal=core.Literal, DropVar=core.DropVar, dce_rules=pe.dce_rules)
+    return types.SimpleNamespace(Literal=core.Literal, DropVar=core.DropVar, Var=core.Var,
+                                 dce_rules=pe.dce_rules)

@@ -73,20 +73,30 @@ class _Flat:
             v = self.alias[v]
         return v
 
-    def _add(self, eqns, sub):
+    def _add(self, eqns, sub, inlined: bool = False):
+        """Append `eqns` with their inputs renamed by `sub`; the equations of an inlined call
+        (`inlined`) also get fresh output variables, since one call's jaxpr (a cached `jit`) may be
+        inlined at several places."""
         for eqn in eqns:
             invars = [self.atom(v, sub) for v in eqn.invars]
             inner = _inner(eqn)
             if inner is None:
-                self.eqns.append(eqn.replace(invars=invars))
+                outvars = eqn.outvars
+                if inlined:
+                    outvars = [o if isinstance(o, self.core.DropVar) else sub.setdefault(
+                        o, self.core.Var(o.aval)) for o in eqn.outvars]
+                self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
                 continue
             jaxpr, consts = inner
             inner_sub = dict(zip(jaxpr.invars, invars))
-            self.consts.update(zip(jaxpr.constvars, consts))
-            self._add(jaxpr.eqns, inner_sub)
+            for var, value in zip(jaxpr.constvars, consts):
+                inner_sub[var] = fresh = self.core.Var(var.aval)
+                self.consts[fresh] = value
+            self._add(jaxpr.eqns, inner_sub, inlined=True)
             for out, inner_out in zip(eqn.outvars, jaxpr.outvars):
                 if not isinstance(out, self.core.DropVar):
-                    self.alias[out] = self.atom(inner_out, inner_sub)
+                    # Inside an inlined call its variables are renamed per call (`sub`).
+                    (sub if inlined else self.alias)[out] = self.atom(inner_out, inner_sub)
 
 
 def _is_var(core, v) -> bool:

@@ -197,7 +197,7 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     if name == "zb-h1":
         tables = _place_weights(tables, done, p, m, cap=2 * p - 1)
     else:
-        tables["W"] = np.full_like(tables["F"], -1), np.zeros_like(tables["F"])
+        tables["W"] = np.full_like(tables["F"][0], -1), np.zeros_like(tables["F"][0])
     slots, counts, in_flight = _assign_slots(tables, done, p, m, v, split=name == "zb-h1")
     (f, fc), (b, bc), (w, wc) = tables["F"], tables["B"], tables["W"]
     return Schedule(name, p, m, v, f, fc, b, bc, w, wc, slots, *counts, in_flight)

@@ -214,7 +214,8 @@ def _gpt_sampler(trainer: Trainer) -> Callable[[Any], str]:
 
     def generate(params) -> str:
         prompt = data_lib.encode("def ")
-        tokens = gpt.generate(trainer.preset.config, params, prompt, o.sample_tokens,
+        tokens = gpt.generate(trainer.preset.config, trainer.step.canonical_params(params), prompt,
+                              o.sample_tokens,
                               window=o.seq_len, key=jax.random.key(o.seed))
         return data_lib.decode(tokens)
 

@@ -103,7 +103,8 @@ def _build_xla(options, model, optimizer, preset, devices):
     mesh = make_mesh(options.parallel, devices)
     _check(options, options.parallel, preset, model.num_layers, options.batch_size)
     step = make_train_step(model, optimizer, mesh, **options.step_options())
-    return step, jax.process_index() == 0, Checkpointer
+    return step, jax.process_index() == 0, lambda directory, every: Checkpointer(
+        directory, every, canonical=step.canonical_state)
 
 
 def refused_with_mpi_pipeline(options: TrainOptions) -> str | None:
@@ -166,4 +167,5 @@ def _build_mpi(options, model, optimizer, preset, devices):
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,
                            **{**step_options, "compress_bits": 0})
-    return step, rank == 0, lambda directory, every: RankZeroCheckpointer(directory, every, comm)
+    return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
+        directory, every, comm, canonical=step.canonical_state)

@@ -363,6 +363,47 @@ def _zeros_of(aval, lead: tuple[int, ...] = ()):
     return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
 
 
+def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dtype,
+                     axes: frozenset[str] = frozenset()):
+    """A virtual stage's forward and backward operations, as the engine runs them.
+
+    forward(prm, x_in, mb_batch, first) -> y: the chunk's layers on x_in, or on the embedded batch
+    when `first` (a traced bool: the first virtual stage). backward(prm, x_in, mb_batch, first,
+    last, cot) -> (input cotangent, microbatch loss (nonzero when `last`), parameter gradients):
+    the forward recomputed and differentiated, from the output cotangent `cot`, or from the loss
+    (weighted 1/M) when `last`. prm = (embed, chunk, head) parameters; `axes`: the manual axes every
+    value varies over.
+    """
+    m = num_microbatches
+
+    def forward(prm, x_in, mb_batch, first):
+        emb, blocks, _ = prm
+        x = jax.lax.cond(first, lambda: embed_fn(emb, mb_batch).astype(act_dtype), lambda: x_in)
+        return stage_fn(blocks, x)
+
+    def backward(prm, x_in, mb_batch, first, last, cot):
+        def apply(prm, x):
+            y = forward(prm, x, mb_batch, first)
+            loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
+                                lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
+            return y, loss
+
+        (y, loss), vjp = jax.vjp(apply, prm, x_in)
+        g_y = jnp.where(last, jnp.zeros_like(y), cot)
+        g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
+        g_prm, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
+        return g_x, loss, g_prm
+
+    return forward, backward
+
+
+def split_stage_backward(backward, example_args):
+    """`parallel.backward_split` of a `stage_operations` backward at `example_args` (those of the
+    backward): B returns (input cotangent, loss), W the parameter gradients; W reads the
+    parameters itself, everything else from B's residuals."""
+    return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=2)
+
+
 def pipeline_loss_and_grads(
     embed_fn: Callable[[Any, jax.Array], jax.Array],
     stage_fn: Callable[[Any, jax.Array], jax.Array],
@@ -419,24 +460,7 @@ def pipeline_loss_and_grads(
         """Whether chunk c of this stage is the first / the last virtual stage."""
         return (stage == 0) & (c == 0), (stage == p - 1) & (c == v - 1)
 
-    def stage_forward(prm, x_in, mb_batch, first):
-        emb, blocks, _ = prm
-        x = jax.lax.cond(first, lambda: embed_fn(emb, mb_batch).astype(act.dtype), lambda: x_in)
-        return stage_fn(blocks, x)
-
-    def backward_fn(prm, x_in, mb_batch, first, last, cot):
-        """(input cotangent, microbatch loss (last virtual stage), parameter gradients)."""
-        def apply(prm, x):
-            y = stage_forward(prm, x, mb_batch, first)
-            loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
-                                lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
-            return y, loss
-
-        (y, loss), vjp = jax.vjp(apply, prm, x_in)
-        g_y = jnp.where(last, jnp.zeros_like(y), cot)
-        g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
-        g_prm, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
-        return g_x, loss, g_prm
+    stage_forward, backward_fn = stage_operations(embed_fn, stage_fn, head_fn, m, act.dtype, axes)
 
     def accumulate(grads, updates: dict, c):
         """grads + updates {flat leaf index of (embed, chunk, head): gradient}; chunk c's
@@ -461,8 +485,7 @@ def pipeline_loss_and_grads(
     example_c = at("backward_chunk", 0)
     example = (chunk_params(example_c), zero_act, microbatch(jnp.maximum(at("backward", 0), 0)),
                *ends(example_c), zero_act)
-    split = split_backward(backward_fn, example, w_free=(True,) + (False,) * 5,
-                           num_b_outputs=2) if schedule.split_backward else None
+    split = split_stage_backward(backward_fn, example) if schedule.split_backward else None
     w_avals = split.residual_avals if split else []
 
     def tick(carry, t):

@@ -9,7 +9,7 @@ import pytest
 from axonn_jax import ParallelConfig
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.transport.mpi_pipeline import permitted, stage_position
-from axonn_jax.parallel.pipeline import SCHEDULES, stage_order
+from axonn_jax.parallel.pipeline import stage_order
 from axonn_jax.train import TrainOptions, train
 
 from conftest import relative_difference
@@ -19,71 +19,93 @@ from test_distributed import DATA, RUN, STEPS, _mpirun, cli, compilation_cache, 
 MODEL = "gpt-tiny-deep"  # 8 layers: 4 per stage for --pipe 2, 2 for --pipe 4
 
 
-def simulate(schedule, p, m, rng=None):
+def simulate(schedule, p, m, rng=None, v=1):
     """Run `p` stages' message-driven loops (the engine's rule: the first permitted operation whose
     message is there) against each other. With `rng`, messages are delivered after random delays
-    and stages act in random order; without, every stage acts once per tick on what arrived by the
-    previous tick. Returns each stage's operations in order and the most inputs it stashed."""
-    done = [[0, 0] for _ in range(p)]  # forwards, backwards
-    inbox = [{"F": [], "B": []} for _ in range(p)]  # delivered microbatches, by kind
-    in_transit = []  # (stage, kind, microbatch)
-    order, peak = [[] for _ in range(p)], [0] * p
+    (overtaking each other) and stages act in random order; without, every stage acts once per
+    tick on what arrived by the previous tick. Returns each stage's operations in order, the most
+    chunk inputs it stashed and the most microbatches it held between forward and W (zb-h1)."""
+    done = [{"F": 0, "B": 0, "W": 0} for _ in range(p)]
+    inbox = [set() for _ in range(p)]  # delivered messages, as the operation they are for
+    in_transit = []  # (stage, operation)
+    order, peak, held = [[] for _ in range(p)], [0] * p, [0] * p
+    weights = m * v if schedule == "zb-h1" else 0
 
     def ready(s, op):
-        kind, mb = op
-        local = s == 0 if kind == "F" else s == p - 1
-        return local or mb in inbox[s][kind]
+        kind, mb, c = op
+        j = c * p + s
+        local = kind == "W" or (kind == "F" and j == 0) or (kind == "B" and j == p * v - 1)
+        return local or op in inbox[s]
+
+    def allowed(s):
+        return permitted(schedule, p, m, s, done[s]["F"], done[s]["B"], done[s]["W"], v)
 
     def act(s):
         """Stage s's next operation, if one is permitted and ready: the messages it sends."""
-        ops = permitted(schedule, p, m, s, *done[s])
-        op = next((o for o in ops if ready(s, o)), None)
+        op = next((o for o in allowed(s) if ready(s, o)), None)
         if op is None:
             return None
-        kind, mb = op
+        kind, mb, c = op
+        inbox[s].discard(op)
         order[s].append(op)
-        done[s][kind == "B"] += 1
-        peak[s] = max(peak[s], done[s][0] - done[s][1])
-        if kind == "F" and s < p - 1:
-            return [(s + 1, "F", mb)]
-        if kind == "B" and s > 0:
-            return [(s - 1, "B", mb)]
+        done[s][kind] += 1
+        peak[s] = max(peak[s], done[s]["F"] - done[s]["B"])
+        held[s] = max(held[s], done[s]["F"] - done[s]["W"])
+        j = c * p + s
+        if kind == "F" and j < p * v - 1:
+            return [((s + 1) % p, ("F", mb, (j + 1) // p))]
+        if kind == "B" and j > 0:
+            return [((s - 1) % p, ("B", mb, (j - 1) // p))]
         return []
 
-    while any(b < m for _, b in done):
+    def finished():
+        return all(d["B"] == m * v and d["W"] == weights for d in done)
+
+    while not finished():
         if rng is None:
             acted = [act(s) for s in range(p)]
             assert any(a is not None for a in acted), ("deadlock", done)
-            for s, kind, mb in (msg for a in acted if a for msg in a):
-                inbox[s][kind].append(mb)
+            for s, op in (msg for a in acted if a for msg in a):
+                inbox[s].add(op)
             continue
         if in_transit and rng.random() < 0.5:
-            s, kind, mb = in_transit.pop(rng.integers(len(in_transit)))
-            inbox[s][kind].append(mb)
+            s, op = in_transit.pop(rng.integers(len(in_transit)))
+            inbox[s].add(op)
             continue
         in_transit += act(int(rng.integers(p))) or []
-        stuck = not in_transit and all(not any(ready(s, o) for o in permitted(schedule, p, m, s, *done[s]))
-                                       for s in range(p))
-        assert not stuck or all(b == m for _, b in done), ("deadlock", done)
-    return order, peak
+        stuck = not in_transit and all(not any(ready(s, o) for o in allowed(s)) for s in range(p))
+        assert not stuck or finished(), ("deadlock", done)
+    return order, peak, held
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                         ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)])
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8)])
-def test_message_driven_loop_completes_within_the_stash_bound(schedule, p, m):
+def test_message_driven_loop_completes_within_the_stash_bound(schedule, v, p, m):
+    if schedule == "interleaved-1f1b":
+        m = p * max(1, m // p)  # microbatches in groups of P
+    static = [stage_order(schedule, p, m, s, lockstep=False, virtual_stages=v) for s in range(p)]
     # When every message arrives one tick after it is sent, the loop runs the static schedule.
-    order, peak = simulate(schedule, p, m)
-    assert order == [stage_order(schedule, p, m, s, lockstep=False) for s in range(p)]
+    order, _, _ = simulate(schedule, p, m, v=v)
+    assert [[op for op in ops if op[0] != "W"] for ops in order] == static
     rng = np.random.default_rng(0)
     for _ in range(30):
-        order, peak = simulate(schedule, p, m, rng)
+        order, peak, held = simulate(schedule, p, m, rng, v=v)
         for s in range(p):
-            assert [mb for k, mb in order[s] if k == "F"] == list(range(m))
-            assert [mb for k, mb in order[s] if k == "B"] == list(range(m))
-            # 1F1B: stage s holds at most P − s inputs (so at most P); GPipe: all M.
-            assert peak[s] <= (min(p - s, m) if schedule == "1f1b" else m)
+            for kind in "FB":  # each kind in the static order, whatever arrived first
+                assert [op for op in order[s] if op[0] == kind] == \
+                    [op for op in static[s] if op[0] == kind]
+            first_backward = next(i for i, op in enumerate(static[s]) if op[0] == "B")
+            # 1F1B: stage s holds at most P − s inputs (so at most P); GPipe: all M;
+            # interleaved: (V−1)·P + P − s chunk inputs; zb-h1 also at most P until their W.
+            assert peak[s] <= (m if schedule == "gpipe" else first_backward)
+            if schedule == "1f1b":
+                assert peak[s] <= min(p - s, m)
+            if schedule == "zb-h1":
+                assert held[s] <= p
+                assert [op[1] for op in order[s] if op[0] == "W"] == list(range(m))
         if schedule == "gpipe":  # every forward before the first backward
-            assert all(ops[:m] == [("F", i) for i in range(m)] for ops in order)
+            assert all(ops[:m] == [("F", i, 0) for i in range(m)] for ops in order)
 
 
 class FakeComm:
@@ -108,8 +130,8 @@ def test_stage_position_and_bad_input(capsys):
     with pytest.raises(ValueError, match="needs a multiple of 4 MPI processes .* got 6"):
         stage_position(FakeComm(6), 4)
     assert cli_main(["train", "--transport", "mpi", "--pipe", "2", "--data-parallel", "1",
-                     "--dtype", "bfloat16"]) == 2
-    assert "--dtype bfloat16 with --transport mpi --pipe > 1 is not implemented yet" in \
+                     "--row", "2"]) == 2
+    assert "--row/--col/--depth with --transport mpi --pipe > 1 is not implemented yet" in \
         capsys.readouterr().err
 
 

@@ -90,8 +90,9 @@ def _auto_grid(args, num_devices: int):
         raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
     machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
     nbytes = {"float32": 4}.get(args.dtype, 2)
-    work = cm.BlockShape(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
-                       schedule=args.schedule, compress_bits=args.compress_bits,
+    work = cm.Workload(get_config(args.model), args.batch_size, args.seq_len, compute_bytes=nbytes,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages,
+                       compress_bits=args.compress_bits,
                        offload_optimizer=args.offload_optimizer)
     choices = [args.microbatches] if args.microbatches > 1 else None
     for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
@@ -166,7 +167,8 @@ def _plan(args) -> int:
                  "device_memory": args.device_memory and args.device_memory * 1e9,
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
-    work = cm.BlockShape(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+    work = cm.Workload(get_config(args.model), args.batch, args.seq_len, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None
     if grid:

@@ -123,7 +123,7 @@ class CompiledEngineStep:
     example: tuple
 
     def __call__(self, state, batch):
-        loss, grads, extra = self.engine.run(state["params"], batch)
+        loss, grads, extra = self.engine.run(state["params"], batch, _scale(state))
         return self.finish(state, loss, grads, {k: np.int32(v) for k, v in extra.items()})
 
     def as_text(self) -> str:

@@ -78,7 +78,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       clip_norm: clip the gradients' global norm (None: no clipping); seed: stochastic rounding.
     reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
       the local `data` devices exactly. engine: a host-driven gradient phase (the MPI pipeline),
-      `engine(functions, plan_groups, example_batch) -> an object like transport.mpi_pipeline's`.
+      `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
+      shape, `_Bound`: its model functions, stage functions and batch).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(StepOptions)}
     if unknown:
@@ -267,7 +268,7 @@ class _Bound:
         self.update = make_update(step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm,
                                   offloaded=self.offloaded)
         if step.engine is not None:
-            self.engine = step.engine(self.fns, self.groups, batch)
+            self.engine = step.engine(self)
             self.update = make_update(step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm,
                                       all_reduce_squares=self.engine.sum_over_stages)
 
@@ -391,12 +392,13 @@ class _Bound:
         y = fns.run_blocks(params["blocks"], x, self.groups)
         return fns.head(params["head"], y, batch).astype(jnp.float32)
 
-    def _stage_functions(self):
+    def _stage_functions(self, chunk_layers: int | None = None):
         """The pipeline engine's embed, stage and head functions (parameters cast, remat plan); the
-        stage function runs one chunk of `num_layers / (pipe · virtual_stages)` layers."""
+        stage function runs one chunk of `chunk_layers` layers (default `num_layers / (pipe ·
+        virtual_stages)`)."""
         fns, dtype, o = self.fns, self.compute_dtype, self.step_obj.options
-        layers = pipeline_lib.check_layers(self.step_obj.model.num_layers, self.step_obj.grid.pipe,
-                                           o.virtual_stages)
+        layers = chunk_layers or pipeline_lib.check_layers(
+            self.step_obj.model.num_layers, self.step_obj.grid.pipe, o.virtual_stages)
         groups = None if self.groups is None else ((layers, self.groups[0][1]),)
 
         def embed(p, batch):

@@ -214,30 +214,36 @@ class StageEngine:
         pos = self.position
         return pos.first and chunk == 0, pos.last and chunk == self.v - 1
 
-    def _apply(self, p, x, mb_batch, c, first: bool, last: bool):
-        """Chunk c's input (the batch when `first`) -> output (the loss when `last`)."""
-        embed, stage_fn, head = self._fns
+    def _chunk(self, p, c):
+        """The stage parameters with `blocks` cut to chunk c's layers."""
         n = self.n
-        chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * n, n), p["blocks"])
+        return {**p, "blocks": jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * n, n),
+                                            p["blocks"])}
+
+    def _apply(self, prm, x, mb_batch, first: bool, last: bool):
+        """A chunk's input (the batch when `first`) -> output (the loss when `last`); prm: the
+        stage's parameters with one chunk's `blocks` (`_chunk`)."""
+        embed, stage_fn, head = self._fns
         if first:
-            x = embed(p["embed"], mb_batch)
-        y = stage_fn(chunk, x)
-        return head(p["head"], y, mb_batch) if last else y
+            x = embed(prm["embed"], mb_batch)
+        y = stage_fn(prm["blocks"], x)
+        return head(prm["head"], y, mb_batch) if last else y
 
     def _microbatch(self, batch, mb):
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, mb * self.mb_rows,
                                                                    self.mb_rows), batch)
 
     def _backward_fn(self, first: bool, last: bool):
-        """(p, x, mb_batch, c, cot, scale) -> (input gradient, loss share, parameter gradients)."""
+        """(p, x, mb_batch, c, cot, scale) -> (input gradient, loss share, gradients of the
+        parameters of chunk c (`_chunk`))."""
         m = self.m
 
         def backward(p, x, mb_batch, c, cot, scale):
+            prm = self._chunk(p, c)
             if first:  # the input is the batch: differentiate the parameters only
-                out, vjp = jax.vjp(lambda p_: self._apply(p_, None, mb_batch, c, True, last), p)
+                out, vjp = jax.vjp(lambda q: self._apply(q, None, mb_batch, True, last), prm)
             else:
-                out, vjp = jax.vjp(lambda p_, x_: self._apply(p_, x_, mb_batch, c, False, last),
-                                   p, x)
+                out, vjp = jax.vjp(lambda q, x_: self._apply(q, x_, mb_batch, False, last), prm, x)
             g_out = (scale / m).astype(out.dtype) if last else cot
             g = vjp(g_out)
             g_x = jnp.zeros((), jnp.float32) if first else g[1]
@@ -266,7 +272,7 @@ class StageEngine:
             return self._programs[key]
         if kind == "F":
             def forward(p, x, batch, mb, c):
-                return self._apply(p, x, self._microbatch(batch, mb), c, first, last)
+                return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)
 
             program = jax.jit(forward)
         elif kind == "B" and self.schedule != "zb-h1":
@@ -305,8 +311,10 @@ class StageEngine:
                 lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), t)
             mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.mb_rows, *a.shape[1:]),
                                                              a.dtype), batch)
-            example = (shape(params), self.act, mb, jax.ShapeDtypeStruct((), jnp.int32),
-                       self.act, jax.ShapeDtypeStruct((), jnp.float32))
+            # No input on the first virtual stage, no output cotangent on the last (as in `run`).
+            example = (shape(params), None if first else self.act, mb,
+                       jax.ShapeDtypeStruct((), jnp.int32), None if last else self.act,
+                       jax.ShapeDtypeStruct((), jnp.float32))
             self._splits[key] = split_backward(
                 self._backward_fn(first, last), example, w_free=(True,) + (False,) * 5,
                 num_b_outputs=2)

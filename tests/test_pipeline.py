@@ -13,7 +13,8 @@ import axonn_jax
 from axonn_jax import ParallelConfig
 from axonn_jax.run import data as data_lib
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.analysis import hlo
+from axonn_jax.analysis import comm_model as cm, hlo
+from axonn_jax.models.gpt import get_config
 from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
@@ -200,8 +201,12 @@ def test_gradients_equal_reference(reference, devices, grid, schedule, m, v):
     # (params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)
     args = (params, batch, np.float32(1.0), np.int32(0), None)
     compiled = jax.jit(trainer.bound.loss_and_grads).lower(*args).compile()
-    # Activations and cotangents cross stages as point-to-point messages.
-    assert "collective-permute" in compiled.as_text()
+    # Activations and cotangents cross stages as point-to-point messages, as many as the
+    # communication model counts from the tick table.
+    work = cm.Workload(get_config(MODEL), BASE["batch_size"], BASE["seq_len"], compute_bytes=4,
+                       microbatches=m, schedule=schedule, virtual_stages=v)
+    assert hlo.wire_bytes(compiled.as_text())["collective-permute"] == \
+        cm.bytes_by_kind(work, ParallelConfig(**grid))["collective-permute"]
     loss, grads, _ = compiled(*args)
     assert grads["blocks"]["query"]["kernel"].sharding.spec[0] == "pipe"
     grads = trainer.step.canonical_params(grads)

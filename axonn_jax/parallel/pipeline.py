@@ -110,6 +110,13 @@ class Schedule:
     def split_backward(self) -> bool:
         return self.name == "zb-h1"
 
+    @property
+    def message_ticks(self) -> int:
+        """Ticks that end with messages: up to the last forward or backward (zb-h1's trailing
+        ticks run only Ws, which send nothing)."""
+        busy = np.flatnonzero(((self.forward >= 0) | (self.backward >= 0)).any(axis=1))
+        return int(busy[-1]) + 1 if busy.size else 0
+
     def busy_ticks(self) -> np.ndarray:
         """Operations each stage runs, `(num_stages, 3)`: forwards, backwards, weight gradients."""
         return np.stack([(t >= 0).sum(0) for t in (self.forward, self.backward, self.weight)], 1)
@@ -488,7 +495,7 @@ def pipeline_loss_and_grads(
     split = split_stage_backward(backward_fn, example) if schedule.split_backward else None
     w_avals = split.residual_avals if split else []
 
-    def tick(carry, t):
+    def tick(carry, t, communicate=True):
         stash, cots, wstash, act_in, cot_in, grads, loss = carry
         stash = store(stash, at("act_store", t), [act_in])
         cots = store(cots, at("cot_store", t), [cot_in])
@@ -534,9 +541,10 @@ def pipeline_loss_and_grads(
             late = jax.lax.cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(zip(split.late_index, late)), w_c)
         loss = loss + mb_loss / m
-        act_out = jax.lax.ppermute(y, axis, _ring(p, +1, v > 1))
-        cot_out = jax.lax.ppermute(g_x, axis, _ring(p, -1, v > 1))
-        return (stash, cots, wstash, act_out, cot_out, grads, loss), None
+        if communicate:
+            act_in = jax.lax.ppermute(y, axis, _ring(p, +1, v > 1))
+            cot_in = jax.lax.ppermute(g_x, axis, _ring(p, -1, v > 1))
+        return (stash, cots, wstash, act_in, cot_in, grads, loss), None
 
     carry = (
         [_zeros_like_varying(jnp.zeros((schedule.stash_slots, *act.shape), act.dtype), axes)],
@@ -547,7 +555,12 @@ def pipeline_loss_and_grads(
         jax.tree.map(lambda x: _zeros_like_varying(x, axes), params),
         _zeros_like_varying(jnp.zeros((), jnp.float32), axes),
     )
-    (*_, grads, loss), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
+    sends = schedule.message_ticks
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(sends))
+    if sends < schedule.num_ticks:  # the last Ws: nothing to send
+        carry, _ = jax.lax.scan(functools.partial(tick, communicate=False), carry,
+                                jnp.arange(sends, schedule.num_ticks))
+    *_, grads, loss = carry
     g_embed, g_stage, g_head = grads
     # Only the first (last) stage has nonzero embedding (head) gradients; only the last has the loss.
     g_embed, g_head, loss = psum((g_embed, g_head, loss), axis)  # CPU-safe for 16-bit

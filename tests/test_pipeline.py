@@ -435,6 +435,10 @@ def test_layers_not_divisible_by_stages(devices):
 @pytest.mark.parametrize("argv, message", [
     (["--pipe", "2", "--microbatches", "3"], "not divisible by data × microbatches = 4 × 3"),
     (["--microbatches", "2"], "--microbatches 2 needs --pipe > 1"),
+    (["--pipe", "2", "--microbatches", "2", "--virtual-stages", "2"],
+     "--virtual-stages 2 needs --schedule interleaved-1f1b"),
+    (["--pipe", "4", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "4"],
+     "num_layers = 8 is not divisible by pipe × virtual stages = 4 × 4"),
 ])
 def test_cli_bad_pipeline_input(argv, message, capsys):
     assert cli_main(["train", "--model", MODEL, "--steps", "1", "--batch-size", "16", *argv]) == 2

@@ -92,6 +92,23 @@ def _cast_floating(tree, dtype):
                         tree)
 
 
+def _take_rows(x, index: tuple[int, ...]):
+    """`x[index]`, placed like `x`; a host-resident `x` (`pinned_host`) is reordered on the device
+    (host arrays cannot be indexed), moved there and back outside the program (inside it, the
+    transfers beside the reordering's collective-permutes stall XLA:CPU's rendezvous)."""
+    sharding = x.sharding
+    on_device = sharding.with_memory_kind("device")
+    if sharding.memory_kind not in (None, "device"):
+        return jax.device_put(_take_program(on_device, index)(jax.device_put(x, on_device)),
+                              sharding)
+    return _take_program(sharding, index)(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _take_program(sharding, index: tuple[int, ...]):
+    return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
+
+
 def _abstract_batch(batch):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), batch)
 
@@ -144,19 +161,21 @@ class TrainStep:
         return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
                                              o.virtual_stages)
 
-    def _reorder(self, tree, to_model: bool):
+    def _reorder(self, tree, to_model: bool, take: Callable | None = None):
         """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
-        stored order to the model's (`to_model`) or back; traceable."""
+        stored order to the model's (`to_model`) or back; traceable (`take(x, index)`: how to
+        reorder a leaf, `jnp.take` on axis 0 by default)."""
         order = self.layer_order
         if order is None:
             return tree
         index = np.argsort(order) if to_model else order
         layers = self.model.num_layers
+        take = take or (lambda x, i: jnp.take(x, jnp.asarray(i), axis=0))
 
         def one(path, x):
             blocks = any(getattr(k, "key", None) == "blocks" for k in path)
             if blocks and getattr(x, "ndim", 0) and x.shape[0] == layers:
-                return jnp.take(x, jnp.asarray(index), axis=0)
+                return take(x, index)
             return x
 
         return jax.tree_util.tree_map_with_path(one, tree)
@@ -166,14 +185,12 @@ class TrainStep:
         return self._reorder(params, to_model=True)
 
     def canonical_state(self, state, inverse: bool = False):
-        """The state with every block-stacked leaf (parameters, optimizer moments, reducer
-        residuals) in the model's layer order, placed like `state` (`inverse`: back to the stored
-        order): what checkpoints hold, so that they restore on any grid."""
-        if self.layer_order is None:
-            return state
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        return jax.jit(lambda s: self._reorder(s, to_model=not inverse),
-                       out_shardings=shardings)(state)
+        """The state with every block-stacked leaf (parameters, optimizer moments and masters,
+        reducer residuals) in the model's layer order, placed like `state` (`inverse`: back to the
+        stored order): what checkpoints hold, so that they restore on any grid. One program per
+        leaf, so that host-resident leaves visit the device one at a time."""
+        return self._reorder(state, to_model=not inverse,
+                             take=lambda x, i: _take_rows(x, tuple(int(j) for j in i)))
 
     # ------------------------------------------------------------------ binding to a batch shape
 

@@ -253,19 +253,22 @@ def write_report(results, out: pathlib.Path, name: str) -> None:
         "= 1 − mean stage busy time / step, replaying the table with the measured operation costs; "
         "even stages = the same with every virtual stage costed like a middle one; bottleneck = 1 − "
         "the busiest stage's busy time / step; in flight = most microbatches a stage holds between "
-        "its forward and its last backward operation; stash = stage inputs and cotangents the table "
+        "its forward and its last backward operation; replayed step = the step time of that replay; "
+        "stash = stage inputs and cotangents the table "
         "keeps, W res = zb-h1's residuals of deferred weight gradients; temp = compiled temporary "
         "bytes of the whole train step per device.",
         "",
-        "| schedule | V | M | ticks | published | measured | even stages | bottleneck | in flight "
-        "| stash KiB | W res KiB | temp MiB | step ms | no-pipeline step ms | no-pipeline temp MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| schedule | V | M | ticks | published | measured | even stages | bottleneck | replayed step ms "
+        "| in flight | stash KiB | W res KiB | temp MiB | step ms | no-pipeline step ms "
+        "| no-pipeline temp MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:
         lines.append(
             f"| {r['schedule']} | {r['virtual_stages']} | {r['microbatches']} | {r['ticks']} "
             f"| {r['published_bubble']:.3f} | {r['measured_bubble']:.3f} | {r['even_bubble']:.3f} "
-            f"| {r['bottleneck_bubble']:.3f} | {r['in_flight']} | {r['stash_bytes'] / 1024:.0f} "
+            f"| {r['bottleneck_bubble']:.3f} | {r['modeled_step_s'] * 1e3:.2f} | {r['in_flight']} "
+            f"| {r['stash_bytes'] / 1024:.0f} "
             f"| {r['residual_bytes'] / 1024:.0f} | {r['temp_bytes'] / 2**20:.2f} "
             f"| {_ms(r['step_time_s'])} | {_ms(r['no_pipeline_step_time_s'])} "
             f"| {r['no_pipeline_temp_bytes'] / 2**20:.2f} |")
@@ -278,7 +281,12 @@ def write_report(results, out: pathlib.Path, name: str) -> None:
         "costs. What the measured column adds is stage imbalance: the first virtual stage also "
         "embeds, the last runs the head and the loss but skips its forward; zb-h1 computes the "
         "embedding's and the head's weight gradients in B (they sit behind the engine's "
-        "`lax.cond`), which lengthens the last stage's B. Memory: 1F1B and zb-h1 keep the same stage "
+        "`lax.cond`), which lengthens the last stage's B. Work: zb-h1's B and W do the FLOPs of the "
+        "fused backward (tests/test_pipeline.py), but on this CPU at this size they take longer "
+        "(see the operation costs: writing each layer's residuals and a second scan are not free at "
+        "d_model = 32), so its replayed step is longer than 1F1B's despite the smaller bubble; "
+        "whether the split pays must be measured where matmuls dominate (a GPU). Memory: 1F1B and "
+        "zb-h1 keep the same stage "
         "inputs and as many microbatches in flight, but zb-h1's deferred Ws keep their residuals "
         "(each layer's matmul inputs and output cotangents, about 20 activations per layer): "
         "the price of its smaller bubble under this engine, which otherwise recomputes a stage's "

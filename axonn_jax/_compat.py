@@ -73,11 +73,16 @@ def varying_axes(x) -> frozenset[str]:
     """The manual mesh axes over which `x` varies inside a shard_map (empty outside one)."""
     import jax
 
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval) -> frozenset[str]:
+    """`varying_axes` of an abstract value (a ShapedArray, or a ShapeDtypeStruct from
+    `jax.eval_shape` inside a shard_map)."""
     mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10
     if mat is not None:
         return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # pragma: no cover - other JAX versions
+    return frozenset(getattr(aval, "vma", None) or ())  # pragma: no cover - other JAX versions
 
 
 def ensure_varying(tree, axes: tuple[str, ...]):
@@ -143,3 +148,15 @@ def all_gather_invariant(x, axis_name):
     from jax._src.lax import parallel
 
     return parallel.all_gather_invariant(x, axis_name)
+
+
+def jaxpr_internals():
+    """What `parallel.backward_split` needs to read and re-run jaxprs: `Literal`, `DropVar` and
+    JAX's dead-code-elimination rules per primitive (`dce_rules`, private in JAX 0.10)."""
+    import types
+
+    import jax.extend.core as core
+    from jax._src.interpreters import partial_eval as pe
+
+    return types.SimpleNamespace(Literal=core.Literal, DropVar=core.DropVar, Var=core.Var,
+                                 dce_rules=pe.dce_rules)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+"""The pipeline timetables (`axonn_jax.parallel.pipeline`), named as `--schedule` takes them."""
+
 AXES: tuple[str, ...] = ("data", "pipe", "depth", "row", "col")
 """Mesh axis names, outermost (slowest-changing device id, across hosts) first."""
 

@@ -13,7 +13,8 @@ import axonn_jax
 from axonn_jax import ParallelConfig
 from axonn_jax.run import data as data_lib
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.analysis import hlo
+from axonn_jax.analysis import comm_model as cm, hlo
+from axonn_jax.models.gpt import get_config
 from axonn_jax.parallel.pipeline import make_schedule
 from axonn_jax.train import TrainOptions, build_trainer
 
@@ -25,46 +26,117 @@ BASE = dict(model=MODEL, batch_size=16, seq_len=16, eval_batches=1, eval_every=1
 
 # ---------------------------------------------------------------- schedule tables (pure Python)
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def _ticks(s):
+    """{(kind, microbatch, virtual stage): tick} of a schedule, each operation exactly once."""
+    p, m, v = s.num_stages, s.num_microbatches, s.virtual_stages
+    tick = {}
+    for kind, mbs, chunks in (("F", s.forward, s.forward_chunk), ("B", s.backward, s.backward_chunk),
+                              ("W", s.weight, s.weight_chunk)):
+        for t, stage in zip(*np.nonzero(mbs >= 0)):
+            key = (kind, int(mbs[t, stage]), int(chunks[t, stage]) * p + int(stage))
+            assert key not in tick, key
+            tick[key] = int(t)
+    kinds = "FBW" if s.split_backward else "FB"
+    assert set(tick) == {(k, mb, j) for k in kinds for mb in range(m) for j in range(p * v)}
+    return tick
+
+
+def _check_slots(s, tick):
+    """Replay the slot tables: every F and B reads its own microbatch's input (and cotangent), every W
+    the residuals its B left, and no slot is overwritten while a later reader still needs it."""
+    p, v = s.num_stages, s.virtual_stages
+    for stage in range(p):
+        stash, cots, wstash = {}, {}, {}
+        for t in range(s.num_ticks):
+            slot = s.slots["act_store"][t, stage]
+            if slot >= 0:  # the sender's forward of the previous tick
+                src = (stage - 1) % p
+                mb, c = s.forward[t - 1, src], s.forward_chunk[t - 1, src] + (stage == 0)
+                stash[slot] = (mb, c)
+            slot = s.slots["cot_store"][t, stage]
+            if slot >= 0:
+                src = (stage + 1) % p
+                cots[slot] = (s.backward[t - 1, src], s.backward_chunk[t - 1, src] - (stage == p - 1))
+            for kind, mbs, chunks, table in (("F", s.forward, s.forward_chunk, "act_forward"),
+                                             ("B", s.backward, s.backward_chunk, "act_backward")):
+                if mbs[t, stage] < 0:
+                    continue
+                item, j = (mbs[t, stage], chunks[t, stage]), chunks[t, stage] * p + stage
+                assert (s.slots[table][t, stage] < 0) == (j == 0)  # the first embeds again
+                if j:
+                    assert stash[s.slots[table][t, stage]] == item, (kind, t, stage)
+                if kind == "B" and j < p * v - 1:
+                    assert cots[s.slots["cot_backward"][t, stage]] == item
+            if s.backward[t, stage] >= 0 and s.split_backward:
+                wstash[s.slots["weight_store"][t, stage]] = s.backward[t, stage]
+            if s.weight[t, stage] >= 0:
+                assert wstash.pop(s.slots["weight_read"][t, stage]) == s.weight[t, stage]
+        assert len(stash) <= s.stash_slots and len(cots) <= s.cotangent_slots
+
+
+SCHEDULE_CASES = [(name, 1) for name in ("gpipe", "1f1b", "zb-h1")] + \
+    [("interleaved-1f1b", 2), ("interleaved-1f1b", 4)]
+
+
+@pytest.mark.parametrize("name, v", SCHEDULE_CASES)
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
 @pytest.mark.parametrize("factor", [1, 2, 4])
-def test_schedule_table(name, p, factor):
+def test_schedule_table(name, v, p, factor):
     m = factor * p
-    s = make_schedule(name, p, m)
-    f, b = s.forward, s.backward
-    tick = {}
-    for stage in range(p):
-        assert sorted(f[:, stage][f[:, stage] >= 0]) == list(range(m))
-        assert sorted(b[:, stage][b[:, stage] >= 0]) == list(range(m))
-        for t in range(s.num_ticks):
-            if f[t, stage] >= 0:
-                tick["F", f[t, stage], stage] = t
-            if b[t, stage] >= 0:
-                tick["B", b[t, stage], stage] = t
-    for mb in range(m):
-        for stage in range(p):
-            if stage:
-                assert tick["F", mb, stage] > tick["F", mb, stage - 1]
-            if stage < p - 1:
-                assert tick["B", mb, stage] > tick["B", mb, stage + 1]
-            assert tick["B", mb, stage] >= tick["F", mb, stage]  # F runs first within a tick
-        if name == "gpipe":
-            assert tick["B", mb, p - 1] >= max(tick["F", i, p - 1] for i in range(m))
-    # With every stage costing the same, the lockstep ticks leave exactly (P−1)/(M+P−1) idle,
-    # whatever a backward costs against a forward.
-    for backward_cost in (1.0, 2.0, 3.0):
-        step = s.step_time(1.0, backward_cost)
-        assert 1 - m * (1 + backward_cost) / step == pytest.approx(s.predicted_bubble())
-    # Stashed stage inputs: all M for GPipe, at most 2P−3 (bounded by stages) for 1F1B.
+    s = make_schedule(name, p, m, v)
+    tick = _ticks(s)
+    for (kind, mb, j), t in tick.items():
+        if kind == "F" and j:
+            assert t > tick["F", mb, j - 1]
+        if kind == "B":
+            assert t > tick["B", mb, j + 1] if j < p * v - 1 else t >= tick["F", mb, j]
+        if kind == "W":
+            assert t >= tick["B", mb, j]  # W runs after its B (within a tick: F, B, W)
+        if kind == "B" and name == "gpipe":
+            assert t >= max(tick["F", i, p - 1] for i in range(m))
+    _check_slots(s, tick)
+    # Equal stages: the lockstep ticks leave each stage idle exactly the published time, whatever
+    # the costs of forward, input gradient and weight gradient (ZB-H1: once M ≥ 2P−2, when a W
+    # costs no more than an F or a B).
+    for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.5, 0.7), (1.0, 3.0, 0.0)):
+        if s.split_backward:
+            if w == 0.0 or m < 2 * p - 2:
+                continue
+            step = s.step_time(f, b, w)
+        else:
+            step = s.step_time(f / v, (b + w) / v)
+        assert 1 - m * (f + b + w) / step == pytest.approx(s.predicted_bubble(f, b, w))
+    one_f1b = make_schedule("1f1b", p, m)
     if name == "gpipe":
-        assert s.stash_slots == m
-    else:
+        assert s.stash_slots == (m if p > 1 else 1)
+    elif name == "1f1b":
         assert s.stash_slots == (1 if p <= 2 else min(m, 2 * p - 3))
+        assert s.in_flight == min(m, 2 * p - 1)
+    elif name == "zb-h1":  # at 1F1B's memory: as many microbatches in flight, its stage inputs
+        assert s.in_flight == one_f1b.in_flight and s.stash_slots == one_f1b.stash_slots
+    else:  # interleaved: more chunk inputs in flight, bounded whatever M is
+        assert s.stash_slots <= (v - 1) * p + 2 * p
 
 
-def test_bad_schedule_name():
-    with pytest.raises(ValueError, match="--schedule must be one of"):
-        make_schedule("zigzag", 2, 2)
+def test_zero_bubble_and_interleaved_bubbles():
+    """The published bubbles (equal costs of forward, input and weight gradient): ZB-H1 idles a
+    third as long as 1F1B, interleaving over V chunks a V-th."""
+    p, m = 4, 16
+    one_f1b = make_schedule("1f1b", p, m).step_time(1, 2) - 3 * m
+    assert make_schedule("zb-h1", p, m).step_time(1, 1, 1) - 3 * m == pytest.approx(one_f1b / 3)
+    for v in (2, 4):
+        got = make_schedule("interleaved-1f1b", p, m, v).step_time(1 / v, 2 / v) - 3 * m
+        assert got == pytest.approx(one_f1b / v)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("zigzag", 2, 2), "--schedule must be one of"),
+    (("1f1b", 2, 2, 2), "--virtual-stages 2 needs --schedule interleaved-1f1b"),
+    (("interleaved-1f1b", 4, 6, 2), "--microbatches 6 is not a multiple of 4"),
+])
+def test_bad_schedule(args, message):
+    with pytest.raises(ValueError, match=message):
+        make_schedule(*args)
 
 
 # ---------------------------------------------------------------- the single-device reference
@@ -99,34 +171,45 @@ def reference(devices, corpus_path):
                 trajectory=trajectory, corpus=corpus)
 
 
-def _pipeline_trainer(devices, grid, schedule, m):
+def _pipeline_trainer(devices, grid, schedule, m, v=1):
     config = ParallelConfig(**grid)
-    options = TrainOptions(**BASE, steps=STEPS, parallel=config, microbatches=m, schedule=schedule)
+    options = TrainOptions(**BASE, steps=STEPS, parallel=config, microbatches=m, schedule=schedule,
+                           virtual_stages=v)
     return build_trainer(options, devices[:config.num_devices])
 
 
 def _place(trainer, tree):
-    """`tree` (host copies of a state) placed like `trainer`'s state."""
-    return jax.device_put(tree, jax.tree.map(lambda s: s.sharding, trainer.init_state(abstract=True)))
+    """`tree` (host copies of a state, layers in the model's order) placed like `trainer`'s state,
+    in the order it stores its layers."""
+    placed = jax.device_put(tree, jax.tree.map(lambda s: s.sharding,
+                                               trainer.init_state(abstract=True)))
+    return trainer.step.canonical_state(placed, inverse=True)
 
 
 # ---------------------------------------------------------------- gradients equal the reference
 
-@pytest.mark.parametrize("grid, schedule, m", [
-    (dict(pipe=4, data=2), "1f1b", 4),
-    (dict(pipe=8), "gpipe", 16),
+@pytest.mark.parametrize("grid, schedule, m, v", [
+    (dict(pipe=4, data=2), "1f1b", 4, 1),
+    (dict(pipe=8), "gpipe", 16, 1),
+    (dict(pipe=2, row=2, col=2), "zb-h1", 2, 1),  # tensor-parallel stages: split shard_maps
+    (dict(pipe=2, data=4), "interleaved-1f1b", 4, 2),
 ])
-def test_gradients_equal_reference(reference, devices, grid, schedule, m):
-    trainer = _pipeline_trainer(devices, grid, schedule, m)
+def test_gradients_equal_reference(reference, devices, grid, schedule, m, v):
+    trainer = _pipeline_trainer(devices, grid, schedule, m, v)
     params = _place(trainer, reference["initial"])["params"]
     batch = trainer.place(reference["batch"])
     # (params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)
     args = (params, batch, np.float32(1.0), np.int32(0), None)
     compiled = jax.jit(trainer.bound.loss_and_grads).lower(*args).compile()
-    # Activations and cotangents cross stages as point-to-point messages.
-    assert "collective-permute" in compiled.as_text()
+    # Activations and cotangents cross stages as point-to-point messages, as many as the
+    # communication model counts from the tick table.
+    work = cm.Workload(get_config(MODEL), BASE["batch_size"], BASE["seq_len"], compute_bytes=4,
+                       microbatches=m, schedule=schedule, virtual_stages=v)
+    assert hlo.wire_bytes(compiled.as_text())["collective-permute"] == \
+        cm.bytes_by_kind(work, ParallelConfig(**grid))["collective-permute"]
     loss, grads, _ = compiled(*args)
-    assert grads["blocks"]["query"]["kernel"].sharding.spec == P("pipe")
+    assert grads["blocks"]["query"]["kernel"].sharding.spec[0] == "pipe"
+    grads = trainer.step.canonical_params(grads)
     assert relative_difference(float(loss), reference["loss"]) <= 1e-6
     assert jax.tree.structure(grads) == jax.tree.structure(reference["grads"])
     # One vector: some leaves (the key bias) have true gradient 0 and only round-off.
@@ -135,14 +218,43 @@ def test_gradients_equal_reference(reference, devices, grid, schedule, m):
     assert relative_difference(flat, ref_flat) <= 1e-5
 
 
+def test_zero_bubble_defers_the_weight_gradients(devices):
+    """ZB-H1's W operation computes the blocks' kernel gradients (dot products), its B the input
+    gradient; B and W together do the work of 1F1B's backward, not more (compiled FLOPs of one
+    microbatch's operations on a 4-layer stage)."""
+    from axonn_jax.parallel.backward_split import split_backward
+
+    trainer = _pipeline_trainer(devices, dict(pipe=2, data=4), "zb-h1", 2)
+    fns = trainer.bound.fns
+    params = jax.eval_shape(fns.init, jax.random.key(0))["blocks"]
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((4, *a.shape[1:]), a.dtype), params)
+    x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+
+    def backward(p, x, g):
+        _, vjp = jax.vjp(fns.run_blocks, p, x)
+        g_p, g_x = vjp(g)
+        return g_x, g_p
+
+    split = split_backward(backward, (params, x, x), w_free=(True, False, False), num_b_outputs=1)
+    assert not split.early_index  # every kernel gradient waits for W
+    residuals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in split.residual_avals]
+    flops = lambda f, *a: jax.jit(f).lower(*a).compile().cost_analysis()["flops"]  # noqa: E731
+    b, w, full = flops(split.b, params, x, x), flops(split.w, (params,), residuals), \
+        flops(backward, params, x, x)
+    forward = flops(fns.run_blocks, params, x)
+    assert w > 0.5 * forward and b + w <= 1.02 * full
+
+
 # ---------------------------------------------------------------- loss trajectories
 
-@pytest.mark.parametrize("grid, schedule, m, steps", [
-    (dict(pipe=4, data=2), "gpipe", 8, STEPS),
-    (dict(pipe=8), "1f1b", 8, 3),
+@pytest.mark.parametrize("grid, schedule, m, v, steps", [
+    (dict(pipe=4, data=2), "gpipe", 8, 1, STEPS),
+    (dict(pipe=8), "1f1b", 8, 1, 3),
+    (dict(pipe=4, data=2), "zb-h1", 8, 1, 3),
+    (dict(pipe=2, data=4), "interleaved-1f1b", 4, 2, 3),
 ])
-def test_pipeline_trajectory(reference, devices, grid, schedule, m, steps):
-    trainer = _pipeline_trainer(devices, grid, schedule, m)
+def test_pipeline_trajectory(reference, devices, tmp_path, grid, schedule, m, v, steps):
+    trainer = _pipeline_trainer(devices, grid, schedule, m, v)
     state = _place(trainer, reference["initial"])
     got = []
     for step in range(steps):
@@ -153,6 +265,17 @@ def test_pipeline_trajectory(reference, devices, grid, schedule, m, steps):
     assert state["params"]["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
     assert state["opt_state"][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
     assert state["params"]["embed"]["wte"]["embedding"].sharding.spec == P()
+    if v > 1:
+        # Checkpoints hold the model's layer order: one device restores exactly these parameters.
+        saver = trainer.make_checkpointer(str(tmp_path), 1)
+        saver.maybe_save(steps, state, force=True)
+        saver.close()
+        single = build_trainer(TrainOptions(**BASE, steps=STEPS), devices[:1])
+        restored = single.make_checkpointer(str(tmp_path), 1).restore(single.init_state())
+        expected = jax.device_get(trainer.step.canonical_params(state["params"]))
+        for a, b in zip(jax.tree.leaves(jax.device_get(restored["params"])),
+                        jax.tree.leaves(expected)):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
@@ -312,6 +435,10 @@ def test_layers_not_divisible_by_stages(devices):
 @pytest.mark.parametrize("argv, message", [
     (["--pipe", "2", "--microbatches", "3"], "not divisible by data × microbatches = 4 × 3"),
     (["--microbatches", "2"], "--microbatches 2 needs --pipe > 1"),
+    (["--pipe", "2", "--microbatches", "2", "--virtual-stages", "2"],
+     "--virtual-stages 2 needs --schedule interleaved-1f1b"),
+    (["--pipe", "4", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--virtual-stages", "4"],
+     "num_layers = 8 is not divisible by pipe × virtual stages = 4 × 4"),
 ])
 def test_cli_bad_pipeline_input(argv, message, capsys):
     assert cli_main(["train", "--model", MODEL, "--steps", "1", "--batch-size", "16", *argv]) == 2

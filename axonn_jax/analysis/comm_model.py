@@ -24,7 +24,7 @@ from typing import Iterable
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.gpt import GPTConfig
 from ..models.llama import LlamaConfig
-from ..parallel.pipeline import make_schedule
+from ..parallel.pipeline import check_layers, check_schedule, make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -77,6 +77,7 @@ class Workload:
     param_bytes: int = 4  # fp32 parameters (and master weights)
     microbatches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # interleaved-1f1b's chunks per stage
     compress_bits: int = 0
     offload_optimizer: bool = False
 
@@ -400,15 +401,21 @@ def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, flo
     return exact, buckets * (COMPRESS_BUCKET * work.compress_bits / 8 + 2 * work.param_bytes)
 
 
+def _schedule(work: Workload, grid: ParallelConfig):
+    """The pipeline's tick table (`axonn_jax.parallel.pipeline`)."""
+    return make_schedule(work.schedule, grid.pipe, work.microbatches, work.virtual_stages)
+
+
 def _pipeline_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every tick each stage sends one microbatch activation forward and one cotangent backward
-    (the tick table of `axonn_jax.parallel.pipeline`)."""
+    (a chunk's, as large, with interleaved stages: V times as many ticks), but zb-h1's last ticks,
+    which only run weight gradients."""
     m, g = work.model, grid
     if g.pipe == 1:
         return []
     mb_act = _local_tokens(work, grid) / work.microbatches * m.d_model / g.col * work.compute_bytes
-    ticks = make_schedule(work.schedule, g.pipe, work.microbatches).num_ticks
-    return [Collective("collective-permute", ("pipe",), mb_act, 2 * ticks)]
+    return [Collective("collective-permute", ("pipe",), mb_act,
+                       2 * _schedule(work, grid).message_ticks)]
 
 
 def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
@@ -469,9 +476,19 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice.
     per_block = (16 * tokens * m.d_model / (g.row * g.col)
                  + 2 * tokens * work.seq_len * m.num_heads / g.row) * work.compute_bytes
-    stashed = make_schedule(work.schedule, g.pipe, work.microbatches).stash_slots if g.pipe > 1 else 1
-    stash = stashed * tokens * m.d_model / g.col * work.compute_bytes
-    activations = per_block * (m.num_layers // g.pipe) + stash
+    act = tokens * m.d_model / g.col * work.compute_bytes
+    if g.pipe == 1:
+        stash, layers = act, m.num_layers
+    else:
+        # The stashed (chunk) inputs; one chunk's layers live in a backward; zb-h1's deferred
+        # weight gradients keep every layer's matmul inputs and output cotangents (~16
+        # activations of the block, those of `per_block` without the attention probabilities).
+        sched = _schedule(work, grid)
+        layers = m.num_layers // (g.pipe * work.virtual_stages)
+        residuals = (sched.weight_slots * layers * 16 * tokens * m.d_model / (g.row * g.col)
+                     * work.compute_bytes) if sched.split_backward else 0.0
+        stash = sched.stash_slots * act + residuals
+    activations = per_block * layers + stash
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "total": params + grads + optimizer + activations}
 
@@ -528,7 +545,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     Exposed communication: tensor-parallel collectives sit on the critical path, except the
     backward input-gradient all-reduce, hidden up to the weight-gradient matmul it overlaps; the
     data-parallel gradient exchange overlaps the backward pass (hidden up to its compute time);
-    pipeline messages are exposed. The bubble adds (P−1)/M of the per-stage compute.
+    pipeline messages are exposed. The bubble adds the schedule's published idle time per unit of
+    work ((P−1)/M for 1F1B; V times less interleaved; zb-h1's at the engine's costs: forward 1,
+    input gradient 2 (with the recomputed forward), weight gradient 1).
     """
     rate = machine.peak_flops * machine.efficiency
     devices = grid.num_devices
@@ -554,7 +573,10 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
     if data_time:
         by_axis["data"] = exposed_data
-    bubble = compute * (grid.pipe - 1) / work.microbatches if grid.pipe > 1 else 0.0
+    bubble = 0.0
+    if grid.pipe > 1:
+        idle = _schedule(work, grid).predicted_bubble(1.0, 2.0, 1.0)
+        bubble = compute * idle / (1 - idle)
     step = compute + sum(exposed.values()) + bubble
     mem = memory_per_device(work, grid)
     mfu = work.flops() / (step * devices * machine.peak_flops)
@@ -579,6 +601,11 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
         check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
                    num_layers=work.model.num_layers)
         work.model.check_grid(grid)
+        if grid.pipe > 1:
+            check_schedule(work.schedule, grid.pipe, work.microbatches, work.virtual_stages)
+            check_layers(work.model.num_layers, grid.pipe, work.virtual_stages)
+        elif work.virtual_stages > 1:
+            raise ValueError(f"--virtual-stages {work.virtual_stages} needs --pipe > 1")
     except ValueError as e:
         return str(e)
     return None

@@ -1,8 +1,8 @@
 """Inter-layer (pipeline) parallelism: microbatches streamed through stages with `ppermute`.
 
-The stack of layers is split into `P` stages over the `pipe` mesh axis (stage `s` holds layers
-`s·L/P … (s+1)·L/P − 1`). The batch is cut into `M` microbatches. Time advances in clock ticks; in
-every tick each stage runs at most one forward (F) and then at most one backward (B), each of one
+The stack of layers is split into `P` stages over the `pipe` mesh axis. The batch is cut into `M`
+microbatches. Time advances in clock ticks; in every tick each stage runs at most one forward (F),
+one backward (B) and, for zero-bubble schedules, one weight-gradient operation (W), each of one
 microbatch, chosen from a static table computed here in Python, and then every stage hands its
 output activation to the next stage and its input cotangent to the previous one with two
 `jax.lax.ppermute`s over `pipe`. The whole loop is one `lax.scan` over ticks inside a shard_map that
@@ -20,6 +20,22 @@ Schedules (per stage, in the order the stage runs its operations):
 - `1f1b`:  `2(P−1−s)` warm-up forwards (a microbatch's forward and its cotangent need one tick per
   hop to the last stage and back), then one forward and one backward per tick, then the remaining
   backwards. A stage keeps at most `2P−3` microbatches' inputs (P ≥ 2), whatever M is.
+- `interleaved-1f1b` (Narayanan et al., 2021): each device holds V chunks of L/(P·V) layers;
+  chunk c of stage s is virtual stage `c·P + s`, so a microbatch visits the devices V times
+  (the last stage hands chunk c's output to the first stage's chunk c+1). Forwards run in groups of
+  P microbatches per chunk, `(V−1)·P + 2(P−1−s)` of them before the first backward, the backwards
+  in the same groups with the chunks reversed (M must be a multiple of P). A tick's operations are
+  a chunk's, V times shorter, and the bubble is V times smaller: (P−1)/(V·M+P−1). The price is
+  more stashed chunk inputs (about (V−1)·P + 2P) and V times as many messages, each as large.
+- `zb-h1` (Qi et al., 2023): 1F1B's forwards and backwards, with the backward split into B, the
+  input gradient that the previous stage waits for, and W, the weight gradients, which wait to fill
+  ticks where the stage would idle (`parallel.backward_split` cuts any backward in two). A W runs
+  when it fits under the tick's slowest stage (counting operations), when its microbatch must leave
+  to keep a stage's in-flight microbatches within 1F1B's peak (2P−1: forward run, W not), and at
+  the end. For M ≥ 2P−2 the idle time per stage is (P−1)(F+B−W) against 1F1B's (P−1)(F+B+W), a
+  third of it when the three cost the same, as in the paper (asserted on the tables in
+  tests/test_pipeline.py). The deferred Ws keep their residuals (each layer's matmul inputs and
+  output cotangents): far more than the stage inputs 1F1B keeps under this engine's recompute.
 
 The backward is scheduled by hand, not by autodiff of the loop: the B operation of microbatch m on
 stage s runs `jax.vjp` of the stage function at the stage input stashed by its forward, i.e. the
@@ -29,10 +45,10 @@ probabilities per block) for each of up to M (GPipe) or 2P−3 (1F1B) microbatch
 inputs is one `b·t·d` activation per microbatch, for one extra stage forward per microbatch (B costs
 about 3 forwards instead of 2). That is the trade AxoNN and GPipe make for large models.
 
-The embedding runs only on the first stage and the output head + loss only on the last (a
-`lax.cond` on the stage index, so the other stages skip the work). Their parameters are replicated
-over `pipe`; their gradients are zero except on the stage that uses them and are summed over `pipe`
-at the end. Block-parameter gradients stay on their stage (split over `pipe` like the parameters).
+The embedding runs only on the first virtual stage and the output head + loss only on the last (a
+`lax.cond`, so the other stages skip the work). Their parameters are replicated over `pipe`; their
+gradients are zero except on the stage that uses them and are summed over `pipe` at the end.
+Block-parameter gradients stay on their stage (split over `pipe` like the parameters).
 """
 from __future__ import annotations
 
@@ -44,146 +60,355 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._compat import psum, varying_axes
+from .._compat import aval_varying_axes, psum, varying_axes
+from ..config import SCHEDULES
+from .backward_split import split_backward
 
-SCHEDULES = ("gpipe", "1f1b")
 PIPE_AXIS = "pipe"
+SLOT_TABLES = ("act_store", "act_forward", "act_backward", "cot_store", "cot_backward",
+               "weight_store", "weight_read")
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A static pipeline timetable.
 
-    forward[t, s] / backward[t, s]: the microbatch stage `s` runs forward / backward in tick `t`,
-    or -1 (both may be set: the forward runs first). stash_slots: the most microbatch inputs any
-    stage that receives activations holds at once (arrived, not yet backwarded; the first stage
-    embeds its tokens again instead); cotangent_slots: likewise for cotangents that arrived before
-    their backward could run.
+    forward[t, s] / backward[t, s] / weight[t, s]: the microbatch whose F / B / W stage `s` runs in
+    tick `t`, or -1 (in that order within a tick); `*_chunk[t, s]`: which of the stage's
+    `virtual_stages` chunks it runs. `weight` is all -1 unless `split_backward` (then B computes
+    only the input gradient and W the parameter gradients; otherwise B computes both).
+    slots[name][t, s] (names in SLOT_TABLES): where stage s stores the activation / cotangent that
+    arrives at the start of tick t (`*_store`), which stash slot its F and B read their input and
+    output cotangent from, where B leaves W's residuals and which slot W reads (-1: none; the first
+    virtual stage embeds its tokens again instead of stashing, the last takes its loss's gradient).
+    stash_slots / cotangent_slots / weight_slots: slots of each stash (the most any stage holds at
+    once); in_flight: the most microbatches any stage holds between its F and its last backward
+    operation (B, or W when split).
     """
 
     name: str
     num_stages: int
     num_microbatches: int
+    virtual_stages: int
     forward: np.ndarray
+    forward_chunk: np.ndarray
     backward: np.ndarray
+    backward_chunk: np.ndarray
+    weight: np.ndarray
+    weight_chunk: np.ndarray
+    slots: dict
     stash_slots: int
     cotangent_slots: int
+    weight_slots: int
+    in_flight: int
 
     @property
     def num_ticks(self) -> int:
         return self.forward.shape[0]
 
-    def busy_ticks(self) -> np.ndarray:
-        """Ticks in which each stage runs a forward and a backward: `(num_stages, 2)`."""
-        return np.stack([(self.forward >= 0).sum(0), (self.backward >= 0).sum(0)], axis=1)
+    @property
+    def split_backward(self) -> bool:
+        return self.name == "zb-h1"
 
-    def step_time(self, forward_cost, backward_cost) -> float:
+    @property
+    def message_ticks(self) -> int:
+        """Ticks that end with messages: up to the last forward or backward (zb-h1's trailing
+        ticks run only Ws, which send nothing)."""
+        busy = np.flatnonzero(((self.forward >= 0) | (self.backward >= 0)).any(axis=1))
+        return int(busy[-1]) + 1 if busy.size else 0
+
+    def busy_ticks(self) -> np.ndarray:
+        """Operations each stage runs, `(num_stages, 3)`: forwards, backwards, weight gradients."""
+        return np.stack([(t >= 0).sum(0) for t in (self.forward, self.backward, self.weight)], 1)
+
+    def step_time(self, forward_cost, backward_cost, weight_cost=0.0) -> float:
         """Duration of the timetable when every tick waits for its slowest stage.
 
-        forward_cost / backward_cost: seconds of one operation, a number or a `(num_stages,)`
-        array (stages differ: the first embeds, the last runs the head and the loss).
+        Costs are seconds of one operation (of one chunk when `virtual_stages > 1`; B is the whole
+        backward unless `split_backward`, then W is `weight_cost`), each a number or a
+        `(num_stages,)` array (stages differ: the first embeds, the last runs the head and loss).
         """
-        f = np.broadcast_to(np.asarray(forward_cost, float), (self.num_stages,))
-        b = np.broadcast_to(np.asarray(backward_cost, float), (self.num_stages,))
-        per_tick = (self.forward >= 0) * f + (self.backward >= 0) * b
+        costs = [np.broadcast_to(np.asarray(c, float), (self.num_stages,))
+                 for c in (forward_cost, backward_cost, weight_cost)]
+        per_tick = sum((table >= 0) * c for table, c in
+                       zip((self.forward, self.backward, self.weight), costs))
         return float(per_tick.max(axis=1).sum())
 
-    def predicted_bubble(self) -> float:
-        """(P−1)/(M+P−1): the idle fraction of a stage when all stages cost the same."""
-        p, m = self.num_stages, self.num_microbatches
-        return (p - 1) / (m + p - 1)
+    def predicted_bubble(self, forward_cost=1.0, input_cost=1.0, weight_cost=1.0) -> float:
+        """The published idle fraction of a stage when all stages cost the same.
+
+        Costs are one whole stage's forward, input-gradient and weight-gradient work per
+        microbatch (only their sum matters unless the backward is split). Idle time per stage:
+        (P−1)(F+B+W) for gpipe and 1f1b, divided by V for interleaved-1f1b, (P−1)(F+B−W) for
+        zb-h1; the bubble is idle / (M(F+B+W) + idle).
+        """
+        p, m, v = self.num_stages, self.num_microbatches, self.virtual_stages
+        f, b, w = forward_cost, input_cost, weight_cost
+        idle = (p - 1) * ((f + b - w) if self.split_backward else (f + b + w) / v)
+        return idle / (m * (f + b + w) + idle)
 
 
 def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
-                lockstep: bool = True) -> list[tuple[str, int]]:
-    """The operations `[("F", mb) | ("B", mb), ...]` stage `stage` runs, in order.
+                lockstep: bool = True, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
+    """The forwards and backwards `[("F" | "B", microbatch, chunk), ...]` stage `stage` runs, in order
+    (a split backward's Ws are placed by `make_schedule`).
 
     1F1B warms up with as many forwards as fit before its first backward can start: in the
     lockstep engine a microbatch needs one tick per hop to the last stage and back, so
     `2(P−1−s)`; in an asynchronous pipeline (`lockstep=False`, the MPI transport), where a stage
-    starts its next operation as soon as the last one ends, `P−1−s`.
+    starts its next operation as soon as the last one ends, `P−1−s`. Interleaved 1F1B adds the
+    `(V−1)·P` forwards of the other chunks of the first microbatches.
     """
-    m = num_microbatches
+    p, m, v = num_stages, num_microbatches, virtual_stages
     if name == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    hops = num_stages - 1 - stage
-    warmup = min(2 * hops if lockstep else hops, m)
-    ops = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        ops += [("F", warmup + i), ("B", i)]
-    return ops + [("B", i) for i in range(m - warmup, m)]
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    # Microbatches in groups of P, each group through chunk 0, 1, …, V−1 (backwards: V−1, …, 0).
+    group = lambda k: (k // (p * v)) * p + k % p  # noqa: E731
+    forwards = [(group(k), (k // p) % v) for k in range(m * v)]
+    backwards = [(group(k), v - 1 - (k // p) % v) for k in range(m * v)]
+    hops = p - 1 - stage
+    warmup = min((v - 1) * p + (2 * hops if lockstep else hops), m * v)
+    ops = [("F", *forwards[i]) for i in range(warmup)]
+    for i in range(m * v - warmup):
+        ops += [("F", *forwards[warmup + i]), ("B", *backwards[i])]
+    return ops + [("B", *backwards[i]) for i in range(m * v - warmup, m * v)]
+
+
+def check_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1):
+    """A clear error (naming the flag and the numbers) unless the schedule applies."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if name not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
+    if p < 1 or m < 1:
+        raise ValueError(f"need at least one stage and one microbatch, got pipe={p}, microbatches={m}")
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be at least 1, got {v}")
+    if v > 1 and name != "interleaved-1f1b":
+        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved-1f1b, got {name!r}")
+    if name == "interleaved-1f1b" and m % p:
+        raise ValueError(f"--schedule interleaved-1f1b runs microbatches in groups of pipe = {p}: "
+                         f"--microbatches {m} is not a multiple of {p}")
 
 
 @functools.lru_cache(maxsize=256)
-def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+def make_schedule(name: str, num_stages: int, num_microbatches: int,
+                  virtual_stages: int = 1) -> Schedule:
     """Run each stage's operation list as early as its inputs allow, at most one F and one B per
-    tick: F(m, s) one tick after F(m, s−1), B(m, s) one tick after B(m, s+1) (the last stage: in
-    the tick of its own F(m) or later)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
-    p, m = num_stages, num_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"need at least one stage and one microbatch, got pipe={p}, microbatches={m}")
-    orders = [stage_order(name, p, m, s) for s in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (op, microbatch, stage) -> tick
+    tick: F(m, j) one tick after F(m, j−1) (j: the virtual stage), B(m, j) one tick after
+    B(m, j+1) (the last virtual stage: in the tick of its own F(m) or later); for `zb-h1` place
+    the Ws (see the module docstring); then give every stashed value a slot."""
+    check_schedule(name, num_stages, num_microbatches, virtual_stages)
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    orders = [stage_order(name, p, m, s, virtual_stages=v) for s in range(p)]
+    tables, done = _run_orders(orders, p, m, v)
+    if name == "zb-h1":
+        tables = _place_weights(tables, done, p, m, cap=2 * p - 1)
+    else:
+        tables["W"] = np.full_like(tables["F"][0], -1), np.zeros_like(tables["F"][0])
+    slots, counts, in_flight = _assign_slots(tables, done, p, m, v, split=name == "zb-h1")
+    (f, fc), (b, bc), (w, wc) = tables["F"], tables["B"], tables["W"]
+    return Schedule(name, p, m, v, f, fc, b, bc, w, wc, slots, *counts, in_flight)
+
+
+def _run_orders(orders, p: int, m: int, v: int):
+    """The F and B tables of `orders` run as early as allowed. Returns ({"F": (mb, chunk) tables,
+    "B": ...}, done[(kind, mb, virtual stage)] = tick)."""
+    last = p * v - 1
+    done: dict[tuple[str, int, int], int] = {}
     position = [0] * p
-    forward_rows, backward_rows = [], []
+    rows = []
     tick = 0
 
-    def ready(op, mb, s):
-        if op == "F":
-            return s == 0 or done.get(("F", mb, s - 1), tick) < tick
-        if s == p - 1:
-            return ("F", mb, s) in done  # this tick's forward runs before its backward
-        return done.get(("B", mb, s + 1), tick) < tick
+    def ready(kind, mb, j):
+        if kind == "F":
+            return j == 0 or done.get(("F", mb, j - 1), tick) < tick
+        if j == last:
+            return ("F", mb, j) in done  # this tick's forward runs before its backward
+        return done.get(("B", mb, j + 1), tick) < tick
 
     while any(position[s] < len(orders[s]) for s in range(p)):
-        rows = {"F": [-1] * p, "B": [-1] * p}
+        row = {"F": [(-1, 0)] * p, "B": [(-1, 0)] * p}
         for s in range(p):
             while position[s] < len(orders[s]):
-                op, mb = orders[s][position[s]]
-                if rows[op][s] >= 0 or not ready(op, mb, s):
+                kind, mb, chunk = orders[s][position[s]]
+                if row[kind][s][0] >= 0 or not ready(kind, mb, chunk * p + s):
                     break
-                rows[op][s] = mb
-                done[(op, mb, s)] = tick
+                row[kind][s] = (mb, chunk)
+                done[(kind, mb, chunk * p + s)] = tick
                 position[s] += 1
-        forward_rows.append(rows["F"])
-        backward_rows.append(rows["B"])
+        rows.append(row)
         tick += 1
-        if tick > 4 * (m + p) + 4:  # pragma: no cover - the orders above never deadlock
-            raise RuntimeError(f"schedule {name} with P={p}, M={m} does not terminate")
-    forward, backward = np.asarray(forward_rows, np.int32), np.asarray(backward_rows, np.int32)
-    receivers = range(1, p) if p > 1 else range(p)
-    stash = _max_live(lambda mb, s: done[("F", mb, s - 1)] + 1 if s else done[("F", mb, s)],
-                      lambda mb, s: done[("B", mb, s)], receivers, m)
-    cot = _max_live(lambda mb, s: done[("B", mb, s + 1)] + 1 if s < p - 1 else done[("B", mb, s)],
-                    lambda mb, s: done[("B", mb, s)], range(p), m)
-    return Schedule(name, p, m, forward, backward, stash, cot)
+        if tick > 4 * (m * v + p) + 4:  # pragma: no cover - the orders above never deadlock
+            raise RuntimeError(f"pipeline orders with P={p}, M={m}, V={v} do not terminate")
+    tables = {k: (np.asarray([[r[k][s][0] for s in range(p)] for r in rows], np.int32),
+                  np.asarray([[r[k][s][1] for s in range(p)] for r in rows], np.int32))
+              for k in ("F", "B")}
+    return tables, done
 
 
-def _max_live(arrive: Callable, leave: Callable, stages, m: int) -> int:
-    """Most microbatches any of `stages` holds in [arrive, leave]. Microbatches arrive and leave
-    every stage in order (FIFO), so slot `mb % slots` never holds two live microbatches."""
-    most = 1
-    for s in stages:
-        spans = [(arrive(mb, s), leave(mb, s)) for mb in range(m)]
-        assert all(a <= b for a, b in spans) and spans == sorted(spans), (s, spans)
-        for t in {a for a, _ in spans}:
-            most = max(most, sum(a <= t <= b for a, b in spans))
-    return most
+def _place_weights(tables, done, p: int, m: int, cap: int):
+    """ZB-H1's W of each microbatch, in order, per stage: in a tick where the stage runs fewer
+    operations than the busiest stage (it would wait anyway), in every tick where some stage must
+    run one to keep its forward-run, W-not-run microbatches within `cap` after the next tick's
+    forward, and one per tick after the last backward. Adds the "W" tables (and the ticks at the
+    end) and records each W's tick in `done`."""
+    forward, backward = tables["F"][0] >= 0, tables["B"][0] >= 0
+    ticks = forward.shape[0]
+    f_done, b_done, w_done = (np.zeros(p, int) for _ in range(3))
+    rows = []
+    t = 0
+    while (w_done < m).any():
+        f = forward[t] if t < ticks else np.zeros(p, bool)
+        b = backward[t] if t < ticks else np.zeros(p, bool)
+        f_done, b_done = f_done + f, b_done + b
+        pending = b_done - w_done
+        ops = f.astype(int) + b
+        level = ops.max()
+        next_forwards = f_done + (forward[t + 1] if t + 1 < ticks else 0)
+        if t >= ticks or ((next_forwards - w_done > cap) & (pending > 0)).any():
+            level = max(level, (ops + (pending > 0)).max())
+        run = (pending > 0) & (ops + 1 <= level)
+        rows.append(np.where(run, w_done, -1))
+        for s in np.flatnonzero(run):
+            done[("W", int(w_done[s]), int(s))] = t
+        w_done = w_done + run
+        t += 1
+    weight = np.asarray(rows, np.int32)
+    pad = lambda a: np.concatenate([a, np.full((len(rows) - ticks, p), -1, np.int32)])  # noqa: E731
+    out = {k: (pad(mb), pad(chunk).clip(0)) for k, (mb, chunk) in tables.items()}
+    out["W"] = weight, np.zeros_like(weight)
+    return out
 
 
-def check_layers(num_layers: int, num_stages: int) -> int:
-    """Layers per stage; a clear error when the stack does not split evenly."""
-    if num_layers % num_stages:
-        raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {num_stages}: "
-                         f"every pipeline stage must hold the same number of layers")
-    return num_layers // num_stages
+def _assign_slots(tables, done, p: int, m: int, v: int, split: bool):
+    """Slot tables (see `Schedule.slots`), the slots each stash needs, and the in-flight peak. A
+    value occupies its slot from the tick it arrives to the tick its last reader runs; a slot is
+    free again from the next tick."""
+    ticks = tables["F"][0].shape[0]
+    slots = {name: np.full((ticks, p), -1, np.int32) for name in SLOT_TABLES}
+    counts = {"act": 1, "cot": 1, "weight": 1}
+    last = p * v - 1
+    in_flight = 0
+    for s in range(p):
+        items = {"act": [], "cot": [], "weight": []}
+        for mb in range(m):
+            for c in range(v):
+                j = c * p + s
+                f, b = done[("F", mb, j)], done[("B", mb, j)]
+                if j > 0:  # the first virtual stage embeds again instead of stashing
+                    items["act"].append((done[("F", mb, j - 1)] + 1, b, [
+                        ("act_store", done[("F", mb, j - 1)] + 1), ("act_forward", f),
+                        ("act_backward", b)]))
+                if j < last:  # the last virtual stage differentiates its own loss
+                    arrive = done[("B", mb, j + 1)] + 1
+                    items["cot"].append((arrive, b, [("cot_store", arrive), ("cot_backward", b)]))
+                if split:
+                    w = done[("W", mb, s)]
+                    items["weight"].append((b, w, [("weight_store", b), ("weight_read", w)]))
+        for kind, entries in items.items():
+            counts[kind] = max(counts[kind], _allocate(entries, slots, s))
+        ends = [done[("W" if split else "B", mb, c * p + s) if not split else ("W", mb, s)]
+                for mb in range(m) for c in range(v)]
+        starts = [done[("F", mb, c * p + s)] for mb in range(m) for c in range(v)]
+        for t in set(starts):
+            in_flight = max(in_flight, sum(a <= t <= e for a, e in zip(starts, ends)))
+    return slots, (counts["act"], counts["cot"], counts["weight"]), in_flight
+
+
+def _allocate(entries, slots: dict, stage: int) -> int:
+    """Give each `(arrive, leave, [(table, tick), ...])` the lowest slot free since before
+    `arrive`; write the slot into the tables. Returns the number of slots used."""
+    busy_until: list[int] = []
+    for arrive, leave, marks in sorted(entries, key=lambda e: e[0]):
+        assert arrive <= leave, (arrive, leave)
+        slot = next((i for i, until in enumerate(busy_until) if until < arrive), len(busy_until))
+        if slot == len(busy_until):
+            busy_until.append(leave)
+        busy_until[slot] = leave
+        for table, tick in marks:
+            assert slots[table][tick, stage] < 0, (table, tick, stage)
+            slots[table][tick, stage] = slot
+    return max(1, len(busy_until))
+
+
+def check_layers(num_layers: int, num_stages: int, virtual_stages: int = 1) -> int:
+    """Layers per chunk (per stage when `virtual_stages` is 1); a clear error when the stack does
+    not split evenly."""
+    chunks = num_stages * virtual_stages
+    if num_layers % chunks:
+        what = f"pipe = {num_stages}" if virtual_stages == 1 else \
+            f"pipe × virtual stages = {num_stages} × {virtual_stages}"
+        raise ValueError(f"num_layers = {num_layers} is not divisible by {what}: every pipeline "
+                         f"stage must hold the same number of layers")
+    return num_layers // chunks
+
+
+def interleave_order(num_layers: int, num_stages: int, virtual_stages: int) -> np.ndarray:
+    """Which layer each position of the stored layer stack holds with interleaved stages.
+
+    The stack stays split over `pipe` in contiguous blocks (stage s holds positions
+    `s·L/P … (s+1)·L/P − 1`), and inside its block chunk c (virtual stage `c·P + s`) is positions
+    `c·n … (c+1)·n − 1` (n = L/(P·V)): so position `s·V·n + c·n + i` holds layer
+    `(c·P + s)·n + i`. Identity when `virtual_stages` is 1. `stored = layers[order]`,
+    `layers = stored[np.argsort(order)]`.
+    """
+    p, v = num_stages, virtual_stages
+    n = check_layers(num_layers, p, v)
+    s, c, i = np.meshgrid(np.arange(p), np.arange(v), np.arange(n), indexing="ij")
+    return ((c * p + s) * n + i).reshape(-1)
 
 
 def _zeros_like_varying(x, axes: frozenset[str]):
     zeros = jnp.zeros(x.shape, x.dtype)
     return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
+def _zeros_of(aval, lead: tuple[int, ...] = ()):
+    """Zeros shaped `lead + aval.shape`, varying over the manual axes `aval` varies over."""
+    zeros = jnp.zeros((*lead, *aval.shape), aval.dtype)
+    axes = tuple(sorted(aval_varying_axes(aval)))
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dtype,
+                     axes: frozenset[str] = frozenset()):
+    """A virtual stage's forward and backward operations, as the engine runs them.
+
+    forward(prm, x_in, mb_batch, first) -> y: the chunk's layers on x_in, or on the embedded batch
+    when `first` (a traced bool: the first virtual stage). backward(prm, x_in, mb_batch, first,
+    last, cot) -> (input cotangent, microbatch loss (nonzero when `last`), parameter gradients):
+    the forward recomputed and differentiated, from the output cotangent `cot`, or from the loss
+    (weighted 1/M) when `last`. prm = (embed, chunk, head) parameters; `axes`: the manual axes every
+    value varies over.
+    """
+    m = num_microbatches
+
+    def forward(prm, x_in, mb_batch, first):
+        emb, blocks, _ = prm
+        x = jax.lax.cond(first, lambda: embed_fn(emb, mb_batch).astype(act_dtype), lambda: x_in)
+        return stage_fn(blocks, x)
+
+    def backward(prm, x_in, mb_batch, first, last, cot):
+        def apply(prm, x):
+            y = forward(prm, x, mb_batch, first)
+            loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
+                                lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
+            return y, loss
+
+        (y, loss), vjp = jax.vjp(apply, prm, x_in)
+        g_y = jnp.where(last, jnp.zeros_like(y), cot)
+        g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
+        g_prm, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
+        return g_x, loss, g_prm
+
+    return forward, backward
+
+
+def split_stage_backward(backward, example_args):
+    """`parallel.backward_split` of a `stage_operations` backward at `example_args` (those of the
+    backward): B returns (input cotangent, loss), W the parameter gradients; W reads the
+    parameters itself, everything else from B's residuals."""
+    return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=2)
 
 
 def pipeline_loss_and_grads(
@@ -198,95 +423,154 @@ def pipeline_loss_and_grads(
     """Loss and parameter gradients of a pipelined model; call inside a shard_map manual over `axis`.
 
     params = (embed_params, stage_params, head_params). embed/head params: replicated over `axis`;
-    stage_params: this stage's slice of the layer stack (split over `axis`). All of them must already
-    be varying over every manual axis (so gradients stay per-device until reduced by the caller).
+    stage_params: this stage's slice of the layer stack (split over `axis`), a leading layer axis
+    of `V·n` layers holding the stage's `V = schedule.virtual_stages` chunks of n layers in order
+    (chunk c: rows `c·n … (c+1)·n − 1`, virtual stage `c·P + s`; see `interleave_order`). All of
+    them must already be varying over every manual axis (so gradients stay per-device until
+    reduced by the caller).
     batch: a pytree of `(b, ...)` arrays, this device's rows (replicated over `axis`), cut into
     `schedule.num_microbatches` microbatches of `b/M` rows.
-    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(stage_params, x) -> x (same shape);
+    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(chunk_params, x) -> x (same shape);
     head_fn(head_params, x, batch_mb) -> mean loss of the microbatch (float32 scalar).
 
     Returns the mean loss over the microbatches (equal on every stage) and the gradients:
     embed/head summed over `axis` (so replicated), stage gradients local to the stage.
     """
-    p, m = schedule.num_stages, schedule.num_microbatches
+    p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
     rows = jax.tree.leaves(batch)[0].shape[0]
     if rows % m:
         raise ValueError(f"the local batch of {rows} rows is not divisible by microbatches = {m}")
+    layers = jax.tree.leaves(params[1])[0].shape[0]
+    if layers % v:
+        raise ValueError(f"this stage's {layers} layers do not split into {v} virtual stages")
+    n = layers // v
     batch = jax.tree.map(lambda a: a.reshape(m, rows // m, *a.shape[1:]), batch)
     microbatch = lambda i: jax.tree.map(lambda a: a[i], batch)  # noqa: E731
     stage = jax.lax.axis_index(axis)
-    first, last = stage == 0, stage == p - 1
-    embed_params, _, head_params = params
     axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(params)))
-    act = jax.eval_shape(embed_fn, embed_params, microbatch(0))
-
-    def stage_forward(prm, x_in, mb_batch):
-        emb, blocks, _ = prm
-        x = jax.lax.cond(first, lambda: embed_fn(emb, mb_batch).astype(act.dtype), lambda: x_in)
-        return stage_fn(blocks, x)
-
-    def stage_apply(prm, x_in, mb_batch):
-        y = stage_forward(prm, x_in, mb_batch)
-        loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
-                            lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
-        return y, loss
-
-    forward_table, backward_table = jnp.asarray(schedule.forward), jnp.asarray(schedule.backward)
-    k_act, k_cot = schedule.stash_slots, schedule.cotangent_slots
+    tables = {k: jnp.asarray(a) for k, a in (
+        ("forward", schedule.forward), ("forward_chunk", schedule.forward_chunk),
+        ("backward", schedule.backward), ("backward_chunk", schedule.backward_chunk),
+        ("weight", schedule.weight), ("weight_chunk", schedule.weight_chunk),
+        *schedule.slots.items())}
+    at = lambda name, t: tables[name][t, stage]  # noqa: E731
+    act = jax.eval_shape(embed_fn, params[0], microbatch(0))
     zero_act = _zeros_like_varying(jnp.zeros(act.shape, act.dtype), axes)
+    n_embed, n_blocks = (len(jax.tree.leaves(x)) for x in params[:2])
 
-    def tick(carry, t):
-        stash, cots, act_in, cot_in, grads, loss = carry
-        # Store what arrived at the end of the previous tick, tagged by the sender's table entry.
-        prev = jnp.maximum(t - 1, 0)
-        got_act = jnp.where((t > 0) & ~first, forward_table[prev, jnp.maximum(stage - 1, 0)], -1)
-        got_cot = jnp.where((t > 0) & ~last, backward_table[prev, jnp.minimum(stage + 1, p - 1)], -1)
-        slot = got_act % k_act
-        stash = stash.at[slot].set(jnp.where(got_act >= 0, act_in, stash[slot]))
-        slot = got_cot % k_cot
-        cots = cots.at[slot].set(jnp.where(got_cot >= 0, cot_in, cots[slot]))
+    def chunk_params(c):
+        """(embed, chunk c's layers, head)."""
+        blocks = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * n, n), params[1])
+        return params[0], blocks, params[2]
 
-        f_mb, b_mb = forward_table[t, stage], backward_table[t, stage]
-        f_slot, b_slot = jnp.maximum(f_mb, 0), jnp.maximum(b_mb, 0)
+    def ends(c):
+        """Whether chunk c of this stage is the first / the last virtual stage."""
+        return (stage == 0) & (c == 0), (stage == p - 1) & (c == v - 1)
+
+    stage_forward, backward_fn = stage_operations(embed_fn, stage_fn, head_fn, m, act.dtype, axes)
+
+    def accumulate(grads, updates: dict, c):
+        """grads + updates {flat leaf index of (embed, chunk, head): gradient}; chunk c's
+        gradients go to its rows of the stage's layer stack."""
+        flat, tree = jax.tree.flatten(grads)
+        for i, g in updates.items():
+            if n_embed <= i < n_embed + n_blocks:
+                old = jax.lax.dynamic_slice_in_dim(flat[i], c * n, n)
+                flat[i] = jax.lax.dynamic_update_slice_in_dim(flat[i], old + g, c * n, 0)
+            else:
+                flat[i] = flat[i] + g
+        return jax.tree.unflatten(tree, flat)
+
+    def read(stash, slot):
+        return [a[jnp.maximum(slot, 0)] for a in stash]
+
+    def store(stash, slot, values):
+        safe = jnp.maximum(slot, 0)
+        return [a.at[safe].set(jnp.where(slot >= 0, x, a[safe])) for a, x in zip(stash, values)]
+
+    # The example arguments of the backward, made like the tick's (their varying axes fix its jaxpr).
+    example_c = at("backward_chunk", 0)
+    example = (chunk_params(example_c), zero_act, microbatch(jnp.maximum(at("backward", 0), 0)),
+               *ends(example_c), zero_act)
+    split = split_stage_backward(backward_fn, example) if schedule.split_backward else None
+    w_avals = split.residual_avals if split else []
+
+    def tick(carry, t, communicate=True):
+        stash, cots, wstash, act_in, cot_in, grads, loss = carry
+        stash = store(stash, at("act_store", t), [act_in])
+        cots = store(cots, at("cot_store", t), [cot_in])
+
+        f_mb, f_c = at("forward", t), at("forward_chunk", t)
+        f_first, f_last = ends(f_c)
 
         def forward(_):
-            return stage_forward(params, stash[f_slot % k_act], microbatch(f_slot))
+            x = read(stash, at("act_forward", t))[0]
+            return stage_forward(chunk_params(f_c), x, microbatch(jnp.maximum(f_mb, 0)), f_first)
 
-        def backward(_):
-            mb_batch = microbatch(b_slot)
-            (y, mb_loss), vjp = jax.vjp(lambda prm, x: stage_apply(prm, x, mb_batch),
-                                        params, stash[b_slot % k_act])
-            g_y = jnp.where(last, jnp.zeros_like(y), cots[b_slot % k_cot])
-            g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
-            g_params, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
-            return g_params, g_x, mb_loss
+        # The last virtual stage's forward output goes nowhere (its backward recomputes it).
+        y = jax.lax.cond((f_mb >= 0) & ~f_last, forward, lambda _: zero_act, None)
 
-        def idle_backward(_):
-            return (jax.tree.map(lambda x: _zeros_like_varying(x, axes), params), zero_act,
-                    _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
+        b_mb, b_c = at("backward", t), at("backward_chunk", t)
+        args = (chunk_params(b_c), read(stash, at("act_backward", t))[0],
+                microbatch(jnp.maximum(b_mb, 0)), *ends(b_c), read(cots, at("cot_backward", t))[0])
+        if split is None:
+            def backward(_):
+                g_x, mb_loss, g_prm = backward_fn(*args)
+                return g_x, mb_loss, jax.tree.leaves(g_prm)
 
-        # The last stage's forward output goes nowhere (its backward recomputes it): skip it.
-        y = jax.lax.cond((f_mb >= 0) & ~last, forward, lambda _: zero_act, None)
-        g_params, g_x, mb_loss = jax.lax.cond(b_mb >= 0, backward, idle_backward, None)
-        grads = jax.tree.map(jnp.add, grads, g_params)
+            shapes = jax.eval_shape(backward, None)
+            g_x, mb_loss, g_flat = jax.lax.cond(
+                b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
+            grads = accumulate(grads, dict(enumerate(g_flat)), b_c)
+        else:
+            def backward(_):
+                (g_x, mb_loss), early, res = split.b(*args)
+                return g_x, mb_loss, early, res
+
+            shapes = jax.eval_shape(backward, None)
+            g_x, mb_loss, early, res = jax.lax.cond(
+                b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
+            grads = accumulate(grads, dict(zip(split.early_index, early)), b_c)
+            wstash = store(wstash, at("weight_store", t), res)
+            w_mb, w_c = at("weight", t), at("weight_chunk", t)
+
+            def weight(_):
+                return split.w((chunk_params(w_c),), read(wstash, at("weight_read", t)))
+
+            shapes = jax.eval_shape(weight, None)
+            late = jax.lax.cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
+            grads = accumulate(grads, dict(zip(split.late_index, late)), w_c)
         loss = loss + mb_loss / m
-        act_out = jax.lax.ppermute(y, axis, [(i, i + 1) for i in range(p - 1)])
-        cot_out = jax.lax.ppermute(g_x, axis, [(i + 1, i) for i in range(p - 1)])
-        return (stash, cots, act_out, cot_out, grads, loss), None
+        if communicate:
+            act_in = jax.lax.ppermute(y, axis, _ring(p, +1, v > 1))
+            cot_in = jax.lax.ppermute(g_x, axis, _ring(p, -1, v > 1))
+        return (stash, cots, wstash, act_in, cot_in, grads, loss), None
 
     carry = (
-        _zeros_like_varying(jnp.zeros((k_act, *act.shape), act.dtype), axes),
-        _zeros_like_varying(jnp.zeros((k_cot, *act.shape), act.dtype), axes),
+        [_zeros_like_varying(jnp.zeros((schedule.stash_slots, *act.shape), act.dtype), axes)],
+        [_zeros_like_varying(jnp.zeros((schedule.cotangent_slots, *act.shape), act.dtype), axes)],
+        [_zeros_of(a, (schedule.weight_slots,)) for a in w_avals],
         zero_act,
         zero_act,
         jax.tree.map(lambda x: _zeros_like_varying(x, axes), params),
         _zeros_like_varying(jnp.zeros((), jnp.float32), axes),
     )
-    (_, _, _, _, grads, loss), _ = jax.lax.scan(tick, carry, jnp.arange(schedule.num_ticks))
+    sends = schedule.message_ticks
+    carry, _ = jax.lax.scan(tick, carry, jnp.arange(sends))
+    if sends < schedule.num_ticks:  # the last Ws: nothing to send
+        carry, _ = jax.lax.scan(functools.partial(tick, communicate=False), carry,
+                                jnp.arange(sends, schedule.num_ticks))
+    *_, grads, loss = carry
     g_embed, g_stage, g_head = grads
     # Only the first (last) stage has nonzero embedding (head) gradients; only the last has the loss.
     g_embed, g_head, loss = psum((g_embed, g_head, loss), axis)  # CPU-safe for 16-bit
     return loss, (g_embed, g_stage, g_head)
+
+
+def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
+    """ppermute pairs sending each stage's value to stage s + step (around the ring if `wrap`)."""
+    pairs = [(i, i + step) for i in range(p) if 0 <= i + step < p]
+    return [(i, (i + step) % p) for i in range(p)] if wrap else pairs
 
 
 def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,

@@ -11,17 +11,26 @@ class Checkpointer:
 
     The state is a pytree of global jax.Arrays; each process writes the shards it owns, and restore
     places every array with the sharding (and memory kind) of the template it is given.
+    `canonical(state, inverse=False)`: the state as checkpoints hold it (`TrainStep.canonical_state`:
+    layers in the model's order, whatever the grid stores), and back with `inverse`.
     """
 
-    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3):
+    def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3,
+                 canonical=None):
         import orbax.checkpoint as ocp
 
         self.directory = pathlib.Path(directory).absolute()
         self.every = every
+        if canonical is not None:
+            self.canonical = canonical
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
         )
+
+    @staticmethod
+    def canonical(state, inverse: bool = False):
+        return state
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -34,7 +43,8 @@ class Checkpointer:
             return False
         if step == self.latest_step():
             return False
-        return self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+        return self._manager.save(step, args=ocp.args.StandardSave(self.canonical(state)),
+                                  force=force)
 
     def restore(self, template):
         """The latest state, placed like `template` (a pytree of arrays or ShapeDtypeStructs).
@@ -50,12 +60,13 @@ class Checkpointer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
         )
         try:
-            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # orbax raises many types for mismatched or damaged checkpoints
             raise ValueError(
                 f"cannot restore checkpoint step {step} from {str(self.directory)!r} into this model/"
                 f"grid (was it written by a different configuration, or is it damaged?): {e}"
             ) from e
+        return self.canonical(restored, inverse=True)
 
     def close(self):
         self._manager.wait_until_finished()
@@ -67,10 +78,12 @@ class RankZeroCheckpointer(Checkpointer):
     holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
     rank reads it."""
 
-    def __init__(self, directory: str | pathlib.Path, every: int, comm):
+    def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None):
         import orbax.checkpoint as ocp
 
         self.rank = comm.Get_rank()
+        if canonical is not None:
+            self.canonical = canonical
         if self.rank == 0:
             super().__init__(directory, every)
         comm.Barrier()  # the directory exists before the readers open it

@@ -10,7 +10,7 @@ import pathlib
 import sys
 import traceback
 
-from ..config import AXES
+from ..config import AXES, SCHEDULES
 from .config import add_config_args
 
 
@@ -66,7 +66,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                       help="let the communication model's planner choose the grid (and microbatches)")
     modes = p.add_argument_group("modes")
     modes.add_argument("--microbatches", type=int, default=1)
-    modes.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    modes.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    modes.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                       help="interleaved-1f1b: layer chunks per pipeline stage")
     modes.add_argument("--offload-optimizer", action="store_true")
     modes.add_argument("--remat", default="none", choices=["none", "full", "offload", "auto"])
     modes.add_argument("--memory-budget", dest="memory_budget_gb", type=float, default=None,
@@ -118,7 +120,8 @@ def _auto_grid(args, num_devices: int):
     nbytes = {"float32": 4}.get(args.dtype, 2)
     model = (pretrained(args.init_from) if args.init_from else get(args.model)).config
     work = cm.Workload(model, args.batch_size, args.seq_len, compute_bytes=nbytes,
-                       schedule=args.schedule, compress_bits=args.compress_bits,
+                       schedule=args.schedule, virtual_stages=args.virtual_stages,
+                       compress_bits=args.compress_bits,
                        offload_optimizer=args.offload_optimizer)
     choices = [args.microbatches] if args.microbatches > 1 else None
     for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
@@ -239,7 +242,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, metavar="T")
     p.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach")
     p.add_argument("--grid", default=None, help="only this grid, e.g. data=8,pipe=2,row=2,col=2")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--compress-bits", type=int, default=0)
     p.add_argument("--top", type=int, default=10, help="grids to list (0: all)")
@@ -266,6 +270,7 @@ def _plan(args) -> int:
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
     work = cm.Workload(get(args.model).config, args.batch, args.seq_len, schedule=args.schedule,
+                       virtual_stages=args.virtual_stages,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None
     if grid:

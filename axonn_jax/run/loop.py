@@ -286,8 +286,8 @@ def _sampler(trainer: Trainer) -> Callable[[Any], str]:
     network = preset.network(jnp.float32, o.parallel)
 
     def sample(params) -> str:
-        tokens = generate(network, params, encode("def "), o.sample_tokens, window=o.seq_len,
-                          key=jax.random.key(o.seed))
+        tokens = generate(network, trainer.step.canonical_params(params), encode("def "),
+                          o.sample_tokens, window=o.seq_len, key=jax.random.key(o.seed))
         return decode(tokens)
 
     return sample
@@ -298,7 +298,7 @@ def _export(trainer: Trainer, params) -> None:
     directory's tokenizer and generation files."""
     o, preset = trainer.options, trainer.preset
     network = preset.network(DTYPES[o.dtype], o.parallel)
-    preset.family.to_pretrained(network, params, o.export_to)
+    preset.family.to_pretrained(network, trainer.step.canonical_params(params), o.export_to)
     if o.init_from and jax.process_index() == 0:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "generation_config.json", "tokenizer.model"):

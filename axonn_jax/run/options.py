@@ -38,7 +38,8 @@ class TrainOptions:
     sample_tokens: int = 0
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     microbatches: int = 1
-    schedule: str = "gpipe"  # the pipeline's timetable (gpipe | 1f1b)
+    schedule: str = "gpipe"  # the pipeline's timetable (parallel.pipeline.SCHEDULES)
+    virtual_stages: int = 1  # interleaved-1f1b: layer chunks per pipeline stage
     offload_optimizer: bool = False
     remat: str = "none"
     memory_budget_gb: float | None = None
@@ -65,6 +66,7 @@ class TrainOptions:
     def step_options(self) -> dict:
         """The `make_train_step` options these flags ask for."""
         return dict(microbatches=self.microbatches, schedule=self.schedule,
+                    virtual_stages=self.virtual_stages,
                     offload_optimizer=self.offload_optimizer, remat=self.remat,
                     memory_budget_gb=self.memory_budget_gb, compress_bits=self.compress_bits,
                     compress_bucket=self.compress_bucket, error_feedback=self.error_feedback,

@@ -118,7 +118,8 @@ def _build_xla(options, model, optimizer, preset, devices):
     mesh = make_mesh(options.parallel, devices)
     _check(options, options.parallel, preset, model.num_layers, options.batch_size)
     step = make_train_step(model, optimizer, mesh, **options.step_options())
-    return step, jax.process_index() == 0, Checkpointer
+    return step, jax.process_index() == 0, lambda directory, every: Checkpointer(
+        directory, every, canonical=step.canonical_state)
 
 
 def refused_with_mpi_pipeline(options: TrainOptions) -> str | None:
@@ -126,7 +127,6 @@ def refused_with_mpi_pipeline(options: TrainOptions) -> str | None:
     c = options.parallel
     for flag, used in (("--row/--col/--depth", c.tensor_parallel_size > 1),
                        (f"--data-parallel {c.data} (more than one device per process)", c.data > 1),
-                       (f"--dtype {options.dtype}", options.dtype != "float32"),
                        ("--offload-optimizer", options.offload_optimizer),
                        (f"--remat {options.remat}", options.remat != "none"),
                        ("--memory-budget", options.memory_budget_gb is not None),
@@ -156,10 +156,12 @@ def _build_mpi(options, model, optimizer, preset, devices):
         check_grid(ParallelConfig(data=position.num_groups, pipe=grid.pipe),
                    batch_size=options.batch_size, microbatches=options.microbatches,
                    num_layers=model.num_layers, flags=True)
-        reducer, engine = mpi_pipeline.mpi_pipeline(position, options.schedule, options.microbatches)
+        reducer, engine = mpi_pipeline.mpi_pipeline(position, options.schedule, options.microbatches,
+                                                    options.virtual_stages)
         step = make_train_step(model, optimizer, make_mesh(ParallelConfig(), devices[:1]),
                                reducer=reducer, engine=engine,
-                               **{**step_options, "microbatches": 1})
+                               **{**step_options, "microbatches": 1, "schedule": "1f1b",
+                                  "virtual_stages": 1})
         path = pathlib.Path(options.checkpoint_dir or ".") / \
             f"stage-{position.stage}-of-{position.num_stages}"
         return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
@@ -181,4 +183,5 @@ def _build_mpi(options, model, optimizer, preset, devices):
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,
                            **{**step_options, "compress_bits": 0})
-    return step, rank == 0, lambda directory, every: RankZeroCheckpointer(directory, every, comm)
+    return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
+        directory, every, comm, canonical=step.canonical_state)

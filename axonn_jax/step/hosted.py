@@ -119,7 +119,7 @@ class CompiledEngineStep:
     example: tuple
 
     def __call__(self, state, batch):
-        loss, grads, extra = self.engine.run(state["params"], batch)
+        loss, grads, extra = self.engine.run(state["params"], batch, scale_of(state))
         return self.finish(state, loss, grads, {k: np.int32(v) for k, v in extra.items()})
 
     def as_text(self) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -47,6 +48,7 @@ class StepOptions:
 
     microbatches: int = 1
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     offload_optimizer: bool = False
     remat: Any = "none"  # 'none' | 'full' | 'offload' | 'auto' | activations.Plan
     memory_budget_gb: float | None = None
@@ -64,7 +66,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
     """The train step of `model` with `optimizer` on `mesh` (axes `data, pipe, depth, row, col`).
 
     options (see `StepOptions`):
-      microbatches, schedule: pipeline microbatches and timetable (`gpipe` | `1f1b`), pipe > 1.
+      microbatches, schedule, virtual_stages: pipeline microbatches and timetable (`gpipe` |
+        `1f1b` | `interleaved-1f1b` with `virtual_stages` chunks per device | `zb-h1`), pipe > 1.
       offload_optimizer: fp32 masters and optimizer state in host memory, streamed per layer;
         `optimizer` must then be elementwise (AdamW is), and clipping is `clip_norm`.
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
@@ -75,7 +78,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       clip_norm: clip the gradients' global norm (None: no clipping); seed: stochastic rounding.
     reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
       the local `data` devices exactly. engine: a host-driven gradient phase (the MPI pipeline),
-      `engine(functions, plan_groups, example_batch) -> an object like transport.mpi_pipeline's`.
+      `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
+      shape, `BoundStep`: its model functions, stage functions and batch).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(StepOptions)}
     if unknown:
@@ -92,6 +96,23 @@ def _shapes(tree) -> str:
     """`{path: shape}` of a pytree's leaves, for error messages."""
     return str({jax.tree_util.keystr(k): tuple(jnp.shape(v))
                 for k, v in jax.tree_util.tree_leaves_with_path(tree)})
+
+
+def _take_rows(x, index: tuple[int, ...]):
+    """`x[index]`, placed like `x`; a host-resident `x` (`pinned_host`) is reordered on the device
+    (host arrays cannot be indexed), moved there and back outside the program (inside it, the
+    transfers beside the reordering's collective-permutes stall XLA:CPU's rendezvous)."""
+    sharding = x.sharding
+    on_device = sharding.with_memory_kind("device")
+    if sharding.memory_kind not in (None, "device"):
+        return jax.device_put(_take_program(on_device, index)(jax.device_put(x, on_device)),
+                              sharding)
+    return _take_program(sharding, index)(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _take_program(sharding, index: tuple[int, ...]):
+    return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
 
 
 def _abstract_batch(batch):
@@ -117,6 +138,12 @@ class TrainStep:
         self.process_reducer, self.engine = reducer, engine
         if engine is not None and reducer is None:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
+        if self.grid.pipe > 1:
+            pipeline_lib.check_schedule(options.schedule, self.grid.pipe, options.microbatches,
+                                        options.virtual_stages)
+            pipeline_lib.check_layers(model.num_layers, self.grid.pipe, options.virtual_stages)
+        elif options.virtual_stages > 1:
+            raise ValueError(f"--virtual-stages {options.virtual_stages} needs --pipe > 1")
         if self.grid.pipe > 1 and options.remat == "auto":
             # Every stage runs one program, so a per-layer plan must be uniform.
             raise NotImplementedError("remat='auto' with pipe > 1 is not implemented yet")
@@ -125,6 +152,51 @@ class TrainStep:
                              "data-parallel copy there is no gradient exchange to compress")
         self.scaler = loss_scaler(options.dtype)
         self._bound: dict = {}
+
+    # ------------------------------------------------------------------ layer order
+
+    @functools.cached_property
+    def layer_order(self):
+        """Which model layer each position of the stored `blocks` stack holds (a numpy array), or
+        None when they are in order. Interleaved stages store each device's chunks contiguously,
+        so that the stack stays split over `pipe` in blocks (`parallel.pipeline.interleave_order`);
+        `eval_loss`, checkpoints (`canonical_state`) and `canonical_params` see the model's order."""
+        o = self.options
+        if self.grid.pipe == 1 or o.virtual_stages == 1:
+            return None
+        return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
+                                             o.virtual_stages)
+
+    def _reorder(self, tree, to_model: bool, take: Callable | None = None):
+        """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
+        stored order to the model's (`to_model`) or back; traceable (`take(x, index)`: how to
+        reorder a leaf, `jnp.take` on axis 0 by default)."""
+        order = self.layer_order
+        if order is None:
+            return tree
+        index = np.argsort(order) if to_model else order
+        layers = self.model.num_layers
+        take = take or (lambda x, i: jnp.take(x, jnp.asarray(i), axis=0))
+
+        def one(path, x):
+            blocks = any(getattr(k, "key", None) == "blocks" for k in path)
+            if blocks and getattr(x, "ndim", 0) and x.shape[0] == layers:
+                return take(x, index)
+            return x
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def canonical_params(self, params):
+        """`params` with the blocks in the model's layer order (for `StackedModel.loss`, sampling)."""
+        return self._reorder(params, to_model=True)
+
+    def canonical_state(self, state, inverse: bool = False):
+        """The state with every block-stacked leaf (parameters, optimizer moments and masters,
+        reducer residuals) in the model's layer order, placed like `state` (`inverse`: back to the
+        stored order): what checkpoints hold, so that they restore on any grid. One program per
+        leaf, so that host-resident leaves visit the device one at a time."""
+        return self._reorder(state, to_model=not inverse,
+                             take=lambda x, i: _take_rows(x, tuple(int(j) for j in i)))
 
     # ------------------------------------------------------------------ binding to a batch shape
 
@@ -218,7 +290,7 @@ class BoundStep:
             if o.offload_optimizer else None
         self.reducer = self._reducer()
         self.specs = self._param_specs()
-        self.engine = None if step.engine is None else step.engine(self.fns, self.groups, batch)
+        self.engine = None if step.engine is None else step.engine(self)
         self._update = make_update(
             step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm, offloaded=self.offloaded,
             all_reduce_squares=self.engine.sum_over_stages if self.engine else lambda s: s)
@@ -280,6 +352,7 @@ class BoundStep:
     def _init(self, key, params=None):
         s = self.owner
         params = self.fns.init(key) if params is None else params
+        params = s._reorder(params, to_model=False)
         if self.engine is not None:
             params = self.engine.stage_params(params)
         state = initial_state(params, optimizer=s.optimizer, scaler=s.scaler,
@@ -353,15 +426,18 @@ class BoundStep:
     def loss_fn(self, params, batch):
         """The mean loss of `batch` in the compute dtype (parameters cast for the forward)."""
         fns, dtype = self.fns, self.compute_dtype
-        params = _cast_floating(params, dtype)
+        params = _cast_floating(self.owner.canonical_params(params), dtype)
         x = fns.embed(params["embed"], batch).astype(dtype)
         y = fns.run_blocks(params["blocks"], x, self.groups)
         return fns.head(fns.head_params(params), y, batch).astype(jnp.float32)
 
-    def _stage_functions(self):
-        """The pipeline engine's embed, stage and head functions (parameters cast, remat plan)."""
-        fns, dtype = self.fns, self.compute_dtype
-        layers = pipeline_lib.check_layers(self.owner.model.num_layers, self.owner.grid.pipe)
+    def _stage_functions(self, chunk_layers: int | None = None):
+        """The pipeline engine's embed, stage and head functions (parameters cast, remat plan); the
+        stage function runs one chunk of `chunk_layers` layers (default `num_layers / (pipe ·
+        virtual_stages)`)."""
+        fns, dtype, o = self.fns, self.compute_dtype, self.owner.options
+        layers = chunk_layers or pipeline_lib.check_layers(
+            self.owner.model.num_layers, self.owner.grid.pipe, o.virtual_stages)
         groups = None if self.groups is None else ((layers, self.groups[0][1]),)
 
         def embed(p, batch):
@@ -381,8 +457,9 @@ class BoundStep:
         if grid.pipe > 1:
             params = ensure_varying(params, ("data", "pipe"))
             embed, stage, head = self._stage_functions()
-            sched = pipeline_lib.make_schedule(self.owner.options.schedule, grid.pipe,
-                                               self.owner.options.microbatches)
+            o = self.owner.options
+            sched = pipeline_lib.make_schedule(o.schedule, grid.pipe, o.microbatches,
+                                               o.virtual_stages)
             loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
                 embed, stage, lambda p, y, b: head(p, y, b) * scale,
                 (params["embed"], params["blocks"], self.fns.head_params(params)), batch, sched)

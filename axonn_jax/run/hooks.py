@@ -94,7 +94,8 @@ class MetricsFile(Hook):
 
 class Checkpoints(Hook):
     """Saves the state every `checkpointer.every` steps, and at the end (also when the loop stops on
-    an error, so that `--resume` continues from where it stopped)."""
+    an error, so that `--resume` continues from where it stopped, and always when a signal or
+    `--stop-at` stopped it early), never a diverged state."""
 
     def __init__(self, checkpointer):
         self.checkpointer = checkpointer
@@ -104,8 +105,24 @@ class Checkpoints(Hook):
 
     def end(self, loop):
         c = self.checkpointer
-        c.maybe_save(int(loop.state["step"]), loop.state, force=c.every > 0)
+        if loop.diverged is None:
+            early = loop.stopped is not None or loop.end_step < loop.trainer.options.steps
+            c.maybe_save(int(loop.state["step"]), loop.state, force=c.every > 0 or early)
         c.close()
+
+
+class SaveWhenStopped(Hook):
+    """For a run without periodic checkpoints: when a signal stops it, saves the state into the
+    checkpointer `make()` builds then."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+    def end(self, loop):
+        if loop.stopped is not None:
+            c = self.make()
+            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+            c.close()
 
 
 class Progress(Hook):

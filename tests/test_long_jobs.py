@@ -173,11 +173,17 @@ def test_divergence_stops_without_saving(tmp_path, capsys):
     (["--schedule", "1f1b"], "--schedule 1f1b needs a pipeline (--pipe > 1)"),
     (["--stop-at", "-1"], "--stop-at must be a step >= 1"),
     (["--eval-batches", "0"], "--eval-batches must be positive, got 0"),
+    (["--devices", "-2"], "--devices must be positive, got -2"),
+    (["--metrics-out", "{tmp}"], "is a directory; name a file"),
+    (["--row", "-2"], "--row must be positive, got -2"),
+    (["--data-parallel", "-1"], "--data-parallel must be positive, got -1"),
 ])
-def test_ignored_flags_are_refused(flags, message, tmp_path, capsys):
-    assert cli_main(["train", "--steps", "2", *TINY, "--run-dir", str(tmp_path), *flags]) == 2
+def test_ignored_flags_and_bad_values_are_refused_in_one_line(flags, message, tmp_path, capsys):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert cli_main(["train", "--steps", "2", *TINY, "--run-dir", str(tmp_path / "run"),
+                     *flags]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1, err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
 
 
 def test_checkpoint_every_without_a_directory_is_refused():

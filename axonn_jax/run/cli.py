@@ -97,6 +97,9 @@ def _step_range(text: str) -> str:
 def _parallel_config(args, num_devices: int):
     from ..config import ParallelConfig
 
+    for axis, flag in (("data", "--data-parallel"), *((a, f"--{a}") for a in AXES[1:])):
+        if getattr(args, axis) is not None and getattr(args, axis) < 1:
+            raise ValueError(f"{flag} must be positive, got {getattr(args, axis)}")
     # Under --transport mpi the pipeline stages are MPI processes, not this process's devices.
     inner = (1 if args.transport == "mpi" else args.pipe) * args.depth * args.row * args.col
     data = args.data
@@ -509,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"axonn-jax {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "devices", None):
-        from ..mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(args.devices)
     try:
+        if getattr(args, "devices", None) is not None:
+            from ..mesh import simulate_cpu_devices
+
+            simulate_cpu_devices(args.devices)
         if args.command == "train" and args.transport == "xla":
             # Joins the job described by the environment (`axonn-jax launch`, srun, mpirun), if any.
             from .distributed import init_distributed

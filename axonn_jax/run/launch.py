@@ -262,6 +262,9 @@ def _run_job(command, nprocs, devices_per_proc, env, log_dir, stdout, signals,
         time.sleep(POLL_S * 5)  # the others' last words (a process declared dead) reach the logs
         failed = [log_dir / f"proc{i}.log" for i, p in enumerate(procs) if p.poll()]
         if hung := _unresponsive(failed):
+            for i in hung:  # a stopped process would hold its SIGTERM until GRACE_S ran out
+                if procs[i].poll() is None:
+                    os.killpg(procs[i].pid, signal.SIGKILL)
             names = ", ".join(map(str, hung))
             return Failure(hung[0], f"process{'es' if len(hung) > 1 else ''} {names} stopped "
                                     f"answering (no heartbeat)", 1, hung=True)

@@ -98,9 +98,11 @@ class Loop:
         self.tokens_per_step = rows * trainer.options.seq_len if trainer.preset else None
 
     def run(self):
+        started = []
         try:
             for hook in self.hooks:
                 hook.start(self)
+                started.append(hook)
             for step in range(self.start_step, self.end_step):
                 if self.stop is not None and (signal_name := self.stop.agreed()):
                     self.stopped = signal_name
@@ -117,7 +119,7 @@ class Loop:
                 self.history.append(record)
             self.completed = self.stopped is None
         finally:
-            for hook in reversed(self.hooks):  # unwound like nested contexts
+            for hook in reversed(started):  # unwound like nested contexts
                 hook.end(self)
         return self.state
 
@@ -209,6 +211,9 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
 
     options = rundir.with_run_dir(options)
     outputs = _run_dir_hooks(options)  # checked before the work starts
+    if options.metrics_out and pathlib.Path(options.metrics_out).is_dir():
+        raise ValueError(f"--metrics-out {options.metrics_out} is a directory; name a file "
+                         "(e.g. metrics.jsonl)")
     corpus = None
     if model is None:
         if data is not None:

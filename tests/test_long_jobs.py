@@ -189,3 +189,12 @@ def test_ignored_flags_and_bad_values_are_refused_in_one_line(flags, message, tm
 def test_checkpoint_every_without_a_directory_is_refused():
     with pytest.raises(ValueError, match="--checkpoint-every needs a place for the checkpoints"):
         TrainOptions(checkpoint_every=5)
+
+
+def test_stop_at_saves_into_the_run_directory(tmp_path, devices):
+    """--stop-at without --checkpoint-every still saves, where --resume looks."""
+    summary = train(TrainOptions(steps=3, stop_at=2, batch_size=4, seq_len=16, eval_batches=1,
+                                 eval_every=100000, data_path=DATA, parallel=ParallelConfig(data=1),
+                                 run_dir=str(tmp_path)), devices=devices[:1])
+    assert summary["stopped"] is None and len(summary["history"]) == 2
+    assert _checkpoints(tmp_path / "checkpoints") == [2]

@@ -107,10 +107,12 @@ def follow_launcher() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live process group, then SIGKILL whatever is left after GRACE_S."""
+def _stop(procs: list[subprocess.Popen], graceful: bool = True) -> None:
+    """SIGTERM every live process group (a `train` process then saves at its next step
+    boundary), then SIGKILL whatever is left after GRACE_S; not `graceful`: SIGKILL at once."""
     live = [p for p in procs if p.poll() is None]
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
+    signals = ((signal.SIGTERM, GRACE_S),) if graceful else ()
+    for sig, wait in (*signals, (signal.SIGKILL, GRACE_S)):
         for p in live:
             try:
                 os.killpg(p.pid, sig)
@@ -260,11 +262,10 @@ def _run_job(command, nprocs, devices_per_proc, env, log_dir, stdout, signals,
             codes = [p.returncode for p in procs]
             return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
         time.sleep(POLL_S * 5)  # the others' last words (a process declared dead) reach the logs
+        # A peer is gone: the others cannot finish a step, let alone save.
+        _stop(procs, graceful=False)
         failed = [log_dir / f"proc{i}.log" for i, p in enumerate(procs) if p.poll()]
         if hung := _unresponsive(failed):
-            for i in hung:  # a stopped process would hold its SIGTERM until GRACE_S ran out
-                if procs[i].poll() is None:
-                    os.killpg(procs[i].pid, signal.SIGKILL)
             names = ", ".join(map(str, hung))
             return Failure(hung[0], f"process{'es' if len(hung) > 1 else ''} {names} stopped "
                                     f"answering (no heartbeat)", 1, hung=True)

@@ -77,7 +77,7 @@ class Loop:
 
     stop: asked at every step boundary whether the job stops there (`run.stopping`); then
     `stopped` names the signal. A step whose loss is not finite raises `Diverged` before its state
-    is kept (`diverged`: that step); under float16 such steps are skipped by the step itself.
+    is kept; under float16 such steps are skipped by the step itself.
     """
 
     def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
@@ -89,7 +89,6 @@ class Loop:
         self.history: list[dict] = []
         self.completed = False
         self.stopped: str | None = None
-        self.diverged: int | None = None
         first = trainer.place(batches(self.start_step))
         self.compiled = trainer.step.lower(state, first).compile()
         self.report = state_report(state, self.compiled)
@@ -109,7 +108,6 @@ class Loop:
                     break
                 state, record = self._step(step)
                 if not math.isfinite(record["loss"]) and self.trainer.options.dtype != "float16":
-                    self.diverged = step + 1
                     raise Diverged(f"the loss of step {step + 1} is {record['loss']}: the run "
                                    f"diverged (a lower --lr?); stopped without keeping that step")
                 self.state = state

@@ -122,17 +122,41 @@ def test_user_script_in_several_processes(reference, tmp_path, name, grid, trans
     assert relative_difference(_losses(metrics), reference[name]) <= 1e-5
 
 
-def test_readme_example_runs(tmp_path):
-    """The README's "Train your own model" example, as printed, in a fresh interpreter."""
+def run_readme_code(section: str, tmp_path, check: str = "") -> str:
+    """The first Python block after README heading `section`, as printed (then `check`), in a
+    fresh interpreter; returns its output."""
     readme = (REPO / "README.md").read_text()
-    section = readme.split("## Train your own model", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", readme.split(section, 1)[1], re.S).group(1)
     script = tmp_path / "example.py"
-    script.write_text(code)
+    script.write_text(code + check)
     env = child_env()
     env.pop("JAX_PLATFORMS", None)
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+)$", out.stdout, re.M)]
+    return out.stdout
+
+
+def test_readme_example_runs(tmp_path):
+    """The README's "Train your own model" example, as printed, in a fresh interpreter."""
+    out = run_readme_code("## Train your own model", tmp_path)
+    losses = [float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+)$", out, re.M)]
     assert len(losses) >= 2 and np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+SHARDED = """
+leaves = jax.tree.leaves(variables)
+split = [x for x in leaves if x.addressable_shards[0].data.size < x.size]
+assert all(len(x.sharding.device_set) == 8 for x in leaves)
+print(f"split {len(split)} of {len(leaves)}")
+"""
+
+
+def test_readme_python_snippet_runs_and_creates_sharded_parameters(tmp_path):
+    """The README's "Python" snippet on CPU as pasted: the parameters are created on all 8
+    devices, the matrices split (not built on one device), and the trainer learns."""
+    out = run_readme_code("## Python", tmp_path, SHARDED)
+    first, last = map(float, re.search(r"^loss (\S+) -> (\S+)$", out, re.M).groups())
+    assert last < first
+    split, total = map(int, re.search(r"^split (\d+) of (\d+)$", out, re.M).groups())
+    assert split >= 8  # every block's four dense kernels at least

@@ -37,9 +37,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None, help="default: RUN_DIR/checkpoints")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (with its config.yaml) from its latest "
-                        "checkpoint")
+                        "checkpoint; `--resume auto`: continue when the checkpoint directory "
+                        "holds a checkpoint, else start (a job script that resumes by itself)")
     p.add_argument("--stop-at", type=int, default=0, metavar="STEP",
-                   help="stop after this step, e.g. before a job's time limit (resume later)")
+                   help="stop after this step and save a checkpoint, e.g. before a job's time "
+                        "limit (resume later). SIGTERM/SIGUSR1 stop at the next step (exit code "
+                        "75), Ctrl-C too (130)")
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="where the run's config, metrics, log, checkpoints, HLO, TensorBoard "
                         "events, profile and plots go (default: runs/<model>-<time>)")
@@ -94,6 +97,9 @@ def _step_range(text: str) -> str:
 def _parallel_config(args, num_devices: int):
     from ..config import ParallelConfig
 
+    for axis, flag in (("data", "--data-parallel"), *((a, f"--{a}") for a in AXES[1:])):
+        if getattr(args, axis) is not None and getattr(args, axis) < 1:
+            raise ValueError(f"{flag} must be positive, got {getattr(args, axis)}")
     # Under --transport mpi the pipeline stages are MPI processes, not this process's devices.
     inner = (1 if args.transport == "mpi" else args.pipe) * args.depth * args.row * args.col
     data = args.data
@@ -137,11 +143,14 @@ def _train(args) -> int:
 
     from .loop import train
     from .options import TrainOptions
+    from .stopping import exit_code
 
     if args.auto_grid:
         config, args.microbatches = _auto_grid(args, jax.device_count())
         grid = ",".join(f"{k}={v}" for k, v in config.as_dict().items())
         print(f"--auto-grid: {grid}, {args.microbatches} microbatch(es)", file=sys.stderr)
+        if config.pipe == 1:
+            args.schedule = "gpipe"  # the planner weighed it; without a pipeline it means nothing
     else:
         config = _parallel_config(args, jax.device_count())
     _resolve_run_dir(args)
@@ -149,17 +158,26 @@ def _train(args) -> int:
     args.data, args.auto_grid = config.data, False
     for axis in AXES[1:]:
         setattr(args, axis, getattr(config, axis))
+    _refuse_ignored(args, config)
     options = TrainOptions(parallel=config, **_option_fields(args))
-    if _is_main(args):
-        _train_logged(args, options)
-    else:
-        train(options)
-    return 0
+    summary = _train_logged(args, options) if _is_main(args) else train(options)
+    return exit_code(summary["stopped"])
 
 
-def _train_logged(args, options) -> None:
+def _refuse_ignored(args, config) -> None:
+    """Flags that would have no effect on this grid and modes are refused, not ignored."""
+    if args.schedule != "gpipe" and config.pipe == 1:
+        raise ValueError(f"--schedule {args.schedule} needs a pipeline (--pipe > 1)")
+    if not args.compress_bits:
+        if args.compress_bucket != 1024:
+            raise ValueError("--compress-bucket needs gradient compression (--compress-bits)")
+        if not args.error_feedback:
+            raise ValueError("--no-error-feedback needs gradient compression (--compress-bits)")
+
+
+def _train_logged(args, options) -> dict:
     """`train(options)` on the main process: the effective config into the run directory first,
-    and what the run prints into its `train.log` as well."""
+    and what the run prints into its `train.log` as well. Returns `train`'s summary."""
     from rich.console import Console
 
     from . import config as config_lib, rundir
@@ -173,9 +191,10 @@ def _train_logged(args, options) -> None:
     console = Console(file=log, soft_wrap=True)  # whole lines in the log
     try:
         console.print(f"run directory: {run_dir}")
-        train(options, console=console)
+        summary = train(options, console=console)
         console.print(f"everything about this run is in {run_dir}; plots: axonn-jax report "
                       f"{run_dir}; curves: tensorboard --logdir {run_dir / rundir.TENSORBOARD}")
+        return summary
     except BaseException:
         log.log_only(traceback.format_exc())
         raise
@@ -192,7 +211,11 @@ def _resolve_run_dir(args) -> None:
     by all processes) and makes `args.resume` a bool."""
     from . import rundir
 
-    if isinstance(args.resume, str):
+    if args.resume == "auto":
+        if not (args.run_dir or args.checkpoint_dir):
+            raise ValueError("--resume auto needs the place to look for a checkpoint: --run-dir "
+                             "(or --checkpoint-dir)")
+    elif isinstance(args.resume, str):
         if args.run_dir and pathlib.Path(args.run_dir).resolve() != pathlib.Path(args.resume).resolve():
             raise ValueError(f"--resume {args.resume} and --run-dir {args.run_dir} name different "
                              "run directories")
@@ -419,11 +442,17 @@ def _report(args) -> int:
 def _add_launch_parser(sub) -> None:
     p = sub.add_parser("launch", help="run several processes of one job on this machine",
                        usage="axonn-jax launch --nprocs P [--devices-per-proc K] [--port N] "
-                             "[--log-dir DIR] -- train ... | SCRIPT.py ...")
+                             "[--max-restarts N] [--log-dir DIR] -- train ... | SCRIPT.py ...")
     p.add_argument("--nprocs", type=int, required=True, help="number of processes")
     p.add_argument("--devices-per-proc", type=int, default=None,
                    help="devices per process: simulated CPU devices, or its share of the GPUs")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a process dies, restart the whole job up to N times from its newest "
+                        "checkpoint (`train` gets --resume auto)")
+    p.add_argument("--heartbeat-timeout", type=int, default=None, metavar="SECONDS",
+                   help="declare a process that stopped answering dead after this long "
+                        "(default: JAX's, 100 s)")
     p.add_argument("--log-dir", default=None,
                    help="where proc<i>.log of every process is written (default: the run "
                         "directory's logs/; for a script, runs/<script>-<time>/logs)")
@@ -450,7 +479,8 @@ def parse(argv: list[str]):
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--resume", nargs="?", const=True)
         resume = pre.parse_known_args(argv[1:])[0].resume
-        if isinstance(resume, str) and (pathlib.Path(resume) / rundir.CONFIG).is_file():
+        if isinstance(resume, str) and resume != "auto" and \
+                (pathlib.Path(resume) / rundir.CONFIG).is_file():
             argv = [argv[0], "--config", str(pathlib.Path(resume) / rundir.CONFIG), *argv[1:]]
     return config_lib.parse_args(build_parser(), argv)
 
@@ -464,7 +494,7 @@ def _launch_run_dir(command: list[str]) -> tuple[list[str], str]:
     if command[0] != "train":
         return command, str(rundir.default_run_dir(pathlib.Path(command[0]).stem) / rundir.LAUNCH_LOGS)
     args = parse(command)
-    run_dir = args.resume if isinstance(args.resume, str) else args.run_dir
+    run_dir = args.resume if isinstance(args.resume, str) and args.resume != "auto" else args.run_dir
     if run_dir is None:
         run_dir = str(rundir.default_run_dir(args.model))
         command = [*command, "--run-dir", run_dir]
@@ -473,6 +503,7 @@ def _launch_run_dir(command: list[str]) -> tuple[list[str], str]:
 
 def main(argv: list[str] | None = None) -> int:
     from .launch import follow_launcher
+    from .stopping import EXIT_DIVERGED, EXIT_INTERRUPTED, Diverged
 
     follow_launcher()  # a process of `axonn-jax launch` dies with its launcher
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -481,11 +512,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"axonn-jax {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "devices", None):
-        from ..mesh import simulate_cpu_devices
-
-        simulate_cpu_devices(args.devices)
     try:
+        if getattr(args, "devices", None) is not None:
+            from ..mesh import simulate_cpu_devices
+
+            simulate_cpu_devices(args.devices)
         if args.command == "train" and args.transport == "xla":
             # Joins the job described by the environment (`axonn-jax launch`, srun, mpirun), if any.
             from .distributed import init_distributed
@@ -495,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"axonn-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Diverged as e:
+        print(f"axonn-jax {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
+        print(f"axonn-jax {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ ENV_NUM_PROCESSES = "AXONN_NUM_PROCESSES"
 ENV_PROCESS_ID = "AXONN_PROCESS_ID"
 ENV_LOCAL_DEVICES = "AXONN_LOCAL_DEVICES"
 """Simulated CPU devices per process (`axonn-jax launch --devices-per-proc`)."""
+ENV_HEARTBEAT_TIMEOUT = "AXONN_HEARTBEAT_TIMEOUT"
+"""Seconds without a heartbeat after which the job declares a process dead (`axonn-jax launch
+--heartbeat-timeout`; JAX's default when unset)."""
 
 SLURM_BASE_PORT = 41000
 
@@ -165,9 +168,13 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         # As JAX does under SLURM and Open MPI: a process started by the scheduler drives one
         # accelerator, its local rank (this sets CUDA/ROCm visible devices; CPUs are unaffected).
         local_ids = [spec.local_rank]
+    timeouts = {}
+    if ENV_HEARTBEAT_TIMEOUT in env:
+        timeouts["heartbeat_timeout_seconds"] = _int(env, ENV_HEARTBEAT_TIMEOUT)
     # Everything is decided here; JAX's own cluster detection would second-guess it.
     jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
-                               local_device_ids=local_ids, cluster_detection_method="deactivate")
+                               local_device_ids=local_ids, cluster_detection_method="deactivate",
+                               **timeouts)
     return spec
 
 

@@ -94,7 +94,8 @@ class MetricsFile(Hook):
 
 class Checkpoints(Hook):
     """Saves the state every `checkpointer.every` steps, and at the end (also when the loop stops on
-    an error, so that `--resume` continues from where it stopped)."""
+    an error, so that `--resume` continues from where it stopped, and always when a signal or
+    `--stop-at` stopped it early), never a diverged state (the loop does not keep it)."""
 
     def __init__(self, checkpointer):
         self.checkpointer = checkpointer
@@ -103,9 +104,28 @@ class Checkpoints(Hook):
         self.checkpointer.maybe_save(info.step, info.state)
 
     def end(self, loop):
+        import jax
+
         c = self.checkpointer
-        c.maybe_save(int(loop.state["step"]), loop.state, force=c.every > 0)
+        # Not after a diverged or failed step: it consumed (donated) the state.
+        if not any(x.is_deleted() for x in jax.tree.leaves(loop.state) if isinstance(x, jax.Array)):
+            early = loop.stopped is not None or loop.end_step < loop.trainer.options.steps
+            c.maybe_save(int(loop.state["step"]), loop.state, force=c.every > 0 or early)
         c.close()
+
+
+class SaveWhenStopped(Hook):
+    """For a run without periodic checkpoints: when a signal stops it, saves the state into the
+    checkpointer `make()` builds then."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+    def end(self, loop):
+        if loop.stopped is not None:
+            c = self.make()
+            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+            c.close()
 
 
 class Progress(Hook):

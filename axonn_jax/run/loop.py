@@ -7,6 +7,7 @@ The loop compiles the step, restores a checkpoint if asked, and runs the steps; 
 from __future__ import annotations
 
 import itertools
+import math
 import pathlib
 import shutil
 import time
@@ -25,8 +26,10 @@ from ..step.model import StackedModel
 from . import data as data_lib
 from . import rundir
 from .hooks import (Checkpoints, DeviceMemory, ExportPretrained, HloDump, Hook, MetricsFile, Profile,
-                    Progress, Sample, StepInfo, TensorBoard, Validation, parse_step_range)
+                    Progress, Sample, SaveWhenStopped, StepInfo, TensorBoard, Validation,
+                    parse_step_range)
 from .options import TrainOptions
+from .stopping import Diverged, StopRequest, process_agreement
 from .trainer import Trainer, build_trainer
 
 
@@ -70,16 +73,22 @@ def compression_ratio(params, bits: int, bucket_size: int) -> float:
 
 class Loop:
     """Runs `trainer`'s step from `state` over `batches(step)` (global host batches) until
-    `end_step`, calling `hooks` (see `run.hooks`)."""
+    `end_step`, calling `hooks` (see `run.hooks`).
+
+    stop: asked at every step boundary whether the job stops there (`run.stopping`); then
+    `stopped` names the signal. A step whose loss is not finite raises `Diverged` before its state
+    is kept; under float16 such steps are skipped by the step itself.
+    """
 
     def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
-                 console, end_step: int):
+                 console, end_step: int, stop: StopRequest | None = None):
         self.trainer, self.state, self.batches, self.hooks = trainer, state, batches, hooks
-        self.console, self.end_step = console, end_step
+        self.console, self.end_step, self.stop = console, end_step, stop
         self.is_main = trainer.is_main
         self.start_step = int(state["step"])
         self.history: list[dict] = []
         self.completed = False
+        self.stopped: str | None = None
         first = trainer.place(batches(self.start_step))
         self.compiled = trainer.step.lower(state, first).compile()
         self.report = state_report(state, self.compiled)
@@ -88,18 +97,27 @@ class Loop:
         self.tokens_per_step = rows * trainer.options.seq_len if trainer.preset else None
 
     def run(self):
+        started = []
         try:
             for hook in self.hooks:
                 hook.start(self)
+                started.append(hook)
             for step in range(self.start_step, self.end_step):
-                self.state, record = self._step(step)
+                if self.stop is not None and (signal_name := self.stop.agreed()):
+                    self.stopped = signal_name
+                    break
+                state, record = self._step(step)
+                if not math.isfinite(record["loss"]) and self.trainer.options.dtype != "float16":
+                    raise Diverged(f"the loss of step {step + 1} is {record['loss']}: the run "
+                                   f"diverged (a lower --lr?); stopped without keeping that step")
+                self.state = state
                 info = StepInfo(step + 1, self.state, record)
                 for hook in self.hooks:
                     hook.step(info)
                 self.history.append(record)
-            self.completed = True
+            self.completed = self.stopped is None
         finally:
-            for hook in reversed(self.hooks):  # unwound like nested contexts
+            for hook in reversed(started):  # unwound like nested contexts
                 hook.end(self)
         return self.state
 
@@ -167,7 +185,12 @@ def _language_model_data(options: TrainOptions, vocab_size: int):
 def train(options: TrainOptions, model: StackedModel | None = None, data=None, *, eval_data=None,
           devices=None, console=None, hooks: list[Hook] = ()) -> dict[str, Any]:
     """Run a training job; returns a summary: `history` (one record per step), `val_history`,
-    the final `state`, the `trainer`, the state report and, when sampled, `sample`.
+    the final `state`, the `trainer`, the state report, `stopped` (the name of the signal that
+    stopped the run early, or None) and, when sampled, `sample`.
+
+    Called from the main thread, the run catches SIGTERM, SIGUSR1 and Ctrl-C while it runs: it
+    stops at the next step boundary and saves a checkpoint (`run.stopping`). A non-finite loss
+    raises `run.stopping.Diverged`.
 
     model: None trains the preset `options.model` on the corpus `options.data_path` (default: the
     Python standard library's sources); or any `StackedModel`, with `data` a function
@@ -176,10 +199,19 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     hooks: more hooks, run after the built-in ones. With `options.run_dir` the metrics, HLO dump,
     checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
     """
+    with StopRequest() as stop:
+        return _train(stop, options, model, data, eval_data, devices, console, hooks)
+
+
+def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, devices, console,
+           hooks) -> dict[str, Any]:
     from rich.console import Console
 
     options = rundir.with_run_dir(options)
     outputs = _run_dir_hooks(options)  # checked before the work starts
+    if options.metrics_out and pathlib.Path(options.metrics_out).is_dir():
+        raise ValueError(f"--metrics-out {options.metrics_out} is a directory; name a file "
+                         "(e.g. metrics.jsonl)")
     corpus = None
     if model is None:
         if data is not None:
@@ -195,10 +227,17 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batches(0))
     trainer = build_trainer(options, devices, model=model, example_batch=example)
     console = console or Console(quiet=not trainer.is_main)
+    stop.agree = process_agreement(options.transport)
     state = trainer.init_state()
     checkpointer = trainer.make_checkpointer(options.checkpoint_dir, options.checkpoint_every) \
         if options.checkpoint_dir else None
-    if options.resume:
+    resume = options.resume
+    if resume == "auto":
+        resume = checkpointer.latest_step() is not None
+        if not resume:
+            console.print(f"--resume auto: no checkpoint in {options.checkpoint_dir}; starting "
+                          "from step 0")
+    if resume:
         state = checkpointer.restore(state)
         console.print(f"resumed from step {int(state['step'])} in {options.checkpoint_dir}")
     end = min(options.steps, options.stop_at or options.steps)
@@ -213,10 +252,16 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
         built.append(validation)
     built.append(DeviceMemory())
     if options.metrics_out:
-        built.append(MetricsFile(options.metrics_out, append=options.resume))
+        built.append(MetricsFile(options.metrics_out, append=resume))
     built += outputs
     if checkpointer:
         built.append(Checkpoints(checkpointer))
+    elif options.run_dir:  # a signal still saves the run
+        built.append(SaveWhenStopped(lambda: trainer.make_checkpointer(
+            pathlib.Path(options.run_dir) / rundir.CHECKPOINTS, 0)))
+    elif options.stop_at:
+        console.print(f"warning: --stop-at {options.stop_at} without --checkpoint-dir: the "
+                      "progress is not saved")
     built.append(Progress())
     sample = None
     if options.sample_tokens and trainer.preset:
@@ -229,14 +274,19 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
             raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
                                       "implemented yet (each process holds one stage's parameters)")
         built.append(ExportPretrained(lambda params: _export(trainer, params)))
-    loop = Loop(trainer, state, batches, built + list(hooks), console, end)
+    loop = Loop(trainer, state, batches, built + list(hooks), console, end, stop)
     if options.compress_bits:
         loop.report["compression_ratio"] = compression_ratio(
             state["params"], options.compress_bits, options.compress_bucket)
     _describe(loop, trainer, corpus, console)
     state = loop.run()
+    if loop.stopped:
+        where = options.checkpoint_dir or (options.run_dir and
+                                           pathlib.Path(options.run_dir) / rundir.CHECKPOINTS)
+        console.print(f"{loop.stopped}: stopped after step {int(state['step'])}; " + (
+            f"checkpoint saved in {where}" if where else "nothing saved (no checkpoint directory)"))
     summary = {"history": loop.history, "val_history": validation.history if validation else [],
-               "state": state, "trainer": trainer, **loop.report}
+               "state": state, "trainer": trainer, "stopped": loop.stopped, **loop.report}
     if sample is not None:
         summary["sample"] = sample.text
     return summary

@@ -29,7 +29,7 @@ class TrainOptions:
     eval_batches: int = 4
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
-    resume: bool = False
+    resume: bool | str = False  # "auto": resume when the checkpoint directory holds a checkpoint
     stop_at: int = 0  # stop after this step (schedule still spans `steps`); 0: run to the end
     metrics_out: str | None = None
     dump_hlo: str | None = None
@@ -56,8 +56,17 @@ class TrainOptions:
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(f"resume must be True, False or 'auto', got {self.resume!r}")
         if self.resume and not (self.checkpoint_dir or self.run_dir):
             raise ValueError("--resume needs the run directory (or --checkpoint-dir)")
+        if self.checkpoint_every and not (self.checkpoint_dir or self.run_dir):
+            raise ValueError("--checkpoint-every needs a place for the checkpoints: "
+                             "--checkpoint-dir (or the run directory)")
+        if self.stop_at < 0:
+            raise ValueError(f"--stop-at must be a step >= 1 (0: run to the end), got {self.stop_at}")
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches must be positive, got {self.eval_batches}")
 
     @property
     def warmup(self) -> int:

@@ -79,7 +79,7 @@ def with_run_dir(options):
     if not options.run_dir:
         return options
     root = pathlib.Path(options.run_dir)
-    checkpoints = options.checkpoint_every > 0 or options.resume
+    checkpoints = options.checkpoint_every > 0 or options.resume or options.stop_at > 0
     return dataclasses.replace(
         options, metrics_out=options.metrics_out or str(root / METRICS),
         checkpoint_dir=options.checkpoint_dir or (str(root / CHECKPOINTS) if checkpoints else None),

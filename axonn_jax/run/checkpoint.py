@@ -22,6 +22,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 STATE, META = "state", "meta"
@@ -101,26 +102,27 @@ class Checkpointer:
     is given, each process reading the shards its devices hold. `canonical(state, inverse=False)`:
     the state as checkpoints hold it and back (`TrainStep.canonical_state`). `info`: JSON values
     saved beside the state (e.g. the seed, which with the step fixes the data position and every
-    random choice); `note(text)`: prints one-line notes (default: standard error).
+    random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
+    `maybe_save` returns once the state is copied to host memory (False: once it is written).
     """
 
     def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3,
                  keep_every: int = 0, canonical=None, info: dict | None = None,
-                 note: Callable[[str], None] | None = None, read_only: bool = False):
+                 note: Callable[[str], None] | None = None, read_only: bool = False,
+                 asynchronous: bool = True):
         import orbax.checkpoint as ocp
 
         self.directory = pathlib.Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"--checkpoint-dir {str(directory)!r} is a file, not a directory")
         self.every = every
-        if canonical is not None:
-            self.canonical = canonical
+        self._canonical = canonical or (lambda state, inverse=False: state)
         self.info = dict(info or {})
         self.note = note or (lambda text: print(text, file=sys.stderr))
         _quiet_orbax()
         options = ocp.CheckpointManagerOptions(read_only=True) if read_only else \
             ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None,
-                                         create=True)
+                                         create=True, enable_async_checkpointing=asynchronous)
         try:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=(STATE, META),
@@ -129,9 +131,9 @@ class Checkpointer:
         except OSError as e:
             raise ValueError(f"--checkpoint-dir {str(directory)!r}: {_short(e)}") from None
 
-    @staticmethod
-    def canonical(state, inverse: bool = False):
-        return state
+    def canonical(self, state, inverse: bool = False):
+        """The state as the checkpoint holds it (`inverse`: back); also on ShapeDtypeStructs."""
+        return self._canonical(state, inverse=inverse)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -144,13 +146,16 @@ class Checkpointer:
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
         """Save after `step` steps if it is a multiple of `every` (or `force`); a state with
         non-finite values is not saved (a note says so), so that it never replaces good steps."""
+        if not self._due(step, force) or step == self.latest_step():
+            return False
+        return self._write(step, self.canonical(state), force)
+
+    def _due(self, step: int, force: bool) -> bool:
+        return force or (self.every > 0 and step % self.every == 0)
+
+    def _write(self, step: int, tree, force: bool) -> bool:
         import orbax.checkpoint as ocp
 
-        if not force and (self.every <= 0 or step % self.every):
-            return False
-        if step == self.latest_step():
-            return False
-        tree = self.canonical(state)
         sums = digests(tree)
         bad = [k for k, (_, finite) in sums.items() if not finite]
         if bad:
@@ -216,8 +221,17 @@ class Checkpointer:
         if self.info.get("seed") is not None and meta.get("seed") not in (None, self.info["seed"]):
             self.note(f"checkpoint step {step} was written with seed {meta['seed']}; continuing "
                       f"with seed {self.info['seed']} (other data from here on)")
-        return self.canonical(self._complete(restored, resplit, missing, target, template, step),
-                              inverse=True)
+        if resplit:
+            missing += self._resplit(restored, target, step)
+        for key in sorted(set(saved) - set(target)):
+            self.note(f"checkpoint step {step}: its {key!r} state is not used by this run")
+        state = self.canonical(restored, inverse=True)
+        for key in missing:  # fresh values (e.g. zero residuals)
+            if key == "reducer" and not resplit:
+                self.note(f"checkpoint step {step} holds no error-feedback residuals; they start "
+                          "from zero")
+            state[key] = template[key]
+        return state
 
     def _restore_target(self, saved, target):
         """(what to read, reducer leaves to re-split, top-level keys the checkpoint lacks)."""
@@ -239,30 +253,23 @@ class Checkpointer:
                      for s, (_, x) in zip(shapes, leaves)])
         return abstract, resplit, missing
 
-    def _complete(self, restored, resplit, missing, target, template, step):
-        """The restored tree with re-split residuals and fresh values for what was not saved."""
-        if resplit:
-            old = jax.tree.leaves(restored["reducer"])[0].shape[0]
-            new_shape = jax.tree.leaves(target["reducer"])[0].shape[0]
-            parts = [resplit_residual(r, new_shape) for r in jax.tree.leaves(restored["reducer"])]
-            if any(p is None for p in parts):
-                self.note(f"checkpoint step {step}: error-feedback residuals of {old} data-parallel "
-                          f"shards cannot be re-split into {new_shape}; reset to zero")
-                missing = [*missing, "reducer"]
-            else:
-                self.note(f"checkpoint step {step}: error-feedback residuals re-split from {old} "
-                          f"to {new_shape} data-parallel shards")
-                restored["reducer"] = jax.tree.map(
-                    lambda r, t: jax.device_put(r, t.sharding), jax.tree.unflatten(
-                        jax.tree.structure(target["reducer"]), parts), target["reducer"])
-        if missing:
-            fresh = self.canonical(template)
-            for key in missing:
-                if key == "reducer" and not resplit:
-                    self.note(f"checkpoint step {step} holds no error-feedback residuals; they "
-                              "start from zero")
-                restored[key] = fresh[key]
-        return restored
+    def _resplit(self, restored, target, step) -> list[str]:
+        """Re-split the restored residuals (`[old shards, ...]`) into the target's number of
+        shards, in place; returns ["reducer"] when they cannot be and start from zero instead."""
+        old = jax.tree.leaves(restored["reducer"])[0].shape[0]
+        new = jax.tree.leaves(target["reducer"])[0].shape[0]
+        parts = [resplit_residual(r, new) for r in jax.tree.leaves(restored["reducer"])]
+        del restored["reducer"]
+        if any(p is None for p in parts):
+            self.note(f"checkpoint step {step}: error-feedback residuals of {old} data-parallel "
+                      f"shards cannot be re-split into {new}; reset to zero")
+            return ["reducer"]
+        self.note(f"checkpoint step {step}: error-feedback residuals re-split from {old} to {new} "
+                  "data-parallel shards")
+        restored["reducer"] = jax.tree.map(
+            lambda r, t: jax.device_put(r, t.sharding),
+            jax.tree.unflatten(jax.tree.structure(target["reducer"]), parts), target["reducer"])
+        return []
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged steps to `STEP.damaged` (kept for inspection, out of orbax's way)."""
@@ -319,7 +326,11 @@ def _quiet_orbax() -> None:
 class RankZeroCheckpointer(Checkpointer):
     """Checkpoints of a `--transport mpi` job. The processes of `comm` are separate JAX programs
     holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
-    rank reads it."""
+    rank reads it. What differs between them, each process's error-feedback residual (the
+    `reducer` state, like the parameters), is gathered to rank 0 and saved as one leaf
+    `[processes, *shape]` per parameter, the layout of the one-program trainer's residuals (one
+    per data-parallel device): on restore each rank takes its own, re-split as `resplit_residual`
+    does when the number of processes changed."""
 
     def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None, **kwargs):
         self.rank, self.comm = comm.Get_rank(), comm
@@ -337,5 +348,32 @@ class RankZeroCheckpointer(Checkpointer):
     def _barrier(self) -> None:
         self.comm.Barrier()
 
+    def canonical(self, state, inverse: bool = False):
+        if not inverse:
+            state = super().canonical(state)
+            if state.get("reducer") is not None:
+                state = {**state, "reducer": self._stack(state["reducer"])}
+            return state
+        if state.get("reducer") is not None:
+            state = {**state, "reducer": jax.tree.map(
+                lambda r: jax.device_put(r[self.rank], r.sharding), state["reducer"])}
+        return super().canonical(state, inverse=True)
+
+    def _stack(self, residual):
+        """`[processes, *shape]` leaves of every rank's residual (ShapeDtypeStructs alike); only
+        rank 0 gets the values (collective: every rank calls it)."""
+        size = self.comm.Get_size()
+        if isinstance(jax.tree.leaves(residual)[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda r: jax.ShapeDtypeStruct((size, *r.shape), r.dtype,
+                                                               sharding=r.sharding), residual)
+        gathered = self.comm.gather(jax.tree.map(np.asarray, residual), root=0)
+        if self.rank != 0:
+            return residual  # not saved
+        return jax.tree.map(lambda r, *all_ranks: jax.device_put(np.stack(all_ranks), r.sharding),
+                            residual, *gathered)
+
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
-        return self.rank == 0 and super().maybe_save(step, state, force)
+        if not self._due(step, force):
+            return False
+        tree = self.canonical(state)  # every rank: the residuals are gathered
+        return self.rank == 0 and step != self.latest_step() and self._write(step, tree, force)

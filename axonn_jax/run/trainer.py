@@ -166,11 +166,6 @@ def _build_mpi(options, model, optimizer, preset, devices):
             f"stage-{position.stage}-of-{position.num_stages}"
         return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
             path, every, position.data_comm, **kw)
-    if options.compress_bits and options.error_feedback and options.checkpoint_dir:
-        raise NotImplementedError(
-            "--transport mpi --compress-bits with error feedback and --checkpoint-dir is not "
-            "implemented yet (rank 0 alone writes the checkpoint, and each process's residual "
-            "differs); add --no-error-feedback")
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")

@@ -1,97 +1,379 @@
-"""Orbax checkpoints of the train state, saved cooperatively by all processes."""
+"""Orbax checkpoints of the train state, saved cooperatively by all processes.
+
+A step directory holds two items: `state` (the train state as `TrainStep.canonical_state` gives it:
+layers in the model's order and the optimizer state of a run without offload, so that it restores
+on any grid, device count and process count, with or without `--offload-optimizer`) and `meta`
+(JSON: the step, the run's seed and a checksum of every leaf). Saves are orbax's: atomic (written
+into a temporary directory that is renamed when complete) and asynchronous (the state is copied to
+host memory, then written in a background thread while training goes on).
+
+`restore` tries the newest step first and falls back to older ones when a step is damaged (files
+missing, truncated or overwritten, a garbage manifest, a checksum that differs, non-finite values),
+with a one-line note naming the step it skipped (renamed to `STEP.damaged`, so that a later save of
+the same step is possible); a checkpoint of another model is an error, not a fallback.
+"""
 from __future__ import annotations
 
+import functools
+import logging
 import pathlib
+import sys
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+STATE, META = "state", "meta"
+DAMAGED = ".damaged"
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit the model (another model, not a damaged step)."""
+
+
+class DamagedStep(ValueError):
+    """One step of the checkpoint directory cannot be used."""
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message, shortened (orbax and TensorStore errors run to
+    many lines)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text.split(". See full TensorStore details")[0]
+    if text.startswith("Encountered error while reading array"):
+        text = "a data file is missing or unreadable (" + text[len("Encountered "):] + ")"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _digest_program(x, kind: str):
+    if kind == "b":
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    finite = jnp.all(jnp.isfinite(x)) if kind == "f" else jnp.bool_(True)
+    return jnp.sum(bits, dtype=jnp.uint32), finite
+
+
+def digests(tree) -> dict[str, tuple[int, bool]]:
+    """`{path: (checksum, finite)}` of every array leaf: the wrap-around uint32 sum of its bits
+    (exact whatever the sharding or summation order) and whether all its values are finite. One
+    small program per leaf; host-resident leaves visit the device one at a time."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(x, jax.Array) or jnp.dtype(x.dtype).itemsize not in (1, 2, 4):
+            continue
+        if x.sharding.memory_kind not in (None, "device"):
+            x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+        kind = "f" if jnp.issubdtype(x.dtype, jnp.floating) else \
+            "b" if x.dtype == jnp.bool_ else "i"
+        out[jax.tree_util.keystr(path)] = _digest_program(x, kind)
+    return {k: (int(s), bool(f)) for k, (s, f) in out.items()}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def resplit_residual(residual, shards: int):
+    """CGX error-feedback residuals `[old shards, *shape]` (one per data-parallel device) as
+    `[shards, *shape]` with the same total correction: the mean of each group of old shards when
+    `shards` divides their number, each old shard repeated when their number divides `shards`; None
+    when neither divides the other. (Every shard adds its residual to its gradient before the
+    mean, so what the residuals still owe the mean is sum(residuals) / shards.)"""
+    old = residual.shape[0]
+    if old % shards == 0:
+        return residual.reshape(shards, old // shards, *residual.shape[1:]).mean(axis=1)
+    if shards % old == 0:
+        return jnp.repeat(residual, shards // old, axis=0)
+    return None
 
 
 class Checkpointer:
-    """Saves the train state every `every` steps under `directory`; restores the latest one.
+    """Saves the train state every `every` steps under `directory`; restores the newest step that
+    restores (see the module docstring).
 
-    The state is a pytree of global jax.Arrays; each process writes the shards it owns, and restore
-    places every array with the sharding (and memory kind) of the template it is given.
-    `canonical(state, inverse=False)`: the state as checkpoints hold it (`TrainStep.canonical_state`:
-    layers in the model's order, whatever the grid stores), and back with `inverse`.
+    keep: the newest `keep` steps are kept; keep_every: and every step that is a multiple of it,
+    forever (0: none). The state is a pytree of global jax.Arrays; each process writes the shards
+    it owns, and restore places every array with the sharding (and memory kind) of the template it
+    is given, each process reading the shards its devices hold. `canonical(state, inverse=False)`:
+    the state as checkpoints hold it and back (`TrainStep.canonical_state`). `info`: JSON values
+    saved beside the state (e.g. the seed, which with the step fixes the data position and every
+    random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
+    `maybe_save` returns once the state is copied to host memory (False: once it is written).
     """
 
     def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3,
-                 canonical=None):
+                 keep_every: int = 0, canonical=None, info: dict | None = None,
+                 note: Callable[[str], None] | None = None, read_only: bool = False,
+                 asynchronous: bool = True):
         import orbax.checkpoint as ocp
 
         self.directory = pathlib.Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"--checkpoint-dir {str(directory)!r} is a file, not a directory")
         self.every = every
-        if canonical is not None:
-            self.canonical = canonical
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        )
+        self._canonical = canonical or (lambda state, inverse=False: state)
+        self.info = dict(info or {})
+        self.note = note or (lambda text: print(text, file=sys.stderr))
+        _quiet_orbax()
+        options = ocp.CheckpointManagerOptions(read_only=True) if read_only else \
+            ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every or None,
+                                         create=True, enable_async_checkpointing=asynchronous)
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=(STATE, META),
+                item_handlers={STATE: ocp.PyTreeCheckpointHandler(),
+                               META: ocp.JsonCheckpointHandler()})
+        except OSError as e:
+            raise ValueError(f"--checkpoint-dir {str(directory)!r}: {_short(e)}") from None
 
-    @staticmethod
-    def canonical(state, inverse: bool = False):
-        return state
+    def canonical(self, state, inverse: bool = False):
+        """The state as the checkpoint holds it (`inverse`: back); also on ShapeDtypeStructs."""
+        return self._canonical(state, inverse=inverse)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    @property
+    def is_writer(self) -> bool:
+        """This process renames damaged steps (all processes write their shards)."""
+        return jax.process_index() == 0
+
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
-        """Save after `step` steps if it is a multiple of `every` (or `force`)."""
+        """Save after `step` steps if it is a multiple of `every` (or `force`); a state with
+        non-finite values is not saved (a note says so), so that it never replaces good steps."""
+        if not self._due(step, force) or step == self.latest_step():
+            return False
+        return self._write(step, self.canonical(state), force)
+
+    def _due(self, step: int, force: bool) -> bool:
+        return force or (self.every > 0 and step % self.every == 0)
+
+    def _write(self, step: int, tree, force: bool) -> bool:
         import orbax.checkpoint as ocp
 
-        if not force and (self.every <= 0 or step % self.every):
+        sums = digests(tree)
+        bad = [k for k, (_, finite) in sums.items() if not finite]
+        if bad:
+            self.note(f"checkpoint: not saving step {step}: non-finite values in {bad[0]}"
+                      + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
             return False
-        if step == self.latest_step():
-            return False
-        return self._manager.save(step, args=ocp.args.StandardSave(self.canonical(state)),
-                                  force=force)
+        meta = {**self.info, "step": int(step), "checksums": {k: s for k, (s, _) in sums.items()}}
+        return self._manager.save(step, args=ocp.args.Composite(
+            **{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta)}), force=force)
 
     def restore(self, template):
-        """The latest state, placed like `template` (a pytree of arrays or ShapeDtypeStructs).
+        """The newest state that restores, placed like `template` (a pytree of arrays: the fresh
+        state, whose values fill what the checkpoint lacks).
 
-        Raises FileNotFoundError when the directory holds no checkpoint.
-        """
+        Raises FileNotFoundError when the directory holds no checkpoint, CheckpointMismatch when it
+        holds another model's, ValueError when no step restores."""
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"--resume: no checkpoint found in {str(self.directory)!r}")
+        skipped = []
+        for i, step in enumerate(steps):
+            try:
+                state = self._restore_step(step, template)
+            except DamagedStep as e:
+                skipped.append((step, str(e)))
+                if i + 1 < len(steps):
+                    self.note(f"checkpoint step {step} in {self.directory} is damaged ({e}); "
+                              f"skipped, trying step {steps[i + 1]}")
+                continue
+            if skipped:
+                self._set_aside([s for s, _ in skipped])
+            return state
+        raise ValueError(f"--resume: no step of {str(self.directory)!r} restores: " +
+                         "; ".join(f"step {s}: {why}" for s, why in skipped))
+
+    def _restore_step(self, step: int, template):
         import orbax.checkpoint as ocp
 
-        step = self.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"--resume: no checkpoint found in {str(self.directory)!r}")
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
-        )
         try:
-            restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        except Exception as e:  # orbax raises many types for mismatched or damaged checkpoints
-            raise ValueError(
-                f"cannot restore checkpoint step {step} from {str(self.directory)!r} into this model/"
-                f"grid (was it written by a different configuration, or is it damaged?): {e}"
-            ) from e
-        return self.canonical(restored, inverse=True)
+            saved = self._manager.item_metadata(step)[STATE]
+            meta = self._manager.restore(step, args=ocp.args.Composite(
+                **{META: ocp.args.JsonRestore()}))[META]
+        except Exception as e:  # orbax raises many types for damaged files
+            raise DamagedStep(f"unreadable metadata: {_short(e)}") from None
+        if saved is None or not isinstance(meta, dict) or "checksums" not in meta:
+            raise DamagedStep("not an axonn_jax checkpoint step (no state or checksums)")
+        target = _abstract(self.canonical(_abstract(template)))
+        _check_same_model(saved, target, step, self.directory)
+        abstract, resplit, missing = self._restore_target(saved, target)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{
+                STATE: ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=True)}))[STATE]
+        except Exception as e:
+            raise DamagedStep(_short(e)) from None
+        sums = digests(restored)
+        for key, (checksum, finite) in sums.items():
+            if key in meta["checksums"] and checksum != meta["checksums"][key]:
+                raise DamagedStep(f"checksum of {key} differs from the one saved")
+            if not finite:
+                raise DamagedStep(f"non-finite values in {key}")
+        if self.info.get("seed") is not None and meta.get("seed") not in (None, self.info["seed"]):
+            self.note(f"checkpoint step {step} was written with seed {meta['seed']}; continuing "
+                      f"with seed {self.info['seed']} (other data from here on)")
+        if resplit:
+            missing += self._resplit(restored, target, step)
+        for key in sorted(set(saved) - set(target)):
+            self.note(f"checkpoint step {step}: its {key!r} state is not used by this run")
+        state = self.canonical(restored, inverse=True)
+        for key in missing:  # fresh values (e.g. zero residuals)
+            if key == "reducer" and not resplit:
+                self.note(f"checkpoint step {step} holds no error-feedback residuals; they start "
+                          "from zero")
+            state[key] = template[key]
+        return state
+
+    def _restore_target(self, saved, target):
+        """(what to read, reducer leaves to re-split, top-level keys the checkpoint lacks)."""
+        abstract = {k: v for k, v in target.items() if k in saved}
+        missing = [k for k in target if k not in saved]
+        resplit = False
+        if "reducer" in abstract:
+            flat_saved = {jax.tree_util.keystr(p): m for p, m in
+                          jax.tree_util.tree_leaves_with_path(saved["reducer"])}
+            leaves = jax.tree_util.tree_leaves_with_path(abstract["reducer"])
+            shapes = [tuple(flat_saved[jax.tree_util.keystr(p)].shape) for p, _ in leaves]
+            if any(s != x.shape for s, (_, x) in zip(shapes, leaves)):
+                resplit = True
+                mesh = jax.tree.leaves(target["params"])[0].sharding.mesh
+                replicated = NamedSharding(mesh, P())
+                abstract["reducer"] = jax.tree.unflatten(
+                    jax.tree.structure(abstract["reducer"]),
+                    [jax.ShapeDtypeStruct(s, x.dtype, sharding=replicated)
+                     for s, (_, x) in zip(shapes, leaves)])
+        return abstract, resplit, missing
+
+    def _resplit(self, restored, target, step) -> list[str]:
+        """Re-split the restored residuals (`[old shards, ...]`) into the target's number of
+        shards, in place; returns ["reducer"] when they cannot be and start from zero instead."""
+        old = jax.tree.leaves(restored["reducer"])[0].shape[0]
+        new = jax.tree.leaves(target["reducer"])[0].shape[0]
+        parts = [resplit_residual(r, new) for r in jax.tree.leaves(restored["reducer"])]
+        del restored["reducer"]
+        if any(p is None for p in parts):
+            self.note(f"checkpoint step {step}: error-feedback residuals of {old} data-parallel "
+                      f"shards cannot be re-split into {new}; reset to zero")
+            return ["reducer"]
+        self.note(f"checkpoint step {step}: error-feedback residuals re-split from {old} to {new} "
+                  "data-parallel shards")
+        restored["reducer"] = jax.tree.map(
+            lambda r, t: jax.device_put(r, t.sharding),
+            jax.tree.unflatten(jax.tree.structure(target["reducer"]), parts), target["reducer"])
+        return []
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged steps to `STEP.damaged` (kept for inspection, out of orbax's way)."""
+        if self.is_writer:
+            for s in steps:
+                path = self.directory / str(s)
+                if path.exists():
+                    aside = path.with_name(f"{s}{DAMAGED}")
+                    n = 1
+                    while aside.exists():
+                        n += 1
+                        aside = path.with_name(f"{s}{DAMAGED}-{n}")
+                    path.rename(aside)
+        self._barrier()
+        self._manager.reload()
+
+    def _barrier(self) -> None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("axonn_jax checkpoint set aside")
 
     def close(self):
         self._manager.wait_until_finished()
         self._manager.close()
 
 
+def _check_same_model(saved, target, step: int, directory) -> None:
+    """CheckpointMismatch when the saved parameters differ in names or shapes from the model's."""
+    flat = lambda tree: {jax.tree_util.keystr(p): tuple(getattr(x, "shape", ()))  # noqa: E731
+                         for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+    if "params" not in saved:
+        raise DamagedStep("no parameters in the step")
+    have, want = flat(saved["params"]), flat(target["params"])
+    if have == want:
+        return
+    extra, lacking = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+    shapes = [k for k in want if k in have and have[k] != want[k]]
+    what = (f"parameter {shapes[0]} is {have[shapes[0]]} there, {want[shapes[0]]} here" if shapes
+            else f"it lacks {lacking[0]}" if lacking else f"it has {extra[0]}, unknown here")
+    raise CheckpointMismatch(
+        f"--resume: {str(directory)!r} (step {step}) holds another model's checkpoint: {what}"
+        + (f" ({len(shapes) + len(lacking) + len(extra) - 1} more differences)"
+           if len(shapes) + len(lacking) + len(extra) > 1 else ""))
+
+
+def _quiet_orbax() -> None:
+    """Orbax and TensorStore log warnings and tracebacks of failed reads that `restore` reports
+    as one line itself."""
+    for name in ("absl", "orbax"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 class RankZeroCheckpointer(Checkpointer):
     """Checkpoints of a `--transport mpi` job. The processes of `comm` are separate JAX programs
     holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
-    rank reads it."""
+    rank reads it. What differs between them, each process's error-feedback residual (the
+    `reducer` state, like the parameters), is gathered to rank 0 and saved as one leaf
+    `[processes, *shape]` per parameter, the layout of the one-program trainer's residuals (one
+    per data-parallel device): on restore each rank takes its own, re-split as `resplit_residual`
+    does when the number of processes changed."""
 
-    def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None):
-        import orbax.checkpoint as ocp
-
-        self.rank = comm.Get_rank()
-        if canonical is not None:
-            self.canonical = canonical
+    def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None, **kwargs):
+        self.rank, self.comm = comm.Get_rank(), comm
         if self.rank == 0:
-            super().__init__(directory, every)
+            super().__init__(directory, every, canonical=canonical, **kwargs)
         comm.Barrier()  # the directory exists before the readers open it
         if self.rank != 0:
-            self.directory = pathlib.Path(directory).absolute()
-            self.every = every
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
+            super().__init__(directory, every, canonical=canonical, read_only=True,
+                             **{k: v for k, v in kwargs.items() if k in ("info", "note")})
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def _barrier(self) -> None:
+        self.comm.Barrier()
+
+    def canonical(self, state, inverse: bool = False):
+        if not inverse:
+            state = super().canonical(state)
+            if state.get("reducer") is not None:
+                state = {**state, "reducer": self._stack(state["reducer"])}
+            return state
+        if state.get("reducer") is not None:
+            state = {**state, "reducer": jax.tree.map(
+                lambda r: jax.device_put(r[self.rank], r.sharding), state["reducer"])}
+        return super().canonical(state, inverse=True)
+
+    def _stack(self, residual):
+        """`[processes, *shape]` leaves of every rank's residual (ShapeDtypeStructs alike); only
+        rank 0 gets the values (collective: every rank calls it)."""
+        size = self.comm.Get_size()
+        if isinstance(jax.tree.leaves(residual)[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda r: jax.ShapeDtypeStruct((size, *r.shape), r.dtype,
+                                                               sharding=r.sharding), residual)
+        gathered = self.comm.gather(jax.tree.map(np.asarray, residual), root=0)
+        if self.rank != 0:
+            return residual  # not saved
+        return jax.tree.map(lambda r, *all_ranks: jax.device_put(np.stack(all_ranks), r.sharding),
+                            residual, *gathered)
 
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
-        return self.rank == 0 and super().maybe_save(step, state, force)
+        if not self._due(step, force):
+            return False
+        tree = self.canonical(state)  # every rank: the residuals are gathered
+        return self.rank == 0 and step != self.latest_step() and self._write(step, tree, force)

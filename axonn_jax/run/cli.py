@@ -35,6 +35,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None, help="default: RUN_DIR/checkpoints")
+    p.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N checkpoints")
+    p.add_argument("--keep-every", type=int, default=0, metavar="K",
+                   help="and every checkpoint whose step is a multiple of K, forever")
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR (with its config.yaml) from its latest "
                         "checkpoint; `--resume auto`: continue when the checkpoint directory "

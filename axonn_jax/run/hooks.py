@@ -73,14 +73,21 @@ class Validation(Hook):
 
 
 class MetricsFile(Hook):
-    """One JSON object per step in `path` (appended to when the run resumes)."""
+    """One JSON object per step in `path` (appended to when the run resumes, after the records of
+    steps beyond the restored one are dropped: those a crashed job wrote after its checkpoint)."""
 
     def __init__(self, path: str, append: bool):
         self.path, self.append, self.file = path, append, None
 
     def start(self, loop):
-        if loop.is_main:
-            self.file = open(self.path, "a" if self.append else "w")
+        if not loop.is_main:
+            return
+        path = pathlib.Path(self.path)
+        if self.append and path.is_file():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if _record_step(line) <= loop.start_step]
+            path.write_text("".join(kept))
+        self.file = open(self.path, "a" if self.append else "w")
 
     def step(self, info):
         if self.file:
@@ -92,10 +99,19 @@ class MetricsFile(Hook):
             self.file.close()
 
 
+def _record_step(line: str) -> float:
+    """The `step` of one line of a metrics file (infinity for a line that is not a record, such
+    as the half-written last line of a killed job)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class Checkpoints(Hook):
-    """Saves the state every `checkpointer.every` steps, and at the end (also when the loop stops on
-    an error, so that `--resume` continues from where it stopped, and always when a signal or
-    `--stop-at` stopped it early), never a diverged state (the loop does not keep it)."""
+    """Saves the state every `checkpointer.every` steps, and at the end (also at `--stop-at`, when a
+    signal stopped the loop, and when it stops on an error, so that `--resume` continues from where
+    it stopped), never a diverged state (the loop does not keep it)."""
 
     def __init__(self, checkpointer):
         self.checkpointer = checkpointer
@@ -109,8 +125,7 @@ class Checkpoints(Hook):
         c = self.checkpointer
         # Not after a diverged or failed step: it consumed (donated) the state.
         if not any(x.is_deleted() for x in jax.tree.leaves(loop.state) if isinstance(x, jax.Array)):
-            early = loop.stopped is not None or loop.end_step < loop.trainer.options.steps
-            c.maybe_save(int(loop.state["step"]), loop.state, force=c.every > 0 or early)
+            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
         c.close()
 
 

@@ -229,7 +229,9 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
     console = console or Console(quiet=not trainer.is_main)
     stop.agree = process_agreement(options.transport)
     state = trainer.init_state()
-    checkpointer = trainer.make_checkpointer(options.checkpoint_dir, options.checkpoint_every) \
+    checkpointer = trainer.make_checkpointer(
+        options.checkpoint_dir, options.checkpoint_every, keep=options.keep,
+        keep_every=options.keep_every, info={"seed": options.seed}, note=console.print) \
         if options.checkpoint_dir else None
     resume = options.resume
     if resume == "auto":
@@ -241,6 +243,12 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
         state = checkpointer.restore(state)
         console.print(f"resumed from step {int(state['step'])} in {options.checkpoint_dir}")
     end = min(options.steps, options.stop_at or options.steps)
+    if int(state["step"]) >= end:
+        checkpointer.close()
+        last = f"--steps {options.steps}" if end == options.steps else f"--stop-at {end}"
+        console.print(f"nothing to do: the checkpoint is at step {int(state['step'])} and the run "
+                      f"ends at step {end} ({last}); the run is already complete")
+        return {"history": [], "val_history": [], "state": state, "trainer": trainer}
     validation = None
     built: list[Hook] = []
     if options.dump_hlo:

@@ -29,6 +29,8 @@ class TrainOptions:
     eval_batches: int = 4
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    keep: int = 3  # checkpoints: the newest `keep` steps are kept
+    keep_every: int = 0  # ... and every multiple of `keep_every` forever (0: none)
     resume: bool | str = False  # "auto": resume when the checkpoint directory holds a checkpoint
     stop_at: int = 0  # stop after this step (schedule still spans `steps`); 0: run to the end
     metrics_out: str | None = None

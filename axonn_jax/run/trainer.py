@@ -39,7 +39,7 @@ class Trainer:
     example_batch: Any
     preset: models.Preset | None
     is_main: bool
-    make_checkpointer: Callable[[str, int], Checkpointer]
+    make_checkpointer: Callable[..., Checkpointer]  # (directory, every, **Checkpointer options)
 
     def init_state(self, abstract: bool = False):
         """Fresh state (from `options.seed`, parameters from the preset's checkpoint if it has
@@ -118,8 +118,8 @@ def _build_xla(options, model, optimizer, preset, devices):
     mesh = make_mesh(options.parallel, devices)
     _check(options, options.parallel, preset, model.num_layers, options.batch_size)
     step = make_train_step(model, optimizer, mesh, **options.step_options())
-    return step, jax.process_index() == 0, lambda directory, every: Checkpointer(
-        directory, every, canonical=step.canonical_state)
+    return step, jax.process_index() == 0, lambda directory, every, **kw: Checkpointer(
+        directory, every, canonical=step.canonical_state, **kw)
 
 
 def refused_with_mpi_pipeline(options: TrainOptions) -> str | None:
@@ -164,13 +164,8 @@ def _build_mpi(options, model, optimizer, preset, devices):
                                   "virtual_stages": 1})
         path = pathlib.Path(options.checkpoint_dir or ".") / \
             f"stage-{position.stage}-of-{position.num_stages}"
-        return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
-            path, every, position.data_comm)
-    if options.compress_bits and options.error_feedback and options.checkpoint_dir:
-        raise NotImplementedError(
-            "--transport mpi --compress-bits with error feedback and --checkpoint-dir is not "
-            "implemented yet (rank 0 alone writes the checkpoint, and each process's residual "
-            "differs); add --no-error-feedback")
+        return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
+            path, every, position.data_comm, **kw)
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")
@@ -183,5 +178,5 @@ def _build_mpi(options, model, optimizer, preset, devices):
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,
                            **{**step_options, "compress_bits": 0})
-    return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
-        directory, every, comm, canonical=step.canonical_state)
+    return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
+        directory, every, comm, canonical=step.canonical_state, **kw)

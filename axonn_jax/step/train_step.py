@@ -110,6 +110,13 @@ def _take_rows(x, index: tuple[int, ...]):
     return _take_program(sharding, index)(x)
 
 
+def _on_device(x, dtype):
+    """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x`."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding.with_memory_kind("device"))
+    return jax.device_put(x, x.sharding.with_memory_kind("device")).astype(dtype)
+
+
 @functools.lru_cache(maxsize=64)
 def _take_program(sharding, index: tuple[int, ...]):
     return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
@@ -191,12 +198,33 @@ class TrainStep:
         return self._reorder(params, to_model=True)
 
     def canonical_state(self, state, inverse: bool = False):
-        """The state with every block-stacked leaf (parameters, optimizer moments and masters,
-        reducer residuals) in the model's layer order, placed like `state` (`inverse`: back to the
-        stored order): what checkpoints hold, so that they restore on any grid. One program per
+        """The state as checkpoints hold it, so that they restore on any grid and in any mode:
+        every block-stacked leaf (parameters, optimizer moments and masters, reducer residuals) in
+        the model's layer order, and with `offload_optimizer` the fp32 masters as `params` and the
+        inner optimizer state as `opt_state` (the tree of a run without offload). `inverse`: back
+        to this step's state from such a tree, whose leaves are placed like
+        `canonical_state(this step's state)` (masters in host memory; the compute-dtype parameters
+        are made from them). Works on ShapeDtypeStructs too (the layout only). One program per
         leaf, so that host-resident leaves visit the device one at a time."""
-        return self._reorder(state, to_model=not inverse,
-                             take=lambda x, i: _take_rows(x, tuple(int(j) for j in i)))
+        def take(x, i):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return x
+            return _take_rows(x, tuple(int(j) for j in i))
+
+        offload = self.options.offload_optimizer
+        if not inverse:
+            state = self._reorder(state, to_model=True, take=take)
+            if offload:
+                state = {**state, "params": state["opt_state"]["master"],
+                         "opt_state": state["opt_state"]["inner"]}
+            return state
+        state = self._reorder(state, to_model=False, take=take)
+        if offload:
+            dtype = DTYPES[self.options.dtype]
+            master = state["params"]
+            state = {**state, "opt_state": {"master": master, "inner": state["opt_state"]},
+                     "params": jax.tree.map(lambda m: _on_device(m, dtype), master)}
+        return state
 
     # ------------------------------------------------------------------ binding to a batch shape
 

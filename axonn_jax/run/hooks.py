@@ -220,8 +220,13 @@ class TensorBoard(Hook):
     def start(self, loop):
         if not loop.is_main:
             return
+        import logging
+
         from tensorboardX import SummaryWriter
 
+        # A non-finite metric is recorded as it is; tensorboardX's warning about it would break the
+        # one-line error of a diverged run.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         self.writer = SummaryWriter(str(self.directory))
         self.constants = set(loop.report)
         for name, value in _scalars(loop.report).items():

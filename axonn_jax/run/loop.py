@@ -248,7 +248,8 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
         last = f"--steps {options.steps}" if end == options.steps else f"--stop-at {end}"
         console.print(f"nothing to do: the checkpoint is at step {int(state['step'])} and the run "
                       f"ends at step {end} ({last}); the run is already complete")
-        return {"history": [], "val_history": [], "state": state, "trainer": trainer}
+        return {"history": [], "val_history": [], "state": state, "trainer": trainer,
+                "stopped": None}
     validation = None
     built: list[Hook] = []
     if options.dump_hlo:

@@ -71,6 +71,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                        help="interleaved-1f1b: layer chunks per pipeline stage")
     modes.add_argument("--offload-optimizer", action="store_true")
     modes.add_argument("--remat", default="none", choices=["none", "full", "offload", "auto"])
+    modes.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
+                       help="attention core of built-in models: cuDNN flash attention (a CUDA "
+                            "GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)")
     modes.add_argument("--memory-budget", dest="memory_budget_gb", type=float, default=None,
                        metavar="GB")
     modes.add_argument("--compress-bits", type=int, default=0, help="0: exact all-reduce")

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from .. import models
+from ..models import attention
 from ..config import ParallelConfig, check_grid
 from ..mesh import make_mesh
 from ..offload.precision import DTYPES
@@ -94,6 +95,9 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
         if options.seq_len > preset.config.max_seq_len:
             raise ValueError(f"--seq-len {options.seq_len} exceeds {preset.name}'s max_seq_len "
                              f"{preset.config.max_seq_len}")
+        head_dim = getattr(preset.config, "head_dim", None)
+        attention.check(options.attention, DTYPES[options.dtype], head_dim)
+        preset = preset.with_config(attention=options.attention)
         model = preset.build(DTYPES[options.dtype], options.parallel)
         example_batch = lm_example(options)
     elif options.init_from:

@@ -153,3 +153,26 @@ def test_conditional_counts_its_heaviest_branch(mesh):
 
     buffers, _ = _bytes(mesh, f, P("a"), P(), jnp.ones((8, 64)))
     assert buffers["all-reduce"] == 4 * 64 * 4
+
+
+def test_flops_follow_cost_analysis_and_multiply_loops():
+    """`hlo.flops` counts as XLA's cost analysis does on a program without loops, and a scanned
+    body once per iteration (where `cost_analysis()` counts it once)."""
+    from axonn_jax.analysis.hlo import flops
+
+    x, w, ws = jnp.ones((64, 128)), jnp.ones((128, 256)), jnp.ones((4, 128, 128))
+    plain = jax.jit(lambda x, w: jax.nn.softmax(x @ w).sum() + jnp.mean(x ** 2)).lower(x, w).compile()
+    assert flops(plain.as_text()) == pytest.approx(_cost_flops(plain), rel=1e-6)
+
+    def scan(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+    scanned = jax.jit(jax.grad(scan)).lower(x, ws).compile()
+    matmuls = 2 * 4 * 2 * 64 * 128 * 128  # forward and input gradient of 4 layers
+    assert matmuls <= flops(scanned.as_text()) <= 1.01 * matmuls
+    assert _cost_flops(scanned) < 0.3 * matmuls
+
+
+def _cost_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]

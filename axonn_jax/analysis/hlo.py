@@ -253,6 +253,81 @@ def wire_bytes(hlo_text: str) -> dict[str, float]:
     return out
 
 
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "negate",
+                "abs", "sign", "compare", "select", "clamp", "and", "or", "xor", "not", "floor",
+                "ceil", "round-nearest-even", "round-nearest-afz", "convert"}
+
+
+def _elements(shape_text: str) -> int:
+    """Elements of the (first) array in an HLO shape."""
+    m = _ARRAY.search(shape_text)
+    if not m:
+        return 0
+    dims = m.group(2)
+    return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+
+
+def flops(hlo_text: str) -> float:
+    """Floating-point operations one device runs per call of a compiled HLO module, with the
+    convention of XLA's cost analysis (a dot 2·M·N·K, an arithmetic elementwise op one per output
+    element, a reduction one per input element not in the output; transcendental functions are
+    not FLOPs there), but collectives' own sums left out, and instructions inside `while` loops counted once per iteration (from
+    `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step that scans its
+    layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
+    Several modules in one text (a step of several programs) add up."""
+    modules = [m for m in re.split(r"(?m)^(?=HloModule )", hlo_text) if m.strip()]
+    if len(modules) > 1:
+        return sum(flops(m) for m in modules)
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, float] = {}
+
+    def walk(comp: str, stack: tuple[str, ...] = ()) -> float:
+        if comp in memo:
+            return memo[comp]
+        if comp in stack or comp not in comps:
+            return 0.0
+        shapes: dict[str, str] = {}
+        total = 0.0
+        inner = stack + (comp,)
+        for line in comps[comp]:
+            instr = _INSTR.match(line)
+            if not instr:
+                continue
+            name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
+            shapes[name] = shape
+            if opcode == "dot":
+                lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+                dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+                lhs_dims = _ARRAY.search(shapes.get(lhs, "")).group(2).split(",")
+                k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i) \
+                    if dims else 1
+                total += 2.0 * _elements(shape) * k
+            elif opcode in _ELEMENTWISE:
+                total += _elements(shape)
+            elif opcode == "reduce":
+                operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+                total += _elements(shapes.get(operand, "")) - _elements(shape)
+            elif opcode == "while":
+                trip = _TRIP.search(rest)
+                if not trip:
+                    raise ValueError(f"while loop {name} has no known_trip_count; cannot count "
+                                     "the FLOPs inside it")
+                body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
+                total += walk(body, inner) * int(trip.group(1))
+            elif opcode == "conditional":
+                m = _BRANCHES.search(rest)
+                names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
+                    [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
+                total += max((walk(b, inner) for b in names), default=0.0)
+            elif opcode in ("call", "fusion", "async-start"):
+                total += sum(walk(callee, inner) for key, callee in _CALLEE.findall(rest)
+                             if key in ("calls", "to_apply"))
+        memo[comp] = total
+        return total
+
+    return walk(entry)
+
+
 @dataclasses.dataclass(frozen=True)
 class Instruction:
     """One instruction of an HLO computation: its opcode and the instructions it reads."""

@@ -99,3 +99,13 @@ def test_cli_cudnn_here_is_one_line(argv, message, capsys):
     assert cli_main(["train", "--steps", "1", "--attention", "cudnn", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_attention_flag_with_a_callers_model_is_refused(devices):
+    """No flag is silently ignored: a caller's model picks its own attention."""
+    from axonn_jax.train import TrainOptions, build_trainer
+    from user_models import image_batches, vit
+
+    with pytest.raises(ValueError, match="--attention xla picks the built-in models' attention"):
+        build_trainer(TrainOptions(attention="xla"), devices[:1], model=vit(),
+                      example_batch=image_batches(4)(0))

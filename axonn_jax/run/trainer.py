@@ -104,6 +104,9 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
         raise ValueError("build_trainer: init_from builds the checkpoint's model; pass no model")
     elif example_batch is None:
         raise ValueError("build_trainer: a caller's model needs an example batch")
+    elif options.attention != "auto":
+        raise ValueError(f"--attention {options.attention} picks the built-in models' attention; "
+                         "a caller's model chooses its own (models.attention.causal_attention)")
     optimizer, lr_schedule = make_optimizer(options)
     build = _build_mpi if options.transport == "mpi" else _build_xla
     step, is_main, make_checkpointer = build(options, model, optimizer, preset, devices)

@@ -30,8 +30,10 @@ def _close(a, b, tol=2e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])  # multi-head, grouped-query, multi-query
-@pytest.mark.parametrize("implementation", ["xla", "auto"])
+@pytest.mark.parametrize("kv_heads, implementation", [
+    (4, "xla"), (2, "xla"), (1, "xla"),  # multi-head, grouped-query, multi-query
+    (2, "auto"),  # XLA's here
+])
 def test_core_equals_plain_attention(kv_heads, implementation):
     rng = np.random.default_rng(kv_heads)
     q = jnp.asarray(rng.normal(size=(2, 12, 4, 8)), jnp.float32)
@@ -89,16 +91,13 @@ def test_resolve_picks_in_one_place():
         gpt.get_config("gpt-tiny", attention="flash")
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "--attention cudnn needs a CUDA GPU (this backend is cpu)"),
-    (["--dtype", "bfloat16"], "--attention cudnn needs a CUDA GPU"),
-])
-def test_cli_cudnn_here_is_one_line(argv, message, capsys):
+def test_cli_cudnn_here_is_one_line(capsys):
     if jax.default_backend() == "gpu":
         pytest.skip("cuDNN runs on this backend")
-    assert cli_main(["train", "--steps", "1", "--attention", "cudnn", *argv]) == 2
+    assert cli_main(["train", "--steps", "1", "--attention", "cudnn", "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert "--attention cudnn needs a CUDA GPU (this backend is cpu)" in err
+    assert err.count("\n") == 1
 
 
 def test_attention_flag_with_a_callers_model_is_refused(devices):

@@ -298,9 +298,11 @@ def flops(hlo_text: str) -> float:
             if opcode == "dot":
                 lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
                 dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
-                lhs_dims = _ARRAY.search(shapes.get(lhs, "")).group(2).split(",")
-                k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i) \
-                    if dims else 1
+                lhs_array = _ARRAY.search(shapes.get(lhs, ""))
+                k = 1
+                if dims and lhs_array:
+                    lhs_dims = lhs_array.group(2).split(",")
+                    k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
                 total += 2.0 * _elements(shape) * k
             elif opcode in _ELEMENTWISE:
                 total += _elements(shape)

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-NOMINAL_BF16_PEAK = {"h100": 989e12, "h200": 989e12, "a100": 312e12}
+from axonn_jax.analysis.flops import NOMINAL_BF16_PEAK
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from axonn_jax.analysis.gspmd import BlockShape, analytic_bytes, axonn_variant
-from axonn_jax.analysis.hlo import collective_bytes, collectives, wire_bytes
+from axonn_jax.analysis.hlo import collective_bytes, collectives, group_axes, wire_bytes
 
 HLO = """HloModule jit_step, num_partitions=8
 
@@ -56,6 +56,29 @@ def test_parser_counts_kinds_groups_and_loop_trips():
                                      "all-to-all": 0, "collective-permute": 128}
     wire = wire_bytes(HLO)
     assert wire["all-reduce"] == pytest.approx(136.0) and wire["all-gather"] == pytest.approx(1152.0)
+
+
+@pytest.mark.parametrize("attrs, group", [
+    ("replica_groups={{0,2},{1,3},{4,6},{5,7}}, use_global_device_ids=true", (0, 2)),
+    ("replica_groups=[4,2]<=[2,2,2]T(0,2,1), use_global_device_ids=true", (0, 2)),
+    ("replica_groups=[2,4]<=[8], dimensions={0}", (0, 1, 2, 3)),
+    # mesh form: the ids laid out on the named mesh, a group spans the axes in braces
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(2,1,0)) "
+     "{'axis_0'}, use_global_device_ids=true", (0, 1)),
+    ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4], device_ids=([2,2,2]T(1,0,2)) "
+     "{'axis_1'}", (0, 2)),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", (0, 1, 2, 3)),
+    # a permute: its first pair between two devices
+    ("source_target_pairs={{0,0},{1,4},{2,2},{3,6}}", (1, 4)),
+])
+def test_groups_in_every_spelling_map_to_mesh_axes(attrs, group):
+    from axonn_jax.analysis.hlo import _first_group
+
+    assert _first_group(attrs, 8) == group
+    shape = {"data": 2, "pipe": 1, "depth": 1, "row": 2, "col": 2}
+    assert group_axes((0, 1), shape) == ("col",)
+    assert group_axes((0, 2, 4, 6), shape) == ("data", "row")
+    assert group_axes((1, 4), shape) == ("data", "col")
 
 
 def test_loop_without_trip_count_is_an_error():
@@ -130,3 +153,26 @@ def test_conditional_counts_its_heaviest_branch(mesh):
 
     buffers, _ = _bytes(mesh, f, P("a"), P(), jnp.ones((8, 64)))
     assert buffers["all-reduce"] == 4 * 64 * 4
+
+
+def test_flops_follow_cost_analysis_and_multiply_loops():
+    """`hlo.flops` counts as XLA's cost analysis does on a program without loops, and a scanned
+    body once per iteration (where `cost_analysis()` counts it once)."""
+    from axonn_jax.analysis.hlo import flops
+
+    x, w, ws = jnp.ones((64, 128)), jnp.ones((128, 256)), jnp.ones((4, 128, 128))
+    plain = jax.jit(lambda x, w: jax.nn.softmax(x @ w).sum() + jnp.mean(x ** 2)).lower(x, w).compile()
+    assert flops(plain.as_text()) == pytest.approx(_cost_flops(plain), rel=1e-6)
+
+    def scan(x, ws):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+    scanned = jax.jit(jax.grad(scan)).lower(x, ws).compile()
+    matmuls = 2 * 4 * 2 * 64 * 128 * 128  # forward and input gradient of 4 layers
+    assert matmuls <= flops(scanned.as_text()) <= 1.01 * matmuls
+    assert _cost_flops(scanned) < 0.3 * matmuls
+
+
+def _cost_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]

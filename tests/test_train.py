@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from axonn_jax import ParallelConfig
+from axonn_jax.models.gpt import get_config
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.train import TrainOptions, train
 
@@ -30,8 +31,16 @@ def test_data_parallel_trajectory_equals_single_device(single_device_run, device
     assert len(ref) == STEPS and ref[-1] < ref[0]
     assert relative_difference(losses(parallel), ref) <= 1e-5
     keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "num_params",
-            "state_bytes_device", "state_bytes_host", "peak_bytes_compiled"}
-    assert keys <= set(parallel["history"][0])
+            "state_bytes_device", "state_bytes_host", "peak_bytes_compiled",
+            "flops_per_device_compiled", "model_flops_per_device"}
+    first = parallel["history"][0]
+    assert keys <= set(first)
+    # FLOPs per device: the model's (gpt-tiny, 16 × 32 tokens over 8 devices) and the compiled
+    # step's, which adds the norms, softmax, loss and AdamW (1.11× here); no peak is known for a
+    # CPU, so no MFU.
+    assert first["model_flops_per_device"] == get_config("gpt-tiny").flops_per_token(32) * 16 * 32 / 8
+    assert 1.0 < first["flops_per_device_compiled"] / first["model_flops_per_device"] < 1.2
+    assert "mfu" not in first
 
 
 def test_save_resume_gives_identical_losses(single_device_run, devices, tmp_path):

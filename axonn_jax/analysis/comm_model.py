@@ -3,9 +3,10 @@
 For a model (a GPT or a Llama: `shape_of` reduces either to the layers that communicate) and a
 grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
 of every collective the axonn_jax train step issues, component by component (dense layers,
-vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends; the
-same convention as `axonn_jax.analysis.hlo.wire_bytes`, and within 0.3% of the compiled step's HLO
-per collective kind on the grids of tests/test_comm_model.py), turns them into time
+vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends,
+the loss and gradient-norm scalars; the same convention as `axonn_jax.analysis.hlo.wire_bytes`, and
+within 5% — mostly to the byte — of the compiled step's HLO per collective kind and mesh axes on
+the grids of tests/test_comm_model.py), turns them into time
 with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
 faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
 The planner ranks every grid that fits in memory by that predicted step time.
@@ -27,6 +28,9 @@ from ..models.llama import LlamaConfig
 from ..parallel.pipeline import check_layers, check_schedule, make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+FP32 = 4
+"""Bytes of the values reduced in float32 whatever the compute dtype: norm statistics (Flax's
+norms reduce in float32), the logits' softmax sums (the head's logits are float32), scalars."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +194,12 @@ class Collective:
 
 def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
-    compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py).
-    Scalar reductions of the loss and the gradient norm (a few bytes) are left out."""
+    compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py),
+    down to the scalars of the loss and the gradient norm."""
     found = [*_dense_collectives(work, grid), *_replicated_collectives(work, grid),
              *_embedding_collectives(work, grid),
              *_norm_collectives(work, grid), *_loss_collectives(work, grid),
+             *_scalar_collectives(work, grid),
              *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
     if grid.pipe > 1:
         found = [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
@@ -319,12 +324,13 @@ def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collect
 def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Norms (two per block and the final one) on activations whose features are split over
     col: per-token statistics are sums over col (LayerNorm: mean and mean of squares; RMSNorm:
-    mean of squares); the scale (and bias) are replicated over depth."""
-    m, g, cb, pb = shape_of(work.model, grid), grid, work.compute_bytes, work.param_bytes
+    mean of squares), in float32 whatever the compute dtype; the scale (and bias) are replicated
+    over depth."""
+    m, g, pb = shape_of(work.model, grid), grid, work.param_bytes
     tokens = _local_tokens(work, grid)
     in_blocks = 2 * (m.num_layers // g.pipe)
     norms = in_blocks + 1  # and the final norm, which runs with the head
-    stats = m.norm_stats * tokens * cb
+    stats = m.norm_stats * tokens * FP32
     return [
         Collective("all-reduce", ("col",), stats, in_blocks, stage_forward=True),  # forward
         Collective("all-reduce", ("col",), stats),
@@ -336,9 +342,27 @@ def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
 
 def _loss_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Cross-entropy on logits whose vocabulary is split over row (the head is a normal layer):
-    forward max, sum of exponentials and picked log-probability, backward the softmax's sum."""
+    forward max, sum of exponentials and picked log-probability, backward the softmax's sum, all
+    float32 (the logits are)."""
     tokens = _local_tokens(work, grid)
-    return [Collective("all-reduce", ("row",), tokens * work.compute_bytes, 4)]
+    return [Collective("all-reduce", ("row",), tokens * FP32, 4)]
+
+
+def _scalar_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """The step's scalars: the loss averaged over the batch (over depth, then data), and the
+    gradient's squared norm: one float32 partial sum per parameter tensor and per split
+    dimension, over that dimension's axes. (XLA may add the partial sums of one group of
+    devices before reducing them, fusing a few of these: the count is an upper bound, exact
+    within a few scalars.)"""
+    per_group: dict[tuple[str, ...], int] = {}
+    for p in parameter_shards(work, grid):
+        for axes in p.splits:
+            axes = tuple(a for a in axes if getattr(grid, a) > 1)
+            if axes:
+                per_group[axes] = per_group.get(axes, 0) + 1
+    loss = [Collective("all-reduce", ("depth",), FP32), Collective("all-reduce", ("data",), FP32)]
+    return loss + \
+        [Collective("all-reduce", axes, FP32, n) for axes, n in per_group.items()]
 
 
 def _gradient_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
@@ -356,9 +380,9 @@ def _gradient_collectives(work: Workload, grid: ParallelConfig) -> list[Collecti
     else:
         out.append(Collective("all-reduce", ("data",), _reduced_parameters(work, grid) * pb))
     if g.pipe > 1:
-        outside = _outside_blocks(m)
+        outside = sum(p.elements for p in parameter_shards(work, grid) if p.outside_blocks)
         if m.tied:  # the head's gradient of the table is summed apart from the embedding's
-            outside += m.vocab_size * m.d_model
+            outside += m.vocab_size * m.d_model / (g.depth * g.row * g.col)
         out.append(Collective("all-reduce", ("pipe",), outside * pb))
     return out
 
@@ -373,27 +397,8 @@ def _compression_split(work: Workload, grid: ParallelConfig) -> tuple[float, flo
     tensors of one dimension or fewer than COMPRESS_MIN_SIZE elements stay exact; the rest are
     padded to whole buckets, each bucket packed at `compress_bits` with a scale and an offset, and
     the buffer padded to `data` shards. Each device compresses its own shard
-    (`compression.sharded_compressed_psum`): kernels and tables count their tensor-parallel shard,
-    biases and norms in full (they stay exact at these sizes)."""
-    m, g = shape_of(work.model, grid), grid
-    n = m.num_layers // g.pipe
-    d, v = m.d_model, m.vocab_size
-    tp = g.depth * g.row * g.col
-    # (elements on this device, ndim) of every parameter tensor; block ones stacked over layers
-    tensors = [(v * d / tp, 2)] + [(d, 1)] * m.norm_params  # token table, final norm
-    if m.position_rows:
-        tensors.append((m.position_rows * d / tp, 2))
-    for layer in m.layers:
-        per_block = layer.count // m.num_layers
-        if layer.name == "head":
-            tensors += [] if m.tied else [(layer.fan_in * layer.fan_out / tp, 2)]
-            continue
-        tensors += [(n * layer.fan_in * layer.fan_out / tp, 3)] * per_block
-        tensors += [(n * layer.fan_out, 2)] * (per_block if layer.bias else 0)
-    for layer in m.replicated:
-        tensors += [(n * layer.fan_in * layer.fan_out / (g.col * g.depth), 3)] * (
-            layer.count // m.num_layers)
-    tensors += [(n * d, 2)] * (2 * m.norm_params)  # two norms per block
+    (`compression.sharded_compressed_psum`): every tensor counts its shard (`parameter_shards`)."""
+    tensors = [(p.elements, p.ndim) for p in parameter_shards(work, grid)]
     exact = sum(size for size, ndim in tensors if ndim <= 1 or size < COMPRESS_MIN_SIZE)
     buckets = sum(math.ceil(size / COMPRESS_BUCKET) for size, ndim in tensors
                   if not (ndim <= 1 or size < COMPRESS_MIN_SIZE))
@@ -426,19 +431,72 @@ def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     return totals
 
 
-def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
-    """Parameters one device holds: dense kernels split over pipe·depth·row·col; embeddings split
-    over row·depth·col (vocabulary-parallel); norms and biases replicated within a stage."""
+@dataclasses.dataclass(frozen=True)
+class ParameterShard:
+    """One parameter tensor as one device of a pipeline stage holds it (block tensors stacked over
+    the stage's layers)."""
+
+    elements: float
+    ndim: int
+    splits: tuple[tuple[str, ...], ...]
+    """For each split dimension, the mesh axes it is split over (sizes of 1 included), e.g. a
+    normal dense kernel `(('col', 'depth'), ('row',))`."""
+    outside_blocks: bool = False
+    """Embedding tables, final norm and head: every pipeline stage holds them."""
+
+
+def parameter_shards(work: Workload, grid: ParallelConfig) -> list[ParameterShard]:
+    """Every parameter tensor one device holds: dense kernels `(in, out)` split in over
+    col·depth and out over row (a transposed layer: in over row·depth, out over col), stacked
+    over the stage's `num_layers / pipe` blocks; tables vocabulary-parallel (rows over
+    row·depth, features over col); biases split like their layer's output features, norm scales
+    (and biases) like the activations' features (over `col`); biases and norms whole over
+    depth."""
     m, g = shape_of(work.model, grid), grid
+    n = m.num_layers // g.pipe
     tp = g.depth * g.row * g.col
-    blocks = [l for l in m.layers if l.name != "head"]
-    dense = sum(l.fan_in * l.fan_out * l.count for l in blocks)
-    replicated = sum(l.fan_in * l.fan_out * l.count for l in m.replicated) / (g.col * g.depth)
-    # biases and two norms per block
-    small = sum(l.fan_out * l.count for l in blocks if l.bias) + \
-        m.num_layers * 2 * m.norm_params * m.d_model
-    tables = (m.vocab_size + m.position_rows) * m.d_model + _head_parameters(m)
-    return (dense / tp + replicated + small) / g.pipe + tables / tp + m.norm_params * m.d_model
+    d, v = m.d_model, m.vocab_size
+    table = (("row", "depth"), ("col",))
+    out = [ParameterShard(v * d / tp, 2, table, True)]
+    if m.position_rows:
+        out.append(ParameterShard(m.position_rows * d / tp, 2, table, True))
+    out += [ParameterShard(d / g.col, 1, (("col",),), True)] * m.norm_params  # final norm
+    for layer in m.layers:
+        in_axis, out_axis = ("row", "col") if layer.transpose else ("col", "row")
+        kernel = ((in_axis, "depth"), (out_axis,))
+        if layer.name == "head":
+            if not m.tied:
+                out.append(ParameterShard(layer.fan_in * layer.fan_out / tp, 2, kernel, True))
+            continue
+        per_block = layer.count // m.num_layers
+        out += [ParameterShard(n * layer.fan_in * layer.fan_out / tp, 3, kernel)] * per_block
+        if layer.bias:
+            out += [ParameterShard(n * layer.fan_out / getattr(g, out_axis), 2,
+                                   ((out_axis,),))] * per_block
+    for layer in m.replicated:
+        out += [ParameterShard(n * layer.fan_in * layer.fan_out / (g.col * g.depth), 3,
+                               (("col", "depth"),))] * (layer.count // m.num_layers)
+    out += [ParameterShard(n * d / g.col, 2, (("col",),))] * (2 * m.norm_params)  # two per block
+    return out
+
+
+def bytes_by_axes(work: Workload, grid: ParallelConfig,
+                  buffers: bool = False) -> dict[tuple[str, tuple[str, ...]], float]:
+    """`{(kind, axes): bytes per device per step}`, axes in mesh order (those of size 1 left
+    out): wire bytes (`buffers`:
+    full-buffer bytes, `size × count`), as `axonn_jax.analysis.hlo.bytes_by_axes` measures them
+    in the compiled step."""
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for c in collectives(work, grid):
+        if c.group(grid) > 1 and c.count and c.size:
+            key = (c.kind, tuple(a for a in AXES if a in c.axes and getattr(grid, a) > 1))
+            out[key] = out.get(key, 0.0) + (c.size * c.count if buffers else c.wire_bytes(grid))
+    return out
+
+
+def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
+    """Parameters one device holds (`parameter_shards`)."""
+    return sum(p.elements for p in parameter_shards(work, grid))
 
 
 def _reduced_parameters(work: Workload, grid: ParallelConfig) -> float:
@@ -450,18 +508,6 @@ def _reduced_parameters(work: Workload, grid: ParallelConfig) -> float:
     r = math.gcd(work.model.num_kv_heads, g.row)
     whole = sum(l.fan_in * l.fan_out * l.count for l in m.replicated) / (g.col * g.depth * g.pipe)
     return parameters_per_device(work, grid) - whole * (1 - 1 / r)
-
-
-def _outside_blocks(m: ModelShape) -> float:
-    """Parameters outside the blocks (tables, output head, final norm): every pipeline stage
-    holds them, the first and last use them."""
-    return (m.vocab_size + m.position_rows) * m.d_model + _head_parameters(m) + \
-        m.norm_params * m.d_model
-
-
-def _head_parameters(m: ModelShape) -> float:
-    """The output head's own parameters (none when tied to the token table)."""
-    return 0 if m.tied else sum(l.fan_in * l.fan_out for l in m.layers if l.name == "head")
 
 
 def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:

@@ -31,6 +31,7 @@ from .._compat import shard_map, to_varying
 from ..config import ParallelConfig
 from ..mesh import make_mesh
 from ..models import gpt
+from .flops import compiled_flops
 from .hlo import KINDS, collective_bytes, wire_bytes
 from ..tp.parallelize import parallelize
 
@@ -200,12 +201,10 @@ def measure(name, step, params, x, repeats: int) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(params, x))
         times.append(time.perf_counter() - t0)
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     by_kind = collective_bytes(text)
     return {"name": name, "collective_bytes": by_kind, "total_bytes": sum(by_kind.values()),
             "wire_bytes": sum(wire_bytes(text).values()), "peak_bytes": int(peak),
-            "flops_per_device": float((cost or {}).get("flops", 0.0)),
+            "flops_per_device": compiled_flops(compiled),
             "step_time_s": statistics.median(times) if times else None, "loss": loss}
 
 

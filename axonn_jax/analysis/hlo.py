@@ -44,6 +44,7 @@ class Collective:
     bytes: int  # full-buffer bytes per execution (see the module docstring)
     group_size: int  # devices taking part together (2 for a permute's pair)
     executions: int  # times it runs per program run (loop trip counts multiplied)
+    group: tuple[int, ...] = ()  # one group's device ids (a permute: a source and its target)
 
     @property
     def total_bytes(self) -> int:
@@ -65,23 +66,81 @@ def _array_bytes(shape_text: str) -> list[int]:
     return out
 
 
-def _group_size(attrs: str, num_devices: int) -> int:
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups, size]<=[...]
+def _iota(spec: str) -> list[int]:
+    """The device ids of an iota list `[d0,d1,...]T(p0,p1,...)` (the transpose optional), flat."""
+    m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", spec.strip())
+    dims = [int(d) for d in m.group(1).split(",")]
+    perm = [int(p) for p in m.group(2).split(",")] if m.group(2) else list(range(len(dims)))
+    ids = list(range(math.prod(dims)))
+    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    out = []
+    for flat in ids:  # index in the transposed array -> id in the original
+        coords, rest = [], flat
+        for size in reversed([dims[p] for p in perm]):
+            coords.append(rest % size)
+            rest //= size
+        coords.reverse()
+        out.append(sum(c * strides[p] for c, p in zip(coords, perm)))
+    return out
+
+
+def _first_group(attrs: str, num_devices: int) -> tuple[int, ...]:
+    """The device ids (logical, in the mesh's order) of the collective's group holding the
+    first device of the list: a permute's first source-target pair between two devices, else one replica group in
+    any of HLO's three spellings (explicit, iota `[groups,size]<=[...]`, or over named axes of a
+    mesh). All devices when no groups are given."""
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attrs)
     if m:
-        return int(m.group(1).split(",")[-1])
-    # Mesh form: `mesh['axis_0'=2,'axis_1'=4], device_ids=(...) {'axis_1'}`, the braces naming the
-    # mesh axes each group spans.
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+        size = int(m.group(1).split(",")[-1])
+        return tuple(_iota(m.group(2))[:size])
+    # Mesh form: `mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}`: the ids laid
+    # out on that mesh; a group spans the axes in braces.
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?[^{]*\{([^}]*)\}",
+                  attrs)
     if m:
-        sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
-        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        sizes = [int(n) for _, n in axes]
+        ids = _iota(m.group(2)) if m.group(2) else list(range(math.prod(sizes)))
+        spanned = set(re.findall(r"'(\w+)'", m.group(3)))
+        group = []
+        for flat, dev in enumerate(ids):
+            coords, rest = [], flat
+            for size in reversed(sizes):
+                coords.append(rest % size)
+                rest //= size
+            coords.reverse()
+            if all(c == 0 for (a, _), c in zip(axes, coords) if a not in spanned):
+                group.append(dev)
+        return tuple(group)
     m = re.search(r"replica_groups=\{(\{[0-9,]*\})", attrs)
     if m:
         first = m.group(1).strip("{}")
-        return len(first.split(",")) if first else num_devices
-    if "source_target_pairs" in attrs:
-        return 2
-    return num_devices
+        return tuple(int(i) for i in first.split(",")) if first else tuple(range(num_devices))
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attrs)
+    if pairs:  # the first pair that moves data (a device may "send" to itself)
+        moving = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))
+                  if a != b]
+        return moving[0] if moving else (0, 0)
+    return tuple(range(num_devices))
+
+
+def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) along which the devices of `group` differ, for a mesh of
+    `mesh_shape` (`{axis: size}`, outermost first) whose devices are numbered in its order."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+
+    def coords(i):
+        out = []
+        for size in reversed(sizes):
+            out.append(i % size)
+            i //= size
+        return out[::-1]
+
+    first = coords(group[0])
+    varying = set()
+    for dev in group[1:]:
+        varying |= {a for a, c, f in zip(names, coords(dev), first) if c != f}
+    return tuple(a for a in names if a in varying)
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
@@ -107,13 +166,14 @@ def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int)
     kind = opcode.removesuffix("-start")
     if kind not in KINDS or opcode.endswith("-done"):
         return None
-    group = _group_size(rest, num_devices)
+    members = _first_group(rest, num_devices)
+    group = len(members)
     sizes = _array_bytes(shape)
     if opcode.endswith("-start") and kind != "all-reduce":
         # (operands..., results..., [contexts]): keep the results
         sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
     nbytes = sum(sizes) * (group if kind == "reduce-scatter" else 1)
-    return Collective(kind, name, nbytes, group, 1) if group > 1 and nbytes else None
+    return Collective(kind, name, nbytes, group, 1, members) if group > 1 and nbytes else None
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -172,12 +232,102 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     return out
 
 
+def bytes_by_axes(hlo_text: str, mesh_shape: dict[str, int],
+                  buffers: bool = False) -> dict[tuple[str, tuple[str, ...]], float]:
+    """`{(kind, axes): bytes per device per program run}`: `wire_bytes` (or, with `buffers`, the
+    full-buffer bytes of `collective_bytes`) split by the mesh axes each collective's groups span
+    (`group_axes`; `mesh_shape` `{axis: size}` in mesh order, e.g. `ParallelConfig.as_dict()`).
+    `comm_model.bytes_by_axes` predicts the same table."""
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
+    for c in collectives(hlo_text):
+        key = (c.kind, group_axes(c.group, mesh_shape))
+        out[key] = out.get(key, 0.0) + (c.total_bytes if buffers else c.wire_bytes)
+    return out
+
+
 def wire_bytes(hlo_text: str) -> dict[str, float]:
     """`{kind: bytes a ring algorithm sends per device per program run}`."""
     out = dict.fromkeys(KINDS, 0.0)
     for c in collectives(hlo_text):
         out[c.kind] += c.wire_bytes
     return out
+
+
+_ELEMENTWISE = {"add", "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "negate",
+                "abs", "sign", "compare", "select", "clamp", "and", "or", "xor", "not", "floor",
+                "ceil", "round-nearest-even", "round-nearest-afz", "convert"}
+
+
+def _elements(shape_text: str) -> int:
+    """Elements of the (first) array in an HLO shape."""
+    m = _ARRAY.search(shape_text)
+    if not m:
+        return 0
+    dims = m.group(2)
+    return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+
+
+def flops(hlo_text: str) -> float:
+    """Floating-point operations one device runs per call of a compiled HLO module, with the
+    convention of XLA's cost analysis (a dot 2·M·N·K, an arithmetic elementwise op one per output
+    element, a reduction one per input element not in the output; transcendental functions are
+    not FLOPs there), but collectives' own sums left out, and instructions inside `while` loops counted once per iteration (from
+    `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step that scans its
+    layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
+    Several modules in one text (a step of several programs) add up."""
+    modules = [m for m in re.split(r"(?m)^(?=HloModule )", hlo_text) if m.strip()]
+    if len(modules) > 1:
+        return sum(flops(m) for m in modules)
+    comps, entry = _computations(hlo_text)
+    memo: dict[str, float] = {}
+
+    def walk(comp: str, stack: tuple[str, ...] = ()) -> float:
+        if comp in memo:
+            return memo[comp]
+        if comp in stack or comp not in comps:
+            return 0.0
+        shapes: dict[str, str] = {}
+        total = 0.0
+        inner = stack + (comp,)
+        for line in comps[comp]:
+            instr = _INSTR.match(line)
+            if not instr:
+                continue
+            name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
+            shapes[name] = shape
+            if opcode == "dot":
+                lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+                dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+                lhs_array = _ARRAY.search(shapes.get(lhs, ""))
+                k = 1
+                if dims and lhs_array:
+                    lhs_dims = lhs_array.group(2).split(",")
+                    k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
+                total += 2.0 * _elements(shape) * k
+            elif opcode in _ELEMENTWISE:
+                total += _elements(shape)
+            elif opcode == "reduce":
+                operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+                total += _elements(shapes.get(operand, "")) - _elements(shape)
+            elif opcode == "while":
+                trip = _TRIP.search(rest)
+                if not trip:
+                    raise ValueError(f"while loop {name} has no known_trip_count; cannot count "
+                                     "the FLOPs inside it")
+                body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
+                total += walk(body, inner) * int(trip.group(1))
+            elif opcode == "conditional":
+                m = _BRANCHES.search(rest)
+                names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
+                    [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
+                total += max((walk(b, inner) for b in names), default=0.0)
+            elif opcode in ("call", "fusion", "async-start"):
+                total += sum(walk(callee, inner) for key, callee in _CALLEE.findall(rest)
+                             if key in ("calls", "to_apply"))
+        memo[comp] = total
+        return total
+
+    return walk(entry)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,15 +30,21 @@ class Preset:
     data: str = "tokens"
     checkpoint: str | None = None
     family: Any = None  # the architecture's Hugging Face mapping (`models.hf.Family`)
+    module: Any = None  # the model's module (`models.gpt`, `models.llama`): `stacked`, `network`
 
     def check_grid(self, grid: ParallelConfig) -> None:
         self.config.check_grid(grid)
+
+    def with_config(self, **overrides) -> "Preset":
+        """The same preset with fields of its config replaced (e.g. `attention='xla'`)."""
+        return _preset(self.name, dataclasses.replace(self.config, **overrides), self.module,
+                       self.checkpoint)
 
 
 def _preset(name: str, config, module, checkpoint: str | None = None) -> Preset:
     return Preset(name, config, lambda dtype, grid=None: module.stacked(config, dtype, grid),
                   lambda dtype, grid=None: module.network(config, dtype, grid),
-                  checkpoint=checkpoint, family=module.HF)
+                  checkpoint=checkpoint, family=module.HF, module=module)
 
 
 def presets() -> dict[str, Preset]:

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
-from . import hf
+from . import attention, hf
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -38,11 +38,13 @@ class GPTConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-6
     tie_embeddings: bool = False  # the output head multiplies by the token table (GPT-2)
+    attention: str = "auto"  # the attention core's implementation (models.attention)
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
     """The Hugging Face `config.json` this came from (JSON text), whose other fields
     `to_pretrained` keeps."""
 
     def __post_init__(self):
+        attention.check_choice(self.attention)
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.d_model % self.num_heads:
@@ -63,8 +65,8 @@ class GPTConfig:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
         d, f, L = self.d_model, self.d_ff, self.num_layers
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
-        attention = 2 * 2 * seq_len * d * L
-        return 3 * (matmul + attention)
+        scores = 2 * 2 * seq_len * d * L
+        return 3 * (matmul + scores)
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
@@ -98,23 +100,6 @@ def get_config(name: str, **overrides) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
-
-
-def causal_attention(q, k, v):
-    """Softmax attention with a causal mask. q: `(batch, seq, heads, head_dim)`; k, v: `(batch,
-    seq, kv_heads, head_dim)` with kv_heads dividing heads: query head `h` attends with key/value
-    head `h // (heads / kv_heads)` (grouped-query attention; kv_heads = 1 is multi-query, = heads
-    multi-head). Returns `(batch, seq, heads, head_dim)`."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    if h % kv:
-        raise ValueError(f"{h} query heads are not divisible by {kv} key/value heads")
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * d ** -0.5
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, h, d)
 
 
 ACTIVATION_NAMES = ("q", "k", "v", "attn", "attn_proj", "mlp_up")
@@ -162,7 +147,8 @@ class Block(nn.Module):
         heads = lambda y, n: checkpoint_name(y.reshape(b, t, c.num_heads, c.head_dim), n)
         q, k, v = (heads(dense(c.d_model, n)(h), s)
                    for n, s in (("query", "q"), ("key", "k"), ("value", "v")))
-        y = checkpoint_name(causal_attention(q, k, v).reshape(b, t, c.d_model), "attn")
+        y = attention.causal_attention(q, k, v, c.attention)
+        y = checkpoint_name(y.reshape(b, t, c.d_model), "attn")
         x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
         h = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, name="ln2")(x)
         h = nn.gelu(checkpoint_name(dense(c.d_ff, "mlp_up")(h), "mlp_up"))

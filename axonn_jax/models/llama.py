@@ -34,8 +34,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
-from . import hf
-from .gpt import causal_attention, cross_entropy, output_logits
+from . import attention, hf
+from .gpt import cross_entropy, output_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +74,11 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attention: str = "auto"  # the attention core's implementation (models.attention)
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
+        attention.check_choice(self.attention)
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
@@ -109,8 +111,8 @@ class LlamaConfig:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
         d, L = self.d_model, self.num_layers
         per_layer = 2 * d * self.q_features + 2 * d * self.kv_features + 3 * d * self.d_ff
-        attention = 2 * 2 * seq_len * self.q_features * L
-        return 3 * (2 * per_layer * L + 2 * d * self.vocab_size + attention)
+        scores = 2 * 2 * seq_len * self.q_features * L
+        return 3 * (2 * per_layer * L + 2 * d * self.vocab_size + scores)
 
     def replicate_kv(self, grid: ParallelConfig | None) -> bool:
         """Whether the key/value projections stay whole over `row` on `grid` (their heads do not
@@ -265,7 +267,8 @@ class Block(nn.Module):
         q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
         k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
         v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
-        y = checkpoint_name(causal_attention(q, k, v).reshape(b, t, c.q_features), "attn")
+        y = attention.causal_attention(q, k, v, c.attention)
+        y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
         x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
         h = norm("mlp_norm")(x)
         gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")

@@ -77,6 +77,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                        help="interleaved-1f1b: layer chunks per pipeline stage")
     modes.add_argument("--offload-optimizer", action="store_true")
     modes.add_argument("--remat", default="none", choices=["none", "full", "offload", "auto"])
+    modes.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
+                       help="attention core of built-in models: cuDNN flash attention (a CUDA "
+                            "GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)")
     modes.add_argument("--memory-budget", dest="memory_budget_gb", type=float, default=None,
                        metavar="GB")
     modes.add_argument("--compress-bits", type=int, default=0, help="0: exact all-reduce")
@@ -272,6 +275,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--compress-bits", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype of the run planned (activation bytes; as train --dtype)")
     p.add_argument("--top", type=int, default=10, help="grids to list (0: all)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--plot", default=None, metavar="FILE.png",
@@ -296,6 +301,7 @@ def _plan(args) -> int:
                  "peak_flops": args.peak_tflops and args.peak_tflops * 1e12}
     machine = dataclasses.replace(machine, **{k: v for k, v in overrides.items() if v})
     work = cm.Workload(get(args.model).config, args.batch, args.seq_len, schedule=args.schedule,
+                       compute_bytes=4 if args.dtype == "float32" else 2,
                        virtual_stages=args.virtual_stages,
                        offload_optimizer=args.offload_optimizer, compress_bits=args.compress_bits)
     grid = ParallelConfig.parse(args.grid) if args.grid else None

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import models
+from ..analysis.flops import compiled_flops, model_flops_per_device, nominal_peak_flops
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
 from ..offload.precision import DTYPES
 from ..offload.activations import compiled_peak_bytes
@@ -44,13 +45,15 @@ def tree_bytes_per_device(tree, memory_kind: str | None = None) -> int:
     return max(per_device.values(), default=0)
 
 
-def state_report(state, compiled) -> dict[str, int]:
-    """Train-state bytes per device by memory kind, parameter count and the compiled peak."""
+def state_report(state, compiled) -> dict[str, int | float]:
+    """Train-state bytes per device by memory kind, parameter count, the compiled peak and the
+    compiled step's FLOPs per device (XLA's cost analysis)."""
     return {
         "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
         "state_bytes_host": int(tree_bytes_per_device(state, HOST_MEMORY_KIND)),
         "peak_bytes_compiled": int(compiled_peak_bytes(compiled)),
+        "flops_per_device_compiled": compiled_flops(compiled),
     }
 
 
@@ -95,6 +98,12 @@ class Loop:
         rows = jax.tree.leaves(trainer.example_batch)[0].shape[0]
         self.examples_per_step = rows
         self.tokens_per_step = rows * trainer.options.seq_len if trainer.preset else None
+        self.peak_flops = None
+        o = trainer.options
+        if self.tokens_per_step and o.transport == "xla":  # a built-in model on one mesh
+            self.report["model_flops_per_device"] = model_flops_per_device(
+                trainer.preset.config, self.tokens_per_step, o.seq_len, o.parallel.num_devices)
+            self.peak_flops = nominal_peak_flops(jax.devices()[0], DTYPES[o.dtype])
 
     def run(self):
         started = []
@@ -131,6 +140,8 @@ class Loop:
                   "examples_per_s": self.examples_per_step / dt, "step_time_s": dt, **self.report}
         if self.tokens_per_step:
             record["tokens_per_s"] = self.tokens_per_step / dt
+        if self.peak_flops:
+            record["mfu"] = self.report["model_flops_per_device"] / dt / self.peak_flops
         return state, record
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 import optax
 
 from ..config import ParallelConfig
+from ..models.attention import check_choice
 from ..offload.precision import DTYPES
 
 
@@ -44,6 +45,7 @@ class TrainOptions:
     virtual_stages: int = 1  # interleaved-1f1b: layer chunks per pipeline stage
     offload_optimizer: bool = False
     remat: str = "none"
+    attention: str = "auto"  # the attention core of built-in models: auto, xla, cudnn
     memory_budget_gb: float | None = None
     compress_bits: int = 0
     compress_bucket: int = 1024
@@ -55,6 +57,7 @@ class TrainOptions:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_choice(self.attention)
         for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

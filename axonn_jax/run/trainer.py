@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from .. import models
+from ..models import attention
 from ..config import ParallelConfig, check_grid
 from ..mesh import make_mesh
 from ..offload.precision import DTYPES
@@ -94,12 +95,18 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
         if options.seq_len > preset.config.max_seq_len:
             raise ValueError(f"--seq-len {options.seq_len} exceeds {preset.name}'s max_seq_len "
                              f"{preset.config.max_seq_len}")
+        head_dim = getattr(preset.config, "head_dim", None)
+        attention.check(options.attention, DTYPES[options.dtype], head_dim)
+        preset = preset.with_config(attention=options.attention)
         model = preset.build(DTYPES[options.dtype], options.parallel)
         example_batch = lm_example(options)
     elif options.init_from:
         raise ValueError("build_trainer: init_from builds the checkpoint's model; pass no model")
     elif example_batch is None:
         raise ValueError("build_trainer: a caller's model needs an example batch")
+    elif options.attention != "auto":
+        raise ValueError(f"--attention {options.attention} picks the built-in models' attention; "
+                         "a caller's model chooses its own (models.attention.causal_attention)")
     optimizer, lr_schedule = make_optimizer(options)
     build = _build_mpi if options.transport == "mpi" else _build_xla
     step, is_main, make_checkpointer = build(options, model, optimizer, preset, devices)

@@ -281,6 +281,9 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
     _describe(loop, trainer, corpus, console)
     state = loop.run()
     if loop.stopped:
+        # A barrier: every process has saved before any exits (mpirun stops a whole job as soon
+        # as one of its processes exits with an error code).
+        stop.agree(0)
         where = options.checkpoint_dir or (options.run_dir and
                                            pathlib.Path(options.run_dir) / rundir.CHECKPOINTS)
         console.print(f"{loop.stopped}: stopped after step {int(state['step'])}; " + (

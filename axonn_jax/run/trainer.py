@@ -162,10 +162,9 @@ def _build_mpi(options, model, optimizer, preset, devices):
                                reducer=reducer, engine=engine,
                                **{**step_options, "microbatches": 1, "schedule": "1f1b",
                                   "virtual_stages": 1})
-        path = pathlib.Path(options.checkpoint_dir or ".") / \
-            f"stage-{position.stage}-of-{position.num_stages}"
+        stage = f"stage-{position.stage}-of-{position.num_stages}"
         return step, rank == 0, lambda directory, every: RankZeroCheckpointer(
-            path, every, position.data_comm)
+            pathlib.Path(directory) / stage, every, position.data_comm)
     if options.compress_bits and options.error_feedback and options.checkpoint_dir:
         raise NotImplementedError(
             "--transport mpi --compress-bits with error feedback and --checkpoint-dir is not "

@@ -4,6 +4,7 @@ SIGUSR1 save and stop (one process, and a 2-process job whose processes agree on
 finishes with the uninterrupted run's losses; a stopped (hung) worker is named; a diverged run
 stops without saving; flags that would be ignored are refused in one line."""
 import json
+import math
 import os
 import pathlib
 import re
@@ -152,8 +153,8 @@ def test_stopped_worker_is_named(tmp_path):
 
 
 def test_divergence_stops_without_saving(tmp_path):
-    """A learning rate of 1e5: the first non-finite loss stops the run (exit code 3, one line),
-    the checkpoints hold only the steps before it."""
+    """A learning rate of 1e5: the first non-finite loss or gradient norm stops the run (exit code
+    3, one line), the checkpoints hold only the steps before it, all finite."""
     run = tmp_path / "run"
     job = Job(cli("train", "--steps", "20", *TINY, "--devices", "1", "--lr", "1e5",
                   "--warmup-steps", "0", "--clip-norm", "1e9", "--checkpoint-every", "1",
@@ -161,9 +162,11 @@ def test_divergence_stops_without_saving(tmp_path):
     assert job.wait() == EXIT_DIVERGED, job.text()
     err = job.err.read_text()
     assert err.count("\n") == 1, err
-    bad = int(re.match(r"axonn-jax train: error: the loss of step (\d+) is (nan|inf)", err).group(1))
-    assert _lines(run / "metrics.jsonl")[-1]["step"] == bad - 1
-    assert max(_checkpoints(run / "checkpoints")) == bad - 1
+    bad = int(re.match(r"axonn-jax train: error: the (loss|grad_norm) of step (\d+) is (nan|inf)",
+                       err).group(2))
+    kept = _lines(run / "metrics.jsonl")
+    assert kept[-1]["step"] == bad - 1 and max(_checkpoints(run / "checkpoints")) == bad - 1
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in kept)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -76,8 +76,8 @@ class Loop:
     `end_step`, calling `hooks` (see `run.hooks`).
 
     stop: asked at every step boundary whether the job stops there (`run.stopping`); then
-    `stopped` names the signal. A step whose loss is not finite raises `Diverged` before its state
-    is kept; under float16 such steps are skipped by the step itself.
+    `stopped` names the signal. A step whose loss or gradient norm is not finite raises `Diverged`
+    before its state is kept; under float16 such steps are skipped by the step itself.
     """
 
     def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
@@ -107,8 +107,10 @@ class Loop:
                     self.stopped = signal_name
                     break
                 state, record = self._step(step)
-                if not math.isfinite(record["loss"]) and self.trainer.options.dtype != "float16":
-                    raise Diverged(f"the loss of step {step + 1} is {record['loss']}: the run "
+                # An infinite gradient norm with a finite loss has already spoilt the update.
+                bad = [k for k in ("loss", "grad_norm") if not math.isfinite(record.get(k, 0.0))]
+                if bad and self.trainer.options.dtype != "float16":
+                    raise Diverged(f"the {bad[0]} of step {step + 1} is {record[bad[0]]}: the run "
                                    f"diverged (a lower --lr?); stopped without keeping that step")
                 self.state = state
                 info = StepInfo(step + 1, self.state, record)

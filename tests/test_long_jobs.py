@@ -4,6 +4,7 @@ SIGUSR1 save and stop (one process, and a 2-process job whose processes agree on
 finishes with the uninterrupted run's losses; a stopped (hung) worker is named; a diverged run
 stops without saving; flags that would be ignored are refused in one line."""
 import json
+import math
 import os
 import pathlib
 import re
@@ -21,7 +22,9 @@ from conftest import relative_difference
 from test_distributed import DATA, REPO, child_env, cli, compilation_cache  # noqa: F401
 
 TINY = ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "1", "--eval-every", "100000",
-        "--data", DATA]
+        "--data", DATA, "--steps", "100000", "--warmup-steps", "0"]
+"""A long run of a tiny model: every job of one process, and every one of two, runs one compiled
+program (read from the compilation cache after the first); `--stop-at` ends the short ones."""
 
 
 def _lines(path) -> list[dict]:
@@ -65,7 +68,7 @@ def test_ctrl_c_then_sigterm_save_and_resume_auto(tmp_path):
     """Ctrl-C saves and exits 130 without a traceback (no --checkpoint-every: the run directory's
     checkpoints); `--resume auto` continues from it; SIGTERM saves and exits 75."""
     run = tmp_path / "run"
-    cmd = cli("train", "--steps", "100000", *TINY, "--devices", "1", "--run-dir", str(run))
+    cmd = cli("train", *TINY, "--devices", "1", "--run-dir", str(run))
     first = Job(cmd + ["--resume", "auto"], tmp_path, "first")
     first.wait_for(lambda: len(_lines(run / "metrics.jsonl")) >= 2, "two steps")
     first.proc.send_signal(signal.SIGINT)
@@ -100,7 +103,7 @@ def test_sigusr1_to_one_process_stops_the_job_at_one_step(tmp_path):
     checkpoint is saved cooperatively, every process and the launcher exit 75."""
     run = tmp_path / "run"
     logs, cmd = _launch(tmp_path, "--devices-per-proc", "1")
-    job = Job(cmd + ["--steps", "100000", "--run-dir", str(run)], tmp_path, "job")
+    job = Job(cmd + ["--run-dir", str(run)], tmp_path, "job")
     job.wait_for(lambda: len(_lines(run / "metrics.jsonl")) >= 2, "two steps")
     os.kill(_pids(logs)[1], signal.SIGUSR1)
     assert job.wait() == EXIT_PREEMPTED, job.text()
@@ -115,14 +118,14 @@ def test_killed_worker_restarts_and_finishes_like_the_uninterrupted_run(tmp_path
     compiled program as the other 2-process tests', read from the compilation cache)."""
     steps = 16
     logs, cmd = _launch(tmp_path / "whole", "--devices-per-proc", "1")
-    whole = Job(cmd + ["--steps", str(steps), "--run-dir", str(tmp_path / "whole")], tmp_path,
+    whole = Job(cmd + ["--stop-at", str(steps), "--run-dir", str(tmp_path / "whole")], tmp_path,
                 "whole")
     assert whole.wait(240) == 0, whole.text()
     reference = [r["loss"] for r in _lines(tmp_path / "whole" / "metrics.jsonl")]
 
     run = tmp_path / "run"
     logs, cmd = _launch(tmp_path, "--devices-per-proc", "1", "--max-restarts", "1")
-    job = Job(cmd + ["--steps", str(steps), "--checkpoint-every", "4", "--run-dir", str(run)],
+    job = Job(cmd + ["--stop-at", str(steps), "--checkpoint-every", "4", "--run-dir", str(run)],
               tmp_path, "job")
     job.wait_for(lambda: (run / "checkpoints" / "4").is_dir(), "the checkpoint of step 4")
     os.kill(_pids(logs)[1], signal.SIGKILL)
@@ -142,7 +145,7 @@ def test_stopped_worker_is_named(tmp_path):
     """A SIGSTOPped process stops sending heartbeats: the launcher names it in one line (not the
     process whose runtime noticed, nor its C++ stack dump)."""
     logs, cmd = _launch(tmp_path, "--devices-per-proc", "1", "--heartbeat-timeout", "3")
-    job = Job(cmd + ["--steps", "100000", "--run-dir", str(tmp_path / "run")], tmp_path, "job")
+    job = Job(cmd + ["--run-dir", str(tmp_path / "run")], tmp_path, "job")
     job.wait_for(lambda: len(_lines(tmp_path / "run" / "metrics.jsonl")) >= 1, "a step")
     os.kill(_pids(logs)[1], signal.SIGSTOP)
     assert job.wait() == 1, job.text()
@@ -152,18 +155,20 @@ def test_stopped_worker_is_named(tmp_path):
 
 
 def test_divergence_stops_without_saving(tmp_path):
-    """A learning rate of 1e5: the first non-finite loss stops the run (exit code 3, one line),
-    the checkpoints hold only the steps before it."""
+    """A learning rate of 1e5: the first non-finite loss or gradient norm stops the run (exit code
+    3, one line), the checkpoints hold only the steps before it, all finite."""
     run = tmp_path / "run"
-    job = Job(cli("train", "--steps", "20", *TINY, "--devices", "1", "--lr", "1e5",
+    job = Job(cli("train", *TINY, "--devices", "1", "--lr", "1e5",
                   "--warmup-steps", "0", "--clip-norm", "1e9", "--checkpoint-every", "1",
                   "--run-dir", str(run)), tmp_path, "job")
     assert job.wait() == EXIT_DIVERGED, job.text()
     err = job.err.read_text()
     assert err.count("\n") == 1, err
-    bad = int(re.match(r"axonn-jax train: error: the loss of step (\d+) is (nan|inf)", err).group(1))
-    assert _lines(run / "metrics.jsonl")[-1]["step"] == bad - 1
-    assert max(_checkpoints(run / "checkpoints")) == bad - 1
+    bad = int(re.match(r"axonn-jax train: error: the (loss|grad_norm) of step (\d+) is (nan|inf)",
+                       err).group(2))
+    kept = _lines(run / "metrics.jsonl")
+    assert kept[-1]["step"] == bad - 1 and max(_checkpoints(run / "checkpoints")) == bad - 1
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in kept)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -194,7 +199,7 @@ def test_stop_at_saves_into_the_run_directory(tmp_path):
     """--stop-at without --checkpoint-every still saves, where --resume looks (the program of the
     Ctrl-C test's jobs: compiled already)."""
     run = tmp_path / "run"
-    job = Job(cli("train", "--steps", "100000", *TINY, "--devices", "1", "--run-dir", str(run),
+    job = Job(cli("train", *TINY, "--devices", "1", "--run-dir", str(run),
                   "--stop-at", "2"), tmp_path, "job")
     assert job.wait() == 0, job.text()
     assert _checkpoints(run / "checkpoints") == [2]

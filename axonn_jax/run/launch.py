@@ -273,7 +273,7 @@ def _run_job(command, nprocs, devices_per_proc, env, log_dir, stdout, signals,
     except KeyboardInterrupt:
         _stop(procs)  # before the message: the user sees it once all are gone
         print("axonn-jax launch: interrupted; stopped all processes", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         _stop(procs)
         for t, log in threads:

@@ -79,8 +79,8 @@ class Loop:
     `end_step`, calling `hooks` (see `run.hooks`).
 
     stop: asked at every step boundary whether the job stops there (`run.stopping`); then
-    `stopped` names the signal. A step whose loss is not finite raises `Diverged` before its state
-    is kept; under float16 such steps are skipped by the step itself.
+    `stopped` names the signal. A step whose loss or gradient norm is not finite raises `Diverged`
+    before its state is kept; under float16 such steps are skipped by the step itself.
     """
 
     def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
@@ -116,8 +116,10 @@ class Loop:
                     self.stopped = signal_name
                     break
                 state, record = self._step(step)
-                if not math.isfinite(record["loss"]) and self.trainer.options.dtype != "float16":
-                    raise Diverged(f"the loss of step {step + 1} is {record['loss']}: the run "
+                # An infinite gradient norm with a finite loss has already spoilt the update.
+                bad = [k for k in ("loss", "grad_norm") if not math.isfinite(record.get(k, 0.0))]
+                if bad and self.trainer.options.dtype != "float16":
+                    raise Diverged(f"the {bad[0]} of step {step + 1} is {record[bad[0]]}: the run "
                                    f"diverged (a lower --lr?); stopped without keeping that step")
                 self.state = state
                 info = StepInfo(step + 1, self.state, record)
@@ -301,6 +303,9 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
     _describe(loop, trainer, corpus, console)
     state = loop.run()
     if loop.stopped:
+        # A barrier: every process has saved before any exits (mpirun stops a whole job as soon
+        # as one of its processes exits with an error code).
+        stop.agree(0)
         where = options.checkpoint_dir or (options.run_dir and
                                            pathlib.Path(options.run_dir) / rundir.CHECKPOINTS)
         console.print(f"{loop.stopped}: stopped after step {int(state['step'])}; " + (

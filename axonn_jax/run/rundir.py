@@ -4,7 +4,8 @@
       config.yaml      the effective config (`axonn-jax train --config RUN_DIR/config.yaml` reruns it)
       metrics.jsonl    one JSON object per step
       train.log        what the run printed
-      checkpoints/     orbax checkpoints, with --checkpoint-every (`--resume RUN_DIR` continues)
+      checkpoints/     orbax checkpoints: --checkpoint-every, --stop-at, a stopping signal
+                       (`--resume RUN_DIR` continues)
       hlo/             the optimized HLO of the compiled train step
       tensorboard/     TensorBoard event files (`tensorboard --logdir RUN_DIR/tensorboard`)
       profile/         jax.profiler traces of `--profile-steps A:B`
@@ -74,8 +75,8 @@ def agree(text: str, transport: str = "xla") -> str:
 
 def with_run_dir(options):
     """`options` (a `TrainOptions`) with the outputs it leaves unset placed in its `run_dir`:
-    metrics file, HLO dump and, when it checkpoints or resumes, checkpoint directory. Unchanged
-    without a `run_dir`."""
+    metrics file, HLO dump and, when it checkpoints, stops at `stop_at` or resumes, checkpoint
+    directory. Unchanged without a `run_dir`."""
     if not options.run_dir:
         return options
     root = pathlib.Path(options.run_dir)

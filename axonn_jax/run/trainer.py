@@ -169,10 +169,9 @@ def _build_mpi(options, model, optimizer, preset, devices):
                                reducer=reducer, engine=engine,
                                **{**step_options, "microbatches": 1, "schedule": "1f1b",
                                   "virtual_stages": 1})
-        path = pathlib.Path(options.checkpoint_dir or ".") / \
-            f"stage-{position.stage}-of-{position.num_stages}"
+        stage = f"stage-{position.stage}-of-{position.num_stages}"
         return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
-            path, every, position.data_comm, **kw)
+            pathlib.Path(directory) / stage, every, position.data_comm, **kw)
     if options.batch_size % size:
         raise ValueError(f"--batch-size {options.batch_size} is not divisible by the {size} MPI "
                          "processes")

@@ -194,6 +194,10 @@ class Checkpointer:
     def _restore_step(self, step: int, template):
         import orbax.checkpoint as ocp
 
+        path = self.directory / str(step)
+        if (path / "default").is_dir() and not (path / STATE).exists():
+            raise DamagedStep("written by an older axonn_jax (one 'default' item, no checksums), "
+                              "which this version does not read")
         try:
             saved = self._manager.item_metadata(step)[STATE]
             meta = self._manager.restore(step, args=ocp.args.Composite(
@@ -291,6 +295,10 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("axonn_jax checkpoint set aside")
+
+    def wait(self):
+        """Block until the pending asynchronous save is written."""
+        self._manager.wait_until_finished()
 
     def close(self):
         self._manager.wait_until_finished()

@@ -199,6 +199,11 @@ def test_bad_checkpoints_are_one_line_errors(reference, template, corpus, device
                           devices)
     with pytest.raises(CheckpointMismatch, match=r"holds another model's checkpoint: parameter "):
         other.make_checkpointer(str(reference[1]), 0).restore(other.init_state(abstract=True))
+    # A step a killed job was still writing stays in orbax's temporary directory: never read.
+    (directory / "2").rename(directory / "6.orbax-checkpoint-tmp-1700000000")
+    shutil.rmtree(directory / "4")
+    with pytest.raises(FileNotFoundError, match="no checkpoint found"):
+        trainer.make_checkpointer(str(directory), 0).restore(fresh)
     junk = tmp_path / "junk"
     (junk / "7").mkdir(parents=True)
     (junk / "7" / "notes.txt").write_text("not a checkpoint")

@@ -115,6 +115,9 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"--checkpoint-dir {str(directory)!r} is a file, not a directory")
+        if keep < 1 or keep_every < 0:
+            raise ValueError(f"--keep must be at least 1 and --keep-every at least 0, got {keep} "
+                             f"and {keep_every}")
         self.every = every
         self._canonical = canonical or (lambda state, inverse=False: state)
         self.info = dict(info or {})

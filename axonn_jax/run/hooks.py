@@ -120,7 +120,13 @@ class Checkpoints(Hook):
 
     def end(self, loop):
         c = self.checkpointer
-        c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+        try:
+            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+        except Exception as e:  # e.g. a step that failed after its input state was donated
+            if loop.completed:
+                raise
+            loop.console.print(f"checkpoint: could not save step {int(loop.state['step'])} "
+                               f"after the error: {str(e).splitlines()[0] if str(e) else e!r}")
         c.close()
 
 

@@ -115,6 +115,9 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"--checkpoint-dir {str(directory)!r} is a file, not a directory")
+        if keep < 1 or keep_every < 0:
+            raise ValueError(f"--keep must be at least 1 and --keep-every at least 0, got {keep} "
+                             f"and {keep_every}")
         self.every = every
         self._canonical = canonical or (lambda state, inverse=False: state)
         self.info = dict(info or {})
@@ -194,6 +197,10 @@ class Checkpointer:
     def _restore_step(self, step: int, template):
         import orbax.checkpoint as ocp
 
+        path = self.directory / str(step)
+        if (path / "default").is_dir() and not (path / STATE).exists():
+            raise DamagedStep("written by an older axonn_jax (one 'default' item, no checksums), "
+                              "which this version does not read")
         try:
             saved = self._manager.item_metadata(step)[STATE]
             meta = self._manager.restore(step, args=ocp.args.Composite(
@@ -291,6 +298,10 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("axonn_jax checkpoint set aside")
+
+    def wait(self):
+        """Block until the pending asynchronous save is written."""
+        self._manager.wait_until_finished()
 
     def close(self):
         self._manager.wait_until_finished()

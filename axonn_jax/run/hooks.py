@@ -123,9 +123,15 @@ class Checkpoints(Hook):
         import jax
 
         c = self.checkpointer
-        # Not after a diverged or failed step: it consumed (donated) the state.
+        # Not after a diverged or failed step that consumed (donated) the state.
         if not any(x.is_deleted() for x in jax.tree.leaves(loop.state) if isinstance(x, jax.Array)):
-            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+            try:
+                c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+            except Exception as e:  # a failure of its own after the run's error
+                if loop.completed:
+                    raise
+                loop.console.print(f"checkpoint: could not save step {int(loop.state['step'])} "
+                                   f"after the error: {str(e).splitlines()[0] if str(e) else e!r}")
         c.close()
 
 

@@ -28,11 +28,12 @@ class LinenNet(nn.Module):
         h = nn.ConvTranspose(16, (2, 2), strides=(2, 2), transpose_kernel=self.transpose_kernel,
                              name="up")(h)
         h = nn.Conv(8, (1, 1), use_bias=False, name="c3")(nn.silu(h))
-        return nn.Dense(8, name="out")(h.mean(axis=(1, 2)))
+        rgb = nn.Conv(3, (3, 3), name="rgb")(h)  # 3 channels: the layer stays whole
+        return nn.Dense(8, name="out")(h.mean(axis=(1, 2))), rgb
 
 
 def linen_loss(model):
-    return lambda p, x: jnp.mean(jnp.square(model.apply({"params": p}, x)))
+    return lambda p, x: sum(jnp.mean(jnp.square(y)) for y in model.apply({"params": p}, x))
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def test_linen_conv_net_equals_original(grid, linen_reference, devices):
     assert specs["c1"]["kernel"] == jax.sharding.PartitionSpec(None, None, ("col", "depth"), "row")
     assert specs["c2"]["kernel"] == jax.sharding.PartitionSpec(None, None, ("row", "depth"), "col")
     assert specs["gn1"]["scale"] == jax.sharding.PartitionSpec("row")
+    assert specs["rgb"]["kernel"] == jax.sharding.PartitionSpec()
     value, grads = jax.jit(jax.value_and_grad(linen_loss(pmodel)))(params, X)
     check_close(value, grads, ref_value, ref_grads)
 

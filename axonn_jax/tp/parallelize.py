@@ -178,19 +178,24 @@ class _Interceptor:
             raise NotImplementedError(f"parallelize: cannot run layer '{path}' ({kind}) "
                                       f"tensor-parallel; supported: {_SUPPORTED_NAMES}")
         check_conv_options(path, m, transposed)
+        whole = None
         if not m.has_variable("params", "kernel"):
-            next_fun(*args, **kwargs)  # init: the layer creates its parameters itself
+            whole = next_fun(*args, **kwargs)  # init: the layer creates its parameters itself
         kernel = self._read(m, "kernel")
         bias = self._read(m, "bias") if m.use_bias else None
         x = _input(args, kwargs)
         transpose = self.layout.dense(path, x)
+        spec = conv_kernel_spec(kernel.ndim, transpose, bool(getattr(m, "transpose_kernel", False)))
+        try:  # channels the grid does not divide (an RGB input or output): the layer stays whole
+            check_divisible(path, kind, "kernel", kernel.shape, spec, self.mesh)
+        except ValueError as e:
+            self.notes[(*m.scope.path, "kernel")] = str(e).split(": ", 2)[-1]
+            return next_fun(*args, **kwargs) if whole is None else whole
         x, kernel, bias = m.promote_dtype(x, kernel, bias, dtype=m.dtype)
         try:
             y = conv_apply(m, x, kernel, bias, self.mesh, transpose, transposed)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{path}' ({kind}): {e}") from None
-        spec = conv_kernel_spec(kernel.ndim, transpose, bool(getattr(m, "transpose_kernel", False)))
-        check_divisible(path, kind, "kernel", kernel.shape, spec, self.mesh)
         self._place(m, "kernel", kernel.shape, spec)
         if bias is not None:
             self._place(m, "bias", bias.shape, bias_spec(transpose))
@@ -413,7 +418,8 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
 
     Raises NotImplementedError naming a layer it cannot run tensor-parallel (grouped or local
     convolutions, batch norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
-    not divide. Embedding tables the grid does not divide stay whole (noted).
+    not divide. Embedding tables and convolution kernels whose channels the grid does not divide
+    (an RGB input or output layer) stay whole (noted).
     """
     missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
     if missing:

@@ -207,7 +207,7 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
 
 def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
     """`{variable name: (one layer's shape, spec)}` for the layer `m`, switching its class to the
-    parallel one; `{}` (and a note) for a table the grid does not divide."""
+    parallel one; `{}` (and a note) for a table or a convolution kernel the grid does not divide."""
     name = type(m).__name__
     if isinstance(kind, AsDense):
         kernel = getattr(m, kind.kernel, None)
@@ -237,6 +237,11 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
     elif kind in _CONV:
         kernel = m.kernel.shape
         spec = conv_kernel_spec(len(kernel), flip, bool(getattr(m, "transpose_kernel", False)))
+        try:  # channels the grid does not divide (an RGB input or output): the layer stays whole
+            check_divisible(path, name, "kernel", kernel, spec, mesh)
+        except ValueError as e:
+            notes[f"{path}/kernel"] = str(e).split(": ", 2)[-1]
+            return {}
         specs = {"kernel": (tuple(kernel), spec), "bias": ((m.out_features,), bias_spec(flip))}
     else:
         axis = layout.norm_axes.get(path, "col")

@@ -110,6 +110,14 @@ def _varying_like(y, *like):
     return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
+def _untyped(a):
+    """`a` (values unchanged) without the varying-axes type of the enclosing manual axes (the
+    trainer's `data`). Inside an unchecked shard_map ops drop that type, so the primal of a VJP
+    taken there and its transposes disagree with inputs that carry it; an op (a multiplication by
+    one) on every input makes them agree."""
+    return a * jnp.ones((), a.dtype)
+
+
 def _gather_depth(w_shard):
     """The `(in/in-axis, out/out-axis)` block of the kernel from its `depth` shards."""
     return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
@@ -398,8 +406,8 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
 
     def local_backward(x, w, dy):
         # The convolution is linear in each argument: its transposes are the local backward.
-        _, vjp = jax.vjp(spec.apply, x, gather(w))
-        dx, dw = vjp(dy)
+        _, vjp = jax.vjp(spec.apply, _untyped(x), _untyped(gather(w)))
+        dx, dw = vjp(_untyped(dy))
         dx = psum(dx, fout)
         dw = psum_scatter(dw, "depth", scatter_dimension=ndim - 2, tiled=True)
         if not has_bias:

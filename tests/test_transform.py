@@ -105,7 +105,7 @@ def test_small_mlp_with_dense_general_and_rmsnorm(devices):
 class WithConv(nn.Module):
     @nn.compact
     def __call__(self, x):
-        return nn.Conv(4, (3,), name="conv")(x)
+        return nn.Conv(4, (3,), feature_group_count=2, name="conv")(x)
 
 
 class WithHeads(nn.Module):
@@ -127,7 +127,7 @@ class Odd(nn.Module):
 
 
 @pytest.mark.parametrize("module, error, message", [
-    (WithConv(), NotImplementedError, "cannot run layer 'conv' \\(Conv\\)"),
+    (WithConv(), NotImplementedError, "layer 'conv' \\(Conv\\) has feature_group_count = 2"),
     (WithHeads(), ValueError, "layer 'heads' \\(DenseGeneral\\): kernel \\(8, 2, 4\\) dim 1 = 2 is not divisible by row = 4"),
     (PerBatchKernels(), NotImplementedError, "layer 'batched' \\(DenseGeneral batch_dims=\\(0,\\)\\)"),
     (Odd(), ValueError, "layer 'odd' \\(Dense\\): tp_dense: kernel out-features = 6 is not divisible by row = 4"),

@@ -191,7 +191,7 @@ def test_abstract_model_is_created_sharded(references, devices):
 class WithConv(nnx.Module):
     def __init__(self, rngs):
         self.stem = nnx.Linear(8, 8, rngs=rngs)
-        self.conv = nnx.Conv(8, 8, (3,), rngs=rngs)
+        self.conv = nnx.Conv(8, 8, (3,), feature_group_count=2, rngs=rngs)
 
 
 class Odd(nnx.Module):
@@ -205,7 +205,7 @@ class NarrowNorm(nnx.Module):
 
 
 @pytest.mark.parametrize("cls, error, message", [
-    (WithConv, NotImplementedError, "cannot run layer 'conv' \\(Conv\\) tensor-parallel"),
+    (WithConv, NotImplementedError, "layer 'conv' \\(Conv\\) has feature_group_count = 2"),
     (Odd, ValueError, "layer 'layers/1' \\(Linear\\): kernel \\(8, 5\\) dim 1 = 5 is not divisible by row = 2"),
     (NarrowNorm, ValueError, "layer 'norm' \\(LayerNorm\\): scale \\(6,\\) dim 0 = 6 is not divisible by col = 4"),
 ])

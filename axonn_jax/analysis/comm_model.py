@@ -1,12 +1,13 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
-For a model (a GPT or a Llama: `shape_of` reduces either to the layers that communicate) and a
-grid `data × pipe × depth × row × col` it counts, per device and per step, the bytes
-of every collective the axonn_jax train step issues, component by component (dense layers,
-vocabulary-parallel embedding and loss, norms, gradient sums over data and pipe, pipeline sends,
-the loss and gradient-norm scalars; the same convention as `axonn_jax.analysis.hlo.wire_bytes`, and
-within 5% — mostly to the byte — of the compiled step's HLO per collective kind and mesh axes on
-the grids of tests/test_comm_model.py), turns them into time
+For a model (a GPT or a Llama: `shape_of` reduces either to the layers that communicate; a U-Net:
+its convolutions and dense layers, `_conv_collectives`) and a grid `data × pipe × depth × row ×
+col` it counts, per device and per step, the bytes of every collective the axonn_jax train step
+issues, component by component (dense layers, vocabulary-parallel embedding and loss, norms,
+gradient sums over data and pipe, pipeline sends, the loss and gradient-norm scalars; the same
+convention as `axonn_jax.analysis.hlo.wire_bytes`, and within 5% — mostly to the byte — of the
+compiled step's HLO per collective kind and mesh axes on the grids of tests/test_comm_model.py),
+turns them into time
 with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms, the
 faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline bubble.
 The planner ranks every grid that fits in memory by that predicted step time.
@@ -19,12 +20,14 @@ Groups of one device move nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Iterable
 
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.gpt import GPTConfig
 from ..models.llama import LlamaConfig
+from ..models.unet import UNetConfig
 from ..parallel.pipeline import check_layers, check_schedule, make_schedule
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -91,6 +94,8 @@ class Workload:
 
     def flops(self) -> float:
         """Training FLOPs of the whole step (forward + backward, no recompute)."""
+        if isinstance(self.model, UNetConfig):  # a batch of images; seq_len is not used
+            return self.model.flops_per_image() * self.batch
         return self.model.flops_per_token(self.seq_len) * self.tokens
 
 
@@ -195,12 +200,16 @@ class Collective:
 def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
     compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py),
-    down to the scalars of the loss and the gradient norm."""
-    found = [*_dense_collectives(work, grid), *_replicated_collectives(work, grid),
-             *_embedding_collectives(work, grid),
-             *_norm_collectives(work, grid), *_loss_collectives(work, grid),
-             *_scalar_collectives(work, grid),
-             *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
+    down to the scalars of the loss and the gradient norm (not for a U-Net: its convolutions, dense
+    layers and gradient sums only)."""
+    if isinstance(work.model, UNetConfig):
+        found = _conv_collectives(work, grid)
+    else:
+        found = [*_dense_collectives(work, grid), *_replicated_collectives(work, grid),
+                 *_embedding_collectives(work, grid),
+                 *_norm_collectives(work, grid), *_loss_collectives(work, grid),
+                 *_scalar_collectives(work, grid),
+                 *_gradient_collectives(work, grid), *_pipeline_collectives(work, grid)]
     if grid.pipe > 1:
         found = [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
                                      * (work.microbatches if c.per_microbatch else 1))
@@ -250,6 +259,103 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
             out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * pb, count,
                                   per_microbatch=True))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def conv_layouts(model: UNetConfig) -> dict[str, bool]:
+    """`{layer name: transpose}` of a U-Net's layers (`UNetConfig.layers` names), as
+    `parallelize` traces them: the parts of a narrow copy of the same architecture (the layout
+    does not depend on widths) traced abstractly on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from ..mesh import make_mesh
+    from ..models import unet
+    from ..tp.parallelize import transpose_plan
+
+    small = dataclasses.replace(model, channels=4, num_groups=1, num_heads=1, num_layers=1,
+                                image_size=2 ** len(model.channel_mult), in_channels=1)
+    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
+    batch = zeros(small.example_batch(1))
+    stacked = unet.stacked(small)
+    embed_params = jax.eval_shape(stacked.embed.init, jax.random.key(0), batch)["params"]
+    act = jax.eval_shape(stacked.embed.apply, {"params": embed_params}, batch)
+    found = {name.removeprefix("down/"): t
+             for name, t in transpose_plan(stacked.embed, mesh, batch).items()}
+    found |= transpose_plan(stacked.block, mesh, zeros(act))
+    found |= {name: t for name, t in transpose_plan(stacked.head, mesh, zeros(act), batch,
+                                                      zeros(embed_params)).items()
+              if name not in found}  # its recomputed down path: the embedding's own layout
+    return found
+
+
+def _conv_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
+    """A U-Net's collectives: each convolution is AxoNN's dense layer over the channels of every
+    window (`tp.tensor.tp_conv`), with `window · in` input features and one row per output pixel;
+    the same collectives as `_dense_collectives` per layer, with the input gradient sized by the
+    input pixels. Per device: the most loaded pipeline stage (the last: its blocks, the head and
+    the head's recomputed down path), the data-parallel gradient all-reduce, the pipeline's
+    activations. Not counted: GSPMD's re-layouts of skip concatenations and of layers whose
+    input arrives on the other axis (the down and up paths'), GroupNorm parameter gradients."""
+    model, g, cb, pb = work.model, grid, work.compute_bytes, work.param_bytes
+    if work.compress_bits:
+        raise ValueError("the communication model does not count compressed gradients of a "
+                         "U-Net yet; plan it without --compress-bits")
+    layouts = conv_layouts(model)
+    images = work.batch / (g.data * g.depth)
+    count = {"block": model.num_layers // g.pipe, "head": 1, "embed": 2 if g.pipe == 1 else 1}
+    out: list[Collective] = []
+    for layer in model.layers():
+        n = count[layer.part]
+        fin, fout = ("row", "col") if layouts.get(layer.name, False) else ("col", "row")
+        nin, nout = getattr(g, fin), getattr(g, fout)
+        block = layer.window * layer.cin * layer.cout / (nin * nout)
+        rows_out, rows_in = images * layer.pixels, images * layer.in_pixels
+        gathers = 2 if layer.part == "block" else 1  # the scan's backward gathers again
+        out += [
+            Collective("all-gather", ("depth",), block * pb, n * gathers, per_microbatch=True),
+            Collective("all-reduce", (fin,), rows_out * layer.cout / nout * cb, n,
+                       stage_forward=layer.part == "block"),
+            Collective("all-reduce", (fout,), rows_in * layer.cin / nin * cb, n,
+                       overlappable=2 * rows_out * block),
+            Collective("reduce-scatter", ("depth",), block * pb, n, per_microbatch=True),
+            Collective("all-reduce", ("depth",), layer.cout / nout * pb, n, per_microbatch=True),
+        ]
+    out.append(Collective("all-reduce", ("data",), parameters_per_device(work, grid) * pb))
+    if g.pipe > 1:
+        r, c = model.bottleneck_size, model.bottleneck_channels
+        act = images / work.microbatches * (r + 1) * r * c / g.col * cb
+        out.append(Collective("collective-permute", ("pipe",), act,
+                              2 * _schedule(work, grid).message_ticks))
+    return out
+
+
+def _conv_parameters(model: UNetConfig, grid: ParallelConfig) -> float:
+    """Parameters one device holds: kernels split over depth·row·col (the blocks' also over
+    pipe); biases split like their outputs; GroupNorm vectors counted whole."""
+    layouts, g = conv_layouts(model), grid
+    total = 0.0
+    for layer in model.layers():
+        fout = "col" if layouts.get(layer.name, False) else "row"
+        n = model.num_layers / g.pipe if layer.part == "block" else 1
+        total += n * (layer.window * layer.cin * layer.cout / (g.depth * g.row * g.col)
+                      + layer.cout / getattr(g, fout))
+    return total + 2 * model._norm_channels()
+
+
+def _conv_memory(work: Workload, grid: ParallelConfig) -> float:
+    """Activation bytes one device keeps for the backward: each layer's output and the
+    GroupNorm/SiLU around it (about three arrays of its size), the blocks' over a stage."""
+    model, g = work.model, grid
+    images = work.batch / (g.data * g.depth) / work.microbatches
+    layouts = conv_layouts(model)
+    total = 0.0
+    for layer in model.layers():
+        n = model.num_layers / g.pipe if layer.part == "block" else 2 if layer.part == "embed" else 1
+        fout = "col" if layouts.get(layer.name, False) else "row"
+        total += 3 * n * images * layer.pixels * layer.cout / getattr(g, fout)
+    return total * work.compute_bytes
 
 
 def _replicated_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
@@ -495,7 +601,9 @@ def bytes_by_axes(work: Workload, grid: ParallelConfig,
 
 
 def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
-    """Parameters one device holds (`parameter_shards`)."""
+    """Parameters one device holds (`parameter_shards`; a U-Net's: `_conv_parameters`)."""
+    if isinstance(work.model, UNetConfig):
+        return _conv_parameters(work.model, grid)
     return sum(p.elements for p in parameter_shards(work, grid))
 
 
@@ -517,6 +625,10 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
     grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
+    if isinstance(m, UNetConfig):
+        activations = _conv_memory(work, grid)
+        return {"params": params, "grads": grads, "optimizer": optimizer,
+                "activations": activations, "total": params + grads + optimizer + activations}
     tokens = work.tokens / (g.data * g.depth) / work.microbatches
     # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
     # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice.
@@ -665,6 +777,9 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     (default: pipe·{1, 2, 4, 8}) as the fastest that divides the batch and fits in memory.
     Grids whose memory exceeds the device are dropped.
     """
+    if not isinstance(work.model, (GPTConfig, LlamaConfig, UNetConfig)):
+        raise ValueError(f"the communication model counts GPTs, Llamas and U-Nets, not "
+                         f"{type(work.model).__name__}")
     candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]
     results = []
     for g in candidates:

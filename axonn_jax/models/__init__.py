@@ -18,9 +18,11 @@ class Preset:
     """A named model: `build(dtype, grid=None) -> StackedModel` (the grid it will run on, which
     may change how a layer is laid out); `network(dtype, grid=None)`: the same model as one
     linen module `tokens (b, t) -> logits (b, t, vocab)` with the same parameters (for sampling
-    and export); `data`: the batches it trains on (`tokens`: language-model batches `{'inputs',
-    'targets'}` of `(batch, seq_len)` int32); `config`: its shape (with `check_grid(grid)` and,
-    for language models, `max_seq_len`, `vocab_size`); `checkpoint`: the Hugging Face directory
+    and export; None for image models); `data`: the batches it trains on (`tokens`:
+    language-model batches `{'inputs', 'targets'}` of `(batch, seq_len)` int32; `images`: the
+    config's `example_batch(batch_size)` and `batches(seed, batch_size)`, drawn procedurally);
+    `config`: its shape (with `check_grid(grid)` and, for language models, `max_seq_len`,
+    `vocab_size`); `checkpoint`: the Hugging Face directory
     its parameters start from (None: a fresh initialization)."""
 
     name: str
@@ -47,12 +49,19 @@ def _preset(name: str, config, module, checkpoint: str | None = None) -> Preset:
                   checkpoint=checkpoint, family=module.HF, module=module)
 
 
+def _image_preset(name: str, config, module) -> Preset:
+    return Preset(name, config, lambda dtype, grid=None: module.stacked(config, dtype, grid),
+                  data="images")
+
+
 def presets() -> dict[str, Preset]:
     """Every built-in model by name."""
-    from . import gpt, llama
+    from . import gpt, llama, resnet, unet
 
-    return {name: _preset(name, config, module)
-            for module in (gpt, llama) for name, config in module.PRESETS.items()}
+    found = {name: _preset(name, config, module)
+             for module in (gpt, llama) for name, config in module.PRESETS.items()}
+    return found | {name: _image_preset(name, config, module)
+                    for module in (unet, resnet) for name, config in module.PRESETS.items()}
 
 
 def get(name: str) -> Preset:

@@ -314,8 +314,9 @@ def _plan(args) -> int:
         raise ValueError(f"no grid of {args.num_devices} devices fits {args.model} in "
                          f"{machine.device_memory / 1e9:.0f} GB per device")
     shown = ranked[: args.top] if args.top else ranked
-    title = f"{args.model} on {args.num_devices} devices ({machine.name}), batch " \
-            f"{args.batch} × {args.seq_len}"
+    rows = f"{args.batch} images" if get(args.model).data == "images" else \
+        f"{args.batch} × {args.seq_len}"
+    title = f"{args.model} on {args.num_devices} devices ({machine.name}), batch {rows}"
     if args.plot:
         from .report import plot_plan
 
@@ -403,12 +404,16 @@ def _bench_steps(args) -> int:
         work = cm.Workload(preset.config, args.batch_size, args.seq_len, compute_bytes=4)
         best = cm.plan(work, n, machine)[0].grid
         grids = [best] + [g for g in grids if g != best]
-    tokens = np.random.default_rng(0).integers(0, preset.config.vocab_size,
-                                               (args.batch_size, args.seq_len + 1)).astype(np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    if preset.data == "images":
+        batch = preset.config.batches(0, args.batch_size)(0)
+        title = f"Whole train steps: {args.model}, batch {args.batch_size} images"
+    else:
+        tokens = np.random.default_rng(0).integers(
+            0, preset.config.vocab_size, (args.batch_size, args.seq_len + 1)).astype(np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        title = f"Whole train steps: {args.model}, batch {args.batch_size}×{args.seq_len}"
     report = step_bench.run(preset.build(np.float32), batch, grids=grids, repeats=args.repeats,
                             microbatches=args.microbatches)
-    title = f"Whole train steps: {args.model}, batch {args.batch_size}×{args.seq_len}"
     paths = step_bench.write(report, args.out, args.name or f"steps_{args.model}", title)
     print(paths[1].read_text())
     print("wrote " + ", ".join(map(str, paths)))

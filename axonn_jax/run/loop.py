@@ -97,7 +97,8 @@ class Loop:
         self.report = state_report(state, self.compiled)
         rows = jax.tree.leaves(trainer.example_batch)[0].shape[0]
         self.examples_per_step = rows
-        self.tokens_per_step = rows * trainer.options.seq_len if trainer.preset else None
+        self.tokens_per_step = rows * trainer.options.seq_len \
+            if trainer.preset and trainer.preset.data == "tokens" else None
         self.peak_flops = None
         o = trainer.options
         if self.tokens_per_step and o.transport == "xla":  # a built-in model on one mesh
@@ -231,7 +232,16 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
             raise ValueError("train: data without a model; the built-in models read options.data_path")
         preset = models.pretrained(options.init_from) if options.init_from else \
             models.get(options.model)
-        data, eval_data, corpus = _language_model_data(options, preset.config.vocab_size)
+        if preset.data == "images":
+            for flag, used in (("--sample-tokens", options.sample_tokens),
+                               ("--export-to", options.export_to), ("--data", options.data_path)):
+                if used:
+                    raise ValueError(f"{flag} is for language models; {preset.name} trains on "
+                                     "procedurally drawn images")
+            data, eval_data = (preset.config.batches(options.seed + offset, options.batch_size)
+                               for offset in (0, 10_000))
+        else:
+            data, eval_data, corpus = _language_model_data(options, preset.config.vocab_size)
     elif data is None:
         raise ValueError("train: a caller's model needs data (a function step -> batch or an "
                          "iterable of batches)")

@@ -91,7 +91,10 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
     if model is None:
         preset = models.pretrained(options.init_from) if options.init_from else \
             models.get(options.model)
-    if preset is not None:
+    if preset is not None and preset.data == "images":
+        model = preset.build(DTYPES[options.dtype], options.parallel)
+        example_batch = preset.config.example_batch(options.batch_size)
+    elif preset is not None:
         if options.seq_len > preset.config.max_seq_len:
             raise ValueError(f"--seq-len {options.seq_len} exceeds {preset.name}'s max_seq_len "
                              f"{preset.config.max_seq_len}")

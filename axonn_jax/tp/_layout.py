@@ -117,3 +117,11 @@ def dense_placement(path, kind, in_dims, out_dims, flip, out_in, mesh):
                          "split in contiguous blocks of its features (the leading feature dim must "
                          f"be divisible by the mesh axes splitting it: {dict(mesh.shape)})")
     return {"kernel": (kernel_shape, specs[0]), "bias": (tuple(out_dims), specs[1])}
+
+
+def check_groups(path: str, kind: str, channels: int, groups: int, axis: str, parts: int):
+    """ValueError naming the GroupNorm `path` unless its `groups` divide over `axis` (`parts`
+    devices), so that each device holds whole groups of its channels."""
+    if groups % parts or channels % parts:
+        raise ValueError(f"parallelize: layer '{path}' ({kind}): num_groups = {groups} "
+                         f"(channels {channels}) is not divisible by {axis} = {parts}")

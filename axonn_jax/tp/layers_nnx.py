@@ -1,6 +1,7 @@
 """Tensor-parallel Flax NNX layers: `Dense`, `DenseGeneral` (several feature dims: attention's
-heads × head_dim), vocabulary-parallel `Embed` (lookup and `attend`), `LayerNorm` for
-feature-sharded activations (the NNX counterparts of `axonn_jax.layers`).
+heads × head_dim), vocabulary-parallel `Embed` (lookup and `attend`), `Conv` / `ConvTranspose`
+(channels-last convolutions), `LayerNorm` for feature-sharded activations (the NNX counterparts
+of `axonn_jax.layers`).
 
 Each is a subclass of the NNX layer it replaces, with the same parameters (names, shapes,
 initializers) carrying `out_sharding` metadata, so `nnx.get_partition_spec(nnx.state(model))` gives
@@ -12,8 +13,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from .tensor import (bias_spec, dense_specs, embed_spec, kernel_spec, tp_attend, tp_dense,
-                     tp_dense_general, tp_embed)
+from .conv import check_conv_options, conv_apply
+from .tensor import (bias_spec, conv_kernel_spec, dense_specs, embed_spec, kernel_spec, tp_attend,
+                     tp_dense, tp_dense_general, tp_embed)
 
 
 def _no_out_sharding(layer, out_sharding):
@@ -107,3 +109,51 @@ class LayerNorm(nnx.LayerNorm):
     def __init__(self, num_features: int, *, mesh, axis: str = "col", rngs: nnx.Rngs, **kwargs):
         meta = {"out_sharding": (axis,), "mesh": mesh}
         super().__init__(num_features, rngs=rngs, scale_metadata=meta, bias_metadata=meta, **kwargs)
+
+
+def _conv_call(layer, x, transposed: bool):
+    kernel = layer.kernel[...]
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, kernel, bias = layer.promote_dtype((x, kernel, bias), dtype=layer.dtype)
+    return conv_apply(layer, x, kernel, bias, layer.mesh, layer.transpose, transposed)
+
+
+class Conv(nnx.Conv):
+    """Tensor-parallel `nnx.Conv` (channels last): a dense layer over the channels of every
+    window, input channels over `col` and output over `row` (`transpose=True` swaps them), the
+    kernel `(*window, in, out)` also split over `depth`, the spatial dims untouched. See
+    `axonn_jax.tp.tensor.tp_conv`."""
+
+    def __init__(self, in_features: int, out_features: int, kernel_size, *, mesh,
+                 transpose: bool = False, rngs: nnx.Rngs, **kwargs):
+        ndim = len(kernel_size) + 2 if isinstance(kernel_size, (tuple, list)) else 3
+        super().__init__(in_features, out_features, kernel_size, rngs=rngs,
+                         kernel_metadata={"out_sharding": tuple(conv_kernel_spec(ndim, transpose)),
+                                          "mesh": mesh},
+                         bias_metadata={"out_sharding": tuple(bias_spec(transpose)), "mesh": mesh},
+                         **kwargs)
+        self.mesh, self.transpose = mesh, transpose
+
+    def __call__(self, x, out_sharding=None):
+        _no_out_sharding(self, out_sharding)
+        check_conv_options(type(self).__name__, self, False)
+        return _conv_call(self, x, False)
+
+
+class ConvTranspose(nnx.ConvTranspose):
+    """Tensor-parallel `nnx.ConvTranspose`, split as `Conv` (a `transpose_kernel` kernel
+    `(*window, out, in)` keeps `depth` on its second-to-last dim)."""
+
+    def __init__(self, in_features: int, out_features: int, kernel_size, *, mesh,
+                 transpose: bool = False, rngs: nnx.Rngs, **kwargs):
+        ndim = len(kernel_size) + 2 if isinstance(kernel_size, (tuple, list)) else 3
+        spec = conv_kernel_spec(ndim, transpose, kwargs.get("transpose_kernel", False))
+        super().__init__(in_features, out_features, kernel_size, rngs=rngs,
+                         kernel_metadata={"out_sharding": tuple(spec), "mesh": mesh},
+                         bias_metadata={"out_sharding": tuple(bias_spec(transpose)), "mesh": mesh},
+                         **kwargs)
+        self.mesh, self.transpose = mesh, transpose
+
+    def __call__(self, x):
+        check_conv_options(type(self).__name__, self, True)
+        return _conv_call(self, x, True)

@@ -5,8 +5,9 @@ file holds the one public entry point and the linen transform; NNX modules go to
 For linen, the returned module is an instance of a subclass of the model's class with the same
 fields. Its `init` and `apply` run the model under `nn.intercept_methods`, which replaces the
 arithmetic of Flax's own `nn.Dense`, `nn.DenseGeneral` (several feature dims too: attention's
-heads × head_dim), `nn.Embed` (lookup and `attend`) by the tensor-parallel kernels of
-`axonn_jax.tp.tensor`, and places the parameters of those and of `nn.LayerNorm` / `nn.RMSNorm`.
+heads × head_dim), `nn.Embed` (lookup and `attend`), `nn.Conv`, `nn.ConvTranspose` (a dense layer over the channels
+of every window) by the tensor-parallel kernels of `axonn_jax.tp.tensor`, and places the
+parameters of those and of `nn.LayerNorm` / `nn.RMSNorm` / `nn.GroupNorm`.
 Only the Flax layers' own methods are replaced: a subclass's `__call__` runs as written around
 them (`super().__call__(x) * 2` stays doubled), and modules named in `rules` run as the rule says.
 
@@ -32,16 +33,19 @@ from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
 from . import report as _report
-from ._layout import Layout, dense_placement, stacked_spec
+from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
+from .conv import check_conv_options, conv_apply
 from .parallelize_nnx import parallelize_nnx, trace_layout
 from .rules import AsDense, Replicated, check_rules, find_rule
-from .tensor import embed_spec, table_divides, tp_attend, tp_dense_general, tp_embed
+from .tensor import (bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_attend,
+                     tp_dense_general, tp_embed)
 
 _ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
-_UNSUPPORTED = (nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.GroupNorm,
-                nn.InstanceNorm, nn.SpectralNorm, nn.WeightNorm)
-_SUPPORTED_NAMES = ("nn.Dense, nn.DenseGeneral, nn.Embed (lookup and attend), nn.LayerNorm, "
-                    "nn.RMSNorm, and modules given an AsDense or Replicated rule")
+_UNSUPPORTED = (nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.InstanceNorm, nn.SpectralNorm,
+                nn.WeightNorm)
+_SUPPORTED_NAMES = ("nn.Dense, nn.DenseGeneral, nn.Embed (lookup and attend), nn.Conv, "
+                    "nn.ConvTranspose, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, and modules given an "
+                    "AsDense or Replicated rule")
 
 
 def _path(m: nn.Module) -> str:
@@ -166,6 +170,43 @@ class _Interceptor:
         return self._dense(m, next_fun, args, kwargs, "kernel", "bias" if m.use_bias else None,
                            axis, False)
 
+    # -- convolutions: a dense layer over the channels of every window
+
+    def _conv(self, m, next_fun, args, kwargs, transposed: bool):
+        path, kind = _path(m), type(m).__name__
+        if not getattr(m, "shared_weights", True):  # nn.ConvLocal runs _Conv.__call__ too
+            raise NotImplementedError(f"parallelize: cannot run layer '{path}' ({kind}) "
+                                      f"tensor-parallel; supported: {_SUPPORTED_NAMES}")
+        check_conv_options(path, m, transposed)
+        whole = None
+        if not m.has_variable("params", "kernel"):
+            whole = next_fun(*args, **kwargs)  # init: the layer creates its parameters itself
+        kernel = self._read(m, "kernel")
+        bias = self._read(m, "bias") if m.use_bias else None
+        x = _input(args, kwargs)
+        transpose = self.layout.dense(path, x)
+        spec = conv_kernel_spec(kernel.ndim, transpose, bool(getattr(m, "transpose_kernel", False)))
+        try:  # channels the grid does not divide (an RGB input or output): the layer stays whole
+            check_divisible(path, kind, "kernel", kernel.shape, spec, self.mesh)
+        except ValueError as e:
+            self.notes[(*m.scope.path, "kernel")] = str(e).split(": ", 2)[-1]
+            return next_fun(*args, **kwargs) if whole is None else whole
+        x, kernel, bias = m.promote_dtype(x, kernel, bias, dtype=m.dtype)
+        try:
+            y = conv_apply(m, x, kernel, bias, self.mesh, transpose, transposed)
+        except ValueError as e:
+            raise ValueError(f"parallelize: layer '{path}' ({kind}): {e}") from None
+        self._place(m, "kernel", kernel.shape, spec)
+        if bias is not None:
+            self._place(m, "bias", bias.shape, bias_spec(transpose))
+        return self.layout.dense_output(y, transpose)
+
+    def _flax_conv(self, m, next_fun, args, kwargs):
+        return self._conv(m, next_fun, args, kwargs, False)
+
+    def _flax_conv_transpose(self, m, next_fun, args, kwargs):
+        return self._conv(m, next_fun, args, kwargs, True)
+
     # -- embeddings
 
     def _table(self, m, table) -> bool:
@@ -218,6 +259,24 @@ class _Interceptor:
                 self._place(m, name, (x.shape[-1],), P(axis))
         return self.layout.mark(y, axis)
 
+    def _group_norm(self, m, next_fun, args, kwargs):
+        """GroupNorm on channels split over an axis: each device holds whole groups, so Flax's
+        arithmetic runs locally (the groups must divide over the axis)."""
+        x = _input(args, kwargs)
+        if m.axis_name or m.reduction_axes is not None:
+            raise NotImplementedError(
+                f"parallelize: layer '{_path(m)}' (GroupNorm) sets axis_name={m.axis_name} or "
+                f"reduction_axes={m.reduction_axes}; only the defaults are supported")
+        axis = self.layout.norm(_path(m), x)
+        channels = x.shape[-1]
+        groups = m.num_groups if m.num_groups is not None else channels // m.group_size
+        check_groups(_path(m), type(m).__name__, channels, groups, axis, self.sizes[axis])
+        y = next_fun(*args, **kwargs)
+        for name in ("scale", "bias"):
+            if m.has_variable("params", name):
+                self._place(m, name, (channels,), P(axis))
+        return self.layout.mark(y, axis)
+
 
 def _check_plain_dot(m):
     if m.dot_general is not None or m.dot_general_cls is not None:
@@ -233,6 +292,9 @@ _HANDLERS: dict[Callable, Callable] = {
     _own(nn.Embed, "attend"): _Interceptor._attend,
     _own(nn.LayerNorm, "__call__"): _Interceptor._norm,
     _own(nn.RMSNorm, "__call__"): _Interceptor._norm,
+    _own(nn.GroupNorm, "__call__"): _Interceptor._group_norm,
+    _own(nn.Conv, "__call__"): _Interceptor._flax_conv,
+    _own(nn.ConvTranspose, "__call__"): _Interceptor._flax_conv_transpose,
 }
 
 
@@ -354,9 +416,10 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
     max_replicated: raise ValueError if a parameter above this many elements would stay whole on
     every device (except those kept so by a Replicated rule).
 
-    Raises NotImplementedError naming a layer it cannot run tensor-parallel (convolutions, batch
-    norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
-    not divide. Embedding tables the grid does not divide stay whole (noted).
+    Raises NotImplementedError naming a layer it cannot run tensor-parallel (grouped or local
+    convolutions, batch norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
+    not divide. Embedding tables and convolution kernels whose channels the grid does not divide
+    (an RGB input or output layer) stay whole (noted).
     """
     missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
     if missing:

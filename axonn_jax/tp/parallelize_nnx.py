@@ -1,13 +1,15 @@
 """`parallelize` for Flax NNX modules: the same model object graph, its Flax layers made
 tensor-parallel and its parameters placed on the mesh.
 
-The result is a copy (`nnx.clone`) of the model in which every `nnx.Linear`, `nnx.LinearGeneral`
-and `nnx.Embed` runs as the `axonn_jax.layers_nnx` layer of its kind (a subclass of the Flax layer
-keeping its attributes and parameters; a user's subclass of a Flax layer gets the parallel layer
-slotted in under its own methods, so its `__call__` runs as written around the parallel kernel),
-modules named in `rules` run as the rule says, and the `scale` / `bias` of every `nnx.LayerNorm` /
-`nnx.RMSNorm` are split like the features of that norm's input; Flax's own norm arithmetic then
-runs on the feature-sharded activations, with GSPMD adding the all-reduces of the statistics.
+The result is a copy (`nnx.clone`) of the model in which every `nnx.Linear`, `nnx.LinearGeneral`,
+`nnx.Embed`, `nnx.Conv` and `nnx.ConvTranspose` runs as the `axonn_jax.layers_nnx` layer of its
+kind (a subclass of the Flax layer keeping its attributes and parameters; a user's subclass of a
+Flax layer gets the parallel layer slotted in under its own methods, so its `__call__` runs as
+written around the parallel kernel), modules named in `rules` run as the rule says, and the
+`scale` / `bias` of every `nnx.LayerNorm` / `nnx.RMSNorm` / `nnx.GroupNorm` are split like the
+features of that norm's input (a GroupNorm's groups must divide over the axis); Flax's own norm
+arithmetic then runs on the feature-sharded activations, with GSPMD adding the all-reduces of the
+statistics.
 Every variable keeps its path and global shape and is placed by an `out_sharding` annotation
 (`nnx.get_partition_spec` / `nnx.get_named_sharding` give the placement); layer axes of stacks
 made with `nnx.vmap` stay unsplit; variables outside these layers are replicated over the mesh.
@@ -30,20 +32,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import layers_nnx
 from . import report as _report
-from ._layout import Layout, check_divisible, dense_placement, stacked_spec
+from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
+from .conv import check_conv_options
 from .rules import AsDense, Replicated, find_rule
-from .tensor import embed_spec, table_divides, tp_dense_general
+from .tensor import bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_dense_general
 
-_NORMS = (nnx.LayerNorm, nnx.RMSNorm)
+_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 _DENSE = (nnx.Linear, nnx.LinearGeneral)
-_FLAX = (*_DENSE, nnx.Embed, *_NORMS)
+_CONV = (nnx.Conv, nnx.ConvTranspose)
+_FLAX = (*_DENSE, *_CONV, nnx.Embed, *_NORMS)
 _PARALLEL = {nnx.Linear: layers_nnx.Dense, nnx.LinearGeneral: layers_nnx.DenseGeneral,
-             nnx.Embed: layers_nnx.Embed}
-_ALREADY_PARALLEL = (layers_nnx.Dense, layers_nnx.DenseGeneral, layers_nnx.Embed, layers_nnx.LayerNorm)
-_UNSUPPORTED = (nnx.Einsum, nnx.Conv, nnx.ConvTranspose, nnx.BatchNorm, nnx.GroupNorm,
-                nnx.InstanceNorm, nnx.WeightNorm, nnx.SpectralNorm, nnx.LoRA)
-_SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.LayerNorm, nnx.RMSNorm, and "
-                    "modules given an AsDense or Replicated rule")
+             nnx.Embed: layers_nnx.Embed, nnx.Conv: layers_nnx.Conv,
+             nnx.ConvTranspose: layers_nnx.ConvTranspose}
+_ALREADY_PARALLEL = (layers_nnx.Dense, layers_nnx.DenseGeneral, layers_nnx.Embed, layers_nnx.LayerNorm,
+                     layers_nnx.Conv, layers_nnx.ConvTranspose)
+_UNSUPPORTED = (nnx.Einsum, nnx.BatchNorm, nnx.InstanceNorm, nnx.WeightNorm, nnx.SpectralNorm,
+                nnx.LoRA)
+_SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.Conv, nnx.ConvTranspose, "
+                    "nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, and modules given an AsDense or "
+                    "Replicated rule")
 _TRACE = contextvars.ContextVar("axonn_nnx_trace", default=None)
 
 
@@ -90,6 +97,13 @@ def _check_options(path: str, m: nnx.Module):
             raise NotImplementedError(f"parallelize: layer '{path}' ({kind} batch_axis="
                                       f"{dict(m.batch_axis)}) has a kernel per batch entry; only "
                                       "LinearGeneral without batch_axis runs tensor-parallel")
+    elif isinstance(m, _CONV):
+        check_conv_options(path, m, isinstance(m, nnx.ConvTranspose))
+    elif isinstance(m, nnx.GroupNorm):
+        if m.axis_name or m.reduction_axes is not None:
+            raise NotImplementedError(f"parallelize: layer '{path}' ({kind}) sets axis_name="
+                                      f"{m.axis_name} or reduction_axes={m.reduction_axes}; only "
+                                      "the defaults are supported")
     elif isinstance(m, _NORMS):
         if m.reduction_axes not in (-1, (-1,)) or m.feature_axes not in (-1, (-1,)) or m.axis_name:
             raise NotImplementedError(
@@ -129,7 +143,7 @@ def _rule_class(cls: type, rule: AsDense) -> type:
 
 def _record(path: str, kind, x, y, attend: bool = False):
     layout = _TRACE.get()
-    if isinstance(kind, AsDense) or kind in _DENSE:
+    if isinstance(kind, AsDense) or kind in _DENSE or kind in _CONV:
         layout.dense_output(y, layout.dense(path, x))
     elif kind is nnx.Embed:
         layout.dense_output(y, False) if attend else layout.mark(y, "col")
@@ -193,7 +207,7 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
 
 def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
     """`{variable name: (one layer's shape, spec)}` for the layer `m`, switching its class to the
-    parallel one; `{}` (and a note) for a table the grid does not divide."""
+    parallel one; `{}` (and a note) for a table or a convolution kernel the grid does not divide."""
     name = type(m).__name__
     if isinstance(kind, AsDense):
         kernel = getattr(m, kind.kernel, None)
@@ -220,12 +234,24 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
                 f"({sizes['row'] * sizes['depth']}, {sizes['col']})")
             return {}
         specs = {"embedding": (tuple(table), embed_spec())}
+    elif kind in _CONV:
+        kernel = m.kernel.shape
+        spec = conv_kernel_spec(len(kernel), flip, bool(getattr(m, "transpose_kernel", False)))
+        try:  # channels the grid does not divide (an RGB input or output): the layer stays whole
+            check_divisible(path, name, "kernel", kernel, spec, mesh)
+        except ValueError as e:
+            notes[f"{path}/kernel"] = str(e).split(": ", 2)[-1]
+            return {}
+        specs = {"kernel": (tuple(kernel), spec), "bias": ((m.out_features,), bias_spec(flip))}
     else:
         axis = layout.norm_axes.get(path, "col")
-        return {"scale": ((m.num_features,), P(axis)), "bias": ((m.num_features,), P(axis))}
+        features = m.num_groups * m.group_size if kind is nnx.GroupNorm else m.num_features
+        if kind is nnx.GroupNorm:
+            check_groups(path, name, features, m.num_groups, axis, dict(mesh.shape)[axis])
+        return {"scale": ((features,), P(axis)), "bias": ((features,), P(axis))}
     object.__setattr__(m, "__class__", _under(type(m), _PARALLEL[kind], "Parallel"))
     m.mesh = mesh
-    if kind in _DENSE:
+    if kind in _DENSE or kind in _CONV:
         m.transpose = flip
     return specs
 
@@ -270,7 +296,8 @@ def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] |
         layout = Layout(transpose)
     model = nnx.clone(module)
     found, kept = _layers(model, rules)
-    dense = {p for p, (m, kind) in found.items() if isinstance(kind, AsDense) or kind in _DENSE}
+    dense = {p for p, (m, kind) in found.items()
+             if isinstance(kind, AsDense) or kind in _DENSE or kind in _CONV}
     unknown = sorted(set(layout.overrides) - dense)
     if unknown:
         raise ValueError(f"parallelize: transpose names no nnx.Linear of the model: {unknown}")

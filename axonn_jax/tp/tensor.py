@@ -110,6 +110,14 @@ def _varying_like(y, *like):
     return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
+def _untyped(a):
+    """`a` (values unchanged) without the varying-axes type of the enclosing manual axes (the
+    trainer's `data`). Inside an unchecked shard_map ops drop that type, so the primal of a VJP
+    taken there and its transposes disagree with inputs that carry it; an op (a multiplication by
+    one) on every input makes them agree."""
+    return a * jnp.ones((), a.dtype)
+
+
 def _gather_depth(w_shard):
     """The `(in/in-axis, out/out-axis)` block of the kernel from its `depth` shards."""
     return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
@@ -312,3 +320,130 @@ def tp_attend(x, table, mesh=None):
     """
     _check_table(table, dict(current_mesh(mesh).shape), "tp_attend")
     return tp_dense(x, table, None, mesh, transpose=False, out_in=True)
+
+
+class ConvSpec(tuple):
+    """The window arithmetic of a channels-last convolution, hashable (it keys the compiled
+    function): `transposed` (`lax.conv_transpose` rather than `lax.conv_general_dilated`),
+    `strides`, `padding` (a lax padding string or a tuple of `(low, high)` pairs), `lhs_dilation`
+    (input dilation, normal convolutions only), `rhs_dilation` (kernel dilation), `transpose_kernel`
+    (a transposed convolution's kernel stored `(*window, out, in)`, as `lax.conv_transpose` takes it).
+    """
+
+    def __new__(cls, transposed: bool, strides, padding, lhs_dilation, rhs_dilation,
+                transpose_kernel: bool = False):
+        padding = padding if isinstance(padding, str) else tuple(tuple(map(int, p)) for p in padding)
+        return super().__new__(cls, (bool(transposed), tuple(strides), padding, tuple(lhs_dilation),
+                                     tuple(rhs_dilation), bool(transpose_kernel)))
+
+    transposed = property(lambda s: s[0])
+    strides = property(lambda s: s[1])
+    padding = property(lambda s: s[2])
+    lhs_dilation = property(lambda s: s[3])
+    rhs_dilation = property(lambda s: s[4])
+    transpose_kernel = property(lambda s: s[5])
+
+    def apply(self, x, w):
+        """The convolution of `x (batch, *spatial, in)` with `w (*window, in, out)` (`(*window,
+        out, in)` when `transpose_kernel`) on one device."""
+        if self.transposed:
+            return jax.lax.conv_transpose(x, w, self.strides, self.padding,
+                                          rhs_dilation=self.rhs_dilation,
+                                          transpose_kernel=self.transpose_kernel)
+        n = x.ndim
+        numbers = jax.lax.ConvDimensionNumbers((0, n - 1, *range(1, n - 1)),
+                                               (n - 1, n - 2, *range(n - 2)), (0, n - 1, *range(1, n - 1)))
+        return jax.lax.conv_general_dilated(x, w, self.strides, self.padding, self.lhs_dilation,
+                                            self.rhs_dilation, numbers)
+
+
+def conv_kernel_spec(ndim: int, transpose: bool = False, transpose_kernel: bool = False) -> P:
+    """PartitionSpec of a `(*window, in, out)` convolution kernel of `ndim` dims: the window
+    unsplit, `in` over (in-axis, `depth`), `out` over out-axis, as `kernel_spec`; a
+    `transpose_kernel` kernel `(*window, out, in)` keeps `depth` on its second-to-last dim."""
+    fin, fout = feature_axes(transpose)
+    a, b = (fout, fin) if transpose_kernel else (fin, fout)
+    return P(*([None] * (ndim - 2)), (a, "depth"), b)
+
+
+def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
+    fin, fout = feature_axes(transpose)
+    sizes = dict(current_mesh(mesh).shape)
+    if kernel.ndim != x.ndim or kernel.ndim < 3:
+        raise ValueError(f"tp_conv: x {x.shape} must be (batch, *spatial, in) and kernel "
+                         f"{kernel.shape} (*window, in, out) with as many spatial dims")
+    n_in, n_out = kernel.shape[-2:][::-1] if spec.transpose_kernel else kernel.shape[-2:]
+    if x.shape[-1] != n_in:
+        raise ValueError(f"tp_conv: x {x.shape} does not match kernel {kernel.shape}")
+    a, b = (n_out, n_in) if spec.transpose_kernel else (n_in, n_out)
+    na, nb = ((fout, fin) if spec.transpose_kernel else (fin, fout))
+    checks = [("kernel dim -2", a, sizes[na] * sizes["depth"], f"{na}×depth"),
+              ("kernel dim -1", b, sizes[nb], nb), ("input channels", n_in, sizes[fin], fin),
+              ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
+    for what, n, parts, axes in checks:
+        if n % parts:
+            raise ValueError(f"tp_conv: {what} = {n} is not divisible by {axes} = {parts}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"tp_conv: bias {bias.shape} does not match kernel {kernel.shape}")
+
+
+@functools.lru_cache(maxsize=None)
+def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
+    fin, fout = feature_axes(transpose)
+    x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
+    w_spec, b_spec = conv_kernel_spec(ndim, transpose, spec.transpose_kernel), bias_spec(transpose)
+
+    def gather(w):  # the kernel's `depth` shards sit on its second-to-last dim
+        return jax.lax.all_gather(w, "depth", axis=ndim - 2, tiled=True)
+
+    def local_forward(x, w, *b):
+        y = psum(spec.apply(x, gather(w)), fin)
+        return y + b[0] if b else y
+
+    def forward(x, w, b):
+        args, specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else ((x, w), (x_spec, w_spec))
+        return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
+
+    def local_backward(x, w, dy):
+        # The convolution is linear in each argument: its transposes are the local backward.
+        _, vjp = jax.vjp(spec.apply, _untyped(x), _untyped(gather(w)))
+        dx, dw = vjp(_untyped(dy))
+        dx = psum(dx, fout)
+        dw = psum_scatter(dw, "depth", scatter_dimension=ndim - 2, tiled=True)
+        if not has_bias:
+            return dx, dw
+        return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), "depth")
+
+    @jax.custom_vjp
+    def conv(x, w, b):
+        return forward(x, w, b)
+
+    def fwd(x, w, b):
+        return forward(x, w, b), (x, w, b)
+
+    def bwd(res, dy):
+        x, w, b = res
+        out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
+        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
+        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
+        return grads if has_bias else (*grads, None)
+
+    conv.defvjp(fwd, bwd)
+    return jax.jit(conv)
+
+
+def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False):
+    """A channels-last convolution with AxoNN's 2D/3D algorithm: `tp_dense` over the channels of
+    every window of `x`, the spatial dims untouched.
+
+    x: `(batch, *spatial, in)`, batch over `depth`, channels over `col` (`row` when `transpose`);
+    kernel: `(*window, in, out)` (`(*window, out, in)` for a `transpose_kernel` transposed
+    convolution), split as `conv_kernel_spec`; bias `(out,)` over `row` or None; `spec`: the window
+    arithmetic (`ConvSpec`). Forward: the kernel all-gathered over `depth`, the local convolution,
+    an all-reduce over `col`; backward: the input gradient all-reduced over `row`, the kernel's
+    reduce-scattered over `depth`. Returns `(batch, *spatial', out)`, channels over `row` (`col`).
+    """
+    _check_conv(x, kernel, bias, mesh, transpose, spec)
+    fn = _conv_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, spec)
+    y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
+    return checkpoint_name(y, TP_DENSE_NAME)

@@ -1,0 +1,140 @@
+"""A ResNet-style image classifier (the kind of CNN KARMA and CGX report), written with Flax's own
+layers; `axonn_jax.parallelize` runs its convolutions tensor-parallel without touching this file.
+
+`stacked(config)` is the trainer's form, a `StackedModel` on batches `{'images': (b, s, s, 3)
+float32, 'labels': (b,) int32}`:
+
+    embed  a 3×3 stem convolution and a strided 3×3 convolution to half the resolution
+    block  a pre-activation residual block (GroupNorm, ReLU, 3×3 conv, twice), `num_layers` times
+    head   GroupNorm, ReLU, global average pooling, a dense classifier, the mean cross-entropy
+
+GroupNorm stands for BatchNorm: the trainer trains parameters only (no running statistics), and
+GroupNorm splits over the tensor axes like its channels. Data: procedurally drawn shapes, one
+class per kind of shape (`ShapeBatches`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ParallelConfig, check_divisible
+from ..step.model import StackedModel
+
+CLASSES = ("disc", "square", "horizontal stripes", "vertical stripes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetConfig:
+    """Shape of the classifier: `channels` after the stem (twice that in the blocks),
+    `num_layers` residual blocks, GroupNorm with `num_groups` groups."""
+
+    num_layers: int
+    channels: int
+    image_size: int = 8
+    num_groups: int = 4
+    num_classes: int = len(CLASSES)
+
+    def check_grid(self, grid: ParallelConfig) -> None:
+        """Raise ValueError naming the numbers unless the convolutions' channels split over
+        col·depth and row·depth and the GroupNorm groups over row and col."""
+        for axes in (("col", "depth"), ("row", "depth")):
+            check_divisible("channels", self.channels, axes, grid)
+        for axis in ("row", "col"):
+            check_divisible("num_groups", self.num_groups, (axis,), grid)
+
+    def example_batch(self, batch_size: int) -> dict:
+        """ShapeDtypeStructs of a batch of `batch_size` labeled images."""
+        s = self.image_size
+        return {"images": jax.ShapeDtypeStruct((batch_size, s, s, 3), jnp.float32),
+                "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+
+    def batches(self, seed: int, batch_size: int) -> "ShapeBatches":
+        """`step -> batch`: the labeled images it trains on (`ShapeBatches`)."""
+        return ShapeBatches(self.image_size, seed, batch_size)
+
+
+PRESETS: dict[str, ResNetConfig] = {
+    "resnet-tiny": ResNetConfig(num_layers=2, channels=8),
+    "resnet-small": ResNetConfig(num_layers=8, channels=32, image_size=32, num_groups=8),
+}
+
+
+class Stem(nn.Module):
+    """`batch['images'] (b, s, s, 3) -> (b, s/2, s/2, 2·channels)`."""
+
+    config: ResNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch):
+        c = self.config.channels
+        h = nn.relu(nn.Conv(c, (3, 3), dtype=self.dtype, name="stem")(batch["images"]))
+        return nn.Conv(2 * c, (3, 3), strides=(2, 2), dtype=self.dtype, name="down")(h)
+
+
+class Block(nn.Module):
+    """A pre-activation residual block: `x + conv(relu(norm(conv(relu(norm(x))))))`."""
+
+    config: ResNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        g, ch = self.config.num_groups, x.shape[-1]
+        h = nn.relu(nn.GroupNorm(g, dtype=self.dtype, name="norm1")(x))
+        h = nn.Conv(ch, (3, 3), dtype=self.dtype, name="conv1")(h)
+        h = nn.relu(nn.GroupNorm(g, dtype=self.dtype, name="norm2")(h))
+        return x + nn.Conv(ch, (3, 3), dtype=self.dtype, name="conv2")(h)
+
+
+class Head(nn.Module):
+    """Norm, ReLU, global average pooling, the classifier: the mean cross-entropy of the labels."""
+
+    config: ResNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, batch):
+        h = nn.relu(nn.GroupNorm(self.config.num_groups, dtype=self.dtype, name="norm")(x))
+        logits = nn.Dense(self.config.num_classes, dtype=self.dtype, name="classifier")(
+            h.mean(axis=(1, 2))).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(batch["labels"], logits.shape[-1]), axis=-1))
+
+
+def stacked(config: ResNetConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
+    """The classifier as the trainer's `StackedModel`; `grid` is not used."""
+    return StackedModel(Stem(config, dtype), Block(config, dtype), Head(config, dtype),
+                        config.num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeBatches:
+    """`batches(step)`: images of one shape each (a disc, a square, horizontal or vertical
+    stripes; random colours, positions, sizes, and pixel noise) labeled by the kind of shape
+    (`CLASSES`); a pure function of (seed, step)."""
+
+    image_size: int
+    seed: int
+    batch_size: int
+
+    def __call__(self, step: int) -> dict:
+        rng = np.random.default_rng([self.seed, step])
+        s = self.image_size
+        yy, xx = np.mgrid[0:s, 0:s].astype(np.float32) / max(s - 1, 1)
+        labels = rng.integers(0, len(CLASSES), self.batch_size).astype(np.int32)
+        out = rng.normal(0, 0.1, (self.batch_size, s, s, 3)).astype(np.float32)
+        for b, label in enumerate(labels):
+            fg, bg = rng.uniform(-1, 1, (2, 3)).astype(np.float32)
+            cy, cx, r = rng.uniform(0.3, 0.7, 3) * (1, 1, 0.6)
+            period = rng.uniform(0.25, 0.5)
+            mask = [(yy - cy) ** 2 + (xx - cx) ** 2 < r * r,
+                    (abs(yy - cy) < r) & (abs(xx - cx) < r),
+                    (yy / period) % 1 < 0.5, (xx / period) % 1 < 0.5][label]
+            out[b] += np.where(mask[..., None], fg, bg)
+        return {"images": out, "labels": labels}

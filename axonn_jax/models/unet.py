@@ -1,0 +1,411 @@
+"""A diffusion U-Net (residual conv blocks with GroupNorm, strided down-sampling, transposed-conv
+up-sampling, skip connections, self-attention at the lowest resolution, a timestep embedding)
+trained with the denoising loss, written with Flax's own layers; `axonn_jax.parallelize` runs its
+convolutions and dense layers tensor-parallel without touching this file.
+
+`stacked(config)` is the trainer's form, a `StackedModel` on batches `{'images': (b, s, s, c)
+float32 in [-1, 1], 'noise': same shape, 't': (b,) int32}` (the noise and the timestep are part
+of the batch, so a step is a pure function of its batch):
+
+    embed  the down path (`DownPath`: noisy image, timestep embedding, stem, residual blocks and
+           strided convolutions down to the lowest resolution) -> the activation `(b, r + 1, r,
+           C)`: the lowest-resolution features `(b, r, r, C)` with one more spatial row holding
+           the timestep embedding projected to C channels (a spatial row: it never splits over
+           the tensor axes, and the blocks slice it off for free)
+    block  the bottleneck: a residual block conditioned on that row, then self-attention; these
+           identical blocks are the stack (and what the pipeline splits)
+    head   the up path, which needs the down path's skip connections: it reads the embedding's
+           parameters (`head_reads_embed`) and recomputes the down path from the batch, then
+           residual blocks on [features, skip] and transposed convolutions up to the image, and
+           returns the mean squared error of the predicted noise.
+
+Recomputing the down path in the head costs one more forward (and a second backward) of the
+down path, the price of the stacked-block form whose activation is one array; gradients are
+exact (the embedding's gradient is the sum over both uses).
+
+Tensor-parallel layout: in a block the activation's channels stay split over `col` (conv1 normal,
+conv2 transposed; query/key/value normal, attention output transposed), so the blocks need no
+re-layout; a block's timestep projection is two dense layers, so its output lands on whatever
+axis the preceding convolution's output is split over. In the down and up paths, the 1×1 skip
+convolutions of channel changes and the channel concatenation of the skips are re-laid out by
+GSPMD.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import ParallelConfig, check_divisible
+from ..step.model import StackedModel
+
+
+class Layer(NamedTuple):
+    """One convolution or dense layer: `part` 'embed', 'block' (one bottleneck block) or 'head';
+    `name` its path in the part (the embedding's under 'down/'); a `window` (kernel positions,
+    1 for a dense layer) of `cin` channels to `cout`; `pixels` / `in_pixels` the output / input
+    positions per image (1 for the timestep layers)."""
+
+    part: str
+    name: str
+    window: int
+    cin: int
+    cout: int
+    pixels: int
+    in_pixels: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig:
+    """Shape of a U-Net: `channels` at full resolution times `channel_mult[i]` at level i (each
+    level halves the resolution), `num_res_blocks` residual blocks per level in the down path
+    (one more in the up path), `num_layers` bottleneck blocks (the stack), GroupNorm with
+    `num_groups` groups, `num_heads` attention heads at the lowest resolution."""
+
+    num_layers: int
+    channels: int
+    channel_mult: tuple[int, ...] = (1, 2)
+    num_res_blocks: int = 1
+    image_size: int = 8
+    in_channels: int = 3
+    num_groups: int = 4
+    num_heads: int = 2
+    timesteps: int = 1000
+
+    def __post_init__(self):
+        scale = 2 ** (len(self.channel_mult) - 1)
+        if self.image_size % scale:
+            raise ValueError(f"image_size = {self.image_size} is not divisible by 2^(levels - 1) = "
+                             f"{scale}")
+        for c in self.level_channels:
+            if c % self.num_groups:
+                raise ValueError(f"channels {c} are not divisible by num_groups = {self.num_groups}")
+        if self.bottleneck_channels % self.num_heads:
+            raise ValueError(f"bottleneck channels {self.bottleneck_channels} are not divisible "
+                             f"by num_heads = {self.num_heads}")
+
+    @property
+    def level_channels(self) -> tuple[int, ...]:
+        return tuple(self.channels * m for m in self.channel_mult)
+
+    @property
+    def bottleneck_channels(self) -> int:
+        return self.level_channels[-1]
+
+    @property
+    def bottleneck_size(self) -> int:
+        return self.image_size // 2 ** (len(self.channel_mult) - 1)
+
+    @property
+    def time_channels(self) -> int:
+        return 4 * self.channels
+
+    def layers(self) -> list[Layer]:
+        """Every convolution and dense layer (`Layer`s) in the order the model runs them: the
+        embedding's, one bottleneck block's, the head's (which also recomputes the embedding's).
+        Used for the parameter count, the FLOPs and the communication model."""
+        c, t, s = self.channels, self.time_channels, self.image_size
+        out = [Layer("embed", "time1", 1, c, t, 1, 1), Layer("embed", "time2", 1, t, t, 1, 1),
+               Layer("embed", "stem", 9, self.in_channels, c, s * s, s * s)]
+        skips, ch, lowest = [c], c, len(self.channel_mult) - 1
+
+        def res(part, name, cin, cout, tin, px):
+            rows = [Layer(part, f"{name}/conv1", 9, cin, cout, px, px),
+                    Layer(part, f"{name}/time1", 1, tin, cout, 1, 1),
+                    Layer(part, f"{name}/time2", 1, cout, cout, 1, 1),
+                    Layer(part, f"{name}/conv2", 9, cout, cout, px, px)]
+            return rows + ([Layer(part, f"{name}/skip", 1, cin, cout, px, px)] if cin != cout else [])
+
+        def attn(part, name, ch, px):
+            return [Layer(part, f"{name}/{n}", 1, ch, ch, px, px)
+                    for n in ("query", "key", "value", "out")]
+
+        for i, lc in enumerate(self.level_channels):
+            px = (s >> i) ** 2
+            for j in range(self.num_res_blocks):
+                out += res("embed", f"down{i}_{j}", ch, lc, t, px)
+                out += attn("embed", f"down{i}_{j}_attn", lc, px) if i == lowest else []
+                ch = lc
+                skips.append(ch)
+            if i != lowest:
+                out.append(Layer("embed", f"downsample{i}", 9, ch, ch, px // 4, px))
+                skips.append(ch)
+        bc, bpx = self.bottleneck_channels, self.bottleneck_size ** 2
+        out.append(Layer("embed", "time_row", 1, t, bc, 1, 1))
+        out += res("block", "res", bc, bc, bc, bpx) + attn("block", "attn", bc, bpx)
+        for i in reversed(range(len(self.level_channels))):
+            lc, px = self.level_channels[i], (s >> i) ** 2
+            for j in range(self.num_res_blocks + 1):
+                out += res("head", f"up{i}_{j}", ch + skips.pop(), lc, t, px)
+                out += attn("head", f"up{i}_{j}_attn", lc, px) if i == lowest else []
+                ch = lc
+            if i:
+                out.append(Layer("head", f"upsample{i}", 4, ch, ch, px * 4, px))
+        out.append(Layer("head", "out_conv", 9, ch, self.in_channels, s * s, s * s))
+        return out
+
+    def num_params(self) -> int:
+        """Parameters: kernels, biases and the GroupNorms' scales and biases."""
+        total = 0
+        for layer in self.layers():
+            total += (layer.window * layer.cin + 1) * layer.cout * (
+                self.num_layers if layer.part == "block" else 1)
+        return total + 2 * self._norm_channels()
+
+    def _norm_channels(self) -> int:
+        """Channels normalized by GroupNorms (each has a scale and a bias)."""
+        n = 0
+        for layer in self.layers():
+            layers = self.num_layers if layer.part == "block" else 1
+            if layer.name.endswith("conv1"):  # norm1 on the block's input, norm2 on conv1's output
+                n += (layer.cin + layer.cout) * layers
+            elif layer.name.endswith("/query"):
+                n += layer.cin * layers
+        return n + self.level_channels[0]  # the output norm
+
+    def flops_per_image(self) -> float:
+        """Training FLOPs of one image (forward + backward = 3× forward; the head's recomputed
+        down path adds one forward and one backward of it), attention scores included."""
+        fwd = {"embed": 0.0, "block": 0.0, "head": 0.0}
+        for layer in self.layers():
+            fwd[layer.part] += 2 * layer.window * layer.cin * layer.cout * layer.pixels
+            if layer.name.endswith("/query"):  # scores and the weighted sum
+                fwd[layer.part] += 2 * 2 * layer.pixels ** 2 * layer.cin
+        return 3 * (2 * fwd["embed"] + self.num_layers * fwd["block"] + fwd["head"])
+
+    def check_grid(self, grid: ParallelConfig) -> None:
+        """Raise ValueError naming the numbers unless every convolution and dense layer splits
+        on `grid` (channels over col·depth and row·depth; the stem and the output convolution,
+        with the image's channels, stay whole), the GroupNorm groups over row and col, the heads
+        over row."""
+        for layer in self.layers():
+            if layer.name.endswith("time1") or layer.name == "time_row":  # any input layout
+                continue
+            if self.in_channels in (layer.cin, layer.cout):  # the image's channels stay whole
+                continue
+            for axes in (("col", "depth"), ("row", "depth")):
+                check_divisible(f"{layer.name} channels", layer.cin, axes, grid)
+                check_divisible(f"{layer.name} channels", layer.cout, axes, grid)
+        for axis in ("row", "col"):
+            check_divisible("num_groups", self.num_groups, (axis,), grid)
+        check_divisible("num_heads", self.num_heads, ("row",), grid)
+
+    def example_batch(self, batch_size: int) -> dict:
+        """ShapeDtypeStructs of a batch of `batch_size` images."""
+        image = jax.ShapeDtypeStruct((batch_size, self.image_size, self.image_size,
+                                      self.in_channels), jnp.float32)
+        return {"images": image, "noise": image, "t": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
+
+    def batches(self, seed: int, batch_size: int) -> "ImageBatches":
+        """`step -> batch`: the denoising batches it trains on (`ImageBatches`)."""
+        return ImageBatches(self, seed, batch_size)
+
+
+PRESETS: dict[str, UNetConfig] = {
+    "unet-tiny": UNetConfig(num_layers=2, channels=8, channel_mult=(1, 2), image_size=8, num_groups=8,
+                            num_heads=4),
+    "unet-small": UNetConfig(num_layers=4, channels=32, channel_mult=(1, 2, 2), image_size=32,
+                             num_groups=8, num_heads=4),
+    # The scale of AxoNN's 28B-parameter U-Net: wide channels, the bottleneck stack holding most
+    # of the parameters (for `plan`; far beyond these machines).
+    "unet-28b": UNetConfig(num_layers=20, channels=1600, channel_mult=(1, 2, 4), num_res_blocks=2,
+                           image_size=64, num_groups=32, num_heads=64),
+}
+
+
+def noise_level(t, timesteps: int):
+    """ᾱ_t of the cosine schedule (Nichol & Dhariwal): the fraction of the image's variance left
+    at step `t` of `timesteps`."""
+    s = 0.008
+    f = jnp.cos((t.astype(jnp.float32) / timesteps + s) / (1 + s) * jnp.pi / 2) ** 2
+    return f / math.cos(s / (1 + s) * math.pi / 2) ** 2
+
+
+def timestep_embedding(t, dim: int):
+    """Sinusoidal embedding `(b, dim)` of integer timesteps `t (b,)`."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10_000) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = t.astype(jnp.float32)[:, None] * freqs[None]
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+class ResBlock(nn.Module):
+    """GroupNorm, SiLU, 3×3 conv; plus the timestep's projection (two dense layers); GroupNorm,
+    SiLU, 3×3 conv; residual (a 1×1 conv when the channels change)."""
+
+    channels: int
+    num_groups: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, t):
+        norm = lambda name: nn.GroupNorm(self.num_groups, dtype=self.dtype, name=name)  # noqa: E731
+        conv = lambda name: nn.Conv(self.channels, (3, 3), dtype=self.dtype, name=name)  # noqa: E731
+        h = conv("conv1")(nn.silu(norm("norm1")(x)))
+        s = nn.Dense(self.channels, dtype=self.dtype, name="time1")(nn.silu(t))
+        s = nn.Dense(self.channels, dtype=self.dtype, name="time2")(nn.silu(s))
+        h = conv("conv2")(nn.silu(norm("norm2")(h + s[:, None, None, :])))
+        if x.shape[-1] != self.channels:
+            x = nn.Conv(self.channels, (1, 1), dtype=self.dtype, name="skip")(x)
+        return x + h
+
+
+class Attention(nn.Module):
+    """Residual multi-head self-attention over the pixels of `x (b, r, r, c)`."""
+
+    num_heads: int
+    num_groups: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        b, hh, ww, c = x.shape
+        h = nn.GroupNorm(self.num_groups, dtype=self.dtype, name="norm")(x)
+        heads = lambda name: nn.Dense(c, dtype=self.dtype, name=name)(h).reshape(  # noqa: E731
+            b, hh * ww, self.num_heads, c // self.num_heads)
+        q, k, v = heads("query"), heads("key"), heads("value")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * q.shape[-1] ** -0.5
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, hh, ww, c)
+        return x + nn.Dense(c, dtype=self.dtype, name="out")(y)
+
+
+class DownPath(nn.Module):
+    """The noisy image and timestep embedding, then the down path: `batch -> (x (b, r, r, C),
+    temb (b, 4·channels), skips)`."""
+
+    config: UNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch):
+        c = self.config
+        abar = noise_level(batch["t"], c.timesteps)[:, None, None, None]
+        x = jnp.sqrt(abar) * batch["images"] + jnp.sqrt(1 - abar) * batch["noise"]
+        temb = nn.Dense(c.time_channels, dtype=self.dtype, name="time1")(
+            timestep_embedding(batch["t"], c.channels))
+        temb = nn.Dense(c.time_channels, dtype=self.dtype, name="time2")(nn.silu(temb))
+        h = nn.Conv(c.channels, (3, 3), dtype=self.dtype, name="stem")(x.astype(self.dtype))
+        skips, lowest = [h], len(c.channel_mult) - 1
+        for i, ch in enumerate(c.level_channels):
+            for j in range(c.num_res_blocks):
+                h = ResBlock(ch, c.num_groups, self.dtype, name=f"down{i}_{j}")(h, temb)
+                if i == lowest:
+                    h = Attention(c.num_heads, c.num_groups, self.dtype, name=f"down{i}_{j}_attn")(h)
+                skips.append(h)
+            if i != lowest:
+                h = nn.Conv(ch, (3, 3), strides=(2, 2), dtype=self.dtype, name=f"downsample{i}")(h)
+                skips.append(h)
+        return h, temb, skips
+
+
+class Embedding(nn.Module):
+    """The down path, its lowest-resolution features and the timestep row: `batch -> (b, r + 1,
+    r, C)` (see the module docstring)."""
+
+    config: UNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, batch):
+        x, temb, _ = DownPath(self.config, self.dtype, name="down")(batch)
+        row = nn.Dense(self.config.bottleneck_channels, dtype=self.dtype, name="time_row")(
+            nn.silu(temb))
+        b, _, w, ch = x.shape
+        return jnp.concatenate([x, jnp.broadcast_to(row[:, None, None, :], (b, 1, w, ch))], axis=1)
+
+
+class Block(nn.Module):
+    """One bottleneck block: a residual block conditioned on the timestep row, then
+    self-attention; the row passes through. `(b, r + 1, r, C)` -> same shape."""
+
+    config: UNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, act):
+        c = self.config
+        x, row = act[:, :-1], act[:, -1:]
+        x = ResBlock(c.bottleneck_channels, c.num_groups, self.dtype, name="res")(x, row[:, 0, 0])
+        x = Attention(c.num_heads, c.num_groups, self.dtype, name="attn")(x)
+        return jnp.concatenate([x, row.astype(x.dtype)], axis=1)
+
+
+class Head(nn.Module):
+    """The up path on the bottleneck's output and the down path's skips (recomputed from the
+    batch with the embedding's parameters), and the denoising loss: the mean squared error of
+    the predicted noise. `predict(act, batch, embed_params)` gives the prediction itself."""
+
+    config: UNetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def predict(self, act, batch, embed_params):
+        c = self.config
+        down = DownPath(c, self.dtype, parent=None)  # unbound: it runs the embedding's parameters
+        _, temb, skips = down.apply({"params": embed_params["down"]}, batch)
+        h, lowest = act[:, :-1], len(c.channel_mult) - 1
+        for i in reversed(range(len(c.level_channels))):
+            ch = c.level_channels[i]
+            for j in range(c.num_res_blocks + 1):
+                h = jnp.concatenate([h, skips.pop().astype(h.dtype)], axis=-1)
+                h = ResBlock(ch, c.num_groups, self.dtype, name=f"up{i}_{j}")(h, temb)
+                if i == lowest:
+                    h = Attention(c.num_heads, c.num_groups, self.dtype, name=f"up{i}_{j}_attn")(h)
+            if i:
+                h = nn.ConvTranspose(ch, (2, 2), strides=(2, 2), dtype=self.dtype,
+                                     name=f"upsample{i}")(h)
+        h = nn.silu(nn.GroupNorm(c.num_groups, dtype=self.dtype, name="out_norm")(h))
+        return nn.Conv(c.in_channels, (3, 3), dtype=self.dtype, name="out_conv")(h)
+
+    def __call__(self, act, batch, embed_params):
+        eps = self.predict(act, batch, embed_params).astype(jnp.float32)
+        return jnp.mean(jnp.square(eps - batch["noise"]))
+
+
+def stacked(config: UNetConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
+    """The U-Net as the trainer's `StackedModel` (see the module docstring); `grid` is not used."""
+    return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
+                        config.num_layers, head_reads_embed=True)
+
+
+def images(seed: int, step: int, batch_size: int, size: int, channels: int = 3) -> np.ndarray:
+    """Batch `step` of procedurally drawn images `(batch, size, size, channels)` in [-1, 1]: a
+    smooth two-colour gradient background with a filled disc and a filled square of random
+    colours, positions and sizes; a pure function of (seed, step)."""
+    rng = np.random.default_rng([seed, step])
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1)
+    out = np.empty((batch_size, size, size, channels), np.float32)
+    for b in range(batch_size):
+        c0, c1, disc, square = rng.uniform(-1, 1, (4, channels)).astype(np.float32)
+        angle = rng.uniform(0, 2 * np.pi)
+        ramp = (np.cos(angle) * xx + np.sin(angle) * yy + 1) / 2
+        img = c0 * (1 - ramp[..., None]) + c1 * ramp[..., None]
+        cy, cx, r = rng.uniform(0.2, 0.8), rng.uniform(0.2, 0.8), rng.uniform(0.15, 0.35)
+        img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = disc
+        y0, x0, side = rng.uniform(0, 0.6), rng.uniform(0, 0.6), rng.uniform(0.2, 0.4)
+        img[(yy >= y0) & (yy < y0 + side) & (xx >= x0) & (xx < x0 + side)] = square
+        out[b] = img
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageBatches:
+    """`batches(step)`: denoising batches of procedurally drawn images (`images`), Gaussian noise
+    and uniform timesteps, a pure function of (seed, step)."""
+
+    config: UNetConfig
+    seed: int
+    batch_size: int
+
+    def __call__(self, step: int) -> dict:
+        c = self.config
+        rng = np.random.default_rng([self.seed, step, 1])
+        x = images(self.seed, step, self.batch_size, c.image_size, c.in_channels)
+        return {"images": x, "noise": rng.standard_normal(x.shape).astype(np.float32),
+                "t": rng.integers(0, c.timesteps, self.batch_size).astype(np.int32)}

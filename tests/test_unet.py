@@ -1,0 +1,63 @@
+"""The diffusion U-Net (`axonn_jax.models.unet`) through the trainer as the `unet-tiny` preset:
+its single-device trajectory on tensor-parallel grids with offload, the pipeline and remat; the
+analytic parameter count; clear errors."""
+import jax
+import pytest
+
+from axonn_jax import ParallelConfig
+from axonn_jax.models import get, unet
+from axonn_jax.train import TrainOptions, train
+
+from conftest import relative_difference
+
+
+def trajectory(devices, grid=None, steps=3, **options):
+    """Losses of `steps` steps of the unet-tiny preset's model and data (no validation)."""
+    grid, config = ParallelConfig(**(grid or {})), unet.PRESETS["unet-tiny"]
+    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
+                    model=unet.stacked(config), data=config.batches(0, 8),
+                    devices=devices[:grid.num_devices])
+    return [r["loss"] for r in summary["history"]]
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return trajectory(devices)
+
+
+@pytest.mark.parametrize("grid, options", [
+    (dict(data=2, row=2, col=2), dict(offload_optimizer=True)),
+    (dict(pipe=2, depth=2, row=2), dict(microbatches=2, remat="full")),
+], ids=["data2_row2_col2-offload", "pipe2_depth2_row2-remat"])
+def test_unet_trajectory_equals_single_device(reference, devices, grid, options):
+    losses = trajectory(devices, grid, **options)
+    assert losses[-1] != losses[0]
+    assert relative_difference(losses, reference) <= 1e-5
+
+
+def test_unet_shape_and_errors():
+    for name in ("unet-tiny", "unet-28b"):
+        config = unet.PRESETS[name]
+        shapes = jax.eval_shape(unet.stacked(config).init, jax.random.key(0),
+                                config.example_batch(2))
+        assert sum(x.size for x in jax.tree.leaves(shapes)) == config.num_params()
+    assert 27e9 < unet.PRESETS["unet-28b"].num_params() < 29e9
+    with pytest.raises(ValueError, match="num_heads = 4 is not divisible by row=8"):
+        get("unet-tiny").check_grid(ParallelConfig(row=8))
+    with pytest.raises(ValueError, match="image_size = 9 is not divisible by 2"):
+        unet.UNetConfig(num_layers=1, channels=8, image_size=9)
+
+
+def test_plan_ranks_unet_grids():
+    from axonn_jax.analysis import comm_model as cm
+
+    config = unet.PRESETS["unet-28b"]
+    layouts = cm.conv_layouts(config)  # parallelize's own trace: the blocks alternate
+    assert [layouts[n] for n in ("res/conv1", "res/time1", "res/time2", "res/conv2")] == \
+        [False, True, False, True]
+    assert [layouts[f"attn/{n}"] for n in ("query", "key", "value", "out")] == [False] * 3 + [True]
+    ranked = cm.plan(cm.Workload(config, 64, 1), 64, cm.MACHINES["h100-dgx"])
+    assert len(ranked) > 5 and ranked[0].step_time_s <= ranked[-1].step_time_s
+    assert any(p.grid.row * p.grid.col > 1 for p in ranked[:3])
+    grid = ranked[0].grid
+    assert cm.parameters_per_device(cm.Workload(config, 64, 1), grid) < config.num_params() / 8

@@ -182,7 +182,7 @@ class UNetConfig:
         """Raise ValueError naming the numbers unless every convolution and dense layer splits
         on `grid` (channels over col·depth and row·depth; the stem and the output convolution,
         with the image's channels, stay whole), the GroupNorm groups over row and col, the heads
-        over row."""
+        over row; pipeline stages must not be tensor-parallel."""
         for layer in self.layers():
             if layer.name.endswith("time1") or layer.name == "time_row":  # any input layout
                 continue
@@ -191,6 +191,10 @@ class UNetConfig:
             for axes in (("col", "depth"), ("row", "depth")):
                 check_divisible(f"{layer.name} channels", layer.cin, axes, grid)
                 check_divisible(f"{layer.name} channels", layer.cout, axes, grid)
+        if grid.pipe > 1 and grid.tensor_parallel_size > 1:
+            raise ValueError("the U-Net's pipeline stages cannot be tensor-parallel yet (its down "
+                             "and up paths' re-layouts run on one stage's devices only, and "
+                             "XLA:CPU deadlocks); use --pipe with row = col = depth = 1")
         for axis in ("row", "col"):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
         check_divisible("num_heads", self.num_heads, ("row",), grid)

@@ -25,7 +25,7 @@ train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
 test: $(VENV)/.test
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q --durations=25 tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -68,4 +68,12 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not divisible by {k.shape[2]} key/value heads")
     impl = resolve(implementation, q.dtype, q.shape[-1])
+    if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU has no float16 × float16 -> float32 dot, which the xla implementation asks for;
+        # its scores and softmax are float32 either way, so computing in float32 changes nothing
+        # but the rounding of q, k, v products.
+        out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), is_causal=True,
+                                           implementation="xla")
+        return out.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)

@@ -41,3 +41,17 @@ def lm_batch(trainer, tokens, step, seed_offset=0):
 
     o = trainer.options
     return trainer.place(make(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len))
+
+
+def preset_trajectory(devices, family, name, grid=None, steps=3, **options):
+    """Losses of `steps` steps of preset `name` of the model module `family` (`models.unet`,
+    `models.resnet`: `PRESETS`, `stacked(config)`, `config.batches`) on its own drawn data, no
+    validation, on `grid` (a dict of ParallelConfig sizes; default one device)."""
+    from axonn_jax import ParallelConfig
+    from axonn_jax.train import TrainOptions, train
+
+    grid, config = ParallelConfig(**(grid or {})), family.PRESETS[name]
+    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
+                    model=family.stacked(config), data=config.batches(0, 8),
+                    devices=devices[:grid.num_devices])
+    return [r["loss"] for r in summary["history"]]

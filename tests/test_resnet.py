@@ -3,20 +3,14 @@ trainer: its single-device fp32 trajectory with data, tensor (2D and 3D) paralle
 offload and remat; CGX compression tracks it."""
 import pytest
 
-from axonn_jax import ParallelConfig
 from axonn_jax.models import resnet
-from axonn_jax.train import TrainOptions, train
 
-from conftest import relative_difference
+from conftest import preset_trajectory, relative_difference
 
 
 def trajectory(devices, grid=None, steps=3, **options):
     """Losses of `steps` steps of the resnet-tiny preset's model and data (no validation)."""
-    grid, config = ParallelConfig(**(grid or {})), resnet.PRESETS["resnet-tiny"]
-    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
-                    model=resnet.stacked(config), data=config.batches(0, 8),
-                    devices=devices[:grid.num_devices])
-    return [r["loss"] for r in summary["history"]]
+    return preset_trajectory(devices, resnet, "resnet-tiny", grid, steps, **options)
 
 
 @pytest.fixture(scope="module")

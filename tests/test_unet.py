@@ -6,18 +6,13 @@ import pytest
 
 from axonn_jax import ParallelConfig
 from axonn_jax.models import get, unet
-from axonn_jax.train import TrainOptions, train
 
-from conftest import relative_difference
+from conftest import preset_trajectory, relative_difference
 
 
 def trajectory(devices, grid=None, steps=3, **options):
     """Losses of `steps` steps of the unet-tiny preset's model and data (no validation)."""
-    grid, config = ParallelConfig(**(grid or {})), unet.PRESETS["unet-tiny"]
-    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
-                    model=unet.stacked(config), data=config.batches(0, 8),
-                    devices=devices[:grid.num_devices])
-    return [r["loss"] for r in summary["history"]]
+    return preset_trajectory(devices, unet, "unet-tiny", grid, steps, **options)
 
 
 @pytest.fixture(scope="module")

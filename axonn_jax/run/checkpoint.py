@@ -61,7 +61,9 @@ def _digest_program(x, kind: str):
 def digests(tree) -> dict[str, tuple[int, bool]]:
     """`{path: (checksum, finite)}` of every array leaf: the wrap-around uint32 sum of its bits
     (exact whatever the sharding or summation order) and whether all its values are finite. One
-    small program per leaf; host-resident leaves visit the device one at a time."""
+    small program per leaf, each finished before the next starts: host-resident leaves visit the
+    device one at a time, and independent programs with all-reduces never run together (on
+    XLA:CPU they can take all of its threads and deadlock)."""
     out = {}
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(x, jax.Array) or jnp.dtype(x.dtype).itemsize not in (1, 2, 4):
@@ -70,8 +72,9 @@ def digests(tree) -> dict[str, tuple[int, bool]]:
             x = jax.device_put(x, x.sharding.with_memory_kind("device"))
         kind = "f" if jnp.issubdtype(x.dtype, jnp.floating) else \
             "b" if x.dtype == jnp.bool_ else "i"
-        out[jax.tree_util.keystr(path)] = _digest_program(x, kind)
-    return {k: (int(s), bool(f)) for k, (s, f) in out.items()}
+        checksum, finite = _digest_program(x, kind)
+        out[jax.tree_util.keystr(path)] = (int(checksum), bool(finite))
+    return out
 
 
 def _abstract(tree):

@@ -101,13 +101,15 @@ def _shapes(tree) -> str:
 def _take_rows(x, index: tuple[int, ...]):
     """`x[index]`, placed like `x`; a host-resident `x` (`pinned_host`) is reordered on the device
     (host arrays cannot be indexed), moved there and back outside the program (inside it, the
-    transfers beside the reordering's collective-permutes stall XLA:CPU's rendezvous)."""
+    transfers beside the reordering's collective-permutes stall XLA:CPU's rendezvous). Waits for
+    the result: the reorderings of independent leaves, left in flight together, interleave their
+    collective-permutes and deadlock XLA:CPU's thread pool."""
     sharding = x.sharding
     on_device = sharding.with_memory_kind("device")
     if sharding.memory_kind not in (None, "device"):
-        return jax.device_put(_take_program(on_device, index)(jax.device_put(x, on_device)),
-                              sharding)
-    return _take_program(sharding, index)(x)
+        moved = _take_program(on_device, index)(jax.device_put(x, on_device)).block_until_ready()
+        return jax.device_put(moved, sharding)
+    return _take_program(sharding, index)(x).block_until_ready()
 
 
 def _on_device(x, dtype):

@@ -70,26 +70,40 @@ def test_tp_matches_reference_and_has_the_algorithms_collectives(grid, inputs, d
     check_against_reference(value, grads, inputs)
 
     found = collectives(step.lower(*args(inputs)).compile().as_text())
-    by_kind = {}
+    shape = {"depth": depth, "row": row, "col": col}
+    by_axes = {}
     for c in found:
-        by_kind.setdefault(c.kind, []).append(c)
+        by_axes.setdefault((c.kind, hlo.group_axes(c.group, shape)), []).append(c.bytes)
     # The depth all-gathers rebuild only this device's (row, col) block of a weight; a whole weight
     # only when row = col = 1 (pure ZeRO-3 over depth).
     expected_gathers = {4 * D_IN * D_HID // (row * col), 4 * VOCAB * D_IN // (row * col)}
-    for c in by_kind.get("all-gather", []):
-        assert c.group_size == depth and c.bytes in expected_gathers, c
     if depth > 1:
-        assert {c.bytes for c in by_kind["all-gather"]} >= expected_gathers
-        scattered = {c.bytes for c in by_kind["reduce-scatter"]}
-        assert 4 * D_IN * D_HID // (row * col) in scattered  # dW reduce-scattered over depth
-    else:
-        assert "all-gather" not in by_kind and "reduce-scatter" not in by_kind
-    assert "all-to-all" not in by_kind and "collective-permute" not in by_kind
-    # Forward partial sums over col (normal layer, (B/depth, T, D_HID/row)) and backward input
-    # gradients over row ((B/depth, T, D_IN/col)); XLA may combine several into one all-reduce.
-    reduced = sum(c.bytes for c in by_kind.get("all-reduce", []) if c.group_size in (row, col))
-    if row > 1 or col > 1:
-        assert reduced >= 4 * B * T * (D_HID // row * (col > 1) + D_IN // col * (row > 1)) // depth
+        assert set(by_axes[("all-gather", ("depth",))]) == expected_gathers
+        assert 4 * D_IN * D_HID // (row * col) in by_axes[("reduce-scatter", ("depth",))]
+    # The batch stays split over the replicated axis (8 rows divide over depth × row and depth ×
+    # col on every grid): each layer gathers its input's rows over its output axis and
+    # reduce-scatters its partial sums over its input axis, forward (x, y) and backward (dy, dx),
+    # and gathers x again for the weight gradient (XLA may merge that with the forward's gather).
+    # The embedding's sums over row stay all-reduces.
+    rows = {"row": 4 * B * T * D_IN // (depth * col), "col": 4 * B * T * D_HID // (depth * row)}
+    for kind in ("all-gather", "reduce-scatter"):
+        for axis, size in rows.items():
+            if shape[axis] > 1:
+                got = by_axes[(kind, (axis,))]
+                assert set(got) == {size} and len(got) >= 2, (kind, axis, got)
+    assert not {kind for kind, _ in by_axes} - {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+def test_tp_falls_back_to_the_replicated_layout(inputs, devices):
+    """A batch that does not divide over depth × row keeps the replicated layout (all-reduces of
+    the partial sums, no activation gathers) and the same values."""
+    mesh = make_mesh(ParallelConfig(row=4, col=2, depth=1), devices)
+    few = dict(inputs, x=inputs["x"][:2], tokens=inputs["tokens"][:2])
+    step = jax.jit(jax.value_and_grad(tp_loss(mesh), argnums=DIFF_ARGS))
+    value, grads = step(*args(few))
+    check_against_reference(value, grads, few)
+    kinds = {c.kind for c in collectives(step.lower(*args(few)).compile().as_text())}
+    assert kinds == {"all-reduce"}
 
 
 def test_tp_nested_in_data_parallel_step(inputs, devices):
@@ -167,7 +181,7 @@ def test_attend_and_multi_dim_kernels_match_reference(grid, inputs, devices):
 def test_compiled_backward_leaves_room_for_overlap(devices):
     """What overlap needs from the program, checked on its compiled HLO (XLA:CPU runs collectives
     synchronously, so the overlap itself shows only on a GPU): each layer's input-gradient
-    all-reduce over `row` and its weight-gradient matmul read the same cotangent and neither waits
+    reduce-scatter over `row` and its weight-gradient matmul read the same cotangent and neither waits
     for the other, and every `depth` all-gather reads only its parameter, so a scheduler may issue
     it any time before use (prefetch)."""
     mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
@@ -186,9 +200,14 @@ def test_compiled_backward_leaves_room_for_overlap(devices):
             name = program[name].operands[0]
         return program[name]
 
-    # Weight gradients: the matmuls whose results are reduce-scattered over `depth`.
-    weight_grads = [program[r.operands[0]] for r in by_op("reduce-scatter")]
-    input_grads = [a for a in by_op("all-reduce") if "transpose(" in a.text]
+    axes = {c.name: hlo.group_axes(c.group, {"depth": 2, "row": 2, "col": 2})
+            for c in collectives(text)}
+    # Weight gradients: the matmuls whose results are reduce-scattered over `depth`; input
+    # gradients: the backward's reduce-scatters over `row` or `col` (the batch stays split).
+    weight_grads = [program[r.operands[0]] for r in by_op("reduce-scatter")
+                    if axes[r.name] == ("depth",)]
+    input_grads = [a for a in by_op("reduce-scatter")
+                   if axes[a.name] != ("depth",) and "transpose(" in a.text]
     assert len(weight_grads) == 2 and len(input_grads) == 2
     for a in input_grads:
         partner = [w for w in weight_grads
@@ -196,6 +215,6 @@ def test_compiled_backward_leaves_room_for_overlap(devices):
         assert len(partner) == 1, (a.name, [w.name for w in weight_grads])
         assert not hlo.depends_on(program, a.name, partner[0].name)
         assert not hlo.depends_on(program, partner[0].name, a.name)
-    gathers = by_op("all-gather")
+    gathers = [g for g in by_op("all-gather") if axes[g.name] == ("depth",)]
     assert len(gathers) == 2
     assert all(program[g.operands[0]].opcode == "parameter" for g in gathers)

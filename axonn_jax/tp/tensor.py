@@ -7,20 +7,31 @@ collectives (plain autodiff of a nested partial-manual shard_map does not lower 
 
 Layout (Flax's `(in, out)` kernel layout; `transpose=True` swaps `row` and `col`):
 
-    x       (batch, ..., in)   batch over `depth`, `in` over `col`, replicated over `row`
+    x       (batch, ..., in)   batch over (`depth`, `row`), `in` over `col`
     kernel  (in, out)          `in` over (`col`, `depth`), `out` over `row`
     bias    (out,)             over `row`, replicated over `col` and `depth`
-    y       (batch, ..., out)  batch over `depth`, `out` over `row`, replicated over `col`
+    y       (batch, ..., out)  batch over (`depth`, `col`), `out` over `row`
+
+The batch stays split over the axis that does not split an activation's features (Megatron's
+sequence parallelism in AxoNN's 2D layout), so the work between two layers (activations, norms,
+the attention core, residual adds) runs on each device's own rows only, and a normal layer's output
+is exactly the input layout of a transposed one (and back). When the leading dim of `x` does not
+divide over `depth` × `row` and `depth` × `col`, the layer falls back (at trace time, from the
+shapes) to the replicated layout: x and y batch over `depth` only, replicated over the other axis.
 
 A kernel stored `(out, in)` (`out_in=True`: an embedding table used as an output head, torch-style
 weights) is split the same way with `depth` on its first dim: `out` over (`row`, `depth`), `in`
 over `col`. Kernels with several input or output feature dims (attention's heads × head_dim) run
 as the 2-D layer on the flattened features (`tp_dense_general`), the mesh axes on their leading dims.
 
-Forward: all-gather the kernel over `depth`, local matmul, all-reduce over `col`.
-Backward: all-gather the kernel over `depth` again (it is not kept), input gradient all-reduced over
-`row`, kernel gradient reduce-scattered over `depth`, bias gradient all-reduced over `depth` (the only
-axis whose devices hold different rows of the batch; the `col` copies already hold the full sum).
+Forward: all-gather the kernel over `depth` and x's rows over `row`, local matmul, reduce-scatter
+the partial sums over `col` onto the rows (replicated layout: all-reduce over `col`).
+Backward: all-gather the kernel over `depth` again and x's rows over `row` (neither is kept), dy's
+rows over `col`; input gradient reduce-scattered (all-reduced) over `row`, kernel gradient
+reduce-scattered over `depth`, bias gradient all-reduced over the axes whose devices hold different
+rows (`depth`, and `col` when split). In ring terms the bytes of an all-reduce are those of its
+reduce-scatter plus the next layer's all-gather; the weight gradient's second gather of x is the
+extra (Megatron-SP's trade of bytes for activation memory).
 """
 from __future__ import annotations
 
@@ -143,17 +154,40 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
 
+def split_batch(x_shape, mesh, transpose: bool) -> bool:
+    """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
+    layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
+    layer's two feature axes. Otherwise the layer falls back to the replicated layout."""
+    sizes = dict(current_mesh(mesh).shape)
+    return all(x_shape[0] % (sizes["depth"] * sizes[a]) == 0 for a in feature_axes(transpose))
+
+
+def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
+    """PartitionSpec of a `(batch, ..., features)` activation: batch over (`depth`, `batch_axis`)
+    (`depth` only when None), features over `features`."""
+    return P(("depth", batch_axis) if batch_axis else "depth", *([None] * (ndim - 2)), features)
+
+
 @functools.lru_cache(maxsize=None)
-def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False):
+def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False,
+              split: bool = False):
     fin, fout = feature_axes(transpose)
-    x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
+    # split: x's batch also over fout, y's over fin; else both replicated over the other axis
+    x_spec = batch_spec(ndim, fout if split else None, fin)
+    y_spec = batch_spec(ndim, fin if split else None, fout)
     w_spec, b_spec = kernel_spec(transpose, out_in), bias_spec(transpose)
     w_in, w_out = (1, 0) if out_in else (0, 1)  # the kernel dims holding in / out features
     contract = (((ndim - 1,), (w_in,)), ((), ()))
 
+    def gather_rows(a, axis):
+        return jax.lax.all_gather(a, axis, axis=0, tiled=True) if split else a
+
+    def sum_rows(a, axis):  # the partial sums over `axis`: scattered over the batch when split
+        return psum_scatter(a, axis, scatter_dimension=0, tiled=True) if split else psum(a, axis)
+
     def local_forward(x, w, *b):
         # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
-        y = psum(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
+        y = sum_rows(jax.lax.dot_general(gather_rows(x, fout), _gather_depth(w), contract), fin)
         return y + b[0] if b else y
 
     def forward(x, w, b):
@@ -161,13 +195,17 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
 
     def local_backward(x, w, dy):
-        dx = psum(jax.lax.dot_general(dy, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))), fout)
         rows = tuple(range(ndim - 1))
-        dw = jax.lax.dot_general(*((dy, x) if out_in else (x, dy)), ((rows, rows), ((), ())))
+        dy_rows = gather_rows(dy, fin)
+        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))),
+                      fout)
+        x = gather_rows(x, fout)  # gathered again rather than kept from the forward
+        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), ((rows, rows), ((), ())))
         dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
         if not has_bias:
             return dx, dw
-        return dx, dw, psum(jnp.sum(dy, axis=rows), "depth")
+        # devices of `depth` (and of `fin` when split) hold different rows of the batch
+        return dx, dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
     @jax.custom_vjp
     def dense(x, w, b):
@@ -199,7 +237,8 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
     _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
-    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in))
+    fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in),
+                   split_batch(x.shape, mesh, transpose))
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)

@@ -109,6 +109,9 @@ class DenseLayer:
     transpose: bool
     count: int
     bias: bool = True
+    gathers: int | None = None
+    """Per block, the input gathers of the batch-split layout (`split_batch`): layers reading the
+    same input (a GPT's query, key and value projections) share one; None: one per layer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +146,18 @@ def shape_of(model: GPTConfig | LlamaConfig, grid: ParallelConfig) -> ModelShape
     head = (DenseLayer("head", d, model.vocab_size, False, 1, bias=False),)
     if isinstance(model, GPTConfig):
         f = model.d_ff
-        layers = (DenseLayer("qkv", d, d, False, 3 * n), DenseLayer("attn_out", d, d, True, n),
+        layers = (DenseLayer("qkv", d, d, False, 3 * n, gathers=1),
+                  DenseLayer("attn_out", d, d, True, n),
                   DenseLayer("mlp_up", d, f, False, n), DenseLayer("mlp_down", f, d, True, n))
         return ModelShape(n, d, model.num_heads, model.vocab_size, model.max_seq_len,
                           layers + head, tied=model.tie_embeddings)
     if isinstance(model, LlamaConfig):
         q, kv, f = model.q_features, model.kv_features, model.d_ff
-        kv_layers = (DenseLayer("kv", d, kv, False, 2 * n, bias=False),)
+        kv_layers = (DenseLayer("kv", d, kv, False, 2 * n, bias=False, gathers=0),)
         split, replicated = ((), kv_layers) if model.replicate_kv(grid) else (kv_layers, ())
-        layers = (DenseLayer("q", d, q, False, n, bias=False), *split,
+        layers = (DenseLayer("q", d, q, False, n, bias=False, gathers=1), *split,
                   DenseLayer("attn_out", q, d, True, n, bias=False),
-                  DenseLayer("mlp_in", d, f, False, 2 * n, bias=False),
+                  DenseLayer("mlp_in", d, f, False, 2 * n, bias=False, gathers=1),
                   DenseLayer("mlp_down", f, d, True, n, bias=False))
         return ModelShape(n, d, model.num_heads, model.vocab_size, 0, layers + head, replicated,
                           norm_stats=1, norm_params=1, tied=model.tie_embeddings)
@@ -222,31 +226,60 @@ def _local_tokens(work: Workload, grid: ParallelConfig) -> float:
     return work.tokens / (grid.data * grid.depth)
 
 
+def split_batch(work: Workload, grid: ParallelConfig) -> bool:
+    """Whether the dense layers keep the batch split over the axis that does not split their
+    features (`tp.tensor.split_batch`: the rows one layer sees, a data shard's microbatch, divide
+    over depth × row and depth × col, and no layer is laid out by GSPMD); else activations are
+    replicated over it."""
+    if shape_of(work.model, grid).replicated:  # `tp.tensor.replicated_rows` (models.llama)
+        return False
+    rows = work.batch / (grid.data * (work.microbatches if grid.pipe > 1 else 1))
+    return rows % (grid.depth * grid.row) == 0 and rows % (grid.depth * grid.col) == 0
+
+
 def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """AxoNN's 3D dense layers (`axonn_jax.tp.tensor`): kernels split over (in, out) axes and
-    over depth, activations split over the input axis."""
+    over depth, activations' features over one axis and (`split_batch`) their rows over the other."""
     m, g, cb, pb = shape_of(work.model, grid), grid, work.compute_bytes, work.param_bytes
     tokens = _local_tokens(work, grid)
+    split = split_batch(work, grid)
     out: list[Collective] = []
     for layer in m.layers:
         head = layer.name == "head"
-        count = layer.count if head else layer.count // m.num_layers * (m.num_layers // g.pipe)
+        per_stage = m.num_layers // g.pipe
+        count = layer.count if head else layer.count // m.num_layers * per_stage
         fin, fout = ("row", "col") if layer.transpose else ("col", "row")
         nin, nout = getattr(g, fin), getattr(g, fout)
         block = layer.fan_in * layer.fan_out / (nin * nout)  # kernel block after the depth gather
         mm_flops = 2 * tokens * block  # one of the three matmuls of this layer on one device
+        x_bytes, y_bytes = tokens * layer.fan_in / nin * cb, tokens * layer.fan_out / nout * cb
+        if split:
+            gathers = count if layer.gathers is None or head else layer.gathers * per_stage
+            out += [
+                # forward: x's rows gathered over the output axis (once per input), partial sums
+                # reduce-scattered onto the rows over the input axis
+                Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=not head),
+                Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=not head),
+                # backward: dy's rows gathered over the input axis, the input gradient
+                # reduce-scattered over the output axis, x gathered again for the weight gradient
+                # (the head's forward and backward share one computation, and one gather)
+                Collective("all-gather", (fin,), y_bytes, count),
+                Collective("reduce-scatter", (fout,), x_bytes, count, overlappable=mm_flops),
+                Collective("all-gather", (fout,), x_bytes, 0 if head else gathers),
+            ]
+        else:
+            out += [
+                # forward: partial sums over the input axis (the head runs only in the last
+                # stage's backward tick, so it is not recomputed); backward: input gradient over
+                # the output axis (hidden behind the weight-gradient matmul)
+                Collective("all-reduce", (fin,), y_bytes, count, stage_forward=not head),
+                Collective("all-reduce", (fout,), x_bytes, count, overlappable=mm_flops),
+            ]
         out += [
-            # forward: gather the kernel over depth, partial sums over the input axis (the head
-            # runs only in the last stage's backward tick, so it is not recomputed)
+            # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
+            # head's, laid out by GSPMD, all-reduced)
             Collective("all-gather", ("depth",), block * pb, count, stage_forward=not head,
                        per_microbatch=True),
-            Collective("all-reduce", (fin,), tokens * layer.fan_out / nout * cb, count,
-                       stage_forward=not head),
-            # backward: input gradient over the output axis (hidden behind the weight-gradient
-            # matmul), weight gradient reduce-scattered over depth (a tied head's, laid out by
-            # GSPMD, all-reduced)
-            Collective("all-reduce", (fout,), tokens * layer.fan_in / nin * cb, count,
-                       overlappable=mm_flops),
             Collective("all-reduce" if head and m.tied else "reduce-scatter", ("depth",),
                        block * pb, count, per_microbatch=True),
         ]
@@ -255,9 +288,10 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
             # head's forward and backward share one computation, where XLA reuses the gather.
             out.append(Collective("all-gather", ("depth",), block * pb, count, per_microbatch=True))
         if layer.bias:
-            # the bias is replicated over depth, whose devices saw different tokens
-            out.append(Collective("all-reduce", ("depth",), layer.fan_out / nout * pb, count,
-                                  per_microbatch=True))
+            # the bias is replicated over depth (and, split, the input axis), whose devices saw
+            # different tokens
+            out.append(Collective("all-reduce", ("depth", fin) if split else ("depth",),
+                                  layer.fan_out / nout * pb, count, per_microbatch=True))
     return out
 
 
@@ -413,6 +447,9 @@ def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collect
         # token-table gradient scattered back over depth
         Collective("reduce-scatter", ("depth",), wte * pb, per_microbatch=True),
     ]
+    split = split_batch(work, grid)
+    if split:  # the lookup's output is replicated over row: GSPMD gathers its gradient's rows
+        out.append(Collective("all-gather", ("row",), tokens * m.d_model / g.col * cb))
     if m.position_rows:
         wpe = m.position_rows * m.d_model / (g.row * g.col)
         out += [
@@ -421,8 +458,8 @@ def _embedding_collectives(work: Workload, grid: ParallelConfig) -> list[Collect
             # summed over the batch, which depth splits
             Collective("all-reduce", ("row",), work.seq_len * m.d_model / g.col * cb,
                        stage_forward=True, per_microbatch=True),
-            Collective("all-reduce", ("depth",), work.seq_len * m.d_model / g.col * pb,
-                       per_microbatch=True),
+            Collective("all-reduce", ("depth", "row") if split else ("depth",),
+                       work.seq_len * m.d_model / g.col * pb, per_microbatch=True),
         ]
     return out
 
@@ -433,7 +470,8 @@ def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     mean of squares), in float32 whatever the compute dtype; the scale (and bias) are replicated
     over depth."""
     m, g, pb = shape_of(work.model, grid), grid, work.param_bytes
-    tokens = _local_tokens(work, grid)
+    split = split_batch(work, grid)
+    tokens = _local_tokens(work, grid) / (g.row if split else 1)  # split: rows over row too
     in_blocks = 2 * (m.num_layers // g.pipe)
     norms = in_blocks + 1  # and the final norm, which runs with the head
     stats = m.norm_stats * tokens * FP32
@@ -441,7 +479,8 @@ def _norm_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
         Collective("all-reduce", ("col",), stats, in_blocks, stage_forward=True),  # forward
         Collective("all-reduce", ("col",), stats),
         Collective("all-reduce", ("col",), stats, norms),  # backward: the matching sums
-        Collective("all-reduce", ("depth",), m.norm_params * m.d_model / g.col * pb, norms,
+        Collective("all-reduce", ("depth", "row") if split else ("depth",),
+                   m.norm_params * m.d_model / g.col * pb, norms,
                    per_microbatch=True),  # scale (and bias) gradients
     ]
 
@@ -450,7 +489,7 @@ def _loss_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Cross-entropy on logits whose vocabulary is split over row (the head is a normal layer):
     forward max, sum of exponentials and picked log-probability, backward the softmax's sum, all
     float32 (the logits are)."""
-    tokens = _local_tokens(work, grid)
+    tokens = _local_tokens(work, grid) / (grid.col if split_batch(work, grid) else 1)
     return [Collective("all-reduce", ("row",), tokens * FP32, 4)]
 
 

@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
+from ..tp.tensor import replicated_rows
 from . import attention, hf
 from .gpt import cross_entropy, output_logits
 
@@ -263,27 +264,32 @@ class Block(nn.Module):
         cos, sin = rope_tables(t, c.head_dim, c.rope_theta, c.rope_scaling)
         heads = lambda y, n, name: checkpoint_name(y, name).reshape(b, t, n, c.head_dim)  # noqa: E731
 
-        h = norm("attn_norm")(x)  # no checkpoint_name here: see gpt.Block
-        q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
-        k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
-        v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
-        y = attention.causal_attention(q, k, v, c.attention)
-        y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
-        x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
-        h = norm("mlp_norm")(x)
-        gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
-        up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
-        return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
+        # Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
+        # activations whole over `row` (`tp.tensor.replicated_rows`).
+        with replicated_rows(self.replicate_kv):
+            h = norm("attn_norm")(x)  # no checkpoint_name here: see gpt.Block
+            q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
+            k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
+            v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
+            y = attention.causal_attention(q, k, v, c.attention)
+            y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
+            x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
+            h = norm("mlp_norm")(x)
+            gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
+            up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
+            return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
 
 
 class Head(nn.Module):
     """Final RMSNorm and output layer: `__call__(x, batch)` is the mean token cross-entropy
     against `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits. With
     `tie_embeddings` the output layer is the token table: `logits(x, table)`, and
-    `__call__(x, batch, embed_params)`."""
+    `__call__(x, batch, embed_params)`. `replicate_kv`: the blocks' (the output layer keeps their
+    layout)."""
 
     config: LlamaConfig
     dtype: Any = jnp.float32
+    replicate_kv: bool = False
 
     def setup(self):
         self.norm = nn.RMSNorm(epsilon=self.config.norm_eps, dtype=self.dtype)
@@ -291,7 +297,8 @@ class Head(nn.Module):
             self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
 
     def logits(self, x, table=None):
-        return output_logits(self, self.norm(x), table)
+        with replicated_rows(self.replicate_kv):
+            return output_logits(self, self.norm(x), table)
 
     def __call__(self, x, batch, embed_params=None):
         table = None if embed_params is None else embed_params["tokens"]["embedding"]
@@ -318,7 +325,7 @@ class Llama(nn.Module):
         self.blocks = nn.scan(ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True},
                               length=c.num_layers, metadata_params={nn.PARTITION_NAME: None})(
             c, self.dtype, self.replicate_kv)
-        self.head = Head(c, self.dtype)
+        self.head = Head(c, self.dtype, self.replicate_kv)
 
     def __call__(self, tokens):
         x, _ = self.blocks(self.embed({"inputs": tokens}), None)
@@ -329,7 +336,7 @@ def stacked(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None 
     """The Llama as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`), for `grid`
     (which decides whether key/value projections are replicated over `row`)."""
     rep = config.replicate_kv(grid)
-    return StackedModel(Embedding(config, dtype), Block(config, dtype, rep), Head(config, dtype),
+    return StackedModel(Embedding(config, dtype), Block(config, dtype, rep), Head(config, dtype, rep),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
                         head_reads_embed=config.tie_embeddings)
 

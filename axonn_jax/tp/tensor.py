@@ -35,6 +35,7 @@ extra (Megatron-SP's trade of bytes for activation memory).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -154,10 +155,29 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
 
+_REPLICATED = [0]  # depth of nested `replicated_rows()` blocks being traced
+
+
+@contextlib.contextmanager
+def replicated_rows(enabled: bool = True):
+    """Within it (when `enabled`), `tp_dense` layers traced keep the replicated layout: for a
+    block whose other layers GSPMD lays out and which expect activations whole over `row` (a
+    Llama's `ReplicatedDense` key/value projections), where the split rows would be re-laid out
+    by gathering them over the whole grid."""
+    _REPLICATED[0] += bool(enabled)
+    try:
+        yield
+    finally:
+        _REPLICATED[0] -= bool(enabled)
+
+
 def split_batch(x_shape, mesh, transpose: bool) -> bool:
     """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
     layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
-    layer's two feature axes. Otherwise the layer falls back to the replicated layout."""
+    layer's two feature axes, outside `replicated_rows`. Otherwise the layer falls back to the
+    replicated layout."""
+    if _REPLICATED[0]:
+        return False
     sizes = dict(current_mesh(mesh).shape)
     return all(x_shape[0] % (sizes["depth"] * sizes[a]) == 0 for a in feature_axes(transpose))
 

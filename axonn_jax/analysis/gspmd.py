@@ -76,30 +76,47 @@ def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1)
     mlp_up normal (in over col, out over row), attn_out and mlp_down transposed; per layer:
     forward kernel all-gather over depth and output all-reduce over the input axis; backward kernel
     all-gather again, input-gradient all-reduce over the output axis, kernel-gradient reduce-scatter
-    and bias-gradient all-reduce over depth. The two LayerNorms: feature statistics all-reduced over
-    col (mean and mean of squares forward, two reductions backward), scale/bias gradients over depth.
+    and bias-gradient all-reduce over depth. With the batch split over the other axis (when it
+    divides, `tp.tensor.split_batch`) the all-reduces are reduce-scatters onto the rows, the
+    inputs' and output gradients' rows all-gathered, the inputs' twice. The two LayerNorms: feature
+    statistics all-reduced over col (mean and mean of squares forward, two reductions backward),
+    scale/bias gradients over depth (and row, split).
     With data > 1 the batch is split `data` ways more and each device's gradient shards are
     all-reduced over `data` (plus the loss).
     """
     h, f, n = w.d_model, 4 * w.d_model, w.batch * w.seq // data
+    rows = w.batch // data  # the batch-split layout when they divide (`tp.tensor.split_batch`)
+    split = rows % (depth * row) == 0 and rows % (depth * col) == 0
     dense = [(h, h, False)] * 3 + [(h, h, True), (h, f, False), (f, h, True)]
     out = dict.fromkeys(KINDS, 0)
-    for i, o, transpose in dense:
+    for k, (i, o, transpose) in enumerate(dense):
         a_in, a_out = (row, col) if transpose else (col, row)
         block = i * o // (a_in * a_out)
+        x, y = n // depth * i // a_in, n // depth * o // a_out
         if data > 1:
             out["all-reduce"] += block // depth + o // a_out
         if depth > 1:
             out["all-gather"] += 2 * block
             out["reduce-scatter"] += block
+        if depth > 1 or (split and a_in > 1):
             out["all-reduce"] += o // a_out
-        if a_in > 1:
-            out["all-reduce"] += n // depth * o // a_out
-        if a_out > 1:
-            out["all-reduce"] += n // depth * i // a_in
+        if split:
+            # x's rows gathered forward and again backward (query, key and value share theirs),
+            # dy's backward; the partial sums and the input gradient reduce-scattered
+            if a_out > 1:
+                out["all-gather"] += 2 * x * (k not in (1, 2))
+                out["reduce-scatter"] += x
+            if a_in > 1:
+                out["all-gather"] += y
+                out["reduce-scatter"] += y
+        else:
+            if a_in > 1:
+                out["all-reduce"] += y
+            if a_out > 1:
+                out["all-reduce"] += x
     if col > 1:
-        out["all-reduce"] += 2 * 4 * n // depth
-    if depth > 1:
+        out["all-reduce"] += 2 * 4 * n // depth // (row if split else 1)
+    if depth > 1 or (split and row > 1):
         out["all-reduce"] += 2 * 2 * h // col
     if data > 1:
         out["all-reduce"] += 2 * 2 * h // col

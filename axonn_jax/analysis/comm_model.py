@@ -559,11 +559,13 @@ def _schedule(work: Workload, grid: ParallelConfig):
 def _pipeline_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """Every tick each stage sends one microbatch activation forward and one cotangent backward
     (a chunk's, as large, with interleaved stages: V times as many ticks), but zb-h1's last ticks,
-    which only run weight gradients."""
+    which only run weight gradients. Split layout: the batch-split residual stream."""
     m, g = work.model, grid
     if g.pipe == 1:
         return []
-    mb_act = _local_tokens(work, grid) / work.microbatches * m.d_model / g.col * work.compute_bytes
+    rows = g.row if split_batch(work, grid) else 1  # the residual stream's rows split over row
+    mb_act = _local_tokens(work, grid) / work.microbatches / rows * m.d_model / g.col \
+        * work.compute_bytes
     return [Collective("collective-permute", ("pipe",), mb_act,
                        2 * _schedule(work, grid).message_ticks)]
 

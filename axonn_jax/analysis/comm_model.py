@@ -672,10 +672,13 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
                 "activations": activations, "total": params + grads + optimizer + activations}
     tokens = work.tokens / (g.data * g.depth) / work.microbatches
     # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
-    # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice.
+    # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice (and,
+    # in the batch-split layout, per row slice over col); the residual stream split over col
+    # (and its rows over row).
+    rows = (g.row, g.col) if split_batch(work, grid) else (1, 1)
     per_block = (16 * tokens * m.d_model / (g.row * g.col)
-                 + 2 * tokens * work.seq_len * m.num_heads / g.row) * work.compute_bytes
-    act = tokens * m.d_model / g.col * work.compute_bytes
+                 + 2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])) * work.compute_bytes
+    act = tokens / rows[0] * m.d_model / g.col * work.compute_bytes
     if g.pipe == 1:
         stash, layers = act, m.num_layers
     else:

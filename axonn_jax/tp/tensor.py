@@ -250,9 +250,10 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
 
     x: `(batch, ..., in)`; kernel: `(in, out)` (`(out, in)` when `out_in`, computing
     `x @ kernel.T`); bias: `(out,)` or None; all global arrays, placed by the shard_map's in_specs
-    (GSPMD re-lays them out if they arrive otherwise). Returns `(batch, ..., out)`: batch over
-    `depth`, features over `row` (`col` when `transpose`). `mesh` must have axes `depth, row, col`
-    (inside an enclosing shard_map its context mesh is used).
+    (GSPMD re-lays them out if they arrive otherwise). Returns `(batch, ..., out)`: features over
+    `row` (`col` when `transpose`), batch over (`depth`, `col`) (`row`), or over `depth` only when
+    `split_batch` is False. `mesh` must have axes `depth, row, col` (inside an enclosing shard_map
+    its context mesh is used).
     """
     _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside

@@ -141,8 +141,9 @@ def test_unsupported_layers_are_named(module, error, message, devices):
 def test_attention_kernels_flatten_without_relayout(devices):
     """nn.MultiHeadDotProductAttention on row=4 × col=2: kernels (d_model, heads, head_dim) with
     heads over row run as 2-D layers on the flattened features, with no communication beyond the
-    algorithm's: the forward holds only all-reduces (query/key/value over col, XLA combines them;
-    the transposed output projection over row)."""
+    algorithm's: the forward holds only the input's rows gathered over row (once for query, key and
+    value) and their partial sums reduce-scattered over col, and the transposed output
+    projection's input gathered over col and its sums reduce-scattered over row."""
     from axonn_jax.analysis.hlo import collectives
 
     mesh = make_mesh(ParallelConfig(row=4, col=2), devices)
@@ -155,7 +156,8 @@ def test_attention_kernels_flatten_without_relayout(devices):
     params = jax.jit(lambda k: nn.unbox(model.init(k, x)), out_shardings=shardings)(jax.random.key(0))
     x = jax.device_put(x, NamedSharding(mesh, jax.P("depth", None, "col")))
     text = jax.jit(model.apply).lower(params, x).compile().as_text()
-    assert {(c.kind, c.group_size) for c in collectives(text)} == {("all-reduce", 2), ("all-reduce", 4)}
+    assert sorted((c.kind, c.group_size) for c in collectives(text)) == \
+        [("all-gather", 2), ("all-gather", 4)] + [("reduce-scatter", 2)] * 3 + [("reduce-scatter", 4)]
 
 
 def test_replicated_rule_keeps_a_module_and_everything_inside_whole(devices):

@@ -129,8 +129,9 @@ def test_layers_alternate_transpose_and_norms_follow(devices):
 
 
 def test_alternation_saves_relayout(devices):
-    """Compiled forward of the MLP on row=2 × col=4: with the traced plan, one all-reduce per dense
-    layer (over col, row, col) and nothing else; all-normal layers re-lay out between them."""
+    """Compiled forward of the MLP on row=2 × col=4: with the traced plan, per dense layer one
+    all-gather of its input's rows (over row, col, row) and one reduce-scatter of its partial sums
+    (over col, row, col) and nothing else; all-normal layers re-lay out between them."""
     mesh = make_mesh(ParallelConfig(row=2, col=4), devices)
 
     def forward_collectives(pmodel):
@@ -139,9 +140,11 @@ def test_alternation_saves_relayout(devices):
         return [(c.kind, c.group_size) for c in collectives(text)]
 
     traced = axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh, example_args=(X,))
-    assert sorted(forward_collectives(traced)) == [("all-reduce", 2), ("all-reduce", 4), ("all-reduce", 4)]
+    assert sorted(forward_collectives(traced)) == [("all-gather", 2), ("all-gather", 2), ("all-gather", 4),
+                                                   ("reduce-scatter", 2), ("reduce-scatter", 4),
+                                                   ("reduce-scatter", 4)]
     plain = axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh)
-    assert {kind for kind, _ in forward_collectives(plain)} - {"all-reduce"}
+    assert {kind for kind, _ in forward_collectives(plain)} - {"all-gather", "reduce-scatter"}
 
 
 def test_state_moves_both_ways(references, devices):

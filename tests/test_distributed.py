@@ -27,29 +27,14 @@ RUN = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16", "--eval-ba
        "--eval-every", "1000", "--data", DATA]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    """One persistent compilation cache for every child process of this module: compiling the
-    steps is most of a tiny job's time, and repeated jobs (a resumed run) then skip it."""
-    os.environ["AXONN_TEST_CACHE"] = str(tmp_path_factory.mktemp("jax-cache"))
-    yield
-    del os.environ["AXONN_TEST_CACHE"]
-
-
 def child_env():
     """The test's environment minus its 8-device XLA flag, with this checkout and the venv's
     executables (mpirun) first."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
-    if "AXONN_TEST_CACHE" in env:
-        env.update(JAX_COMPILATION_CACHE_DIR=env["AXONN_TEST_CACHE"],
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    # LLVM optimization level 0 halves the children's compile time; their losses agree with the
-    # default level's to ~1e-7.
+    # (conftest's flags keep LLVM optimization level 0 and the run's compilation cache)
     env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if not f.startswith("--xla_force_host_platform_device_count")]
-                                + ["--xla_backend_optimization_level=0"])
+                                 if not f.startswith("--xla_force_host_platform_device_count")])
     return env
 
 

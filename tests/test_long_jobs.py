@@ -19,7 +19,7 @@ from axonn_jax.run.stopping import EXIT_DIVERGED, EXIT_PREEMPTED
 from axonn_jax.train import TrainOptions
 
 from conftest import relative_difference
-from test_distributed import DATA, REPO, child_env, cli, compilation_cache  # noqa: F401
+from test_distributed import DATA, REPO, child_env, cli  # noqa: F401
 
 TINY = ["--batch-size", "4", "--seq-len", "16", "--eval-batches", "1", "--eval-every", "100000",
         "--data", DATA, "--steps", "100000", "--warmup-steps", "0"]

@@ -18,7 +18,7 @@ from axonn_jax.train import TrainOptions, train
 
 import user_models as um
 from conftest import relative_difference
-from test_distributed import REPO, _mpirun, child_env, cli, compilation_cache, run  # noqa: F401
+from test_distributed import REPO, _mpirun, child_env, cli, run  # noqa: F401
 
 STEPS = 3
 MODELS = {"vit": (um.vit, um.image_batches), "regressor": (um.regressor, um.sequence_batches)}

@@ -122,6 +122,30 @@ def _varying_like(y, *like):
     return jax.lax.pcast(y, missing, to="varying") if missing else y
 
 
+def _layer(mesh, local_forward, local_backward, specs, has_bias: bool):
+    """A jitted `layer(x, w, b) -> y` with a custom VJP, both directions in their own shard_map
+    over the tensor axes: `local_forward(x, w[, b]) -> y` and `local_backward(x, w, dy) -> (dx, dw[,
+    db])` on one device's blocks; `specs`: the PartitionSpecs of (x, w, b, y). Without a bias, `b`
+    is a placeholder that gets no gradient."""
+    x_spec, w_spec, b_spec, y_spec = specs
+
+    def forward(x, w, b):
+        args, in_specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else \
+            ((x, w), (x_spec, w_spec))
+        return _varying_like(_sm(local_forward, mesh, in_specs, y_spec)(*args), *args)
+
+    def backward(res, dy):
+        x, w, b = res
+        out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
+        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
+        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
+        return grads if has_bias else (*grads, None)
+
+    layer = jax.custom_vjp(forward)
+    layer.defvjp(lambda x, w, b: (forward(x, w, b), (x, w, b)), backward)
+    return jax.jit(layer)  # eager partial-manual shard_map is unsupported; under jit it inlines
+
+
 def _untyped(a):
     """`a` (values unchanged) without the varying-axes type of the enclosing manual axes (the
     trainer's `data`). Inside an unchecked shard_map ops drop that type, so the primal of a VJP
@@ -210,10 +234,6 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         y = sum_rows(jax.lax.dot_general(gather_rows(x, fout), _gather_depth(w), contract), fin)
         return y + b[0] if b else y
 
-    def forward(x, w, b):
-        args, specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else ((x, w), (x_spec, w_spec))
-        return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
-
     def local_backward(x, w, dy):
         rows = tuple(range(ndim - 1))
         dy_rows = gather_rows(dy, fin)
@@ -227,22 +247,7 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
         return dx, dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
-    @jax.custom_vjp
-    def dense(x, w, b):
-        return forward(x, w, b)
-
-    def fwd(x, w, b):
-        return forward(x, w, b), (x, w, b)
-
-    def bwd(res, dy):
-        x, w, b = res
-        out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
-        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
-        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
-        return grads if has_bias else (*grads, None)
-
-    dense.defvjp(fwd, bwd)
-    return jax.jit(dense)  # eager partial-manual shard_map is unsupported; under jit it inlines
+    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec), has_bias)
 
 
 def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
@@ -460,10 +465,6 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
         y = psum(spec.apply(x, gather(w)), fin)
         return y + b[0] if b else y
 
-    def forward(x, w, b):
-        args, specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else ((x, w), (x_spec, w_spec))
-        return _varying_like(_sm(local_forward, mesh, specs, y_spec)(*args), *args)
-
     def local_backward(x, w, dy):
         # The convolution is linear in each argument: its transposes are the local backward.
         _, vjp = jax.vjp(spec.apply, _untyped(x), _untyped(gather(w)))
@@ -474,22 +475,7 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
             return dx, dw
         return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), "depth")
 
-    @jax.custom_vjp
-    def conv(x, w, b):
-        return forward(x, w, b)
-
-    def fwd(x, w, b):
-        return forward(x, w, b), (x, w, b)
-
-    def bwd(res, dy):
-        x, w, b = res
-        out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
-        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
-        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
-        return grads if has_bias else (*grads, None)
-
-    conv.defvjp(fwd, bwd)
-    return jax.jit(conv)
+    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec), has_bias)
 
 
 def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False):

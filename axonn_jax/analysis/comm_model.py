@@ -261,11 +261,10 @@ def _dense_collectives(work: Workload, grid: ParallelConfig) -> list[Collective]
                 Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=not head),
                 Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=not head),
                 # backward: dy's rows gathered over the input axis, the input gradient
-                # reduce-scattered over the output axis, x gathered again for the weight gradient
-                # (the head's forward and backward share one computation, and one gather)
+                # reduce-scattered over the output axis (the weight gradient reads x's rows kept
+                # from the forward)
                 Collective("all-gather", (fin,), y_bytes, count),
                 Collective("reduce-scatter", (fout,), x_bytes, count, overlappable=mm_flops),
-                Collective("all-gather", (fout,), x_bytes, 0 if head else gathers),
             ]
         else:
             out += [

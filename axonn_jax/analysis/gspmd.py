@@ -78,7 +78,7 @@ def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1)
     all-gather again, input-gradient all-reduce over the output axis, kernel-gradient reduce-scatter
     and bias-gradient all-reduce over depth. With the batch split over the other axis (when it
     divides, `tp.tensor.split_batch`) the all-reduces are reduce-scatters onto the rows, the
-    inputs' and output gradients' rows all-gathered, the inputs' twice. The two LayerNorms: feature
+    inputs' rows all-gathered forward (kept for the weight gradient), the output gradients' backward. The two LayerNorms: feature
     statistics all-reduced over col (mean and mean of squares forward, two reductions backward),
     scale/bias gradients over depth (and row, split).
     With data > 1 the batch is split `data` ways more and each device's gradient shards are
@@ -101,10 +101,10 @@ def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1)
         if depth > 1 or (split and a_in > 1):
             out["all-reduce"] += o // a_out
         if split:
-            # x's rows gathered forward and again backward (query, key and value share theirs),
-            # dy's backward; the partial sums and the input gradient reduce-scattered
+            # x's rows gathered forward (query, key and value share theirs), dy's backward; the
+            # partial sums and the input gradient reduce-scattered
             if a_out > 1:
-                out["all-gather"] += 2 * x * (k not in (1, 2))
+                out["all-gather"] += x * (k not in (1, 2))
                 out["reduce-scatter"] += x
             if a_in > 1:
                 out["all-gather"] += y

@@ -26,12 +26,13 @@ as the 2-D layer on the flattened features (`tp_dense_general`), the mesh axes o
 
 Forward: all-gather the kernel over `depth` and x's rows over `row`, local matmul, reduce-scatter
 the partial sums over `col` onto the rows (replicated layout: all-reduce over `col`).
-Backward: all-gather the kernel over `depth` again and x's rows over `row` (neither is kept), dy's
-rows over `col`; input gradient reduce-scattered (all-reduced) over `row`, kernel gradient
+Backward: all-gather the kernel over `depth` again (it is not kept) and dy's rows over `col`; the
+weight gradient reads x's gathered rows kept from the forward (what the replicated layout keeps:
+x whole over `row`); input gradient reduce-scattered (all-reduced) over `row`, kernel gradient
 reduce-scattered over `depth`, bias gradient all-reduced over the axes whose devices hold different
 rows (`depth`, and `col` when split). In ring terms the bytes of an all-reduce are those of its
-reduce-scatter plus the next layer's all-gather; the weight gradient's second gather of x is the
-extra (Megatron-SP's trade of bytes for activation memory).
+reduce-scatter plus the next layer's all-gather, so the split layout moves what the replicated one
+moved, keeps what it kept, and runs the work between the layers on each device's own rows.
 """
 from __future__ import annotations
 
@@ -124,25 +125,28 @@ def _varying_like(y, *like):
 
 def _layer(mesh, local_forward, local_backward, specs, has_bias: bool):
     """A jitted `layer(x, w, b) -> y` with a custom VJP, both directions in their own shard_map
-    over the tensor axes: `local_forward(x, w[, b]) -> y` and `local_backward(x, w, dy) -> (dx, dw[,
-    db])` on one device's blocks; `specs`: the PartitionSpecs of (x, w, b, y). Without a bias, `b`
-    is a placeholder that gets no gradient."""
-    x_spec, w_spec, b_spec, y_spec = specs
+    over the tensor axes, on one device's blocks: `local_forward(x, w[, b]) -> (y, kept)`, where
+    `kept` is what the backward needs of `x` (x itself, or its rows gathered for the matmul, so
+    that the backward need not gather them again), and `local_backward(kept, w, dy) -> (dx, dw[,
+    db])`. `specs`: the PartitionSpecs of (x, w, b, y, kept). Without a bias, `b` is a placeholder
+    that gets no gradient."""
+    x_spec, w_spec, b_spec, y_spec, kept_spec = specs
 
     def forward(x, w, b):
         args, in_specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else \
             ((x, w), (x_spec, w_spec))
-        return _varying_like(_sm(local_forward, mesh, in_specs, y_spec)(*args), *args)
+        y, kept = _sm(local_forward, mesh, in_specs, (y_spec, kept_spec))(*args)
+        return _varying_like(y, *args), (_varying_like(kept, x), w, b)
 
     def backward(res, dy):
-        x, w, b = res
+        kept, w, b = res
         out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
-        grads = _sm(local_backward, mesh, (x_spec, w_spec, y_spec), out_specs)(x, w, dy)
-        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (x, w, b)))
+        grads = _sm(local_backward, mesh, (kept_spec, w_spec, y_spec), out_specs)(kept, w, dy)
+        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (kept, w, b)))
         return grads if has_bias else (*grads, None)
 
-    layer = jax.custom_vjp(forward)
-    layer.defvjp(lambda x, w, b: (forward(x, w, b), (x, w, b)), backward)
+    layer = jax.custom_vjp(lambda x, w, b: forward(x, w, b)[0])
+    layer.defvjp(forward, backward)
     return jax.jit(layer)  # eager partial-manual shard_map is unsupported; under jit it inlines
 
 
@@ -231,15 +235,15 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
 
     def local_forward(x, w, *b):
         # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
-        y = sum_rows(jax.lax.dot_general(gather_rows(x, fout), _gather_depth(w), contract), fin)
-        return y + b[0] if b else y
+        x = gather_rows(x, fout)  # kept for the weight gradient, not gathered again
+        y = sum_rows(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
+        return (y + b[0] if b else y), x
 
-    def local_backward(x, w, dy):
+    def local_backward(x, w, dy):  # x: the gathered rows of the forward
         rows = tuple(range(ndim - 1))
         dy_rows = gather_rows(dy, fin)
         dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))),
                       fout)
-        x = gather_rows(x, fout)  # gathered again rather than kept from the forward
         dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), ((rows, rows), ((), ())))
         dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
         if not has_bias:
@@ -247,7 +251,9 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
         return dx, dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
-    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec), has_bias)
+    # the forward keeps x's gathered rows: batch over `depth` only
+    specs = (x_spec, w_spec, b_spec, y_spec, batch_spec(ndim, None, fin) if split else x_spec)
+    return _layer(mesh, local_forward, local_backward, specs, has_bias)
 
 
 def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
@@ -463,7 +469,7 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
 
     def local_forward(x, w, *b):
         y = psum(spec.apply(x, gather(w)), fin)
-        return y + b[0] if b else y
+        return (y + b[0] if b else y), x
 
     def local_backward(x, w, dy):
         # The convolution is linear in each argument: its transposes are the local backward.
@@ -475,7 +481,8 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
             return dx, dw
         return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), "depth")
 
-    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec), has_bias)
+    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec, x_spec),
+                  has_bias)
 
 
 def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False):

@@ -35,6 +35,16 @@ _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
+def _loop(name: str, rest: str, what: str) -> tuple[str, int]:
+    """(body computation, trip count) of the while instruction `name` (`rest`: its text after the
+    opcode); ValueError when XLA recorded no trip count (`what` cannot be counted inside it)."""
+    trip = _TRIP.search(rest)
+    if not trip:
+        raise ValueError(f"while loop {name} has no known_trip_count; cannot count the {what} "
+                         "inside it")
+    return re.search(r"\bbody=%?([\w.\-]+)", rest).group(1), int(trip.group(1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction of the program."""
@@ -202,12 +212,8 @@ def collectives(hlo_text: str) -> list[Collective]:
                 continue
             inner = stack + (comp,)
             if opcode == "while":
-                trip = _TRIP.search(rest)
-                if not trip:
-                    raise ValueError(f"while loop {name} has no known_trip_count; cannot count "
-                                     "the collectives inside it")
-                body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
-                found += scaled(walk(body, inner), int(trip.group(1)))
+                body, trips = _loop(name, rest, "collectives")
+                found += scaled(walk(body, inner), trips)
             elif opcode == "conditional":
                 m = _BRANCHES.search(rest)
                 names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
@@ -310,12 +316,8 @@ def flops(hlo_text: str) -> float:
                 operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
                 total += _elements(shapes.get(operand, "")) - _elements(shape)
             elif opcode == "while":
-                trip = _TRIP.search(rest)
-                if not trip:
-                    raise ValueError(f"while loop {name} has no known_trip_count; cannot count "
-                                     "the FLOPs inside it")
-                body = re.search(r"\bbody=%?([\w.\-]+)", rest).group(1)
-                total += walk(body, inner) * int(trip.group(1))
+                body, trips = _loop(name, rest, "FLOPs")
+                total += walk(body, inner) * trips
             elif opcode == "conditional":
                 m = _BRANCHES.search(rest)
                 names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \

@@ -163,6 +163,14 @@ def _gather_depth(w_shard):
     return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
 
 
+def _check_splits(layer: str, checks):
+    """Raise a one-line ValueError for the first `(what, size, parts, axes)` of `checks` whose size
+    does not divide into `parts` (the product of the mesh `axes`)."""
+    for what, n, parts, axes in checks:
+        if n % parts:
+            raise ValueError(f"{layer}: {what} = {n} is not divisible by {axes} = {parts}")
+
+
 def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
     fin, fout = feature_axes(transpose)
     sizes = dict(current_mesh(mesh).shape)
@@ -176,9 +184,7 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         if out_in else ((sizes[fin] * sizes["depth"], f"{fin}×depth"), (sizes[fout], fout))
     checks = [("kernel in-features", n_in, *in_parts), ("kernel out-features", n_out, *out_parts),
               ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
-    for what, n, parts, axes in checks:
-        if n % parts:
-            raise ValueError(f"tp_dense: {what} = {n} is not divisible by {axes} = {parts}")
+    _check_splits("tp_dense", checks)
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
@@ -451,9 +457,7 @@ def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
     checks = [("kernel dim -2", a, sizes[na] * sizes["depth"], f"{na}×depth"),
               ("kernel dim -1", b, sizes[nb], nb), ("input channels", n_in, sizes[fin], fin),
               ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
-    for what, n, parts, axes in checks:
-        if n % parts:
-            raise ValueError(f"tp_conv: {what} = {n} is not divisible by {axes} = {parts}")
+    _check_splits("tp_conv", checks)
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"tp_conv: bias {bias.shape} does not match kernel {kernel.shape}")
 

@@ -7,7 +7,6 @@ import pytest
 
 from axonn_jax import ParallelConfig
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.models import get as get_model
 from axonn_jax.models.gpt import get_config
 from axonn_jax.analysis import comm_model as cm
 from axonn_jax.analysis.hlo import bytes_by_axes as hlo_bytes_by_axes, collectives, wire_bytes
@@ -29,7 +28,7 @@ def compiled_step(devices):
     cache = {}
 
     def get(options):
-        key = repr(options)  # TrainOptions is a mutable dataclass, not hashable
+        key = repr(options)
         if key not in cache:
             cache[key] = compile_train_step(options, devices[: options.parallel.num_devices])
         return cache[key]
@@ -43,9 +42,9 @@ def compiled_hlo(compiled_step):
 
 
 def workload(options):
-    return cm.Workload(get_model(options.model).config, options.batch_size, options.seq_len,
-                       compute_bytes=4, param_bytes=4, microbatches=options.microbatches,
-                       schedule=options.schedule, compress_bits=options.compress_bits)
+    from axonn_jax.run.plan import workload as of_config
+
+    return of_config(options)
 
 
 P = ParallelConfig
@@ -207,21 +206,22 @@ def test_plan_cli_json(capsys):
 
 
 def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
-    from axonn_jax.run.cli import _auto_grid, build_parser
+    from axonn_jax.run.cli import parse
+    from axonn_jax.run.plan import auto_grid
 
+    _auto_grid = lambda argv, n: auto_grid(parse(argv).run_config, n)  # noqa: E731
     argv = ["train", "--batch-size", "16", "--seq-len", "32"]
-    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="gpipe")
+    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="1f1b")
     best = cm.plan(work, 8, cm.MACHINES["cpu"])[0]
-    assert _auto_grid(build_parser().parse_args(argv), 8) == (best.grid, best.microbatches)
+    assert _auto_grid(argv, 8) == (best.grid, best.microbatches)
     # 1.3B parameters need their state split 8 ways on the cpu preset's 8 GB devices; the planner
     # prefers tensor parallelism, which the trainer runs with compression too.
     big = ["train", "--model", "gpt-1.3b", "--batch-size", "16", "--seq-len", "32"]
     big_work = cm.Workload(get_config("gpt-1.3b"), 16, 32, compute_bytes=4, compress_bits=4)
     best_big = cm.plan(big_work, 8, cm.MACHINES["cpu"])[0]
     assert best_big.grid.tensor_parallel_size > 1
-    assert _auto_grid(build_parser().parse_args(big + ["--compress-bits", "4"]), 8) == \
-        (best_big.grid, best_big.microbatches)
-    assert _auto_grid(build_parser().parse_args(big), 8)[0].tensor_parallel_size > 1
+    assert _auto_grid(big + ["--compress-bits", "4"], 8) == (best_big.grid, best_big.microbatches)
+    assert _auto_grid(big, 8)[0].tensor_parallel_size > 1
     metrics = tmp_path / "m.jsonl"
     rc = cli_main(argv + ["--auto-grid", "--steps", "1", "--eval-batches", "1",
                           "--metrics-out", str(metrics)])

@@ -161,7 +161,7 @@ class Progress(Hook):
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                        console=loop.console, disable=not loop.is_main)
         self.bar.start()
-        self.task = self.bar.add_task("train", total=loop.trainer.options.steps,
+        self.task = self.bar.add_task("train", total=loop.trainer.options.run.steps,
                                       completed=loop.start_step, info="")
 
     def step(self, info):

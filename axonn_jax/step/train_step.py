@@ -60,6 +60,40 @@ class StepOptions:
     seed: int = 0
 
 
+_CHECKED = ("schedule", "microbatches", "virtual_stages", "remat", "memory_budget_gb",
+            "compress_bits", "dtype")
+_NOT_YET = "is not implemented yet"
+
+
+def option_problems(grid, *, schedule: str, microbatches: int, virtual_stages: int, remat,
+                    memory_budget_gb: float | None, compress_bits: int, dtype: str,
+                    num_layers: int | None = None, between_processes: bool = False) -> list[str]:
+    """Why a step with these options cannot run on `grid` (a `ParallelConfig`), one line each
+    (empty: it can). between_processes: the gradients are reduced between processes (MPI)."""
+    found = []
+
+    def attempt(check, *args):
+        try:
+            check(*args)
+        except (ValueError, NotImplementedError) as e:
+            found.append(str(e))
+
+    attempt(check_dtype, dtype)
+    attempt(activations.check_options, remat, memory_budget_gb)
+    if grid.pipe > 1:
+        attempt(pipeline_lib.check_schedule, schedule, grid.pipe, microbatches, virtual_stages)
+        if num_layers is not None:
+            attempt(pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
+        if remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
+            found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
+    elif virtual_stages > 1:
+        found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
+    if compress_bits and not between_processes and grid.data == 1:
+        found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
+                     "there is no gradient exchange to compress")
+    return found
+
+
 def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation, mesh, *,
                     reducer: GradientReducer | None = None, engine: Callable | None = None,
                     **options) -> "TrainStep":
@@ -140,25 +174,17 @@ class TrainStep:
     """
 
     def __init__(self, model, optimizer, mesh, options: StepOptions, reducer, engine):
-        check_dtype(options.dtype)
-        activations.check_options(options.remat, options.memory_budget_gb)
         self.model, self.optimizer, self.mesh, self.options = model, optimizer, mesh, options
         self.grid = config_of(mesh)
         self.process_reducer, self.engine = reducer, engine
         if engine is not None and reducer is None:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
-        if self.grid.pipe > 1:
-            pipeline_lib.check_schedule(options.schedule, self.grid.pipe, options.microbatches,
-                                        options.virtual_stages)
-            pipeline_lib.check_layers(model.num_layers, self.grid.pipe, options.virtual_stages)
-        elif options.virtual_stages > 1:
-            raise ValueError(f"--virtual-stages {options.virtual_stages} needs --pipe > 1")
-        if self.grid.pipe > 1 and options.remat == "auto":
-            # Every stage runs one program, so a per-layer plan must be uniform.
-            raise NotImplementedError("remat='auto' with pipe > 1 is not implemented yet")
-        if options.compress_bits and reducer is None and self.grid.data == 1:
-            raise ValueError(f"compress_bits={options.compress_bits} needs data > 1: with one "
-                             "data-parallel copy there is no gradient exchange to compress")
+        found = option_problems(self.grid, num_layers=model.num_layers,
+                                between_processes=reducer is not None,
+                                **{f.name: getattr(options, f.name) for f in
+                                   dataclasses.fields(StepOptions) if f.name in _CHECKED})
+        if found:
+            raise (NotImplementedError if found[0].endswith(_NOT_YET) else ValueError)(found[0])
         self.scaler = loss_scaler(options.dtype)
         self._bound: dict = {}
 

@@ -91,22 +91,19 @@ def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: P
 def check_grid(config: ParallelConfig, *, batch_size: int, microbatches: int = 1,
                num_layers: int | None = None, flags: bool = False) -> None:
     """Raise ValueError naming the numbers unless the grid can split a step: the batch over `data`
-    and `depth` (and, with `pipe > 1`, each data shard into `microbatches`), the layers over
-    `pipe`. The trainer and the planner (`analysis.comm_model`) both check grids with this.
-    flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the messages."""
-    batch, mb, pipe = ("--batch-size", "--microbatches", "--pipe") if flags else \
-        ("batch size", "microbatches", "pipe")
+    and `depth`, each data shard into `microbatches` (a pipeline's, or gradient accumulation's),
+    the layers over `pipe`. The trainer and the planner (`analysis.comm_model`) both check grids
+    with this. flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the
+    messages."""
+    batch, mb = ("--batch-size", "--microbatches") if flags else ("batch size", "microbatches")
     if microbatches < 1:
         raise ValueError(f"{mb} must be positive, got {microbatches}")
-    if microbatches > 1 and config.pipe == 1:
-        raise ValueError(f"{mb} {microbatches} needs {pipe} > 1")
     check_divisible(batch, batch_size, BATCH_AXES, config)
-    if config.pipe > 1:
-        if num_layers is not None and num_layers % config.pipe:
-            raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {config.pipe}: "
-                             f"every pipeline stage must hold the same number of layers")
-        # Each microbatch of a data shard is split over `depth` again by the tensor layers.
-        if batch_size % (config.data * microbatches * config.depth):
-            depth = f" × depth = {config.depth}" if config.depth > 1 else ""
-            raise ValueError(f"{batch} = {batch_size} is not divisible by data × microbatches = "
-                             f"{config.data} × {microbatches}{depth}")
+    if config.pipe > 1 and num_layers is not None and num_layers % config.pipe:
+        raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {config.pipe}: "
+                         f"every pipeline stage must hold the same number of layers")
+    # Each microbatch of a data shard is split over `depth` again by the tensor layers.
+    if microbatches > 1 and batch_size % (config.data * microbatches * config.depth):
+        depth = f" × depth = {config.depth}" if config.depth > 1 else ""
+        raise ValueError(f"{batch} = {batch_size} is not divisible by data × microbatches = "
+                         f"{config.data} × {microbatches}{depth}")

@@ -21,7 +21,7 @@ from ..analysis.flops import compiled_flops, model_flops_per_device, nominal_pea
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
 from ..offload.precision import DTYPES
 from ..offload.activations import compiled_peak_bytes
-from ..parallel import compression
+from ..step.reducers import compressed_wire_bytes, exact_wire_bytes
 from ..step.model import StackedModel
 from . import data as data_lib
 from . import rundir
@@ -49,7 +49,7 @@ def state_report(state, compiled) -> dict[str, int | float]:
     """Train-state bytes per device by memory kind, parameter count, the compiled peak and the
     compiled step's FLOPs per device (XLA's cost analysis)."""
     return {
-        "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
         "state_bytes_host": int(tree_bytes_per_device(state, HOST_MEMORY_KIND)),
         "peak_bytes_compiled": int(compiled_peak_bytes(compiled)),
@@ -59,19 +59,11 @@ def state_report(state, compiled) -> dict[str, int | float]:
 
 def compression_ratio(params, bits: int, bucket_size: int) -> float:
     """How many times fewer bytes this device sends in CGX's gradient exchange than in an exact
-    all-reduce of the same gradients (like `params`; its local shards): the wire-byte model of
-    `analysis.comm_model` (an exact all-reduce sends 2 · itemsize bytes per element, a compressed
-    one `compression.wire_bytes_per_element`), with the tensors that the size rule keeps exact."""
-    exact = sent = 0.0
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        shard = jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
-        n, itemsize = shard.size, shard.dtype.itemsize
-        width = compression.bits_for_leaf(jax.tree_util.keystr(path), shard, bits,
-                                          compression.DEFAULT_MIN_SIZE)
-        exact += 2 * itemsize * n
-        sent += n * (compression.wire_bytes_per_element(width, bucket_size, itemsize) if width
-                     else 2 * itemsize)
-    return exact / sent
+    all-reduce of the same gradients (like `params`; its local shards), as the reducers count
+    their wire bytes (`step.reducers`), with the tensors that the size rule keeps exact."""
+    shards = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), params)
+    return exact_wire_bytes(shards) / compressed_wire_bytes(bits, bucket_size)(shards)
 
 
 class Loop:
@@ -88,7 +80,7 @@ class Loop:
         self.trainer, self.state, self.batches, self.hooks = trainer, state, batches, hooks
         self.console, self.end_step, self.stop = console, end_step, stop
         self.is_main = trainer.is_main
-        self.start_step = int(state["step"])
+        self.start_step = int(state.step)
         self.history: list[dict] = []
         self.completed = False
         self.stopped: str | None = None
@@ -262,12 +254,12 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
             console.print(f"--resume auto: no checkpoint in {c.dir}; starting from step 0")
     if resume:
         state = checkpointer.restore(state)
-        console.print(f"resumed from step {int(state['step'])} in {c.dir}")
+        console.print(f"resumed from step {int(state.step)} in {c.dir}")
     end = min(r.steps, c.stop_at or r.steps)
-    if int(state["step"]) >= end:
+    if int(state.step) >= end:
         checkpointer.close()
         last = f"--steps {r.steps}" if end == r.steps else f"--stop-at {end}"
-        console.print(f"nothing to do: the checkpoint is at step {int(state['step'])} and the run "
+        console.print(f"nothing to do: the checkpoint is at step {int(state.step)} and the run "
                       f"ends at step {end} ({last}); the run is already complete")
         return {"history": [], "val_history": [], "state": state, "trainer": trainer,
                 "stopped": None}
@@ -276,7 +268,7 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
     loop = Loop(trainer, state, batches, built + list(hooks), console, end, stop)
     if config.compression.bits:
         loop.report["compression_ratio"] = compression_ratio(
-            state["params"], config.compression.bits, config.compression.bucket)
+            state.params, config.compression.bits, config.compression.bucket)
     _describe(loop, trainer, corpus, console)
     state = loop.run()
     if loop.stopped:
@@ -284,7 +276,7 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
         # as one of its processes exits with an error code).
         stop.agree(0)
         where = c.dir or (r.run_dir and pathlib.Path(r.run_dir) / rundir.CHECKPOINTS)
-        console.print(f"{loop.stopped}: stopped after step {int(state['step'])}; " + (
+        console.print(f"{loop.stopped}: stopped after step {int(state.step)}; " + (
             f"checkpoint saved in {where}" if where else "nothing saved (no checkpoint directory)"))
     summary = {"history": loop.history, "val_history": validation.history if validation else [],
                "state": state, "trainer": trainer, "stopped": loop.stopped, **loop.report}

@@ -531,4 +531,4 @@ def step_options(config: RunConfig) -> dict:
                 offload_optimizer=m.offload_optimizer, remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, dtype=config.precision.dtype,
-                clip_norm=config.optimizer.clip_norm, seed=config.run.seed)
+                clip_norm=config.optimizer.clip_norm)

@@ -132,7 +132,7 @@ def _build_xla(config, model, optimizer, preset, devices):
     mesh = make_mesh(grid, devices)
     step = make_train_step(model, optimizer, mesh, **step_options(config))
     return step, jax.process_index() == 0, lambda directory, every, **kw: Checkpointer(
-        directory, every, canonical=step.canonical_state, **kw)
+        directory, every, canonical=step.canonical_state, reshard=step.reshard(), **kw)
 
 
 def refused_with_mpi_pipeline(config: RunConfig) -> str | None:
@@ -178,17 +178,18 @@ def _build_mpi(config, model, optimizer, preset, devices):
                                   "virtual_stages": 1})
         stage = f"stage-{position.stage}-of-{position.num_stages}"
         return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
-            pathlib.Path(directory) / stage, every, position.data_comm, **kw)
+            pathlib.Path(directory) / stage, every, position.data_comm,
+            canonical=step.canonical_state, reshard=step.reshard(), **kw)
     if batch_size % size:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {size} MPI processes")
     _check(config, grid, preset, model.num_layers, batch_size // size)
     if config.compression.bits:  # between the processes; exact over each process's devices
         c = config.compression
         reducer = mpi.mpi_compressed_mean(comm, bits=c.bits, bucket_size=c.bucket,
-                                          error_feedback=c.error_feedback, seed=config.run.seed)
+                                          error_feedback=c.error_feedback)
     else:
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,
                            **{**options, "compress_bits": 0})
     return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
-        directory, every, comm, canonical=step.canonical_state, **kw)
+        directory, every, comm, canonical=step.canonical_state, reshard=step.reshard(), **kw)

@@ -179,7 +179,7 @@ class StageEngine:
     phase of this process's train step.
 
     bound: the train step bound to this pipeline's batch shape (`step.train_step.BoundStep`: its
-    stage functions, which cast the parameters to the compute dtype, and its abstract batch of
+    `compute` functions, which cast the parameters to the compute dtype, and its abstract batch of
     `b` rows, cut into M microbatches of `b/M` rows); activations `(b/M, ...)` like the
     embedding's output.
     """
@@ -194,7 +194,7 @@ class StageEngine:
         self.position, self.schedule, self.m = position, schedule, num_microbatches
         self.v = virtual_stages
         self.comms = {ACT: position.pipe_comm.Dup(), GRAD: position.pipe_comm.Dup()}
-        model = bound.owner.model
+        model = bound.model
         self.layers = pipeline_lib.check_layers(model.num_layers, position.num_stages)
         self.n = pipeline_lib.check_layers(model.num_layers, position.num_stages, self.v)
         batch = bound.batch
@@ -203,7 +203,8 @@ class StageEngine:
             raise ValueError(f"the {rows} rows of a pipeline's batch are not divisible by "
                              f"microbatches = {num_microbatches}")
         self.mb_rows = rows // num_microbatches
-        embed, stage_fn, head = bound._stage_functions(self.n)
+        compute = bound.compute
+        embed, stage_fn, head = compute.embed, compute.stage(self.n), compute.head
         self._fns = embed, stage_fn, head
         mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.mb_rows, *a.shape[1:]), a.dtype),
                           batch)
@@ -483,7 +484,7 @@ class StageEngine:
     def inspect(self, state, batch):
         """This stage's backward operation of its first chunk compiled (its largest program: it
         holds the recomputed chunk's activations), for `as_text` / `memory_analysis`."""
-        params = state["params"]
+        params = state.params
         first, last = self._virtual(0)
         x = None if first else jnp.zeros(self.act.shape, self.act.dtype)
         cot = None if last else jnp.zeros(self.act.shape, self.act.dtype)

@@ -11,14 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("grain")  # the `data` extra (`make test` installs it: its absence skips nothing
-# else)
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-from array_record.python.array_record_module import ArrayRecordWriter  # noqa: E402
+# The `data` extra (grain, pyarrow, array_record): `make test` installs it, its absence is a failure.
+import pyarrow as pa
+import pyarrow.parquet as pq
+from array_record.python.array_record_module import ArrayRecordWriter
 
-from axonn_jax.run import data as data_lib  # noqa: E402
-from axonn_jax.run import loader, packing, sources  # noqa: E402
+from axonn_jax.run import data as data_lib
+from axonn_jax.run import loader, packing, sources
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 16  # rows of 17 tokens
@@ -417,3 +416,30 @@ def test_bad_input_gets_one_line_errors(corpus, tmp_path):
             state = batches.get_state()
             next(batches)
     assert state["batches"] >= 1 and batches.get_state() == state
+
+
+# ----------------------------------------------------------------------------- several processes
+
+def test_launch_reads_per_host_and_assembles_global_batches(corpus, tmp_path):
+    """`axonn-jax launch` with 2 processes of 2 devices (tests/data_hosts.py): each process reads
+    its half of the rows (half the documents), the global arrays from
+    `make_array_from_process_local_data` equal the single-process batches, and the gathered state
+    (the same on both) restores exactly."""
+    from test_distributed import cli, run
+
+    from data_hosts import GLOBAL_BATCH, SEQ_LEN, STEPS
+
+    spec = {"sources": [{**s, "path": str(corpus / s["path"])} for s in MIXTURE], "prefetch": 1}
+    (tmp_path / "data.json").write_text(json.dumps(spec))
+    run(cli("launch", "--nprocs", "2", "--devices-per-proc", "2", "--log-dir",
+            str(tmp_path / "logs"), "--", str(REPO / "tests" / "data_hosts.py"),
+            str(tmp_path / "data.json"), str(tmp_path)))
+    procs = [json.loads((tmp_path / f"proc{i}.json").read_text()) for i in range(2)]
+    assert [p["rows"] for p in procs] == [[0, 4], [4, 8]]
+    assert procs[0]["state"] == procs[1]["state"]
+    assert sorted(procs[0]["state"]["positions"], key=int) == [str(r) for r in range(8)]
+    single = loader.make_batches(loader.DataConfig.from_dict(spec), SEQ_LEN, GLOBAL_BATCH, None, 0, 1)
+    take(single, STEPS)
+    assert single.get_state() == procs[0]["state"]
+    reads = [p["documents"] for p in procs]
+    assert sum(reads) == pytest.approx(single.stats()["data_documents"]) and min(reads) > 0

@@ -326,7 +326,7 @@ def file_format(path: pathlib.Path) -> str | None:
 def source_files(path: str) -> tuple[str, list[pathlib.Path]]:
     """(format, files) of a source path: a file, a directory (its data files, recursively, in
     sorted order) or a glob pattern; all files of one source share one format."""
-    if glob.has_magic(path):
+    if any(c in path for c in "*?["):
         files = sorted(pathlib.Path(p) for p in glob.glob(path, recursive=True))
         files = [f for f in files if f.is_file()]
         if not files:

@@ -443,3 +443,26 @@ def test_launch_reads_per_host_and_assembles_global_batches(corpus, tmp_path):
     assert single.get_state() == procs[0]["state"]
     reads = [p["documents"] for p in procs]
     assert sum(reads) == pytest.approx(single.stats()["data_documents"]) and min(reads) > 0
+
+
+def test_core_package_does_not_need_grain():
+    """Without the `data` extra the token-stream data still trains: only run/loader.py imports
+    grain, pyarrow or array_record when it is imported (the readers import them inside the
+    functions that need them), and no module imports run/loader.py when it is imported."""
+    import ast
+
+    extra = ("grain", "pyarrow", "array_record")
+    found = {}
+    for path in (REPO / "axonn_jax").rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        top = [n for stmt in body for n in ast.walk(stmt)
+               if isinstance(n, (ast.Import, ast.ImportFrom))
+               and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef))]
+        names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names} | \
+                {n.module or "" for n in top if isinstance(n, ast.ImportFrom)} | \
+                {f"{n.module or ''}.{a.name}" for n in top if isinstance(n, ast.ImportFrom)
+                 for a in n.names}
+        found[path.relative_to(REPO).as_posix()] = names
+    assert [p for p, names in found.items() if any(n.split(".")[0] in extra for n in names)] == \
+        ["axonn_jax/run/loader.py"]
+    assert not [p for p, names in found.items() if any(n.endswith("loader") for n in names)]

@@ -249,6 +249,23 @@ def test_ignored_targets_get_no_loss_and_no_gradient():
     assert not np.asarray(grad)[~valid].any() and np.asarray(grad)[valid].any()
 
 
+def test_epoch_shuffle_is_a_new_permutation_every_epoch():
+    """Both ways of shuffling (a table for small sets, Grain's index_shuffle for large ones): every
+    epoch is a permutation of the documents, epochs differ, the same seed gives the same order."""
+    import grain
+
+    for table_max in (loader.EpochShuffle.TABLE_MAX, 0):
+        shuffled = loader.EpochShuffle(grain.MapDataset.range(50), seed=7, epochs=3)
+        shuffled.TABLE_MAX = table_max
+        order = [shuffled[i] for i in range(150)]
+        epochs = [order[:50], order[50:100], order[100:]]
+        assert all(sorted(e) == list(range(50)) for e in epochs)
+        assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != list(range(50))
+        again = loader.EpochShuffle(grain.MapDataset.range(50), seed=7, epochs=3)
+        again.TABLE_MAX = table_max
+        assert [again[i] for i in range(150)] == order
+
+
 # ----------------------------------------------------------------------------- mixtures
 
 def test_mixture_draws_documents_in_the_stated_proportions(corpus):

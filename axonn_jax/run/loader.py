@@ -154,10 +154,10 @@ class EpochShuffle(grain.MapDataset):
 
     (Grain's `shuffle().repeat()` does the same with its Feistel `index_shuffle`, which costs
     ~1.5 ms per index for a set of 50 and ~0.15 ms for 1000: sets of up to `TABLE_MAX` get a
-    permutation table per epoch instead, the last few epochs kept; larger ones use
-    `index_shuffle`, ~5 us per index.)"""
+    permutation table per epoch instead (4 MiB at most), the last few epochs kept; larger ones
+    use `index_shuffle`, ~5 us per index.)"""
 
-    TABLE_MAX = 1 << 24
+    TABLE_MAX = 1 << 20
     TABLES_KEPT = 3
 
     def __init__(self, parent: grain.MapDataset, seed: int, epochs: int | None = None):
@@ -178,7 +178,8 @@ class EpochShuffle(grain.MapDataset):
         if epoch not in self._tables:
             if len(self._tables) >= self.TABLES_KEPT:
                 self._tables.pop(min(self._tables))
-            self._tables[epoch] = np.random.default_rng([self._seed, epoch]).permutation(self._n)
+            rng = np.random.default_rng([self._seed, epoch])
+            self._tables[epoch] = rng.permutation(self._n).astype(np.int32)
         return int(self._tables[epoch][i])
 
     def __getitem__(self, index):
@@ -234,8 +235,8 @@ class _Stream:
 
 class _Rows(grain.IterDataset):
     """Grain dataset whose elements are one packed row of each of `streams` (a sub-batch), with
-    the streams' positions after it, the documents it read and the seconds it took (`busy_s`). Grain's `mp_prefetch`
-    gives each worker a slice of the streams (`set_slice`)."""
+    the streams' positions after it, the documents it read and the seconds it took (`busy_s`).
+    Grain's `mp_prefetch` gives each worker a slice of the streams (`set_slice`)."""
 
     def __init__(self, build, streams: list[int], start: dict, row_len: int, split_long: bool):
         super().__init__()
@@ -250,6 +251,7 @@ class _Rows(grain.IterDataset):
 
 
 class _RowsIterator(grain.DatasetIterator):
+    """Packs the next row of each stream; its Grain state is the streams' positions."""
 
     def __init__(self, ds: _Rows):
         super().__init__()
@@ -441,6 +443,8 @@ def make_batches(config: DataConfig, seq_len: int, global_batch: int, tokenizer=
         if global_batch % n:
             raise ValueError(f"global batch of {global_batch} rows does not split over {n} processes")
         rows = range(i * global_batch // n, (i + 1) * global_batch // n)
+    if not rows or rows.step != 1 or rows.start < 0 or rows.stop > global_batch:
+        raise ValueError(f"rows {rows} are not a contiguous range of the {global_batch} rows")
     eos_id = sources.resolve_eos(tokenizer, config.eos_id, vocab_size)
     parts = [split_documents(sources.open_source(s.path, s.field, eos_id), config.val_fraction,
                              split, s.path) for s in config.sources]

@@ -317,6 +317,11 @@ def test_resume_gives_the_batches_an_unbroken_run_reads(corpus):
         loader.make_batches(cfg, SEQ + 1, 4, None, 0, 1).set_state(state)
     with pytest.raises(loader.DataStateMismatch, match="saved for other data"):
         loader.make_batches(mixture(corpus, seed=1), SEQ, 4, None, 0, 1).set_state(state)
+    # A damaged state (the checkpoint falls back to an older step): a ValueError, never a crash.
+    damaged = {**state, "positions": {**state["positions"], "0": ["x", 1]}}
+    for bad in (damaged, {"version": 1}, [], {**state, "version": 0}):
+        with pytest.raises(loader.DataStateMismatch):
+            resumed.set_state(bad)
 
 
 def test_process_shares_are_disjoint_cover_the_batch_and_resume_on_other_counts(corpus):

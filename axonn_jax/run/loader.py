@@ -466,7 +466,10 @@ def check_state(state: Any, fingerprint: str, streams: int) -> None:
             not isinstance(state.get("positions"), dict):
         raise DataStateMismatch(f"not a data state of this version ({STATE_VERSION}): "
                                 f"{str(state)[:80]}")
-    if state["fingerprint"] != fingerprint or state["streams"] != streams:
+    if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) and x >= 0 for x in p)
+               for p in state["positions"].values()):
+        raise DataStateMismatch("a damaged data state: positions are not pairs of integers >= 0")
+    if state.get("fingerprint") != fingerprint or state.get("streams") != streams:
         raise DataStateMismatch(
             "the data state was saved for other data (sources, weights, fields, seed, seq_len, "
             f"global batch of {state['streams']} rows or tokenizer differ); its batches cannot "

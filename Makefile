@@ -15,9 +15,9 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
-# Test and MPI extras. mpi4jax builds from source against the mpich wheel, without build isolation.
+# Test, data and MPI extras. mpi4jax builds from source against the mpich wheel, without build isolation.
 $(VENV)/.test: $(VENV)/.core
-	$(BIN)/pip install --quiet -e ".[test,bench]"
+	$(BIN)/pip install --quiet -e ".[test,bench,data]"
 	bash scripts/install_mpi_extra.sh $(VENV)
 	touch $@
 

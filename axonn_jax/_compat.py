@@ -97,8 +97,34 @@ def ensure_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
+def mesh_platform(mesh=None) -> str | None:
+    """The platform (`cpu`, `gpu`, `tpu`) of `mesh`'s devices (a `Mesh` or `AbstractMesh`); without
+    one, of the mesh in context (inside a shard_map, or under `jax.set_mesh`). None when unknown.
+
+    The code a step compiles to depends on the platform of its mesh, not of this process: a
+    program compiled on a CPU host for abstract H100s (`analysis.targets`) is a GPU program."""
+    import jax
+
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return None
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return None if device is None else device.platform
+
+
+def platform_or_default(platform: str | None = None) -> str:
+    """`platform`, else the context mesh's (`mesh_platform`), else JAX's default backend."""
+    import jax
+
+    return platform or mesh_platform() or jax.default_backend()
+
+
 def _reduce_16bit_in_fp32(reduce, tree):
-    """Apply `reduce` leafwise; on CPU, 16-bit float arrays are reduced in fp32 and cast back.
+    """Apply `reduce` leafwise; for CPU meshes, 16-bit float arrays are reduced in fp32 and cast
+    back (runs inside shard_maps, whose mesh names the platform).
 
     XLA:CPU's all-reduce promotion pass aborts the process ("Invalid binary instruction opcode
     copy") on a bf16/fp16 all-reduce or reduce-scatter inside a partially manual shard_map, whose
@@ -107,7 +133,7 @@ def _reduce_16bit_in_fp32(reduce, tree):
     import jax
     import jax.numpy as jnp
 
-    if jax.devices()[0].platform != "cpu":
+    if platform_or_default() != "cpu":
         return jax.tree.map(reduce, tree)
 
     def one(x):

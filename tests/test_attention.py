@@ -108,3 +108,25 @@ def test_attention_flag_with_a_callers_model_is_refused(devices):
     with pytest.raises(ValueError, match="--attention xla picks the built-in models' attention"):
         build_trainer(TrainOptions(attention="xla"), devices[:1], model=vit(),
                       example_batch=image_batches(4)(0))
+
+
+def test_platform_is_the_meshs(devices):
+    """Code that depends on the platform asks the mesh it runs on (inside the step's shard_map),
+    not this process: a program compiled here for abstract GPUs is a GPU program."""
+    from jax.sharding import PartitionSpec as P
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax._compat import mesh_platform, shard_map
+
+    mesh = make_mesh(ParallelConfig(data=2), devices[:2])
+    assert mesh_platform(mesh) == mesh_platform(mesh.abstract_mesh) == "cpu"
+    assert mesh_platform() is None  # no mesh in context
+    seen = []
+
+    def local(x):
+        seen.append((mesh_platform(), attention.resolve("auto", jnp.bfloat16, 64)))
+        return x
+
+    jax.jit(shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                      axis_names={"data"})).trace(jnp.zeros(2))
+    assert seen == [("cpu", "xla")]

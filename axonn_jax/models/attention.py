@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._compat import mesh_platform, platform_or_default
+
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -40,23 +42,23 @@ def _cudnn_problem(dtype, head_dim: int | None, platform: str) -> str | None:
 
 
 def check(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> None:
-    """ValueError (one line) unless `choice` can run in `dtype` on `platform` (default: JAX's
-    default backend)."""
+    """ValueError (one line) unless `choice` can run in `dtype` on `platform` (default: the
+    platform of the mesh in context, else JAX's default backend; the trainer passes its mesh's)."""
     check_choice(choice)
     if choice == "cudnn":
-        problem = _cudnn_problem(dtype, head_dim, platform or jax.default_backend())
+        problem = _cudnn_problem(dtype, head_dim, platform_or_default(platform))
         if problem:
             raise ValueError(f"--attention cudnn {problem}; use --attention xla or auto")
 
 
 def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> str:
     """The implementation (`xla` or `cudnn`) that `choice` means for `dtype` and `head_dim` on
-    `platform` (default: JAX's default backend): `auto` is `cudnn` wherever cuDNN's flash
+    `platform` (default: as `check`): `auto` is `cudnn` wherever cuDNN's flash
     attention can run, else `xla`. ValueError (`check`) for a choice that cannot run."""
     check(choice, dtype, head_dim, platform)
     if choice != "auto":
         return choice
-    return "xla" if _cudnn_problem(dtype, head_dim, platform or jax.default_backend()) else "cudnn"
+    return "xla" if _cudnn_problem(dtype, head_dim, platform_or_default(platform)) else "cudnn"
 
 
 def causal_attention(q, k, v, implementation: str = "auto"):
@@ -67,8 +69,11 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     `implementation`: see `resolve`."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not divisible by {k.shape[2]} key/value heads")
-    impl = resolve(implementation, q.dtype, q.shape[-1])
-    if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # The platform of the mesh in context (the step's shard_map); outside one, an explicit `cudnn`
+    # is trusted (the trainer checked it against its mesh) and `auto` asks the default backend.
+    platform = mesh_platform() or ("gpu" if implementation == "cudnn" else None)
+    impl = resolve(implementation, q.dtype, q.shape[-1], platform)
+    if impl == "xla" and q.dtype == jnp.float16 and platform_or_default() == "cpu":
         # XLA:CPU has no float16 × float16 -> float32 dot, which the xla implementation asks for;
         # its scores and softmax are float32 either way, so computing in float32 changes nothing
         # but the rounding of q, k, v products.

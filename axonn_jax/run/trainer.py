@@ -99,8 +99,10 @@ def build_trainer(options: TrainOptions, devices=None, *, model: StackedModel | 
             raise ValueError(f"--seq-len {options.seq_len} exceeds {preset.name}'s max_seq_len "
                              f"{preset.config.max_seq_len}")
         head_dim = getattr(preset.config, "head_dim", None)
-        attention.check(options.attention, DTYPES[options.dtype], head_dim)
-        preset = preset.with_config(attention=options.attention)
+        # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a CPU host)
+        platform = (devices or jax.devices())[0].platform
+        preset = preset.with_config(attention=attention.resolve(
+            options.attention, DTYPES[options.dtype], head_dim, platform))
         model = preset.build(DTYPES[options.dtype], options.parallel)
         example_batch = lm_example(options)
     elif options.init_from:

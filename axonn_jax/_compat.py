@@ -35,6 +35,47 @@ def shard_map(
     return _shard_map(f, **kwargs)
 
 
+def nested_shard_map(f: Callable, *, mesh, in_specs, out_specs, axis_names) -> Callable:
+    """`shard_map(f, ...)` manual over `axis_names` inside an enclosing shard_map (manual over
+    other axes of `mesh`, the context's abstract mesh), differentiable inside `lax.scan`.
+
+    `f(*args) -> array` computes each device's block without collectives over `axis_names`;
+    `in_specs` is a tuple (one spec per argument).
+
+    JAX 0.10 (check_vma) gives the residuals that partial evaluation cuts out of a nested
+    shard_map specs over every axis they vary over, the enclosing shard_map's manual axes
+    included, and a scan over layers hoists loop-invariant pieces of the shard_map into such
+    residuals: their shapes come out multiplied by those axes' sizes and the program fails to
+    lower. So the forward shard_map does not check replication (its output is given the
+    enclosing axes its arguments vary over), keeps no residuals of its own (a custom VJP keeps
+    the arguments), and the backward shard_map, which no partial evaluation cuts, runs `f`'s
+    forward again and its VJP, with replication checked (JAX sums the cotangent of an argument
+    over the axes its spec leaves it whole on where the output is split)."""
+    import jax
+
+    def outer(args):  # the enclosing axes the arguments vary over
+        return tuple(sorted(set().union(*map(varying_axes, args)) - set(axis_names)))
+
+    def sm(fn, ins, outs, check):
+        return shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axis_names,
+                         check_vma=check)
+
+    @jax.custom_vjp
+    def call(*args):
+        return ensure_varying(sm(f, in_specs, out_specs, False)(*args), outer(args))
+
+    def fwd(*args):
+        return call(*args), args
+
+    def bwd(args, g):
+        local = lambda g, *a: jax.vjp(f, *a)[1](g)  # noqa: E731
+        cts = sm(local, (out_specs, *in_specs), in_specs, True)(g, *args)
+        return tuple(ensure_varying(ct, tuple(sorted(varying_axes(a)))) for ct, a in zip(cts, args))
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 HOST_MEMORY_KIND = "pinned_host"
 DEVICE_MEMORY_KIND = "device"
 

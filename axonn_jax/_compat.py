@@ -80,6 +80,19 @@ HOST_MEMORY_KIND = "pinned_host"
 DEVICE_MEMORY_KIND = "device"
 
 
+def with_memory_kind(sharding, kind: str):
+    """`sharding` in memory `kind`, also for compile-only devices (`analysis.targets`' abstract
+    GPUs), which list no memories, so that `with_memory_kind` silently drops the kind there: a
+    NamedSharding on the mesh's abstract mesh keeps it (lower such programs under
+    `jax.set_mesh(mesh)`; `analysis.compiled` does)."""
+    out = sharding.with_memory_kind(kind)
+    if out.memory_kind != kind and isinstance(sharding, jax.sharding.NamedSharding) \
+            and isinstance(sharding.mesh, jax.sharding.Mesh):
+        out = jax.sharding.NamedSharding(sharding.mesh.abstract_mesh, sharding.spec,
+                                         memory_kind=kind)
+    return out
+
+
 def memory_kind_of(x: jax.Array) -> str | None:
     """The memory kind an array lives in (`device`, `pinned_host`, ...), or None for non-arrays."""
     sharding = getattr(x, "sharding", None)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._compat import HOST_MEMORY_KIND
+from .._compat import HOST_MEMORY_KIND, with_memory_kind
 from .precision import keep_if_finite
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -107,7 +107,7 @@ class HostOffloadedOptimizer:
     def state_shardings(self, opt_state, param_shardings):
         """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
         on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
-        host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY_KIND), param_shardings)
+        host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND), param_shardings)
         any_sharding = jax.tree.leaves(param_shardings)[0]
         scalar = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
         inner = optax.tree_map_params(self.inner, lambda _, s: s, opt_state["inner"], host,
@@ -155,14 +155,16 @@ class HostOffloadedOptimizer:
 
         scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
         new_scalars = scalars
-        to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+        # Pieces go back into the memory their state lives in (the host, unless the state was
+        # placed elsewhere): an update must be in the memory space of the array it updates.
+        back = lambda full, x: jax.device_put(x, jax.typeof(full).memory_space)
         stacked = stacked_mask(params, self.stacked_key, self.num_layers)
 
         def write(new_m, new_s, put, master, state_leaves, param_leaves):
-            master = [x if a is None else put(x, to_host(a)) for x, a in zip(master, new_m)]
+            master = [x if a is None else put(x, back(x, a)) for x, a in zip(master, new_m)]
             param_leaves = [x if a is None else put(x, a.astype(x.dtype))
                             for x, a in zip(param_leaves, new_m)]
-            state_leaves = [x if r.param is None or a is None else put(x, to_host(a))
+            state_leaves = [x if r.param is None or a is None else put(x, back(x, a))
                             for r, x, a in zip(roles, state_leaves, new_s)]
             return master, state_leaves, param_leaves
 

@@ -35,8 +35,62 @@ def shard_map(
     return _shard_map(f, **kwargs)
 
 
+def nested_shard_map(f: Callable, *, mesh, in_specs, out_specs, axis_names) -> Callable:
+    """`shard_map(f, ...)` manual over `axis_names` inside an enclosing shard_map (manual over
+    other axes of `mesh`, the context's abstract mesh), differentiable inside `lax.scan`.
+
+    `f(*args) -> array` computes each device's block without collectives over `axis_names`;
+    `in_specs` is a tuple (one spec per argument).
+
+    JAX 0.10 (check_vma) gives the residuals that partial evaluation cuts out of a nested
+    shard_map specs over every axis they vary over, the enclosing shard_map's manual axes
+    included, and a scan over layers hoists loop-invariant pieces of the shard_map into such
+    residuals: their shapes come out multiplied by those axes' sizes and the program fails to
+    lower. So the forward shard_map does not check replication (its output is given the
+    enclosing axes its arguments vary over), keeps no residuals of its own (a custom VJP keeps
+    the arguments), and the backward shard_map, which no partial evaluation cuts, runs `f`'s
+    forward again and its VJP, with replication checked (JAX sums the cotangent of an argument
+    over the axes its spec leaves it whole on where the output is split)."""
+    import jax
+
+    def outer(args):  # the enclosing axes the arguments vary over
+        return tuple(sorted(set().union(*map(varying_axes, args)) - set(axis_names)))
+
+    def sm(fn, ins, outs, check):
+        return shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axis_names,
+                         check_vma=check)
+
+    @jax.custom_vjp
+    def call(*args):
+        return ensure_varying(sm(f, in_specs, out_specs, False)(*args), outer(args))
+
+    def fwd(*args):
+        return call(*args), args
+
+    def bwd(args, g):
+        local = lambda g, *a: jax.vjp(f, *a)[1](g)  # noqa: E731
+        cts = sm(local, (out_specs, *in_specs), in_specs, True)(g, *args)
+        return tuple(ensure_varying(ct, tuple(sorted(varying_axes(a)))) for ct, a in zip(cts, args))
+
+    call.defvjp(fwd, bwd)
+    return call
+
+
 HOST_MEMORY_KIND = "pinned_host"
 DEVICE_MEMORY_KIND = "device"
+
+
+def with_memory_kind(sharding, kind: str):
+    """`sharding` in memory `kind`, also for compile-only devices (`analysis.targets`' abstract
+    GPUs), which list no memories, so that `with_memory_kind` silently drops the kind there: a
+    NamedSharding on the mesh's abstract mesh keeps it (lower such programs under
+    `jax.set_mesh(mesh)`; `analysis.compiled` does)."""
+    out = sharding.with_memory_kind(kind)
+    if out.memory_kind != kind and isinstance(sharding, jax.sharding.NamedSharding) \
+            and isinstance(sharding.mesh, jax.sharding.Mesh):
+        out = jax.sharding.NamedSharding(sharding.mesh.abstract_mesh, sharding.spec,
+                                         memory_kind=kind)
+    return out
 
 
 def memory_kind_of(x: jax.Array) -> str | None:
@@ -97,8 +151,34 @@ def ensure_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
+def mesh_platform(mesh=None) -> str | None:
+    """The platform (`cpu`, `gpu`, `tpu`) of `mesh`'s devices (a `Mesh` or `AbstractMesh`); without
+    one, of the mesh in context (inside a shard_map, or under `jax.set_mesh`). None when unknown.
+
+    The code a step compiles to depends on the platform of its mesh, not of this process: a
+    program compiled on a CPU host for abstract H100s (`analysis.targets`) is a GPU program."""
+    import jax
+
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return None
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return None if device is None else device.platform
+
+
+def platform_or_default(platform: str | None = None) -> str:
+    """`platform`, else the context mesh's (`mesh_platform`), else JAX's default backend."""
+    import jax
+
+    return platform or mesh_platform() or jax.default_backend()
+
+
 def _reduce_16bit_in_fp32(reduce, tree):
-    """Apply `reduce` leafwise; on CPU, 16-bit float arrays are reduced in fp32 and cast back.
+    """Apply `reduce` leafwise; for CPU meshes, 16-bit float arrays are reduced in fp32 and cast
+    back (runs inside shard_maps, whose mesh names the platform).
 
     XLA:CPU's all-reduce promotion pass aborts the process ("Invalid binary instruction opcode
     copy") on a bf16/fp16 all-reduce or reduce-scatter inside a partially manual shard_map, whose
@@ -107,7 +187,7 @@ def _reduce_16bit_in_fp32(reduce, tree):
     import jax
     import jax.numpy as jnp
 
-    if jax.devices()[0].platform != "cpu":
+    if platform_or_default() != "cpu":
         return jax.tree.map(reduce, tree)
 
     def one(x):

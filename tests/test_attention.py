@@ -108,3 +108,71 @@ def test_attention_flag_with_a_callers_model_is_refused(devices):
     with pytest.raises(ValueError, match="--attention xla picks the built-in models' attention"):
         build_trainer(TrainOptions(attention="xla"), devices[:1], model=vit(),
                       example_batch=image_batches(4)(0))
+
+
+def _xla_core(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+@pytest.mark.parametrize("grid, kv_heads", [
+    (dict(data=2, row=2, col=2), 2),  # heads split over row, batch over col
+    (dict(data=2, row=2, col=2), 1),  # each device's query heads share one key/value head
+    (dict(data=2, depth=2, row=2), 4),  # batch over depth
+], ids=["row-col-gqa", "row-col-mqa", "depth-row-mha"])
+def test_fully_manual_core_equals_the_core(devices, grid, kv_heads):
+    """The nested fully manual shard_map that cuDNN's attention runs in inside the train step's
+    shard_map (manual over `data`, automatic over the tensor axes), differentiated through a scan
+    over two layers (where JAX 0.10's own residuals of a nested shard_map fail to lower): outputs
+    and gradients equal the core's. Here with XLA's core: the mechanism is the same for cuDNN's."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax._compat import shard_map
+
+    mesh = make_mesh(ParallelConfig(**grid), devices)
+    rng = np.random.default_rng(kv_heads)
+    q = jnp.asarray(rng.normal(size=(8, 12, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(8, 12, kv_heads, 8)), jnp.float32) for _ in range(2))
+
+    def step(attend):  # as the train step: autodiff inside the shard_map, manual over `data`
+        def loss(q, k, v):
+            def layer(x, _):  # keys and values from the carry, as in a model's blocks
+                q, k, v = x
+                y = attend(q, k, v)
+                return (y * 0.5 + q, k + 0.1 * y[:, :, :kv_heads], v - 0.1 * y[:, :, :kv_heads]), None
+            y = jax.lax.scan(layer, (q, k, v), None, length=2)[0]
+            return sum(jnp.sum(a * a) for a in y)
+
+        def local(*a):
+            value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(*a)
+            return value[None], grads
+
+        return jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"),) * 3,
+                                 out_specs=(P("data"), (P("data"),) * 3), axis_names={"data"}))
+
+    ours = lambda q, k, v: attention.fully_manual(_xla_core, q, k, v)  # noqa: E731
+    placed = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (q, k, v)]
+    assert "shard_map" in str(jax.make_jaxpr(step(ours))(*placed)).split("shard_map", 1)[1]
+    _close(step(ours)(*placed), step(_xla_core)(*placed), 1e-5)
+
+
+def test_platform_is_the_meshs(devices):
+    """Code that depends on the platform asks the mesh it runs on (inside the step's shard_map),
+    not this process: a program compiled here for abstract GPUs is a GPU program."""
+    from jax.sharding import PartitionSpec as P
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax._compat import mesh_platform, shard_map
+
+    mesh = make_mesh(ParallelConfig(data=2), devices[:2])
+    assert mesh_platform(mesh) == mesh_platform(mesh.abstract_mesh) == "cpu"
+    assert mesh_platform() is None  # no mesh in context
+    seen = []
+
+    def local(x):
+        seen.append((mesh_platform(), attention.resolve("auto", jnp.bfloat16, 64)))
+        return x
+
+    jax.jit(shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                      axis_names={"data"})).trace(jnp.zeros(2))
+    assert seen == [("cpu", "xla")]

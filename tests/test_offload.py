@@ -221,6 +221,15 @@ def test_auto_plan_end_to_end(devices):
     assert "predicted peak" in plan.describe()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_auto_plan_in_16_bits(devices, dtype):
+    """The planner measures the blocks in the compute dtype (it once read it before it was set)."""
+    budget_gb = 0.0200
+    trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=16, seq_len=64, dtype=dtype,
+                                         remat="auto", memory_budget_gb=budget_gb), devices[:1])
+    assert trainer.bound.plan.predicted_peak <= budget_gb * 1e9
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(remat="full", memory_budget_gb=1.0), "--memory-budget is used by --remat auto only"),
     (dict(remat="auto"), "--remat auto needs a positive --memory-budget"),

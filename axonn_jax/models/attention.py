@@ -14,8 +14,13 @@ ValueError (`check`), which `axonn-jax train --attention` shows before anything 
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .._compat import mesh_platform, nested_shard_map, platform_or_default
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -40,23 +45,23 @@ def _cudnn_problem(dtype, head_dim: int | None, platform: str) -> str | None:
 
 
 def check(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> None:
-    """ValueError (one line) unless `choice` can run in `dtype` on `platform` (default: JAX's
-    default backend)."""
+    """ValueError (one line) unless `choice` can run in `dtype` on `platform` (default: the
+    platform of the mesh in context, else JAX's default backend; the trainer passes its mesh's)."""
     check_choice(choice)
     if choice == "cudnn":
-        problem = _cudnn_problem(dtype, head_dim, platform or jax.default_backend())
+        problem = _cudnn_problem(dtype, head_dim, platform_or_default(platform))
         if problem:
             raise ValueError(f"--attention cudnn {problem}; use --attention xla or auto")
 
 
 def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> str:
     """The implementation (`xla` or `cudnn`) that `choice` means for `dtype` and `head_dim` on
-    `platform` (default: JAX's default backend): `auto` is `cudnn` wherever cuDNN's flash
+    `platform` (default: as `check`): `auto` is `cudnn` wherever cuDNN's flash
     attention can run, else `xla`. ValueError (`check`) for a choice that cannot run."""
     check(choice, dtype, head_dim, platform)
     if choice != "auto":
         return choice
-    return "xla" if _cudnn_problem(dtype, head_dim, platform or jax.default_backend()) else "cudnn"
+    return "xla" if _cudnn_problem(dtype, head_dim, platform_or_default(platform)) else "cudnn"
 
 
 def causal_attention(q, k, v, implementation: str = "auto"):
@@ -67,8 +72,11 @@ def causal_attention(q, k, v, implementation: str = "auto"):
     `implementation`: see `resolve`."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{q.shape[2]} query heads are not divisible by {k.shape[2]} key/value heads")
-    impl = resolve(implementation, q.dtype, q.shape[-1])
-    if impl == "xla" and q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # The platform of the mesh in context (the step's shard_map); outside one, an explicit `cudnn`
+    # is trusted (the trainer checked it against its mesh) and `auto` asks the default backend.
+    platform = mesh_platform() or ("gpu" if implementation == "cudnn" else None)
+    impl = resolve(implementation, q.dtype, q.shape[-1], platform)
+    if impl == "xla" and q.dtype == jnp.float16 and platform_or_default() == "cpu":
         # XLA:CPU has no float16 × float16 -> float32 dot, which the xla implementation asks for;
         # its scores and softmax are float32 either way, so computing in float32 changes nothing
         # but the rounding of q, k, v products.
@@ -76,4 +84,61 @@ def causal_attention(q, k, v, implementation: str = "auto"):
                                            v.astype(jnp.float32), is_causal=True,
                                            implementation="xla")
         return out.astype(q.dtype)
+    if impl == "cudnn":
+        return fully_manual(_cudnn, q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+
+def _cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def fully_manual(core, q, k, v):
+    """`core(q, k, v)` (an attention core: cuDNN's), inside a partially manual shard_map run in a
+    nested shard_map manual over the mesh's other axes too. JAX partitions the cuDNN call with a
+    custom partitioner that refuses manual shardings (the train step's shard_map is manual over
+    `data` or `pipe`), and lowers it as it is where every axis is manual. The nested specs are
+    those `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
+    the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
+    these specs). Elsewhere (no shard_map, or every axis manual) `core(q, k, v)` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes or mesh.are_all_axes_manual:
+        return core(q, k, v)
+    auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape))
+    groups = q.shape[2] // k.shape[2]
+
+    def local(q, k, v):
+        if heads_axis is not None and kv_spec[2] is None:
+            # This device's query heads all share one key/value head of the whole set.
+            start = jax.lax.axis_index(heads_axis) * q.shape[2] // groups
+            k, v = (jax.lax.dynamic_slice_in_dim(a, start, 1, axis=2) for a in (k, v))
+        return core(q, k, v)
+
+    return nested_shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                            out_specs=q_spec, axis_names=auto)(q, k, v)
+
+
+def _manual_specs(q, k, auto, sizes):
+    """(q's spec, k's and v's spec, the axis splitting the heads or None) over the `auto` axes:
+    the layout of a normal layer's output in `tp.tensor` (batch over `depth`, and `col` where the
+    layer keeps the batch split; heads over `row`), without the splits that do not divide. Key and
+    value heads that do not divide over `row` stay whole where each device's query heads share one
+    of them (a Llama's replicated key/value projections)."""
+    from ..tp.tensor import split_batch
+
+    if not {"depth", "row", "col"} <= set(sizes):  # not the tensor-parallel layout's mesh
+        batch_axes = ()
+    else:
+        batch_axes = ("depth", "col") if split_batch(q.shape, None, False) else ("depth",)
+    batch_axes = tuple(a for a in batch_axes if a in auto and sizes[a] > 1)
+    if q.shape[0] % math.prod(sizes[a] for a in batch_axes):
+        batch_axes = ()
+    row = sizes.get("row", 1) if "row" in auto else 1
+    heads, kv_heads = q.shape[2], k.shape[2]
+    heads_axis = "row" if row > 1 and heads % row == 0 and (
+        kv_heads % row == 0 or (heads // kv_heads) % (heads // row) == 0) else None
+    batch = batch_axes or None
+    q_spec = P(batch, None, heads_axis, None)
+    kv_split = heads_axis if heads_axis and kv_heads % row == 0 else None
+    return q_spec, P(batch, None, kv_split, None), heads_axis

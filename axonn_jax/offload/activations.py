@@ -108,12 +108,19 @@ def calibrate(size: int = 512, repeats: int = 4) -> DeviceSpec:
     return DeviceSpec(f"calibrated {dev.platform}", flops, bandwidth)
 
 
-def device_spec() -> DeviceSpec:
-    """The named spec of the default device's kind, else a calibration of it."""
-    kind = jax.devices()[0].device_kind.lower()
+def device_spec(device=None) -> DeviceSpec:
+    """The named spec of `device`'s kind (default: the default device; the step passes its mesh's
+    first device), else a calibration of the default device, which must then be of the same
+    platform (a program compiled for abstract GPUs is never calibrated on this host's CPU)."""
+    device = device or jax.devices()[0]
+    kind = device.device_kind.lower()
     for name, spec in SPECS.items():
         if name in kind:
             return spec
+    if device.platform != jax.devices()[0].platform:
+        raise ValueError(f"--remat auto: no device spec for {device.device_kind!r} and it cannot "
+                         f"be calibrated from this {jax.devices()[0].platform} process; known: "
+                         f"{', '.join(SPECS)}")
     return calibrate()
 
 

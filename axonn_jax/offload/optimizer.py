@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import HOST_MEMORY_KIND
+from .._compat import HOST_MEMORY_KIND, with_memory_kind
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -113,8 +113,8 @@ class _Role:
 def _on_device(x, dtype):
     """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x`."""
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding.with_memory_kind("device"))
-    return jax.device_put(x, x.sharding.with_memory_kind("device")).astype(dtype)
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=with_memory_kind(x.sharding, "device"))
+    return jax.device_put(x, with_memory_kind(x.sharding, "device")).astype(dtype)
 
 
 def _none_is_leaf(x) -> bool:
@@ -171,7 +171,7 @@ class _Streamed:
     def state_shardings(self, opt_state, param_shardings):
         """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
         on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
-        host = jax.tree.map(lambda s: s.with_memory_kind(HOST_MEMORY_KIND), param_shardings)
+        host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND), param_shardings)
         scalar = _replicated_like(param_shardings)
         inner = optax.tree_map_params(self.inner, lambda _, s: s, opt_state["inner"], host,
                                       transform_non_params=lambda _: scalar)
@@ -218,14 +218,16 @@ class _Streamed:
 
         scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
         new_scalars = scalars
-        to_host = lambda x: jax.device_put(x, jax.memory.Space.Host)
+        # Pieces go back into the memory their state lives in (the host, unless the state was
+        # placed elsewhere): an update must be in the memory space of the array it updates.
+        back = lambda full, x: jax.device_put(x, jax.typeof(full).memory_space)
         stacked = stacked_mask(params, self.stacked_key, self.num_layers)
 
         def write(new_m, new_s, put, master, state_leaves, param_leaves):
-            master = [x if a is None else put(x, to_host(a)) for x, a in zip(master, new_m)]
+            master = [x if a is None else put(x, back(x, a)) for x, a in zip(master, new_m)]
             param_leaves = [x if a is None else put(x, a.astype(x.dtype))
                             for x, a in zip(param_leaves, new_m)]
-            state_leaves = [x if r.param is None or a is None else put(x, to_host(a))
+            state_leaves = [x if r.param is None or a is None else put(x, back(x, a))
                             for r, x, a in zip(roles, state_leaves, new_s)]
             return master, state_leaves, param_leaves
 

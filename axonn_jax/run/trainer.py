@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from .. import models
 from ..config import ParallelConfig
 from ..mesh import make_mesh
+from ..models import attention
 from ..offload.precision import DTYPES
 from ..step.model import StackedModel
 from ..step.train_step import TrainStep, make_train_step
@@ -97,9 +98,14 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
     preset = None
     if model is None:
         opts.check(config)  # the model's own checks first: the preset must exist to build it
-        preset = opts.preset_of(config).with_config(attention=config.model.attention) \
-            if opts.preset_of(config).data == "tokens" else opts.preset_of(config)
+        preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
+        if preset.data == "tokens":
+            # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a
+            # CPU host)
+            platform = (devices or jax.devices())[0].platform
+            preset = preset.with_config(attention=attention.resolve(
+                config.model.attention, dtype, getattr(preset.config, "head_dim", None), platform))
         model = preset.build(dtype, config.parallel)
         example_batch = preset.config.example_batch(config.data.batch_size) \
             if preset.data == "images" else lm_example(config)

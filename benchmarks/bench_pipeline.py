@@ -65,9 +65,10 @@ def operation_costs(trainer, rows: int, seq_len: int, repeats: int) -> dict:
     from axonn_jax.parallel import pipeline
 
     o, bound = trainer.options, trainer.bound
-    embed, stage, head = bound._stage_functions()
-    params = bound.fns.init(jax.random.key(0))
     n = pipeline.check_layers(trainer.model.num_layers, o.parallel.pipe, o.pipeline.virtual_stages)
+    compute = bound.compute
+    embed, stage, head = compute.embed, compute.stage(n), compute.head
+    params = bound.fns.init(jax.random.key(0))
     prm = (params["embed"], jax.tree.map(lambda a: a[:n], params["blocks"]), params["head"])
     mb = {"inputs": jnp.zeros((rows, seq_len), jnp.int32),
           "targets": jnp.zeros((rows, seq_len), jnp.int32)}

@@ -52,30 +52,37 @@ class SpmdEngine:
         """Parameters enter whole over the manual axes."""
         return P()
 
+    metric_spec = P()
+    """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
+
     def loss_and_grads(self, params, batch, scale):
         if self.manual:  # each shard keeps its own gradients until the explicit reduction
             params = to_varying(params, BATCH_MANUAL)
         m = self.microbatches
+
+        def scaled(p, b, weight):
+            loss, metrics = self.compute.loss_and_metrics(p, b)
+            return loss * weight, (loss, metrics)
+
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
         if m == 1:
-            loss, grads = jax.value_and_grad(lambda p: self.compute.loss(p, batch) * scale)(params)
-            return loss / scale, grads, {}
+            (_, (loss, metrics)), grads = grad_fn(params, batch, scale)
+            return loss, grads, metrics
         rows = jax.tree.leaves(batch)[0].shape[0]
         if rows % m:
             raise ValueError(f"the local batch of {rows} rows is not divisible by microbatches = {m}")
         split = jax.tree.map(lambda a: a.reshape(m, rows // m, *a.shape[1:]), batch)
-        # Each microbatch's loss weighted 1/m: the sum of the gradients is the mean's.
-        grad_fn = jax.value_and_grad(lambda p, b: self.compute.loss(p, b) * (scale / m))
 
-        def one(carry, b):
-            loss, acc = carry
-            l, g = grad_fn(params, b)
-            return (loss + l, jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)), None
+        def one(acc, b):
+            # Each microbatch's loss weighted 1/m: the sum of the gradients is the mean's.
+            (_, (loss, metrics)), g = grad_fn(params, b, scale / m)
+            acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+            return acc, (loss, metrics)
 
         axes = tuple(sorted(self.manual_axes))
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        carry = to_varying((jnp.zeros((), jnp.float32), zeros), axes)
-        (loss, grads), _ = jax.lax.scan(one, carry, split)
-        return loss / scale, grads, {}
+        zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), axes)
+        grads, (losses, metrics) = jax.lax.scan(one, zeros, split)
+        return jnp.mean(losses), grads, jax.tree.map(lambda v: jnp.mean(v, axis=0), metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +101,15 @@ class PipelineEngine:
         """The blocks split over `pipe` on their layer axis, the rest whole."""
         return {"embed": P(), "blocks": P("pipe"), "head": P()}
 
+    metric_spec = P("pipe")
+    """Metrics (per layer) leave split over `pipe` like the blocks, in their stored order."""
+
     def loss_and_grads(self, params, batch, scale):
         fns, s = self.compute.fns, self.schedule
         params = ensure_varying(params, tuple(sorted(self.manual_axes)))
         layers = jax.tree.leaves(params["blocks"])[0].shape[0] // s.virtual_stages
-        loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
-            self.compute.embed, self.compute.stage(layers),
-            lambda p, y, b: self.compute.head(p, y, b) * scale,
-            (params["embed"], params["blocks"], fns.head_params(params)), batch, s)
+        loss, (g_e, g_b, g_h), metrics = pipeline_lib.pipeline_loss_and_grads(
+            self.compute.embed, self.compute.stage(layers), self.compute.head,
+            (params["embed"], params["blocks"], fns.head_params(params)), batch, s, scale=scale)
         g_e, g_h = fns.embed_and_head_grads(g_e, g_h)
-        return loss / scale, {"embed": g_e, "blocks": g_b, "head": g_h}, {}
+        return loss, {"embed": g_e, "blocks": g_b, "head": g_h}, metrics

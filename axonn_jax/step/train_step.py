@@ -557,10 +557,16 @@ class BoundStep:
         r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
             else P("data")
-        return shard_map(local, mesh=self.parts.mesh,
-                         in_specs=(p_specs, P("data"), P(), P(), r_specs),
-                         out_specs=(P(), p_specs, r_specs, P()),
-                         axis_names=set(engine.manual_axes))(params, batch, scale, key, red_state)
+        loss, grads, red_state, metrics = shard_map(
+            local, mesh=self.parts.mesh, in_specs=(p_specs, P("data"), P(), P(), r_specs),
+            out_specs=(P(), p_specs, r_specs, engine.metric_spec),
+            axis_names=set(engine.manual_axes))(params, batch, scale, key, red_state)
+        # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
+        order = self.parts.layer_order
+        if order is not None:
+            metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
+                                   metrics)
+        return loss, grads, red_state, metrics
 
     # ------------------------------------------------------------------ the step
 

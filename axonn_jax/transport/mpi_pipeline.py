@@ -227,13 +227,14 @@ class StageEngine:
                                             p["blocks"])}
 
     def _apply(self, prm, x, mb_batch, first: bool, last: bool):
-        """A chunk's input (the batch when `first`) -> output (the loss when `last`); prm: the
-        stage's parameters with one chunk's `blocks` (`_chunk`)."""
+        """A chunk's input (the batch when `first`) -> (output (the loss when `last`), the
+        chunk's auxiliary loss); prm: the stage's parameters with one chunk's `blocks`
+        (`_chunk`)."""
         embed, stage_fn, head = self._fns
         if first:
             x = embed(prm["embed"], mb_batch)
-        y = stage_fn(prm["blocks"], x)
-        return head(prm["head"], y, mb_batch) if last else y
+        y, extra, _ = stage_fn(prm["blocks"], x, mb_batch)
+        return (head(prm["head"], y, mb_batch) + extra if last else y), extra
 
     def _microbatch(self, batch, mb):
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, mb * self.mb_rows,
@@ -247,14 +248,19 @@ class StageEngine:
         def backward(p, x, mb_batch, c, cot, scale):
             prm = self._chunk(p, c)
             if first:  # the input is the batch: differentiate the parameters only
-                out, vjp = jax.vjp(lambda q: self._apply(q, None, mb_batch, True, last), prm)
+                (out, extra), vjp = jax.vjp(lambda q: self._apply(q, None, mb_batch, True, last),
+                                            prm)
             else:
-                out, vjp = jax.vjp(lambda q, x_: self._apply(q, x_, mb_batch, False, last), prm, x)
-            g_out = (scale / m).astype(out.dtype) if last else cot
-            g = vjp(g_out)
+                (out, extra), vjp = jax.vjp(
+                    lambda q, x_: self._apply(q, x_, mb_batch, False, last), prm, x)
+            weight = (scale / m).astype(jnp.float32)
+            # The loss (with the chunk's auxiliary loss) on the last stage, the auxiliary loss
+            # elsewhere, each weighted scale / M.
+            g_out = weight.astype(out.dtype) if last else cot
+            g = vjp((g_out, jnp.zeros_like(extra) if last else weight))
             g_x = jnp.zeros((), jnp.float32) if first else g[1]
-            loss = (out.astype(jnp.float32) / m) if last else jnp.zeros((), jnp.float32)
-            return g_x, loss, g[0]
+            share = out.astype(jnp.float32) if last else extra.astype(jnp.float32)
+            return g_x, share / m, g[0]
 
         return backward
 
@@ -278,7 +284,7 @@ class StageEngine:
             return self._programs[key]
         if kind == "F":
             def forward(p, x, batch, mb, c):
-                return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)
+                return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)[0]
 
             program = jax.jit(forward)
         elif kind == "B" and self.schedule != "zb-h1":

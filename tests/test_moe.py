@@ -332,3 +332,118 @@ def test_bad_input_one_line_errors(devices):
                   in_specs=(P(), P(AXES)), out_specs=P(AXES))
     with pytest.raises(ValueError, match=r"num_experts = 6 is not divisible by the expert axis \(4\)"):
         jax.eval_shape(f, params, jnp.zeros((8, D)))
+
+
+# ----------------------------------------------------------------------------- Mixtral
+
+TOKENS = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
+MIXTRAL = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               rms_norm_eps=1e-5, rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2,
+               router_aux_loss_coef=0.02)
+
+
+def _torch_mixtral(path):
+    """Logits `(b, t, vocab)` and each layer's balance loss, by transformers' PyTorch Mixtral, of
+    the Hugging Face directory `path`."""
+    import torch
+    from transformers import MixtralForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = MixtralForCausalLM.from_pretrained(path, torch_dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor(TOKENS, dtype=torch.long), output_router_logits=True)
+        balance = [float(load_balancing_loss_func((r,), model.config.num_local_experts,
+                                                  model.config.num_experts_per_tok))
+                   for r in out.router_logits]
+    return out.logits.numpy(), np.array(balance)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    """A Hugging Face Mixtral directory written by transformers (random weights, the router's
+    scaled up so that routing is decisive) and its logits and balance losses."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**MIXTRAL, initializer_range=0.1))
+    path = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(path, safe_serialization=True)
+    return (path, *_torch_mixtral(path))
+
+
+def test_mixtral_checkpoint_matches_transformers(hf_mixtral, tmp_path):
+    """Our logits and per-layer balance losses on a transformers-written Mixtral equal
+    transformers' PyTorch Mixtral's; our export loads back into transformers with its logits."""
+    from conftest import relative_difference
+
+    path, want, want_balance = hf_mixtral
+    module, params = mixtral.from_pretrained(path)
+    c = module.config
+    assert (c.num_experts, c.top_k, c.d_ff, c.aux_loss_weight) == (8, 2, 32, 0.02)
+    logits, aux = jax.jit(lambda p, t: module.apply({"params": p}, t, return_aux=True))(
+        params, TOKENS)
+    assert relative_difference(logits, want) <= 1e-5
+    _close(aux["balance_loss"], want_balance.astype(np.float32))
+    assert float(aux["expert_load"].sum()) == c.num_layers * TOKENS.size * c.top_k
+    mixtral.to_pretrained(module, params, tmp_path)
+    again, balance = _torch_mixtral(tmp_path)
+    assert relative_difference(again, want) <= 1e-6 and relative_difference(balance, want_balance) <= 1e-6
+
+
+def test_mixtral_export_refuses_what_the_format_cannot_hold(tmp_path):
+    module = mixtral.network(mixtral.PRESETS["deepseek-moe-tiny"])
+    with pytest.raises(ValueError, match="no shared experts; this model has score = 'sigmoid'"):
+        mixtral.to_pretrained(module, {}, tmp_path)
+    with pytest.raises(ValueError, match="sliding_window = 64"):
+        mixtral.config_from_hf({"model_type": "mixtral", "hidden_act": "silu", "sliding_window": 64,
+                                "max_position_embeddings": 128})
+
+
+def _model_loss(fns):
+    """Mean token cross-entropy plus every layer's aux loss, and the layers' routing metrics."""
+    def loss(params, batch):
+        def layer(h, p):
+            h, aux = fns.block(p, h)
+            return h, aux
+        x, aux = jax.lax.scan(layer, fns.embed(params["embed"], batch), params["blocks"])
+        metrics = {"expert_load": aux["expert_load"], "dropped_tokens": aux["dropped_tokens"]}
+        return fns.head(fns.head_params(params), x, batch) + aux["loss"].sum(), metrics
+    return loss
+
+
+@pytest.mark.parametrize("preset,data,expert,overrides", [
+    ("mixtral-tiny", 2, 2, {}),
+    ("deepseek-moe-tiny", 1, 4, {"capacity_factor": 4.0}),
+])
+def test_mixtral_training_matches_one_device(devices, preset, data, expert, overrides):
+    """Two SGD updates of the Mixtral-style StackedModel (blocks returning `(x, aux)`, aux
+    losses added) on a (data, expert) grid: losses, routing metrics, gradients and final
+    parameters equal one device's, leaf by leaf."""
+    import dataclasses
+
+    config = dataclasses.replace(mixtral.PRESETS[preset], **overrides)
+    model = mixtral.stacked(config)
+    rng = np.random.default_rng(1)
+    batches = [{"inputs": rng.integers(0, 256, (8, 16)).astype(np.int32),
+                "targets": rng.integers(0, 256, (8, 16)).astype(np.int32)} for _ in range(2)]
+    fns = model.bind(batches[0])
+    params = model.init(jax.random.key(0), batches[0])
+    boxed = jax.eval_shape(lambda: mixtral.network(config).init(jax.random.key(0), TOKENS))
+    specs = _specs(boxed["params"])
+    mesh = _mesh(devices, data, expert)
+    one_device = jax.jit(jax.value_and_grad(_model_loss(fns), has_aux=True))
+    ours, theirs = params, params
+    for batch in batches:
+        (loss, metrics), grads = one_device(theirs, batch)
+        got_loss, got_metrics, got_grads = _step_grads(
+            lambda p, i, t: _model_loss(fns)(p, {"inputs": i, "targets": t}), ours, specs, mesh,
+            batch["inputs"], batch["targets"])
+        _close(got_loss, loss)
+        _close(got_metrics, metrics)
+        _close(got_grads, grads)
+        theirs = jax.tree.map(lambda p, g: p - 0.5 * g, theirs, grads)
+        ours = jax.tree.map(lambda p, g: p - 0.5 * g, ours, got_grads)
+    _close(ours, theirs)

@@ -119,7 +119,8 @@ def _dense_moe(params, x, config, chosen, keep=None):
 
 
 def _init(config, tokens=64, seed=0):
-    params = nn.unbox(MoE(config).init(jax.random.key(seed), jnp.zeros((tokens, D)))["params"])
+    init = jax.jit(lambda key: nn.unbox(MoE(config).init(key, jnp.zeros((tokens, D)))["params"]))
+    params = init(jax.random.key(seed))
     x = jax.random.normal(jax.random.key(seed + 1), (tokens, D))
     r = jax.random.normal(jax.random.key(seed + 2), (tokens, D))
     return params, x, r
@@ -249,7 +250,7 @@ def test_expert_parallel_matches_one_device(devices, data, expert, mode):
     """Loss, routing metrics and every gradient on a (data, expert) grid equal one device's."""
     config = LAYER_CONFIGS[mode]
     mesh = _mesh(devices, data, expert)
-    boxed = MoE(config).init(jax.random.key(0), jnp.zeros((64, D)))["params"]
+    boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((64, D)))["params"]
     params, x, r = _init(config)
     (loss, metrics), grads = jax.jit(jax.value_and_grad(_layer_loss(config), has_aux=True))(
         params, x, r)
@@ -274,7 +275,7 @@ def test_dispatch_factor_drops_counted(devices):
     data, expert, factor = 2, 4, 0.6
     config = MoEConfig(E, K, FF, dispatch_factor=factor)
     mesh = _mesh(devices, data, expert)
-    boxed = MoE(config).init(jax.random.key(0), jnp.zeros((64, D)))["params"]
+    boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((64, D)))["params"]
     params, x, r = _init(config)
     _, metrics, _ = _step_grads(_layer_loss(config), params, _specs(boxed), mesh, x, r)
     chosen = _choices(params, x, config)
@@ -290,7 +291,7 @@ def test_all_to_all_bytes_match_the_formula(devices, mode):
     config = LAYER_CONFIGS[mode]
     data, expert, tokens = 2, 4, 64
     mesh = _mesh(devices, data, expert)
-    boxed = MoE(config).init(jax.random.key(0), jnp.zeros((tokens, D)))["params"]
+    boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((tokens, D)))["params"]
     params, x, r = _init(config, tokens)
     specs = _specs(boxed)
 
@@ -327,7 +328,7 @@ def test_bad_input_one_line_errors(devices):
     # Inside a shard_map manual over `expert`, the layer refuses experts that do not split.
     mesh = _mesh(devices, 1, 4)
     config = MoEConfig(6, 2, FF)
-    params = nn.unbox(MoE(config).init(jax.random.key(0), jnp.zeros((8, D)))["params"])
+    params = nn.unbox(jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((8, D)))["params"])
     f = shard_map(lambda p, x: MoE(config).apply({"params": p}, x)[0], mesh=mesh,
                   in_specs=(P(), P(AXES)), out_specs=P(AXES))
     with pytest.raises(ValueError, match=r"num_experts = 6 is not divisible by the expert axis \(4\)"):
@@ -430,7 +431,7 @@ def test_mixtral_training_matches_one_device(devices, preset, data, expert, over
     batches = [{"inputs": rng.integers(0, 256, (8, 16)).astype(np.int32),
                 "targets": rng.integers(0, 256, (8, 16)).astype(np.int32)} for _ in range(2)]
     fns = model.bind(batches[0])
-    params = model.init(jax.random.key(0), batches[0])
+    params = jax.jit(fns.init)(jax.random.key(0))
     boxed = jax.eval_shape(lambda: mixtral.network(config).init(jax.random.key(0), TOKENS))
     specs = _specs(boxed["params"])
     mesh = _mesh(devices, data, expert)

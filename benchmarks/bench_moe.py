@@ -1,0 +1,122 @@
+"""The MoE layer measured from its programs (issue 27): FLOPs of one layer's forward and backward
+against the ideal (the top_k experts each token uses: top_k / num_experts of every token through
+every expert), and the expert-parallel all-to-all bytes of the compiled program against
+`parallel.experts.collectives`. Compile only, on 8 simulated CPU devices.
+
+    python benchmarks/bench_moe.py [--tokens 2048] [--json benchmarks/results/moe.json]
+
+FLOPs are `analysis.hlo.flops` (dots 2·M·N·K, a `ragged-dot` 2·M·N·K, elementwise ops, reductions)
+of two programs: the one XLA:CPU compiles (JAX lowers `ragged_dot` for CPU to a dense matmul of
+every row against every expert, masked), and the one JAX hands XLA:GPU (`lowering_platforms=
+('cuda',)`, before XLA's passes: `ragged-dot` instructions), which needs no GPU to build.
+"""
+import argparse
+import json
+import sys
+
+from axonn_jax.mesh import simulate_cpu_devices
+
+SHAPES = {  # name: (d_model, d_ff, num_experts, top_k, capacity_factor)
+    "mixtral-like dropless": (512, 1024, 8, 2, None),
+    "mixtral-like capacity 1.25": (512, 1024, 8, 2, 1.25),
+    "fine-grained dropless": (512, 256, 64, 6, None),
+}
+GRIDS = [(1, 2), (1, 4), (1, 8), (2, 4)]  # (data, expert)
+
+
+def _layer(config, tokens, d):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models.moe import MoE
+
+    x = jax.ShapeDtypeStruct((tokens, d), jnp.float32)
+    params = nn.unbox(jax.eval_shape(MoE(config).init, jax.random.key(0), x)["params"])
+
+    def loss(p, x):
+        y, aux = MoE(config).apply({"params": p}, x)
+        return jnp.sum(y) + aux["loss"]
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x
+
+
+def flops_table(tokens: int) -> list[dict]:
+    from axonn_jax.analysis import hlo
+    from axonn_jax.models.moe import MoEConfig
+
+    rows = []
+    for name, (d, ff, e, k, cf) in SHAPES.items():
+        config = MoEConfig(e, k, ff, capacity_factor=cf)
+        step, params, x = _layer(config, tokens, d)
+        traced = step.trace(params, x)
+        cpu = hlo.flops(traced.lower().compile().as_text())
+        gpu = hlo.flops(traced.lower(lowering_platforms=("cuda",)).as_text(dialect="hlo"))
+        # forward + backward (input and weight gradients) = 3 × the forward's matmuls
+        ideal = 3 * (3 * 2 * tokens * k * d * ff + 2 * tokens * d * e)
+        rows.append(dict(shape=name, d_model=d, d_ff=ff, experts=e, top_k=k, capacity_factor=cf,
+                         tokens=tokens, ideal=ideal, dense=ideal * e / k, cpu=cpu, cuda_lowered=gpu))
+    return rows
+
+
+def bytes_table(tokens: int, d: int = 64) -> list[dict]:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from axonn_jax._compat import ensure_varying, shard_map
+    from axonn_jax.analysis import hlo
+    from axonn_jax.models.moe import MoEConfig
+    from axonn_jax.parallel import experts
+
+    rows = []
+    for cf in (None, 1.25):
+        config = MoEConfig(8, 2, 128, capacity_factor=cf)
+        for data, expert in GRIDS:
+            n = data * expert
+            mesh = Mesh(np.array(jax.devices()[:n]).reshape(data, expert), ("data", "expert"))
+            step, params, x = _layer(config, tokens * n, d)
+            spec = lambda leaf: P("expert") if leaf.ndim == 3 else P()  # noqa: E731
+            specs = jax.tree.map(spec, params)
+            local = lambda p, x: step(ensure_varying(p, ("data", "expert")), x)[1]  # noqa: E731
+            stacked = jax.tree.map(lambda s: P(("data", "expert"), *s[1:]), specs,
+                                   is_leaf=lambda s: isinstance(s, P))
+            program = jax.jit(shard_map(local, mesh=mesh, in_specs=(specs, P(("data", "expert"))),
+                                        out_specs=(stacked, P(("data", "expert")))))
+            text = program.lower(params, x).compile().as_text()
+            measured = sum(c.total_bytes for c in hlo.collectives(text) if c.kind == "all-to-all")
+            predicted = sum(b for kind, _, b in experts.collectives(
+                tokens, d, 8, 2, expert, capacity_factor=cf) if kind == "all-to-all")
+            rows.append(dict(mode="dropless" if cf is None else f"capacity {cf}", data=data,
+                             expert=expert, tokens_per_device=tokens, d_model=d,
+                             hlo_bytes=measured, formula_bytes=predicted))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of the FLOPs table's layer")
+    p.add_argument("--a2a-tokens", type=int, default=256, help="tokens per device, bytes table")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    simulate_cpu_devices(8)
+
+    flops = flops_table(args.tokens)
+    print("| shape | ideal GFLOP | all experts / ideal | XLA:CPU / ideal | cuda-lowered / ideal |")
+    print("|---|---|---|---|---|")
+    for r in flops:
+        print(f"| {r['shape']} | {r['ideal'] / 1e9:.3f} | {r['dense'] / r['ideal']:.2f} | "
+              f"{r['cpu'] / r['ideal']:.3f} | {r['cuda_lowered'] / r['ideal']:.3f} |", flush=True)
+    a2a = bytes_table(args.a2a_tokens)
+    print("\n| mode | data | expert | all-to-all bytes (HLO) | formula |\n|---|---|---|---|---|")
+    for r in a2a:
+        print(f"| {r['mode']} | {r['data']} | {r['expert']} | {r['hlo_bytes']} | "
+              f"{r['formula_bytes']} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"flops": flops, "all_to_all": a2a}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

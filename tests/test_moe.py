@@ -9,6 +9,7 @@ gradients as the train step will (design_axes.md): each shard differentiates its
 parameters made varying, gradients are summed over the batch axes that do not split a parameter
 and divided by the number of batch shards.
 """
+import itertools
 import math
 
 import flax.linen as nn
@@ -25,7 +26,8 @@ from axonn_jax.models.moe import MoE, MoEConfig, balance_loss, route, z_loss
 from axonn_jax.parallel import experts
 
 D, FF, E, K = 16, 32, 8, 2
-AXES = ("data", "expert")
+AXES = ("data", "expert")  # manual in the train step (design_axes.md); the rest automatic
+NAMES = ("data", "pipe", "expert", "depth", "row", "col")
 
 
 def _close(a, b, tol=1e-5):
@@ -207,8 +209,15 @@ def test_capacity_drops_counted(factor):
 
 # ----------------------------------------------------------------------------- expert parallel
 
-def _mesh(devices, data, expert):
-    return Mesh(np.array(devices[:data * expert]).reshape(data, expert), AXES)
+def _mesh(devices, data=1, expert=1, row=1, col=1):
+    shape = (data, 1, expert, 1, row, col)
+    return Mesh(np.array(devices[:math.prod(shape)]).reshape(shape), NAMES)
+
+
+def _manual(spec: P) -> P:
+    """`spec` over the manual axes only (what a shard_map manual over them takes)."""
+    keep = lambda e: tuple(a for a in ((e,) if isinstance(e, str) else e) if a in AXES) or None  # noqa: E731
+    return P(*(None if e is None else keep(e) for e in spec))
 
 
 def _specs(tree):
@@ -218,21 +227,27 @@ def _specs(tree):
                         is_leaf=lambda s: s is None or isinstance(s, P))
 
 
-def _step_grads(loss_fn, params, specs, mesh, *inputs):
-    """(mean loss, aux, grads) of `loss_fn(params, *inputs) -> (loss, aux)` over the rows of the
-    inputs split over data·expert, gradients reduced as the train step reduces them."""
-    shards = mesh.size
+def _step_grads(loss_fn, specs, mesh, num_inputs: int):
+    """`f(params, *inputs) -> (mean loss, aux, grads)` of `loss_fn(params, *inputs) -> (loss,
+    aux)` over the rows of the inputs split over data·expert, in a shard_map manual over those
+    (the tensor axes automatic, parameters placed by `specs`), gradients reduced as the train
+    step reduces them."""
+    shards = mesh.shape["data"] * mesh.shape["expert"]
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    manual = jax.tree.map(_manual, specs, is_leaf=is_spec)
 
     def local(params, *inputs):
         (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(
             ensure_varying(params, AXES), *inputs)
-        g = jax.tree.map(lambda a, s: psum(a, tuple(x for x in AXES if x not in s)) / shards,
-                         g, specs, is_leaf=lambda s: isinstance(s, P))
+        g = jax.tree.map(lambda a, s: psum(a, tuple(x for x in AXES if x not in jax.tree.leaves(
+            tuple(s)))) / shards, g, manual, is_leaf=is_spec)
         return psum(loss, AXES) / shards, aux, g
 
-    rows = P(AXES)
-    return jax.jit(shard_map(local, mesh=mesh, in_specs=(specs,) + (rows,) * len(inputs),
-                             out_specs=(P(), P(), specs)))(params, *inputs)
+    step = jax.jit(shard_map(local, mesh=mesh, in_specs=(manual,) + (P(AXES),) * num_inputs,
+                             out_specs=(P(), P(), manual), axis_names=set(AXES)))
+    place = lambda params: jax.tree.map(  # noqa: E731
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs, is_leaf=is_spec)
+    return lambda params, *inputs: step(place(params), *inputs)
 
 
 def _layer_loss(config):
@@ -254,8 +269,8 @@ def test_expert_parallel_matches_one_device(devices, data, expert, mode):
     params, x, r = _init(config)
     (loss, metrics), grads = jax.jit(jax.value_and_grad(_layer_loss(config), has_aux=True))(
         params, x, r)
-    got_loss, got_metrics, got_grads = _step_grads(_layer_loss(config), params, _specs(boxed),
-                                                   mesh, x, r)
+    got_loss, got_metrics, got_grads = _step_grads(_layer_loss(config), _specs(boxed), mesh, 2)(
+        params, x, r)
     _close(got_loss, loss)
     _close(got_metrics, metrics)
     _close(got_grads, grads)
@@ -277,7 +292,7 @@ def test_dispatch_factor_drops_counted(devices):
     mesh = _mesh(devices, data, expert)
     boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((64, D)))["params"]
     params, x, r = _init(config)
-    _, metrics, _ = _step_grads(_layer_loss(config), params, _specs(boxed), mesh, x, r)
+    _, metrics, _ = _step_grads(_layer_loss(config), _specs(boxed), mesh, 2)(params, x, r)
     chosen = _choices(params, x, config)
     rows = math.ceil(factor * (64 // mesh.size) * K / expert)
     assert rows == experts.layout(64 // mesh.size, K, E, expert, None, factor)[1]
@@ -301,7 +316,7 @@ def test_all_to_all_bytes_match_the_formula(devices, mode):
 
     stacked = jax.tree.map(lambda s: P(AXES, *s[1:]), specs, is_leaf=lambda s: isinstance(s, P))
     step = jax.jit(shard_map(local, mesh=mesh, in_specs=(specs, P(AXES), P(AXES)),
-                             out_specs=(stacked, P(AXES))))
+                             out_specs=(stacked, P(AXES)), axis_names=set(AXES)))
     text = step.lower(params, x, r).compile().as_text()
     measured = sum(c.total_bytes for c in hlo.collectives(text) if c.kind == "all-to-all")
     predicted = sum(b for kind, _, b in experts.collectives(
@@ -326,11 +341,11 @@ def test_bad_input_one_line_errors(devices):
         mixtral.MixtralConfig(2, 64, 4, 32, num_experts=6).check_grid(
             type("Grid", (), dict(data=1, pipe=1, expert=4, depth=1, row=1, col=1))())
     # Inside a shard_map manual over `expert`, the layer refuses experts that do not split.
-    mesh = _mesh(devices, 1, 4)
+    mesh = _mesh(devices, expert=4)
     config = MoEConfig(6, 2, FF)
     params = nn.unbox(jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((8, D)))["params"])
     f = shard_map(lambda p, x: MoE(config).apply({"params": p}, x)[0], mesh=mesh,
-                  in_specs=(P(), P(AXES)), out_specs=P(AXES))
+                  in_specs=(P(), P(AXES)), out_specs=P(AXES), axis_names=set(AXES))
     with pytest.raises(ValueError, match=r"num_experts = 6 is not divisible by the expert axis \(4\)"):
         jax.eval_shape(f, params, jnp.zeros((8, D)))
 
@@ -415,14 +430,15 @@ def _model_loss(fns):
     return loss
 
 
-@pytest.mark.parametrize("preset,data,expert,overrides", [
-    ("mixtral-tiny", 2, 2, {}),
-    ("deepseek-moe-tiny", 1, 4, {"capacity_factor": 4.0}),
+@pytest.mark.parametrize("preset,grid,overrides", [
+    ("mixtral-tiny", dict(data=2, expert=2, row=2), {}),
+    ("deepseek-moe-tiny", dict(expert=4, col=2), {"capacity_factor": 4.0}),
 ])
-def test_mixtral_training_matches_one_device(devices, preset, data, expert, overrides):
+def test_mixtral_training_matches_one_device(devices, preset, grid, overrides):
     """Two SGD updates of the Mixtral-style StackedModel (blocks returning `(x, aux)`, aux
-    losses added) on a (data, expert) grid: losses, routing metrics, gradients and final
-    parameters equal one device's, leaf by leaf."""
+    losses added) on a grid of data, expert and tensor axes, as the train step will run it
+    (manual over data and expert, the model made tensor-parallel by `StackedModel.bind`):
+    losses, routing metrics, gradients and final parameters equal one device's, leaf by leaf."""
     import dataclasses
 
     config = dataclasses.replace(mixtral.PRESETS[preset], **overrides)
@@ -432,19 +448,36 @@ def test_mixtral_training_matches_one_device(devices, preset, data, expert, over
                 "targets": rng.integers(0, 256, (8, 16)).astype(np.int32)} for _ in range(2)]
     fns = model.bind(batches[0])
     params = jax.jit(fns.init)(jax.random.key(0))
+    mesh = _mesh(devices, **grid)
+    tensor = model.bind(batches[0], mesh)
+    # The tensor axes' layout from parallelize; the expert axis' from the layer's metadata.
     boxed = jax.eval_shape(lambda: mixtral.network(config).init(jax.random.key(0), TOKENS))
-    specs = _specs(boxed["params"])
-    mesh = _mesh(devices, data, expert)
+    specs = jax.tree.map(lambda t, e: P(*(a or b for a, b in itertools.zip_longest(t, e))),
+                         tensor.specs, _specs(boxed["params"]), is_leaf=lambda s: isinstance(s, P))
     one_device = jax.jit(jax.value_and_grad(_model_loss(fns), has_aux=True))
+    sharded = _step_grads(lambda p, i, t: _model_loss(tensor)(p, {"inputs": i, "targets": t}),
+                          specs, mesh, 2)
     ours, theirs = params, params
     for batch in batches:
         (loss, metrics), grads = one_device(theirs, batch)
-        got_loss, got_metrics, got_grads = _step_grads(
-            lambda p, i, t: _model_loss(fns)(p, {"inputs": i, "targets": t}), ours, specs, mesh,
-            batch["inputs"], batch["targets"])
+        got_loss, got_metrics, got_grads = sharded(ours, batch["inputs"], batch["targets"])
         _close(got_loss, loss)
         _close(got_metrics, metrics)
         _close(got_grads, grads)
         theirs = jax.tree.map(lambda p, g: p - 0.5 * g, theirs, grads)
         ours = jax.tree.map(lambda p, g: p - 0.5 * g, ours, got_grads)
     _close(ours, theirs)
+
+
+@pytest.mark.parametrize("name", list(mixtral.PRESETS))
+def test_preset_parameter_counts(name):
+    """`num_params` counts the parameter tree (shapes only); Mixtral 8x7B has its published
+    46.7B parameters, 12.9B of them active per token."""
+    config = mixtral.PRESETS[name]
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    shapes = jax.eval_shape(mixtral.network(config).init, jax.random.key(0), tokens)
+    assert sum(math.prod(a.shape) for a in jax.tree.leaves(nn.unbox(shapes))) == config.num_params()
+    if name == "mixtral-8x7b":
+        active = config.num_params() - config.num_layers * 3 * config.d_model * config.d_ff * (
+            config.num_experts - config.top_k)
+        assert round(config.num_params() / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9

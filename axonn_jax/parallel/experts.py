@@ -146,7 +146,7 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
 
 def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, expert: int, *,
                 capacity_factor: float | None = None, dispatch_factor: float | None = None,
-                dtype_bytes: int = 4, batch_axes: tuple[str, ...] = ("expert",),
+                dtype_bytes: int = 4, batch_axes: tuple[str, ...] | None = None,
                 backward: bool = True) -> list[tuple[str, tuple[str, ...], int]]:
     """The collectives one MoE layer (`models.moe.MoE`) issues per device, `[(kind, axes,
     bytes)]`, for `num_tokens` local tokens of `d_model` features in `dtype_bytes`-byte floats on
@@ -154,9 +154,13 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
 
     Forward: the rows out and back (two all-to-alls of the send buffer, `groups·slots·d_model`
     elements, see `layout`), dropless also the rows' expert ids (int32), and one all-reduce of the
-    routing statistics (`num_experts + 2` float32: tokens per expert, tokens, dropped) over the
-    mesh axes that split the tokens (`batch_axes`, left out when they hold one device).
-    Backward (`backward`): the two all-to-alls again, carrying the rows' gradients."""
+    routing statistics (`num_experts + 2` float32: tokens per expert, tokens, dropped) over
+    `batch_axes`, the mesh axes of more than one device that split the tokens (default: `expert`
+    when it has more than one device). Backward (`backward`): the two all-to-alls again, carrying
+    the rows' gradients. (XLA:CPU widens 16-bit all-to-alls to float32; GPUs send them as they
+    are.)"""
+    if batch_axes is None:
+        batch_axes = ("expert",) if expert > 1 else ()
     out = []
     if expert > 1:
         groups, slots = layout(num_tokens, top_k, num_experts, expert, capacity_factor,

@@ -1,7 +1,8 @@
 """The MoE layer measured from its programs (issue 27): FLOPs of one layer's forward and backward
 against the ideal (the top_k experts each token uses: top_k / num_experts of every token through
-every expert), and the expert-parallel all-to-all bytes of the compiled program against
-`parallel.experts.collectives`. Compile only, on 8 simulated CPU devices.
+every expert), the expert-parallel all-to-all bytes of the compiled program against
+`parallel.experts.collectives`, and each expert's matmuls split over the tensor axes (per-device
+FLOPs, memory, collectives). Compile only, on 8 simulated CPU devices.
 
     python benchmarks/bench_moe.py [--tokens 2048] [--json benchmarks/results/moe.json]
 
@@ -93,6 +94,66 @@ def bytes_table(tokens: int, d: int = 64) -> list[dict]:
     return rows
 
 
+def _tensor_mesh(expert, row, col):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    shape = (1, 1, expert, 1, row, col)
+    names = ("data", "pipe", "expert", "depth", "row", "col")
+    return Mesh(np.array(jax.devices()[:expert * row * col]).reshape(shape), names)
+
+
+def tensor_table(tokens: int = 512, d: int = 256, ff: int = 512) -> list[dict]:
+    """Per device, one layer's forward and backward inside a shard_map manual over `expert` with
+    the tensor axes automatic (as in the train step): FLOPs, temporary memory and the collectives
+    by kind and axes, on expert=2 alone and with row·col = 4."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from axonn_jax._compat import ensure_varying, shard_map
+    from axonn_jax.analysis import hlo
+    from axonn_jax.models.moe import MoE, MoEConfig
+
+    is_spec = lambda s: isinstance(s, P)  # noqa: E731
+    rows = []
+    for cf in (None, 1.0):
+        config = MoEConfig(8, 2, ff, capacity_factor=cf)
+        x = jax.ShapeDtypeStruct((tokens * 2, d), jnp.float32)
+        boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), x)["params"]
+        specs = jax.tree.map(lambda s: s if is_spec(s) else P(), nn.get_partition_spec(boxed),
+                             is_leaf=lambda s: s is None or is_spec(s))
+        manual = jax.tree.map(lambda s: P(*(a if a == "expert" else None for a in s)), specs,
+                              is_leaf=is_spec)
+
+        def local(p, x):
+            def f(p, x):
+                y, aux = MoE(config).apply({"params": p}, x)
+                return jnp.sum(y) + aux["loss"]
+            return jax.grad(f, argnums=(0, 1))(ensure_varying(p, ("expert",)), x)[1]
+
+        for row, col in ((1, 1), (2, 2), (4, 1), (1, 4)):
+            mesh = _tensor_mesh(2, row, col)
+            program = jax.jit(
+                shard_map(local, mesh=mesh, in_specs=(manual, P("expert")), out_specs=P("expert"),
+                          axis_names={"expert"}),
+                in_shardings=(jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                           is_leaf=is_spec), NamedSharding(mesh, P("expert"))))
+            compiled = program.lower(nn.unbox(boxed), x).compile()
+            text = compiled.as_text()
+            moved: dict = {}
+            for c in hlo.collectives(text):
+                key = f"{c.kind} {'·'.join(hlo.group_axes(c.group, dict(mesh.shape)))}"
+                moved[key] = moved.get(key, 0) + c.total_bytes
+            rows.append(dict(mode="dropless" if cf is None else f"capacity {cf}", expert=2,
+                             row=row, col=col, flops=hlo.flops(text),
+                             temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                             collectives=moved))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the FLOPs table's layer")
@@ -112,9 +173,16 @@ def main(argv=None) -> int:
     for r in a2a:
         print(f"| {r['mode']} | {r['data']} | {r['expert']} | {r['hlo_bytes']} | "
               f"{r['formula_bytes']} |", flush=True)
+    tensor = tensor_table()
+    print("\n| mode | expert·row·col | GFLOP / device | temporary MB | collectives (bytes) |")
+    print("|---|---|---|---|---|")
+    for r in tensor:
+        moved = ", ".join(f"{k} {v}" for k, v in sorted(r["collectives"].items()))
+        print(f"| {r['mode']} | {r['expert']}·{r['row']}·{r['col']} | {r['flops'] / 1e9:.3f} | "
+              f"{r['temp_bytes'] / 1e6:.1f} | {moved} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"flops": flops, "all_to_all": a2a}, f, indent=1)
+            json.dump({"flops": flops, "all_to_all": a2a, "tensor": tensor}, f, indent=1)
     return 0
 
 

@@ -309,7 +309,7 @@ def test_all_to_all_bytes_match_the_formula(devices, mode):
     mesh = _mesh(devices, data, expert)
     boxed = jax.eval_shape(MoE(config).init, jax.random.key(0), jnp.zeros((tokens, D)))["params"]
     params, x, r = _init(config, tokens)
-    specs = _specs(boxed)
+    specs = jax.tree.map(_manual, _specs(boxed), is_leaf=lambda s: isinstance(s, P))
 
     def local(p, x, r):  # the input's gradient too, as in a model
         return jax.grad(lambda p, x: _layer_loss(config)(p, x, r)[0], argnums=(0, 1))(
@@ -456,6 +456,9 @@ def test_mixtral_training_matches_one_device(devices, preset, grid, overrides):
     boxed = jax.eval_shape(lambda: mixtral.network(config).init(jax.random.key(0), TOKENS))
     specs = jax.tree.map(lambda t, e: P(*(a or b for a, b in itertools.zip_longest(t, e))),
                          tensor.specs, _specs(boxed["params"]), is_leaf=lambda s: isinstance(s, P))
+    # Each expert's matmuls split over the tensor axes, the experts over `expert`.
+    assert specs["blocks"]["moe"]["w_gate"] == P(None, "expert", "col", "row")
+    assert specs["blocks"]["moe"]["w_down"] == P(None, "expert", "row", "col")
     one_device = jax.jit(jax.value_and_grad(_model_loss(fns), has_aux=True))
     sharded = _step_grads(lambda p, i, t: _model_loss(tensor)(p, {"inputs": i, "targets": t}),
                           specs, mesh, 2)

@@ -33,8 +33,11 @@ shard_map manual over it: its expert weights are then the device's slice, and it
 shapes say so.
 
 Parameters: `router (d_model, E)` float32; `w_gate (E, d_model, d_ff)`, `w_up (E, d_model,
-d_ff)`, `w_down (E, d_ff, d_model)` (partitioned `('expert', None, None)`); with shared experts
+d_ff)`, `w_down (E, d_ff, d_model)`; with shared experts
 `shared_gate`, `shared_up`, `shared_down` (`nn.Dense` kernels, hidden `num_shared_experts·d_ff`).
+The expert weights' partitioning metadata is `('expert', 'col', 'row')` (the down projection
+`('expert', 'row', 'col')`): on a mesh with tensor axes each expert's matmuls are split like an
+AxoNN dense layer's, laid out by GSPMD (the tensor axes are automatic in the train step).
 """
 from __future__ import annotations
 
@@ -156,12 +159,15 @@ class MoE(nn.Module):
         shape, d = x.shape, x.shape[-1]
         tokens = x.reshape(-1, d)
         local = experts_lib.local_experts(c.num_experts, self.expert_axis)
-        param = lambda name, s: self.param(  # noqa: E731
-            name, nn.with_partitioning(_expert_init(-2), (self.expert_axis, None, None)), s,
+        # Experts split over the expert axis, each expert's (in, out) features over (col, row) as
+        # AxoNN splits a dense layer (the down projection transposed): GSPMD lays out their
+        # matmuls over the tensor axes, which the train step keeps automatic.
+        param = lambda name, s, names: self.param(  # noqa: E731
+            name, nn.with_partitioning(_expert_init(-2), (self.expert_axis, *names)), s,
             jnp.float32)
-        w_gate = param("w_gate", (local, d, c.d_ff))
-        w_up = param("w_up", (local, d, c.d_ff))
-        w_down = param("w_down", (local, c.d_ff, d))
+        w_gate = param("w_gate", (local, d, c.d_ff), ("col", "row"))
+        w_up = param("w_up", (local, d, c.d_ff), ("col", "row"))
+        w_down = param("w_down", (local, c.d_ff, d), ("row", "col"))
         router = self.param("router", nn.initializers.lecun_normal(), (d, c.num_experts),
                             jnp.float32)
 

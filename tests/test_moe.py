@@ -486,3 +486,16 @@ def test_preset_parameter_counts(name):
         active = config.num_params() - config.num_layers * 3 * config.d_model * config.d_ff * (
             config.num_experts - config.top_k)
         assert round(config.num_params() / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+
+
+def test_hlo_counts_ragged_dot_flops():
+    """`analysis.hlo.flops` counts a grouped matmul and both its transposes (as JAX lowers them
+    for a GPU: `ragged-dot` instructions) at 2·m·k·n each, whatever the group sizes."""
+    m, k, n, groups = 64, 16, 24, 4
+    sizes = jnp.array([10, 0, 30, 24], jnp.int32)
+    f = jax.value_and_grad(lambda x, w: jax.lax.ragged_dot(x, w, sizes).sum(), argnums=(0, 1))
+    lowered = jax.jit(f).trace(jnp.ones((m, k)), jnp.ones((groups, k, n))).lower(
+        lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    assert lowered.count("ragged-dot(") == 3
+    extra = hlo.flops(lowered) - 3 * 2 * m * k * n
+    assert 0 <= extra <= 2 * m * n  # the sum and its broadcast gradient

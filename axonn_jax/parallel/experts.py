@@ -22,6 +22,9 @@ Two ways to lay out the send buffer:
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
   assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
   priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.
+  With `expert > 1` every device fills its own `C` slots of each expert from its own tokens, so
+  which assignments drop depends on how the batch is split; a capacity that drops nothing gives
+  the single device's result on every grid.
 
 Slots are given by a stable sort of the assignments by group, in choice-major order (all first
 choices, then all second ones), so both layouts keep that priority.

@@ -7,9 +7,13 @@ FLOPs, memory, collectives). Compile only, on 8 simulated CPU devices.
     python benchmarks/bench_moe.py [--tokens 2048] [--json benchmarks/results/moe.json]
 
 FLOPs are `analysis.hlo.flops` (dots 2·M·N·K, a `ragged-dot` 2·M·N·K, elementwise ops, reductions)
-of two programs: the one XLA:CPU compiles (JAX lowers `ragged_dot` for CPU to a dense matmul of
-every row against every expert, masked), and the one JAX hands XLA:GPU (`lowering_platforms=
-('cuda',)`, before XLA's passes: `ragged-dot` instructions), which needs no GPU to build.
+of the programs: the one XLA:CPU compiles (JAX lowers `ragged_dot` for CPU to a dense matmul of
+every row against every expert, masked), the one JAX hands XLA:GPU (`lowering_platforms=
+('cuda',)`, before XLA's passes: `ragged-dot` instructions), which needs no GPU to build, and
+with `--h100` the one XLA:GPU compiles for an abstract H100 (no GPU needed either, but the CUDA
+plugin wheels: see `_h100_sharding`):
+
+    PYTHONPATH=DIR_WITH_CUDA_PLUGIN JAX_PLATFORMS=cpu python benchmarks/bench_moe.py --h100 --flops-only
 """
 import argparse
 import json
@@ -42,21 +46,46 @@ def _layer(config, tokens, d):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x
 
 
-def flops_table(tokens: int) -> list[dict]:
+def _h100_sharding():
+    """A sharding on one abstract H100 (`jax.experimental.topologies`; needs jax-cuda12-plugin and
+    jax-cuda12-pjrt at jaxlib's version and nvidia-cuda-nvcc-cu12, with JAX_PLATFORMS=cpu), whose
+    published figures are in `h100_target_config.txtpb` beside this file."""
+    import pathlib
+
+    import numpy as np
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    config = (pathlib.Path(__file__).parent / "h100_target_config.txtpb").read_text()
+    topo = topologies.get_topology_desc(platform="cuda", topology_name="h100",
+                                        target_config=config, topology="1x1x1")
+    return NamedSharding(Mesh(np.array(topo.devices), ("x",)), P())
+
+
+def flops_table(tokens: int, h100: bool = False) -> list[dict]:
+    import jax
+
     from axonn_jax.analysis import hlo
     from axonn_jax.models.moe import MoEConfig
 
+    on_h100 = _h100_sharding() if h100 else None
     rows = []
     for name, (d, ff, e, k, cf) in SHAPES.items():
         config = MoEConfig(e, k, ff, capacity_factor=cf)
         step, params, x = _layer(config, tokens, d)
         traced = step.trace(params, x)
-        cpu = hlo.flops(traced.lower().compile().as_text())
-        gpu = hlo.flops(traced.lower(lowering_platforms=("cuda",)).as_text(dialect="hlo"))
+        row = dict(shape=name, d_model=d, d_ff=ff, experts=e, top_k=k, capacity_factor=cf,
+                   tokens=tokens, cpu=hlo.flops(traced.lower().compile().as_text()),
+                   cuda_lowered=hlo.flops(traced.lower(lowering_platforms=("cuda",))
+                                          .as_text(dialect="hlo")))
+        if on_h100 is not None:
+            placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                 sharding=on_h100), (params, x))
+            row["h100"] = hlo.flops(step.trace(*placed).lower().compile().as_text())
         # forward + backward (input and weight gradients) = 3 × the forward's matmuls
-        ideal = 3 * (3 * 2 * tokens * k * d * ff + 2 * tokens * d * e)
-        rows.append(dict(shape=name, d_model=d, d_ff=ff, experts=e, top_k=k, capacity_factor=cf,
-                         tokens=tokens, ideal=ideal, dense=ideal * e / k, cpu=cpu, cuda_lowered=gpu))
+        row["ideal"] = 3 * (3 * 2 * tokens * k * d * ff + 2 * tokens * d * e)
+        row["dense"] = row["ideal"] * e / k
+        rows.append(row)
     return rows
 
 
@@ -159,15 +188,24 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="tokens of the FLOPs table's layer")
     p.add_argument("--a2a-tokens", type=int, default=256, help="tokens per device, bytes table")
     p.add_argument("--json", default=None)
+    p.add_argument("--h100", action="store_true",
+                   help="also compile for an abstract H100 (see _h100_sharding)")
+    p.add_argument("--flops-only", action="store_true", help="the FLOPs table only")
     args = p.parse_args(argv)
     simulate_cpu_devices(8)
 
-    flops = flops_table(args.tokens)
-    print("| shape | ideal GFLOP | all experts / ideal | XLA:CPU / ideal | cuda-lowered / ideal |")
-    print("|---|---|---|---|---|")
+    flops = flops_table(args.tokens, args.h100)
+    h100 = " XLA:GPU (H100) / ideal |" if args.h100 else ""
+    print("| shape | ideal GFLOP | all experts / ideal | XLA:CPU / ideal | cuda-lowered / ideal |"
+          + h100)
+    print("|---|---|---|---|---|" + ("---|" if args.h100 else ""))
     for r in flops:
+        gpu = f" {r['h100'] / r['ideal']:.3f} |" if args.h100 else ""
         print(f"| {r['shape']} | {r['ideal'] / 1e9:.3f} | {r['dense'] / r['ideal']:.2f} | "
-              f"{r['cpu'] / r['ideal']:.3f} | {r['cuda_lowered'] / r['ideal']:.3f} |", flush=True)
+              f"{r['cpu'] / r['ideal']:.3f} | {r['cuda_lowered'] / r['ideal']:.3f} |" + gpu,
+              flush=True)
+    if args.flops_only:
+        return 0
     a2a = bytes_table(args.a2a_tokens)
     print("\n| mode | data | expert | all-to-all bytes (HLO) | formula |\n|---|---|---|---|---|")
     for r in a2a:

@@ -11,14 +11,15 @@ all-to-all brings the rows back to the slots they left from.
 
 Two ways to lay out the send buffer:
 
-- **dropless** (`capacity_factor=None`): one chunk of `rows_per_device` slots per destination
-  device; the receiver sorts its rows by expert and runs one grouped matmul per projection
-  (`jax.lax.ragged_dot`). On one device the chunk holds every assignment. With `expert > 1` a
-  chunk holds every assignment of the device (`T·k` rows, nothing is ever dropped) unless
-  `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when assignments past a full
-  chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would send only the rows
-  used) exists in JAX 0.10 but XLA:CPU cannot run it ("HLO opcode `ragged-all-to-all` is not
-  supported by XLA:CPU"), so the exchange is this padded all-to-all.
+- **dropless** (`capacity_factor=None`): one chunk of slots per destination device; the
+  receiver sorts its rows by expert and runs one grouped matmul per projection
+  (`jax.lax.ragged_dot`; jaxlib 0.10.2 computes it densely, every row against every expert, on CPU
+  and GPU alike: `benchmarks/results/moe.md`). On one device the chunk holds every assignment.
+  With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
+  dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
+  assignments past a full chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would
+  send only the rows used) exists in JAX 0.10 but XLA:CPU cannot run it ("HLO opcode
+  `ragged-all-to-all` is not supported by XLA:CPU"), so the exchange is this padded all-to-all.
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
   assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
   priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.

@@ -274,10 +274,16 @@ class Block(nn.Module):
             y = attention.causal_attention(q, k, v, c.attention)
             y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
             x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
-            h = norm("mlp_norm")(x)
-            gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
-            up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
-            return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
+            return self.mlp(x, norm("mlp_norm")(x))
+
+    def mlp(self, x, h):
+        """The block's second half, `x + SwiGLU(h)` with `h = mlp_norm(x)`; a subclass may put
+        another feed-forward layer here (`models.mixtral`)."""
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
+        up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
+        return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
 
 
 class Head(nn.Module):

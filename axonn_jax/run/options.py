@@ -81,6 +81,9 @@ class GridOptions:
     data: int | None = option(None, "data-parallel size (default: devices / the other axes)",
                               flag="--data-parallel", aliases=("--dp",), kind=int)
     pipe: int = option(1, "pipeline stages")
+    expert: int = option(1, "devices the experts of mixture-of-experts layers are split over "
+                         "(the rest of the model is data-parallel over them)")
+    context: int = option(1, "devices each sequence is split over (load-balanced chunks)")
     depth: int = option(1, "depth of 3D tensor parallelism")
     row: int = option(1, "rows of 2D tensor parallelism")
     col: int = option(1, "columns of 2D tensor parallelism")

@@ -3,13 +3,14 @@ class per kind of grid behind one interface.
 
     engine.loss_and_grads(params, batch, scale) -> (loss, grads, metrics)
 
-Called inside the step's shard_map, which is manual over `engine.manual_axes` (the batch axes; with
-a pipeline `pipe` too) and automatic over the tensor axes, whose layers bring their own collectives.
-`params` are this device's (`engine.param_specs` says how the manual axes split them), `batch` is
-this device's rows, `scale` the loss scale; `grads` are this device's, multiplied by `scale` and not
-yet reduced over the batch axes (the step's `GradientReducer` does that); `loss` is this device's
-mean loss (unscaled); `metrics` extra scalars. An engine with no manual axes runs on global arrays
-without a shard_map (nothing to reduce).
+Called inside the step's shard_map, which is manual over `engine.manual_axes` (the batch axes
+`data`, `expert`, `context` that split something; with a pipeline `pipe` too) and automatic over
+the tensor axes, whose layers bring their own collectives. `params` are this device's (split over
+the manual axes as their specs say), `batch` is this device's rows (and, over `context`, its chunk
+of every sequence); `scale` the loss scale. `grads` are this device's, multiplied by `scale` and not
+yet reduced over the batch axes (the step does that); `loss` is this device's mean loss (unscaled);
+`metrics` the blocks' per-layer auxiliary outputs. An engine with no manual axes runs on global
+arrays without a shard_map (nothing to reduce).
 
 - `SpmdEngine`: autodiff of `head(blocks(embed(batch)))`, accumulated over `microbatches` slices of
   the rows when asked (a global batch that does not fit in memory at once).
@@ -26,38 +27,36 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import ensure_varying, to_varying
+from ..config import ParallelConfig
 from ..parallel import pipeline as pipeline_lib
 from .compute import ComputeFunctions
 
-BATCH_MANUAL = ("data",)
-"""The batch axes manual in the step's shard_map."""
+
+def batch_manual_axes(grid: ParallelConfig) -> tuple[str, ...]:
+    """The batch axes manual in the step's shard_map: `data` always (the gradient reduction is
+    explicit over it), `expert` and `context` when they split something (their layers exchange
+    tokens or keys over them)."""
+    return ("data",) + tuple(a for a in ("expert", "context") if getattr(grid, a) > 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpmdEngine:
-    """Data and tensor grids (`pipe` = 1). manual: whether the step needs its shard_map (it does
-    unless one data-parallel copy spans tensor-parallel devices: nothing to reduce there, and XLA
-    rejects an all-reduce over the size-1 `data` axis of gradients that come out of the
-    tensor-parallel layers' own shard_maps)."""
+    """Data, expert, context and tensor grids (`pipe` = 1). manual_axes: empty when one
+    data-parallel copy spans tensor-parallel devices and nothing else splits the batch (nothing
+    to reduce, and XLA rejects an all-reduce over the size-1 `data` axis of gradients that come
+    out of the tensor-parallel layers' own shard_maps)."""
 
     compute: ComputeFunctions
+    manual_axes: frozenset[str]
     microbatches: int = 1
-    manual: bool = True
-
-    @property
-    def manual_axes(self) -> frozenset[str]:
-        return frozenset(BATCH_MANUAL) if self.manual else frozenset()
-
-    def param_specs(self, params):
-        """Parameters enter whole over the manual axes."""
-        return P()
 
     metric_spec = P()
     """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
 
     def loss_and_grads(self, params, batch, scale):
-        if self.manual:  # each shard keeps its own gradients until the explicit reduction
-            params = to_varying(params, BATCH_MANUAL)
+        axes = tuple(sorted(self.manual_axes))
+        # Varying over the manual axes: each shard keeps its own gradients until the reduction.
+        params = ensure_varying(params, axes)
         m = self.microbatches
 
         def scaled(p, b, weight):
@@ -79,7 +78,6 @@ class SpmdEngine:
             acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
             return acc, (loss, metrics)
 
-        axes = tuple(sorted(self.manual_axes))
         zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), axes)
         grads, (losses, metrics) = jax.lax.scan(one, zeros, split)
         return jnp.mean(losses), grads, jax.tree.map(lambda v: jnp.mean(v, axis=0), metrics)
@@ -92,17 +90,14 @@ class PipelineEngine:
 
     compute: ComputeFunctions
     schedule: pipeline_lib.Schedule
-
-    @property
-    def manual_axes(self) -> frozenset[str]:
-        return frozenset((*BATCH_MANUAL, "pipe"))
-
-    def param_specs(self, params):
-        """The blocks split over `pipe` on their layer axis, the rest whole."""
-        return {"embed": P(), "blocks": P("pipe"), "head": P()}
+    batch_axes: tuple[str, ...] = ("data",)
 
     metric_spec = P("pipe")
     """Metrics (per layer) leave split over `pipe` like the blocks, in their stored order."""
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        return frozenset((*self.batch_axes, "pipe"))
 
     def loss_and_grads(self, params, batch, scale):
         fns, s = self.compute.fns, self.schedule

@@ -72,9 +72,14 @@ class _LinenPart:
     def parallelize(self, mesh, *args, **kwargs):
         """(the tensor-parallel part, PartitionSpecs of its parameters over the tensor axes)."""
         part = _LinenPart(parallelize(self.module, mesh), self.name)
-        boxed = jax.eval_shape(lambda k, a, kw: part.module.init(k, *a, **kw), jax.random.key(0),
+        return part, part.specs(*args, **kwargs)
+
+    def specs(self, *args, **kwargs):
+        """PartitionSpecs of its parameters from their partitioning metadata (P() where none:
+        e.g. a mixture of experts' weights over `expert`)."""
+        boxed = jax.eval_shape(lambda k, a, kw: self.module.init(k, *a, **kw), jax.random.key(0),
                                args, kwargs)
-        return part, nn.get_partition_spec(boxed.get("params", {}))
+        return _specs_or_replicated(nn.get_partition_spec(boxed.get("params", {})))
 
 
 class _NnxPart:
@@ -120,10 +125,20 @@ class _NnxPart:
     def parallelize(self, mesh, *args, **kwargs):
         tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args)
         graphdef, abstract = nnx.split(tp, nnx.Param)
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
-        specs = jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
-                             is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
-        return _NnxPart(graphdef, abstract, self.values, self.name), specs
+        part = _NnxPart(graphdef, abstract, self.values, self.name)
+        return part, part.specs()
+
+    def specs(self, *args, **kwargs):
+        """PartitionSpecs of its parameters from their sharding metadata (P() where none)."""
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self.abstract))
+        return jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
+                            is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
+
+
+def _specs_or_replicated(specs):
+    """Linen's partition specs with P() for the leaves that carry none."""
+    return jax.tree.map(lambda s: s if isinstance(s, P) else P(), specs,
+                        is_leaf=lambda s: s is None or isinstance(s, P))
 
 
 def _pure_params(module: nnx.Module, name: str) -> dict:
@@ -251,6 +266,18 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
     return x, aux
 
 
+def _on_mesh(specs, mesh):
+    """`specs` without the axes `mesh` lacks or holds once (metadata of a layout for another
+    grid, e.g. a mixture of experts' `col`/`row` names without tensor parallelism)."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n and n in mesh.shape and mesh.shape[n] > 1)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(keep(e) for e in s)), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFunctions:
     """A `StackedModel` bound to a batch shape (and a mesh): its three pure functions,
@@ -308,8 +335,13 @@ class ModelFunctions:
             return {"embed": p_embed, "blocks": p_blocks,
                     "head": init_parts[2].init(k_head, h, b, *extra)}
 
-        if specs is None:
-            specs = jax.tree.map(lambda _: P(), jax.eval_shape(init, jax.random.key(0)))
+        if specs is None:  # no tensor parallelism: only what the modules' metadata splits
+            specs = {"embed": embed.specs(batch),
+                     "blocks": jax.tree.map(lambda s: P(None, *s), block.specs(x, **side),
+                                            is_leaf=lambda s: isinstance(s, P)),
+                     "head": head.specs(x, batch, *head_extra)}
+            if mesh is not None:
+                specs = _on_mesh(specs, mesh)
         head_apply = head.apply
         if model.head_reads_embed:
             head_apply = lambda hp, y, b: head.apply(hp[0], y, b, hp[1])  # noqa: E731

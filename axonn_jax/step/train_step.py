@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import shard_map
+from .._compat import ensure_varying, pmean, psum, shard_map
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
@@ -37,7 +37,7 @@ from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import pipeline as pipeline_lib
 from . import hosted
 from .compute import ComputeFunctions
-from .engines import PipelineEngine, SpmdEngine
+from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
 from .state import TrainState
@@ -88,6 +88,8 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
             found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
     elif virtual_stages > 1:
         found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
+    if grid.context > 1:
+        found.append(f"context={grid.context} {_NOT_YET}")
     if compress_bits and not between_processes and grid.data == 1:
         found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
@@ -203,6 +205,42 @@ def _take_rows(x, index: tuple[int, ...]):
 @functools.lru_cache(maxsize=64)
 def _take_program(sharding, index: tuple[int, ...]):
     return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
+
+
+def batch_spec(grid: ParallelConfig) -> P:
+    """The PartitionSpec of every batch leaf: rows over `BATCH_AXES`, with `context > 1` the
+    sequence (dim 1) over `context`."""
+    return P(BATCH_AXES, "context") if grid.context > 1 else P(BATCH_AXES)
+
+
+def _manual_specs(specs, manual) -> Any:
+    """Each PartitionSpec of `specs` with only the `manual` axes left (what a shard_map manual
+    over them takes)."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(keep(e) for e in s)), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def _sum_over_unsplit(grads, specs, axes: tuple[str, ...], grid: ParallelConfig):
+    """Gradients over the batch `axes` besides `data` (`expert`, `context`): each summed over the
+    axes that do not split its parameter and divided by all their sizes, so that with the mean
+    over `data` after it every gradient is the global batch's mean. (A gradient of expert weights
+    split over `expert` already sums the tokens of every expert shard through the all-to-all's
+    transpose.)"""
+    if not axes:
+        return grads
+    total = float(np.prod([getattr(grid, a) for a in axes]))
+
+    def one(g, spec):
+        split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+        over = tuple(a for a in axes if a not in split)
+        return (psum(g, over) if over else g) / total
+
+    return jax.tree.map(one, grads, specs)
 
 
 def _abstract_batch(batch):
@@ -340,8 +378,10 @@ class TrainStep:
         return jax.tree.map(lambda s: s.sharding, self.abstract_state(example_batch))
 
     def batch_shardings(self, batch):
-        """NamedShardings of a batch pytree: leading axis over `data` and `depth`."""
-        return jax.tree.map(lambda _: NamedSharding(self.mesh, P(BATCH_AXES)), batch)
+        """NamedShardings of a batch pytree: rows over `data`, `expert` and `depth`, the
+        sequence (dim 1) over `context`."""
+        spec = batch_spec(self.grid)
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), batch)
 
     def batch_share(self) -> tuple[int, int]:
         """(index, count): this process trains on rows [index·B/count, (index+1)·B/count) of each
@@ -422,12 +462,13 @@ class BoundStep:
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid
+        axes = batch_manual_axes(grid)
         if grid.pipe > 1:
             return PipelineEngine(compute, pipeline_lib.make_schedule(
-                o.schedule, grid.pipe, o.microbatches, o.virtual_stages))
+                o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
-        manual = not (grid.data == 1 and grid.tensor_parallel_size > 1)
-        return SpmdEngine(compute, o.microbatches, manual)
+        alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
+        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches)
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers
@@ -512,7 +553,7 @@ class BoundStep:
 
     def abstract_batch(self):
         """ShapeDtypeStructs of the batch, with their shardings."""
-        shardings = jax.tree.map(lambda _: self._named(P(BATCH_AXES)), self.batch)
+        shardings = jax.tree.map(lambda _: self._named(batch_spec(self.parts.grid)), self.batch)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.batch, shardings)
 
@@ -542,31 +583,42 @@ class BoundStep:
     def loss_and_grads(self, params, batch, scale, key, red_state, engine=None):
         """`(params, batch, loss scale, step key, reducer state) -> (loss, grads, reducer state,
         metrics)`: phases 1 and 2 on global arrays (gradients scaled by `scale`, averaged over
-        `data`); `engine`: another engine than the step's (the planner's measurements)."""
+        the batch axes); `engine`: another engine than the step's (the planner's measurements)."""
         engine = engine or self.engine
         if not engine.manual_axes:
             loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             return loss, grads, red_state, metrics
+        manual = engine.manual_axes
+        p_specs = _manual_specs(self.specs, manual)
+        extra = tuple(a for a in ("expert", "context") if a in manual)
 
         def local(params, batch, scale, key, red_state):
             loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
+            grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
             grads, red_state = self.reducer.reduce(grads, red_state, key)
-            return self.reducer.mean(loss), grads, red_state, self.reducer.mean(metrics)
+            mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731
+            return mean(loss), grads, red_state, mean(metrics)
 
-        p_specs = engine.param_specs(params)
         r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
             else P("data")
         loss, grads, red_state, metrics = shard_map(
-            local, mesh=self.parts.mesh, in_specs=(p_specs, P("data"), P(), P(), r_specs),
+            local, mesh=self.parts.mesh, in_specs=(p_specs, self._batch_spec(manual), P(), P(),
+                                                   r_specs),
             out_specs=(P(), p_specs, r_specs, engine.metric_spec),
-            axis_names=set(engine.manual_axes))(params, batch, scale, key, red_state)
+            axis_names=set(manual))(params, batch, scale, key, red_state)
         # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
         order = self.parts.layer_order
         if order is not None:
             metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
                                    metrics)
         return loss, grads, red_state, metrics
+
+    def _batch_spec(self, manual) -> P:
+        """How the manual axes split every batch leaf: rows over `data` (and `expert`), the
+        sequence (dim 1) over `context`."""
+        rows = tuple(a for a in ("data", "expert") if a in manual)
+        return P(rows, "context") if "context" in manual else P(rows)
 
     # ------------------------------------------------------------------ the step
 
@@ -594,10 +646,17 @@ class BoundStep:
 
     def _eval(self, params, batch):
         grid = self.parts.grid
-        if grid.data == 1 and grid.pipe == 1:
+        manual = frozenset(batch_manual_axes(grid))
+        if manual == {"data"} and grid.data == 1 and grid.pipe == 1:
             return self.loss_fn(params, batch)
-        return shard_map(lambda p, b: self.reducer.mean(self.loss_fn(p, b)), mesh=self.parts.mesh,
-                         in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})(params, batch)
+
+        def local(p, b):
+            return pmean(self.loss_fn(ensure_varying(p, tuple(sorted(manual))), b),
+                         tuple(sorted(manual)))
+
+        return shard_map(local, mesh=self.parts.mesh,
+                         in_specs=(_manual_specs(self.specs, manual), self._batch_spec(manual)),
+                         out_specs=P(), axis_names=set(manual))(params, batch)
 
     @functools.cached_property
     def programs(self) -> tuple[Callable, Callable]:

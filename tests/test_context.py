@@ -107,6 +107,8 @@ def test_bad_input_gets_one_line_naming_the_numbers():
         (lambda: context.attention(q, k, v, segment_ids=jnp.zeros((2, 11), jnp.int32)),
          r"segment_ids must be \(rows, seq\) = \(2, 12\) integers, got \(2, 11\)"),
         (lambda: context.attention(q, k, v, scheme="ulysses"), "one of ring, allgather"),
+        (lambda: context.attention(q, k, v, query_tile=4), "query_tile 4 does not divide the "
+                                                            "chunk length 6"),
         (lambda: gpt.GPTConfig(2, 32, 4, context_attention="x"), "one of ring, allgather"),
     ]
     for call, message in cases:
@@ -138,26 +140,28 @@ def test_one_device_masks_equal_plain_attention():
             assert relative_difference(a, b) <= TOL
 
 
-CASES = [  # scheme, context, data, kv_heads (of 4 query heads), documents
-    ("ring", 2, 1, 4, None), ("ring", 4, 2, 2, "ids+positions"), ("ring", 8, 1, 1, "ids"),
-    ("allgather", 2, 2, 1, "ids+positions"), ("allgather", 4, 1, 4, None),
-    ("allgather", 8, 1, 2, "ids+positions"),
+CASES = [  # scheme, context, data, kv_heads (of 4 query heads), documents, query tile
+    ("ring", 2, 1, 4, None, 4), ("ring", 4, 2, 2, "ids+positions", 512), ("ring", 8, 1, 1, "ids", 512),
+    ("allgather", 2, 2, 1, "ids+positions", 512), ("allgather", 4, 1, 4, None, 2),
+    ("allgather", 8, 1, 2, "ids+positions", 512),
 ]
 
 
-@pytest.mark.parametrize("scheme, size, data, kv_heads, docs", CASES,
-                         ids=[f"{s}-context{c}-data{d}-kv{k}-{x or 'nodocs'}"
-                              for s, c, d, k, x in CASES])
-def test_context_attention_equals_one_device(scheme, size, data, kv_heads, docs):
+@pytest.mark.parametrize("scheme, size, data, kv_heads, docs, tile", CASES,
+                         ids=[f"{s}-context{c}-data{d}-kv{k}-{x or 'nodocs'}-tile{t}"
+                              for s, c, d, k, x, t in CASES])
+def test_context_attention_equals_one_device(scheme, size, data, kv_heads, docs, tile):
     """Outputs and q/k/v gradients of the context-parallel attention (sequence 32 over `size`
-    devices in the zig-zag layout, rows over `data`) equal one device's, fp32, relative ≤ 1e-5."""
+    devices in the zig-zag layout, rows over `data`; blocks of 32 / 2·size queries, run whole or
+    in tiles of `tile`) equal one device's, fp32, relative ≤ 1e-5."""
     rows, seq = 2 * data, 32
     q, k, v, w = qkvw(rows, seq, 4, kv_heads, seed=size)
     seg, pos = documents(rows, seq, seed=size) if docs else (None, None)
     pos = pos if docs == "ids+positions" else None
 
     def kernel(q, k, v, s, p):
-        return context.attention(q, k, v, scheme=scheme, segment_ids=s, positions=p)
+        return context.attention(q, k, v, scheme=scheme, segment_ids=s, positions=p,
+                                 query_tile=tile)
 
     mesh = grid(data, size)
     ours = lambda q, k, v, s, p: sharded(kernel, mesh, 5)(q, k, v, s, p)  # noqa: E731

@@ -209,6 +209,43 @@ def _block_forward(q, k, v, mask, scale):
     return o / to_rows(total)[..., None], to_rows(m + jnp.log(total))
 
 
+def _tiles(x, tile: int, axis: int):
+    """`x` with `axis` (queries) cut into `(n, tile)`, the `n` tiles moved to the front."""
+    shape = x.shape[:axis] + (x.shape[axis] // tile, tile) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _untile(x, axis: int):
+    """The inverse of `_tiles` for an array of tiles `(n, ...)`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _tiled_forward(q, k, v, mask, scale, tile):
+    """`_block_forward` one tile of `tile` queries at a time (a loop): the scores in memory are
+    `tile × tk` per head, not `tq × tk`."""
+    if q.shape[1] <= tile:
+        return _block_forward(q, k, v, mask, scale)
+    o, lse = lax.map(lambda qm: _block_forward(qm[0], k, v, qm[1], scale),
+                     (_tiles(q, tile, 1), _tiles(mask, tile, 1)))
+    return _untile(o, 1), _untile(lse, 1)
+
+
+def _tiled_backward(q, k, v, mask, lse, do, delta, scale, tile):
+    """`_block_backward` one tile of `tile` queries at a time, summing the key/value gradients
+    over the tiles."""
+    if q.shape[1] <= tile:
+        return _block_backward(q, k, v, mask, lse, do, delta, scale)
+
+    def one(acc, x):
+        dq, dk, dv = _block_backward(x[0], k, v, x[1], *x[2:], scale)
+        return (acc[0] + dk, acc[1] + dv), dq
+    zero = jnp.zeros_like(k, jnp.float32)
+    (dk, dv), dq = lax.scan(one, (zero, jnp.zeros_like(v, jnp.float32)),
+                            tuple(_tiles(x, tile, 1) for x in (q, mask, lse, do, delta)))
+    return _untile(dq, 1), dk, dv
+
+
 def _merge(o, lse, o_block, lse_block):
     """Online softmax: the output and log-sum-exp over the union of two disjoint key sets (all
     log-sum-exps finite)."""
@@ -261,11 +298,12 @@ def _put(x, half, value):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a kernel call knows statically: the axis, its size and the scheme."""
+    """What a kernel call knows statically: the axis, its size, the scheme and the query tile."""
 
     axis: str
     size: int
     scheme: str
+    tile: int
 
 
 def _blocks(plan, q, q_side, kv, i, j, slots):
@@ -290,7 +328,7 @@ def _forward_step(plan, state, q, q_side, kv, i, j, diagonal=False):
     o, lse = state
     slots = _slots(i, j, diagonal)
     qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
-    forward = functools.partial(_block_forward, scale=q.shape[-1] ** -0.5)
+    forward = functools.partial(_tiled_forward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
     o_blocks, lse_blocks = jax.vmap(forward, **_BATCHED)(qs, ks, vs, masks)
     for n, (a, _) in enumerate(slots):
         o_a, lse_a = _merge(_half(o, a), _half(lse, a), o_blocks[:, n], lse_blocks[:, n])
@@ -303,7 +341,7 @@ def _backward_step(plan, dq, q, q_side, kv, lse, do, delta, i, j, diagonal=False
     slots = _slots(i, j, diagonal)
     qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
     rows = lambda x: jnp.stack([_half(x, a) for a, _ in slots], axis=1)  # noqa: E731
-    backward = functools.partial(_block_backward, scale=q.shape[-1] ** -0.5)
+    backward = functools.partial(_tiled_backward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
     dqs, dks, dvs = jax.vmap(backward, **_BATCHED)(qs, ks, vs, masks, rows(lse), rows(do),
                                                    rows(delta))
     dk = jnp.zeros_like(kv["k"], jnp.float32)
@@ -464,7 +502,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,
-              positions=None):
+              positions=None, query_tile: int = 512):
     """Causal softmax attention of the whole sequence, split over `axis` in the zig-zag layout,
     scaled by `head_dim ** -0.5`. Call it inside a shard_map manual over `axis` (elsewhere it
     attends the local sequence as one device would, through the same blocks).
@@ -473,13 +511,20 @@ def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_i
     `i` and `2C-1-i` of the sequence (dim 1 split over `axis`; any other dimension may be split
     over other axes); `segment_ids`, `positions`: `(rows, 2c)` integers in the same layout or
     None (no document boundaries; positions from the layout). Returns `(rows, 2c, heads,
-    head_dim)` in q's dtype. `scheme`: `ring` or `allgather` (module docstring)."""
+    head_dim)` in q's dtype. `scheme`: `ring` or `allgather` (module docstring).
+    `query_tile`: each `c × c` block runs this many queries at a time (it must divide `c` when
+    smaller), so the scores in memory are `rows·heads·query_tile·c` floats per block."""
     check_scheme(scheme)
     size = axis_size(axis)
     check_inputs(q, k, v, segment_ids, positions, size)
     if q.shape[1] % 2:
         raise ValueError(f"sequence length {q.shape[1]} must be even (two chunks per device)")
-    plan = _Plan(axis, size, scheme)
+    c = q.shape[1] // 2
+    tile = min(query_tile, c)
+    if c % tile:
+        raise ValueError(f"query_tile {query_tile} does not divide the chunk length {c} "
+                         f"(local sequence {q.shape[1]} / 2)")
+    plan = _Plan(axis, size, scheme, tile)
     return _attend(plan, q, k, v, _side(segment_ids, positions))
 
 

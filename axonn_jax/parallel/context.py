@@ -20,7 +20,9 @@ The kernels (`attention`), called inside a `shard_map` that is manual over the a
 Both compute, per step, only the `c × c` blocks of chunk pairs that the causal mask does not hide
 (`block_schedule`): 3 on the diagonal step, 2 on each of the `C - 1` others — `2C + 1` blocks on
 every device, where attending every pair costs `4C`. Which 2 depends on the device (traced), so
-they are chosen by dynamic indexing, not by branches: one program, the same FLOPs everywhere.
+they are chosen by dynamic indexing, not by branches: one program, the same FLOPs everywhere
+(`flops`). A step's blocks run as one batch, each `query_tile` queries at a time, so memory
+holds `query_tile × c` scores per block and head, never `seq²`.
 
 Masks. A query attends to a key when the key is not later in the sequence, not later by
 `positions` (when given) and in the same segment (`segment_ids`, when given: packed documents);
@@ -28,7 +30,8 @@ segment ids and positions travel with the keys. Only keys (`kv_heads`) move: gro
 attention rotates `kv_heads / heads` of the bytes of multi-head attention.
 
 `collectives` states what the kernels send (the communication model); `causal_mask` is the same
-mask for one device (what `models.attention` uses).
+mask for one device (what `models.attention` uses); `block_schedule` / `kernel_blocks` list the
+chunk pairs with work and those the kernels compute, per device.
 """
 from __future__ import annotations
 

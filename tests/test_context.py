@@ -158,6 +158,9 @@ def test_context_attention_equals_one_device(scheme, size, data, kv_heads, docs,
     q, k, v, w = qkvw(rows, seq, 4, kv_heads, seed=size)
     seg, pos = documents(rows, seq, seed=size) if docs else (None, None)
     pos = pos if docs == "ids+positions" else None
+    if docs:  # some document runs across a chunk boundary (one chunk: seq / 2·size tokens)
+        cuts = np.arange(seq // (2 * size), seq, seq // (2 * size))
+        assert np.any(np.asarray(seg)[:, cuts - 1] == np.asarray(seg)[:, cuts])
 
     def kernel(q, k, v, s, p):
         return context.attention(q, k, v, scheme=scheme, segment_ids=s, positions=p,

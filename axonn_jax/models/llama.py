@@ -33,10 +33,11 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ParallelConfig, check_divisible
+from ..parallel import context
 from ..step.model import StackedModel
 from ..tp.tensor import replicated_rows
 from . import attention, hf
-from .gpt import cross_entropy, output_logits
+from .gpt import check_length, cross_entropy, output_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +77,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention: str = "auto"  # the attention core's implementation (models.attention)
+    context_attention: str = "ring"  # its scheme across a context axis (parallel.context)
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
         attention.check_choice(self.attention)
+        context.check_scheme(self.context_attention)
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
@@ -152,6 +155,13 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-405b": LlamaConfig(126, 16384, 128, 53248, num_kv_heads=8, vocab_size=128256,
                                max_seq_len=131072, rope_theta=500000.0,
                                rope_scaling=_LLAMA31_SCALING),
+    # Llama 3.1 8B and 70B: 128k context through the Llama-3 frequency scaling.
+    "llama3.1-8b": LlamaConfig(32, 4096, 32, 14336, num_kv_heads=8, vocab_size=128256,
+                               max_seq_len=131072, rope_theta=500000.0,
+                               rope_scaling=_LLAMA31_SCALING),
+    "llama3.1-70b": LlamaConfig(80, 8192, 64, 28672, num_kv_heads=8, vocab_size=128256,
+                                max_seq_len=131072, rope_theta=500000.0,
+                                rope_scaling=_LLAMA31_SCALING),
     # Llama 3.2 1B: tied embeddings.
     "llama3.2-1b": LlamaConfig(16, 2048, 32, 8192, num_kv_heads=8, vocab_size=128256,
                                max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
@@ -190,12 +200,23 @@ def rope_tables(seq_len: int, head_dim: int, theta: float,
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def rope_at(positions, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """(cos, sin), each `(rows, seq, head_dim)` float32, at integer `positions (rows, seq)` (true
+    positions: packed documents, the context layout); angles computed in float32 as Hugging
+    Face's are (`rope_tables` rounds float64 ones: the two agree to float32 rounding)."""
+    freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, cos, sin):
     """Rotate `x (batch, seq, heads, head_dim)` by position: `x·cos + rotate_half(x)·sin`, with
-    cos/sin `(seq, head_dim)`."""
+    cos/sin `(seq, head_dim)` or `(batch, seq, head_dim)`."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = (jnp.asarray(a, x.dtype)[None, :, None, :] for a in (cos, sin))
+    cos, sin = (jnp.asarray(a, x.dtype) for a in (cos, sin))
+    cos, sin = ((a[None] if a.ndim == 2 else a)[:, :, None, :] for a in (cos, sin))
     return x * cos + rotated * sin
 
 
@@ -234,10 +255,7 @@ class Embedding(nn.Module):
         self.tokens = nn.Embed(self.config.vocab_size, self.config.d_model, dtype=self.dtype)
 
     def __call__(self, batch):
-        t = batch["inputs"].shape[1]
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len "
-                             f"{self.config.max_seq_len}")
+        check_length(batch["inputs"].shape[1], self.config.max_seq_len)
         return self.tokens(batch["inputs"])
 
     def table(self):
@@ -247,21 +265,26 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     """One Llama block: `x + attn(norm(x))`, then `+ mlp(norm(·))`. `x: (batch, seq, d_model)`.
-    `replicate_kv`: key/value projections as `ReplicatedDense` (see the module docstring)."""
+    `replicate_kv`: key/value projections as `ReplicatedDense` (see the module docstring).
+    `segment_ids`, `positions` `(batch, seq)`: see `attention.causal_attention` (None: one
+    document, positions in order); rotary embeddings turn by the true positions."""
 
     config: LlamaConfig
     dtype: Any = jnp.float32
     replicate_kv: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         kv_dense = (lambda n, name: ReplicatedDense(n, self.dtype, name=name)) \
             if self.replicate_kv else dense
         norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=self.dtype, name=name)  # noqa: E731
         b, t, _ = x.shape
-        cos, sin = rope_tables(t, c.head_dim, c.rope_theta, c.rope_scaling)
+        true_positions = attention.positions_or_none(positions, t)
+        cos, sin = (rope_tables(t, c.head_dim, c.rope_theta, c.rope_scaling)
+                    if true_positions is None else
+                    rope_at(true_positions, c.head_dim, c.rope_theta, c.rope_scaling))
         heads = lambda y, n, name: checkpoint_name(y, name).reshape(b, t, n, c.head_dim)  # noqa: E731
 
         # Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
@@ -271,7 +294,8 @@ class Block(nn.Module):
             q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
             k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
             v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
-            y = attention.causal_attention(q, k, v, c.attention)
+            y = attention.causal_attention(q, k, v, c.attention, segment_ids=segment_ids,
+                                           positions=positions, context_scheme=c.context_attention)
             y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
             x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
             return self.mlp(x, norm("mlp_norm")(x))

@@ -34,6 +34,8 @@ from .._compat import mesh_platform, nested_shard_map, platform_or_default
 from ..parallel import context
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+DOCUMENT_INPUTS = ("segment_ids", "positions")
+"""The batch entries (packed documents) the built-in models' blocks take as side inputs."""
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 

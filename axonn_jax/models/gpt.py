@@ -225,7 +225,8 @@ def stacked(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = 
     used (no layer's layout depends on it)."""
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
-                        head_reads_embed=config.tie_embeddings)
+                        head_reads_embed=config.tie_embeddings,
+                        side_inputs=attention.DOCUMENT_INPUTS)
 
 
 def output_logits(head: nn.Module, h, table=None):

@@ -368,7 +368,8 @@ def stacked(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None 
     rep = config.replicate_kv(grid)
     return StackedModel(Embedding(config, dtype), Block(config, dtype, rep), Head(config, dtype, rep),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
-                        head_reads_embed=config.tie_embeddings)
+                        head_reads_embed=config.tie_embeddings,
+                        side_inputs=attention.DOCUMENT_INPUTS)
 
 
 def network(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> Llama:

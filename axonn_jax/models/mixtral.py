@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
-from . import hf, llama
+from . import attention, hf, llama
 from .moe import MoE, MoEConfig
 
 
@@ -160,7 +160,8 @@ def stacked(config: MixtralConfig, dtype=jnp.float32,
     rep = config.replicate_kv(grid)
     return StackedModel(llama.Embedding(config, dtype), Block(config, dtype, rep),
                         llama.Head(config, dtype, rep), config.num_layers,
-                        offload_names=ACTIVATION_NAMES, head_reads_embed=config.tie_embeddings)
+                        offload_names=ACTIVATION_NAMES, head_reads_embed=config.tie_embeddings,
+                        side_inputs=attention.DOCUMENT_INPUTS)
 
 
 def network(config: MixtralConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> Mixtral:

@@ -71,6 +71,9 @@ class ModelOptions:
     attention: str = option("auto", "attention core of built-in models: cuDNN flash attention (a "
                             "CUDA GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)",
                             choices=ATTENTION_CHOICES)
+    context_attention: str = option("ring", "attention across the context axis: keys/values "
+                                    "passed around a ring, or all-gathered",
+                                    choices=("ring", "allgather"))
     sample_tokens: int = option(0, "generate a sample of this many tokens at the end")
 
 
@@ -207,7 +210,8 @@ class RunConfig:
     run: RunOutputs = dataclasses.field(default_factory=RunOutputs)
     given: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
     """Paths of the fields the command line set (a config file, `--set`, a flag): `plan` evaluates
-    the grid a config names rather than ranking them all."""
+    the grid a config names rather than ranking them all, and options set there that would have
+    no effect are refused."""
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -372,17 +376,20 @@ def _field_problems(config: RunConfig) -> list[str]:
 
 
 def _ignored(config: RunConfig) -> list[str]:
-    """Options set to something that would have no effect on this config: refused, not ignored
-    (a default value, as a written-out config holds them all, is no request)."""
+    """Options the command line set to something that would have no effect on this config:
+    refused, not ignored (a default value, as a written-out config holds them all, is no request;
+    Python callers build configs for many grids with one set of options and are not refused)."""
     found = []
-    if config.pipeline.schedule != PipelineOptions().schedule and config.grid.pipe == 1 \
+    if "pipeline.schedule" in config.given and \
+            config.pipeline.schedule != PipelineOptions().schedule and config.grid.pipe == 1 \
             and not config.grid.auto:
         found.append(f"--schedule {config.pipeline.schedule} needs a pipeline (--pipe > 1)")
     c, default = config.compression, CompressionOptions()
     if not c.bits:
-        if c.bucket != default.bucket:
+        if "compression.bucket" in config.given and c.bucket != default.bucket:
             found.append("--compress-bucket needs gradient compression (--compress-bits)")
-        if c.error_feedback != default.error_feedback:
+        if "compression.error_feedback" in config.given and \
+                c.error_feedback != default.error_feedback:
             found.append("--no-error-feedback needs gradient compression (--compress-bits)")
     if config.grid.auto:
         explicit = [f"--{a}" for a in AXES[1:] if getattr(config.grid, a) != 1]
@@ -414,6 +421,10 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
     _attempt(found, check_grid, grid, batch_size=rows or config.data.batch_size,
              microbatches=p.microbatches, num_layers=num_layers, flags=True)
     mpi = config.run.transport == "mpi"
+    if grid.context > 1:
+        from ..parallel.context import check_sequence
+
+        _attempt(found, check_sequence, config.data.seq_len, grid.context)
     found += option_problems(grid, schedule=p.schedule, microbatches=p.microbatches,
                              virtual_stages=p.virtual_stages, remat=config.memory.remat,
                              memory_budget_gb=config.memory.budget_gb,

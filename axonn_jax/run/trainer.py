@@ -104,8 +104,10 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
             # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a
             # CPU host)
             platform = (devices or jax.devices())[0].platform
-            preset = preset.with_config(attention=attention.resolve(
-                config.model.attention, dtype, getattr(preset.config, "head_dim", None), platform))
+            preset = preset.with_config(
+                attention=attention.resolve(config.model.attention, dtype,
+                                            getattr(preset.config, "head_dim", None), platform),
+                context_attention=config.model.context_attention)
         model = preset.build(dtype, config.parallel)
         example_batch = preset.config.example_batch(config.data.batch_size) \
             if preset.data == "images" else lm_example(config)

@@ -34,7 +34,7 @@ from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
-from ..parallel import pipeline as pipeline_lib
+from ..parallel import context as context_lib, pipeline as pipeline_lib
 from . import hosted
 from .compute import ComputeFunctions
 from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
@@ -88,8 +88,6 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
             found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
     elif virtual_stages > 1:
         found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
-    if grid.context > 1:
-        found.append(f"context={grid.context} {_NOT_YET}")
     if compress_bits and not between_processes and grid.data == 1:
         found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
@@ -205,6 +203,16 @@ def _take_rows(x, index: tuple[int, ...]):
 @functools.lru_cache(maxsize=64)
 def _take_program(sharding, index: tuple[int, ...]):
     return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
+
+
+def check_sequences(batch, size: int) -> None:
+    """ValueError (one line) unless every batch leaf has a sequence dimension (dim 1) that cuts
+    into the `2·size` chunks of the context axis's load-balanced layout."""
+    for path, a in jax.tree_util.tree_leaves_with_path(batch):
+        if len(a.shape) < 2:
+            raise ValueError(f"context = {size} splits dim 1 of every batch leaf (the sequence), "
+                             f"but batch{jax.tree_util.keystr(path)} has shape {tuple(a.shape)}")
+        context_lib.check_sequence(a.shape[1], size)
 
 
 def batch_spec(grid: ParallelConfig) -> P:
@@ -441,6 +449,8 @@ class BoundStep:
         rows = jax.tree.leaves(batch)[0].shape[0]
         check_grid(grid, batch_size=rows, microbatches=o.microbatches,
                    num_layers=parts.model.num_layers)
+        if grid.context > 1:
+            check_sequences(batch, grid.context)
         self.fns: ModelFunctions = parts.model.bind(batch, mesh)
         self.compute_dtype = DTYPES[o.dtype]
         self.scaler = loss_scaler(o.dtype)
@@ -593,6 +603,7 @@ class BoundStep:
         extra = tuple(a for a in ("expert", "context") if a in manual)
 
         def local(params, batch, scale, key, red_state):
+            batch = self._balanced(batch, manual)
             loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
             grads, red_state = self.reducer.reduce(grads, red_state, key)
@@ -613,6 +624,23 @@ class BoundStep:
             metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
                                    metrics)
         return loss, grads, red_state, metrics
+
+    def _balanced(self, batch, manual):
+        """Inside the shard_map: with `context` manual, this device's chunks of every sequence in
+        the load-balanced zig-zag layout (`parallel.context.balance`) instead of its contiguous
+        part (one all-gather of the batch over `context`: token ids, small beside the
+        activations); else `batch`."""
+        if "context" not in manual:
+            return batch
+        size = self.parts.grid.context
+
+        def mine(a):
+            local = a.shape[1]
+            whole = jax.lax.all_gather(a, "context", axis=1, tiled=True)
+            return jax.lax.dynamic_slice_in_dim(context_lib.balance(whole, size),
+                                                jax.lax.axis_index("context") * local, local, 1)
+
+        return jax.tree.map(mine, batch)
 
     def _batch_spec(self, manual) -> P:
         """How the manual axes split every batch leaf: rows over `data` (and `expert`), the
@@ -651,8 +679,8 @@ class BoundStep:
             return self.loss_fn(params, batch)
 
         def local(p, b):
-            return pmean(self.loss_fn(ensure_varying(p, tuple(sorted(manual))), b),
-                         tuple(sorted(manual)))
+            loss = self.loss_fn(ensure_varying(p, tuple(sorted(manual))), self._balanced(b, manual))
+            return pmean(loss, tuple(sorted(manual)))
 
         return shard_map(local, mesh=self.parts.mesh,
                          in_specs=(_manual_specs(self.specs, manual), self._batch_spec(manual)),

@@ -111,7 +111,7 @@ class StepShape:
     @property
     def tokens(self) -> float:
         """Positions one device's tensor-parallel group works on per step."""
-        return self.rows * self.seq_len
+        return self.batch * self.seq_len / (self.grid.data * self.grid.depth)
 
     @property
     def layer_rows(self) -> float:

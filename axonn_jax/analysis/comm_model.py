@@ -96,7 +96,6 @@ class Workload:
                          self.param_bytes)
 
 
-
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
     """What the model of `work` declares about one step on `grid` (`config.communication`)."""
     return work.model.communication(work.step(grid))

@@ -196,7 +196,8 @@ class UNetConfig:
         input arrives on the other axis (the down and up paths'), GroupNorm collectives."""
         g, layouts = step.grid, conv_layouts(self)
         copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
-        runs = {"embed": 2 if g.pipe == 1 else 1}  # and the head's down path on the last stage
+        # Without a pipeline the device also runs the head's recomputed down path.
+        runs = {"embed": 2 if g.pipe == 1 else 1}
         convs = {part: [] for part in copies}
         for layer in self.layers():
             convs[layer.part].append(ConvLayer(

@@ -251,3 +251,22 @@ def test_compressed_exchange_counts_the_reducers_bytes():
     assert {c.kind for c in sent} == {"all-to-all", "all-gather", "all-reduce"}
     counted = compressed_wire_bytes(4, 1024)([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
     assert sum(c.wire_bytes(grid) for c in sent) == pytest.approx(counted * 63 / 64, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny-mqa", "unet-tiny", "resnet-tiny"])
+def test_declared_parameters_are_the_models(name):
+    """Each model's declared parts (`config.communication`) hold, on one device, exactly the
+    parameters its StackedModel initializes (what the gradient exchange, the gradient-norm sums
+    and the memory model count), and on a tensor-parallel grid a device holds less."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models import get as preset
+
+    config = preset(name).config
+    batch = config.example_batch(2) if hasattr(config, "example_batch") else \
+        {k: jax.ShapeDtypeStruct((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    params = jax.eval_shape(preset(name).build(jnp.float32).init, jax.random.key(0), batch)
+    work = cm.Workload(config, 8, 8)
+    assert cm.parameters_per_device(work, P()) == sum(x.size for x in jax.tree.leaves(params))
+    assert cm.parameters_per_device(work, P(row=2, col=2)) < cm.parameters_per_device(work, P())

@@ -42,9 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..collectives import ModelCommunication, ParameterShard, StepShape, from_parts
+from ..collectives import ModelCommunication, StepShape, from_parts
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
+from ..tp.layers import GroupNorms
 from ..tp.tensor import ConvLayer
 
 
@@ -426,46 +427,19 @@ def stacked(config: UNetConfig, dtype=jnp.float32, grid: ParallelConfig | None =
                         config.num_layers, head_reads_embed=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupNorms:
-    """The GroupNorm scales and biases of `channels` channels in each of `layers` copies of a part
-    (`collectives.Part`), counted whole on every device; their collectives are not counted."""
-
-    channels: int
-    layers: int = 1
-    stacked: bool = False
-
-    def collectives(self, step: StepShape) -> list:
-        return []
-
-    def parameters(self, step: StepShape) -> list[ParameterShard]:
-        return [ParameterShard(2 * self.channels * self.layers, 1 + self.stacked, (),
-                               not self.stacked)]
-
-
 @functools.lru_cache(maxsize=16)  # one entry per U-Net shape planned; each holds a small dict
 def conv_layouts(model: UNetConfig) -> dict[str, bool]:
     """`{layer name: transpose}` of a U-Net's layers (`UNetConfig.layers` names), as
     `parallelize` traces them: the parts of a narrow copy of the same architecture (the layout
     does not depend on widths) traced abstractly on one device."""
-    from ..mesh import make_mesh
-    from ..tp.parallelize import transpose_plan
+    from . import part_layouts
 
     small = dataclasses.replace(model, channels=4, num_groups=1, num_heads=1, num_layers=1,
                                 image_size=2 ** len(model.channel_mult), in_channels=1)
-    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
-    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
-    batch = zeros(small.example_batch(1))
-    model_parts = stacked(small)
-    embed_params = jax.eval_shape(model_parts.embed.init, jax.random.key(0), batch)["params"]
-    act = jax.eval_shape(model_parts.embed.apply, {"params": embed_params}, batch)
-    found = {name.removeprefix("down/"): t
-             for name, t in transpose_plan(model_parts.embed, mesh, batch).items()}
-    found |= transpose_plan(model_parts.block, mesh, zeros(act))
-    found |= {name: t for name, t in transpose_plan(model_parts.head, mesh, zeros(act), batch,
-                                                      zeros(embed_params)).items()
-              if name not in found}  # its recomputed down path: the embedding's own layout
-    return found
+    embed, block, head = part_layouts(stacked(small), small.example_batch(1))
+    found = {name.removeprefix("down/"): t for name, t in embed.items()} | block
+    # the head's recomputed down path keeps the embedding's own layout
+    return found | {name: t for name, t in head.items() if name not in found}
 
 
 def images(seed: int, step: int, batch_size: int, size: int, channels: int = 3) -> np.ndarray:

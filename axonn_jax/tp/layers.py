@@ -126,6 +126,24 @@ class Norms:
             (self.count * self.vectors)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupNorms:
+    """The scales and biases of GroupNorms over `channels` channels in each of `layers` copies of a
+    part (`collectives.Part`; `stacked`: a block of the stack), counted whole on every device;
+    their collectives are not counted (GSPMD lays the GroupNorm out)."""
+
+    channels: int
+    layers: int = 1
+    stacked: bool = False
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        return []
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        return [ParameterShard(2 * self.channels * self.layers, 1 + self.stacked, (),
+                               not self.stacked)]
+
+
 class Dense(nn.Module):
     """Tensor-parallel `nn.Dense`. `x (batch, ..., in)` -> `(batch, ..., features)`.
 

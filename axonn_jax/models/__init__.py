@@ -98,23 +98,3 @@ def load_pretrained(preset: Preset, abstract, dtype=None):
     from . import hf
 
     return preset.family.load(hf.Checkpoint(preset.checkpoint), abstract, dtype or jnp.float32)
-
-
-def part_layouts(model: StackedModel, batch) -> tuple[dict[str, bool], ...]:
-    """`{dense or convolution layer path: transpose}` that `parallelize` chooses for each part of
-    a linen `model` (embedding, block, head), traced abstractly on one device from `batch`
-    (ShapeDtypeStructs): what a model's `communication` lays its layers out by."""
-    import jax
-    import jax.numpy as jnp
-
-    from ..mesh import make_mesh
-    from ..tp.parallelize import transpose_plan
-
-    mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
-    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
-    batch = zeros(batch)
-    embed_params = jax.eval_shape(model.embed.init, jax.random.key(0), batch)["params"]
-    act = zeros(jax.eval_shape(model.embed.apply, {"params": embed_params}, batch))
-    head_args = (act, batch, zeros(embed_params)) if model.head_reads_embed else (act, batch)
-    return (transpose_plan(model.embed, mesh, batch), transpose_plan(model.block, mesh, act),
-            transpose_plan(model.head, mesh, *head_args))

@@ -156,7 +156,7 @@ def stacked(config: ResNetConfig, dtype=jnp.float32, grid: ParallelConfig | None
 def conv_layouts(config: ResNetConfig) -> dict[str, bool]:
     """`{layer name: transpose}` of the ResNet's layers (`ResNetConfig.layers` names), as
     `parallelize` traces them on one image."""
-    from . import part_layouts
+    from .layouts import part_layouts
 
     embed, block, head = part_layouts(stacked(config), config.example_batch(1))
     return embed | block | head

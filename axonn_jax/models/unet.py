@@ -432,7 +432,7 @@ def conv_layouts(model: UNetConfig) -> dict[str, bool]:
     """`{layer name: transpose}` of a U-Net's layers (`UNetConfig.layers` names), as
     `parallelize` traces them: the parts of a narrow copy of the same architecture (the layout
     does not depend on widths) traced abstractly on one device."""
-    from . import part_layouts
+    from .layouts import part_layouts
 
     small = dataclasses.replace(model, channels=4, num_groups=1, num_heads=1, num_layers=1,
                                 image_size=2 ** len(model.channel_mult), in_channels=1)

@@ -2,6 +2,7 @@
 the planner's behaviour."""
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -230,3 +231,42 @@ def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
     assert metrics.read_text()
     assert cli_main(["train", "--auto-grid", "--row", "2", "--steps", "1"]) == 2
     assert "drop --row" in capsys.readouterr().err
+
+
+def test_compressed_exchange_counts_the_reducers_bytes():
+    """The planner's CGX exchange (`reducers.exchange_collectives`) and the reducer's own count
+    (`compressed_wire_bytes`, what `--metrics-out` reports) share the size rule and the bytes of a
+    packed bucket: on shards of whole buckets over 64 devices the ring's wire bytes are the
+    reducer's times (g−1)/g; the small and the 1-D shard go exact in both."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.collectives import ParameterShard
+    from axonn_jax.step.reducers import compressed_wire_bytes, exchange_collectives
+
+    shapes = [(1024, 64), (16, 32), (2048,)]  # 64 buckets; below the size rule's 1024; 1-D
+    shards = [ParameterShard(math.prod(s), len(s), ()) for s in shapes]
+    grid = ParallelConfig(data=64)
+    sent = exchange_collectives(shards, grid.data, bits=4, param_bytes=4)
+    assert {c.kind for c in sent} == {"all-to-all", "all-gather", "all-reduce"}
+    counted = compressed_wire_bytes(4, 1024)([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    assert sum(c.wire_bytes(grid) for c in sent) == pytest.approx(counted * 63 / 64, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny-mqa", "unet-tiny", "resnet-tiny"])
+def test_declared_parameters_are_the_models(name):
+    """Each model's declared parts (`config.communication`) hold, on one device, exactly the
+    parameters its StackedModel initializes (what the gradient exchange, the gradient-norm sums
+    and the memory model count), and on a tensor-parallel grid a device holds less."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models import get as preset
+
+    config = preset(name).config
+    batch = config.example_batch(2) if hasattr(config, "example_batch") else \
+        {k: jax.ShapeDtypeStruct((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    params = jax.eval_shape(preset(name).build(jnp.float32).init, jax.random.key(0), batch)
+    work = cm.Workload(config, 8, 8)
+    assert cm.parameters_per_device(work, P()) == sum(x.size for x in jax.tree.leaves(params))
+    assert cm.parameters_per_device(work, P(row=2, col=2)) < cm.parameters_per_device(work, P())

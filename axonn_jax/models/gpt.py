@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ..collectives import ModelCommunication, StepShape
 from ..config import ParallelConfig, check_divisible
 from ..parallel import context
 from ..step.model import StackedModel
-from . import attention, hf
+from ..tp.tensor import DenseLayer
+from . import attention, decoder, hf
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -70,6 +72,23 @@ class GPTConfig:
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
         scores = 2 * 2 * seq_len * d * L
         return 3 * (matmul + scores)
+
+    def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
+        """The communicating parts on `grid` (`models.decoder`): query, key and value projections
+        sharing one input gather, the attention output, the MLP, the head."""
+        d, f, n = self.d_model, self.d_ff, self.num_layers // grid.pipe
+        layers = (DenseLayer("qkv", d, d, False, 3, n, gathers=1),
+                  DenseLayer("attn_out", d, d, True, 1, n),
+                  DenseLayer("mlp_up", d, f, False, 1, n), DenseLayer("mlp_down", f, d, True, 1, n),
+                  DenseLayer("head", d, self.vocab_size, False, bias=False,
+                             table=self.tie_embeddings))
+        return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size,
+                                    self.max_seq_len, layers, tied=self.tie_embeddings)
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`)."""
+        return decoder.communication(self.shape(step.grid), step,
+                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on

@@ -32,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from ..collectives import Collective, ModelCommunication, ParameterShard, StepShape
 from ..config import ParallelConfig, check_divisible
 from ..parallel import context
 from ..step.model import StackedModel
-from ..tp.tensor import replicated_rows
-from . import attention, hf
+from ..tp.tensor import DenseLayer, replicated_rows
+from . import attention, decoder, hf
 from .gpt import check_length, cross_entropy, output_logits
 
 
@@ -123,6 +124,32 @@ class LlamaConfig:
         divide over it)."""
         return grid is not None and self.num_kv_heads % grid.row != 0
 
+    def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
+        """The communicating parts on `grid` (`models.decoder`): the query projection, the
+        key/value projections (sharing its input gather, or `KeyValueReplicated` when
+        `replicate_kv`), the attention output, the gate and up projections (one input gather),
+        the down projection, the head; RMSNorms, no biases."""
+        d, q, kv, f = self.d_model, self.q_features, self.kv_features, self.d_ff
+        n = self.num_layers // grid.pipe
+        rep = self.replicate_kv(grid)
+        kv_layers = (DenseLayer("kv", d, kv, False, 2, n, bias=False, gathers=0),)
+        layers = (DenseLayer("q", d, q, False, 1, n, bias=False, gathers=1),
+                  *(() if rep else kv_layers),
+                  DenseLayer("attn_out", q, d, True, 1, n, bias=False),
+                  DenseLayer("mlp_in", d, f, False, 2, n, bias=False, gathers=1),
+                  DenseLayer("mlp_down", f, d, True, 1, n, bias=False),
+                  DenseLayer("head", d, self.vocab_size, False, bias=False,
+                             table=self.tie_embeddings))
+        replicated = (KeyValueReplicated(d, kv, self.num_kv_heads, 2, n),) if rep else ()
+        return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size, 0, layers,
+                                    replicated, norm_stats=1, norm_params=1,
+                                    tied=self.tie_embeddings)
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`)."""
+        return decoder.communication(self.shape(step.grid), step,
+                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
+
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
         `grid` (see `GPTConfig.check_grid`); key/value heads that do not divide over `row` are
@@ -133,6 +160,60 @@ class LlamaConfig:
         check_divisible("num_heads·head_dim", self.q_features, ("row", "depth"), grid)
         check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
         check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValueReplicated:
+    """The collectives and parameter shards of `ReplicatedDense` key/value projections
+    (`collectives.Part`), `count` of `fan_in` → `fan_out` in each of the `layers` blocks one
+    device holds, as GSPMD lays them out (measured in tests/test_comm_model.py): the query heads'
+    split over `row` factors into a split of the `kv_heads` key/value heads over `r = gcd(kv_heads,
+    row)` devices and of each group's query heads over `row / r`, and the projections follow it:
+    each device computes its `1/r` of the key/value features. Forward, the partial sums over
+    `col`; backward, the attention's key/value gradients summed over the `row / r` devices sharing
+    a head, the input gradient over the `r` devices holding different heads; the kernel's
+    gradient, computed in `r` pieces, is all-gathered to the kernel's layout before the update
+    (`step.train_step` lays gradients out like their parameters)."""
+
+    fan_in: int
+    fan_out: int
+    kv_heads: int
+    count: int
+    layers: int
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        per_stage = self.count * self.layers
+        r = math.gcd(self.kv_heads, g.row)
+        features = step.tokens * self.fan_out / r * cb
+        kernel = self.layers * self.fan_in * self.fan_out / (g.col * g.depth) * pb
+        out = [Collective("all-reduce", ("col",), features, per_stage, stage_forward=True),
+               Collective("all-reduce", ("row",), features, per_stage, group_size=g.row // r),
+               Collective("all-reduce", ("row",), step.tokens * self.fan_in / g.col * cb,
+                          per_stage, group_size=r),
+               Collective("all-gather", ("row",), kernel, self.count, group_size=r)]
+        if g.depth > 1:
+            # The kernel's slice `b` is moved into place and gathered over depth for the forward
+            # and again for the backward; its gradient summed over depth and moved back.
+            b = self.fan_in * self.fan_out / (g.col * g.depth * r) * pb
+            # (Measured: with whole key/value heads, r = 1, GSPMD also moves the gathered
+            # kernel, once for the forward and once for the backward.)
+            moves = [Collective("collective-permute", ("depth",), b * g.depth, 2 * per_stage,
+                                per_microbatch=True)] if r == 1 else []
+            out += [*moves, Collective("collective-permute", ("depth",), b, 3 * per_stage,
+                                       per_microbatch=True),
+                    Collective("all-gather", ("depth",), b * g.depth, 2 * per_stage,
+                               per_microbatch=True),
+                    Collective("all-reduce", ("depth",), b, per_stage, per_microbatch=True)]
+        return out
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The kernels, split over col·depth only; the data-parallel exchange reduces each
+        device's `1/r` piece of its gradient (see the class docstring)."""
+        g = step.grid
+        r = math.gcd(self.kv_heads, g.row)
+        elements = self.layers * self.fan_in * self.fan_out / (g.col * g.depth)
+        return [ParameterShard(elements, 3, (("col", "depth"),), exchanged=elements / r)] * self.count
 
 
 _LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._compat import aval_varying_axes, psum, varying_axes
+from ..collectives import Collective
 from ..config import SCHEDULES
 from .backward_split import split_backward
 
@@ -146,6 +147,26 @@ class Schedule:
         f, b, w = forward_cost, input_cost, weight_cost
         idle = (p - 1) * ((f + b - w) if self.split_backward else (f + b + w) / v)
         return idle / (m * (f + b + w) + idle)
+
+
+def pipeline_collectives(schedule: Schedule, message_bytes: float,
+                         replicated_bytes: float) -> list[Collective]:
+    """What the pipeline adds to a step on one stage device: every tick up to the last forward or
+    backward, one activation forward and one cotangent backward of `message_bytes` each (a
+    chunk's, as large, with interleaved stages: V times as many ticks); at the end, the sum over
+    `pipe` of the gradients of the parameters every stage holds (`replicated_bytes`: embedding,
+    final norm and head, of which only the first and last stage's are not zero)."""
+    return [Collective("all-reduce", (PIPE_AXIS,), replicated_bytes),
+            Collective("collective-permute", (PIPE_AXIS,), message_bytes,
+                       2 * schedule.message_ticks)]
+
+
+def stage_repeats(found: list[Collective], microbatches: int) -> list[Collective]:
+    """A step's collectives (`found`, counted once per step) as the pipeline engine runs them:
+    a stage's forward twice per microbatch (the backward tick recomputes it), parameter-sized
+    collectives (weight gathers, weight-gradient sums) once per microbatch's operation."""
+    return [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
+                                * (microbatches if c.per_microbatch else 1)) for c in found]
 
 
 def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,

@@ -13,10 +13,12 @@ step has averaged the gradients over its local devices exactly.
 
 A reducer owns its state everywhere it goes: its placement (`state_spec`), its layout in a
 checkpoint (`saved` / `from_saved`), its resharding when a run resumes on another grid
-(`reshard`), and the bytes its exchange sends (`wire_bytes`).
+(`reshard`), and the bytes its exchange sends (`wire_bytes`; the collectives behind them, as the
+communication model counts them: `exchange_collectives`).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import pmean
+from ..collectives import FP32, Collective
 from ..parallel import compression
 
 
@@ -143,3 +146,41 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     return GradientReducer(init, reduce, mean=lambda tree: pmean(tree, axis),
                            state_spec=lambda spec: P(axis, *spec), reshard=reshard_residuals,
                            wire_bytes=compressed_wire_bytes(bits, bucket_size))
+
+
+def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int = 4,
+                         bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
+                         min_size: int = compression.DEFAULT_MIN_SIZE,
+                         axis: str = "data") -> list[Collective]:
+    """The collectives one device issues to reduce its gradient shards (`collectives.
+    ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s all-reduce (`bits` 0), or
+    `compressed_mean`'s (CGX, each device compressing its own shards): the shards the size rule
+    compresses (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes`
+    each) and the buffer to `parts` shards, sent by an all-to-all and gathered back; the others
+    in an exact all-reduce."""
+    if not bits:
+        exchanged = sum(s.elements if s.exchanged is None else s.exchanged for s in shards)
+        return [Collective("all-reduce", (axis,), exchanged * param_bytes)]
+    widths = [compression.bits_for_leaf("", s, bits, min_size) for s in shards]
+    exact = sum(s.elements for s, w in zip(shards, widths) if not w)
+    buckets = sum(math.ceil(s.elements / bucket_size) for s, w in zip(shards, widths) if w)
+    packed = math.ceil(buckets / parts) * parts * compression.bucket_bytes(bits, bucket_size,
+                                                                            param_bytes)
+    return [Collective("all-to-all", (axis,), packed), Collective("all-gather", (axis,), packed),
+            Collective("all-reduce", (axis,), exact * param_bytes)]
+
+
+def scalar_collectives(shards, grid) -> list[Collective]:
+    """The step's scalars on one device: the loss averaged over the batch (over depth by the
+    engine, over data by the reducer's `mean`), and the gradient's squared norm: one float32
+    partial sum per parameter shard and per split dimension, over that dimension's axes. (XLA may
+    add the partial sums of one group of devices before reducing them, fusing a few of these: the
+    count is an upper bound, exact within a few scalars.)"""
+    per_group: dict[tuple[str, ...], int] = {}
+    for p in shards:
+        for axes in p.splits:
+            axes = tuple(a for a in axes if getattr(grid, a) > 1)
+            if axes:
+                per_group[axes] = per_group.get(axes, 0) + 1
+    loss = [Collective("all-reduce", ("depth",), FP32), Collective("all-reduce", ("data",), FP32)]
+    return loss + [Collective("all-reduce", axes, FP32, n) for axes, n in per_group.items()]

@@ -44,6 +44,19 @@ def simulate_cpu_devices(n: int) -> None:
             ) from None
 
 
+def use_cpu_platform() -> None:
+    """Run JAX on its CPU platform only, unless `JAX_PLATFORMS` names platforms: for simulated CPU
+    devices and for compile-only ones (`analysis.targets`), where an installed CUDA plugin would
+    otherwise try to start its own backend (and, without a GPU, fail or print a traceback). Must
+    run before JAX starts its backends."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
     """A `jax.sharding.Mesh` of shape `config.shape` with axes `('data','pipe','depth','row','col')`.
 

@@ -129,12 +129,7 @@ def _auto_grid(args, num_devices: int):
     if explicit:
         raise ValueError(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
     machine = cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
-    nbytes = {"float32": 4}.get(args.dtype, 2)
-    model = (pretrained(args.init_from) if args.init_from else get(args.model)).config
-    work = cm.Workload(model, args.batch_size, args.seq_len, compute_bytes=nbytes,
-                       schedule=args.schedule, virtual_stages=args.virtual_stages,
-                       compress_bits=args.compress_bits,
-                       offload_optimizer=args.offload_optimizer)
+    work = _workload(args)
     choices = [args.microbatches] if args.microbatches > 1 else None
     for p in cm.plan(work, num_devices, machine, microbatch_choices=choices):
         # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
@@ -142,6 +137,18 @@ def _auto_grid(args, num_devices: int):
             return p.grid, p.microbatches
     raise ValueError(f"--auto-grid: no grid of {num_devices} devices runs {args.model} with "
                      f"--batch-size {args.batch_size}")
+
+
+def _workload(args):
+    """The planner's `Workload` of the `train` arguments (model, batch, dtype and modes)."""
+    from ..analysis import comm_model as cm
+    from ..models import get, pretrained
+
+    model = (pretrained(args.init_from) if args.init_from else get(args.model)).config
+    return cm.Workload(model, args.batch_size, args.seq_len,
+                       compute_bytes={"float32": 4}.get(args.dtype, 2), schedule=args.schedule,
+                       virtual_stages=args.virtual_stages, compress_bits=args.compress_bits,
+                       offload_optimizer=args.offload_optimizer, microbatches=args.microbatches)
 
 
 def _train(args) -> int:
@@ -421,6 +428,63 @@ def _bench_steps(args) -> int:
 
 
 
+def _add_compile_args(p: argparse.ArgumentParser) -> None:
+    _add_train_args(p)
+    p.add_argument("--target", default="h100", choices=["h100", "cpu"],
+                   help="compile for abstract H100s (no GPU needed) or simulated CPU devices")
+    p.add_argument("--top", type=int, default=0, metavar="K",
+                   help="compile the planner's K best grids instead of the given one")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.set_defaults(steps=1)
+
+
+def _compile(args) -> int:
+    """`axonn-jax compile`: the train step of the `train` arguments, compiled for a target from
+    abstract state, beside `plan`'s prediction (`analysis.compiled`); exit status 1 when a grid
+    does not fit."""
+    import dataclasses
+    import json
+
+    import jax
+
+    from ..analysis import comm_model as cm, compiled as cc, targets
+    from .options import TrainOptions
+    from .trainer import build_trainer
+
+    target = targets.target(args.target)
+    n = args.devices or jax.device_count()
+    devices = target.devices(n)
+    options = TrainOptions(**_option_fields(args))
+    work, machine = _workload(args), cm.MACHINES["h100-dgx"]
+    modelled = isinstance(work.model, cm.PLANNED_MODELS)
+    if args.top:
+        if not modelled:
+            raise ValueError(f"--top: the planner does not model {args.model}")
+        grids = [(p.grid, p.microbatches) for p in cm.plan(work, n, machine)[:args.top]]
+    else:
+        grids = [(_parallel_config(args, n), args.microbatches)]
+
+    def build(grid, microbatches):
+        trainer = build_trainer(dataclasses.replace(options, parallel=grid,
+                                                    microbatches=microbatches), devices)
+        return trainer.step, trainer.local_example()
+
+    predict = (lambda g, m: cm.predict(dataclasses.replace(work, microbatches=m), g, machine)) \
+        if modelled else None
+    reports = cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes,
+                               predict=predict, model_flops=work.flops() if modelled else None,
+                               dump_hlo=args.dump_hlo)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=1))
+    else:
+        for row in cc.table(reports):
+            print("  ".join(f"{c:>16}" for c in row))
+    verdicts = [v for r in reports if (v := r.verdict())]
+    for v in verdicts:
+        print(f"axonn-jax compile: {v}", file=sys.stderr)
+    return 1 if verdicts else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonn-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -433,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark tensor-parallel grids against GSPMD baselines")
     _add_bench_args(bench)
     bench.set_defaults(run=_bench)
+    comp = sub.add_parser("compile", help="compile a train step for abstract H100s or simulated "
+                                            "CPU devices: memory, bytes, FLOPs against plan")
+    _add_compile_args(comp)
+    comp.set_defaults(run=_compile)
     _add_launch_parser(sub)
     report = sub.add_parser("report", help="plots and a summary of one or several run directories")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -527,10 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"axonn-jax {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
         return 2
     try:
-        if getattr(args, "devices", None) is not None:
-            from ..mesh import simulate_cpu_devices
+        if args.command == "compile" or getattr(args, "devices", None) is not None:
+            from ..mesh import simulate_cpu_devices, use_cpu_platform
 
-            simulate_cpu_devices(args.devices)
+            use_cpu_platform()  # simulated or compile-only devices: JAX itself runs on the CPU
+            if getattr(args, "devices", None) is not None and getattr(args, "target", "cpu") == "cpu":
+                simulate_cpu_devices(args.devices)
         if args.command == "train" and args.transport == "xla":
             # Joins the job described by the environment (`axonn-jax launch`, srun, mpirun), if any.
             from .distributed import init_distributed

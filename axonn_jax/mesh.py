@@ -8,8 +8,17 @@ from typing import Sequence
 from .config import AXES, ParallelConfig
 
 
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+"""XLA:CPU runs all simulated devices on one pool of as many threads, and a collective holds its
+thread until its whole group arrives: the concurrency-optimized scheduler lets one device start two
+independent collectives at once, the pool runs dry and XLA aborts after 40 s ("Termination timeout
+... rendezvous"). Without it each device runs its collectives in program order."""
+
+
 def simulate_cpu_devices(n: int) -> None:
-    """Make the CPU backend expose `n` devices. Must run before JAX initializes its backends.
+    """Make the CPU backend expose `n` devices (and schedule their collectives so that they never
+    starve each other of threads: `CPU_SCHEDULER_FLAG`). Must run before JAX initializes its
+    backends.
 
     Raises RuntimeError if JAX has already started with a different device count.
     """
@@ -18,7 +27,9 @@ def simulate_cpu_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     flag = f"--xla_force_host_platform_device_count={n}"
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    if CPU_SCHEDULER_FLAG.split("=")[0] not in flags:
+        flags = f"{flags} {CPU_SCHEDULER_FLAG}"
+    os.environ["XLA_FLAGS"] = " ".join(f"{flags} {flag}".split())
     os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
     import jax
 
@@ -31,6 +42,19 @@ def simulate_cpu_devices(n: int) -> None:
                 f"JAX already started with {jax.device_count()} devices; cannot switch to {n}. "
                 "Simulate devices before any JAX computation."
             ) from None
+
+
+def use_cpu_platform() -> None:
+    """Run JAX on its CPU platform only, unless `JAX_PLATFORMS` names platforms: for simulated CPU
+    devices and for compile-only ones (`analysis.targets`), where an installed CUDA plugin would
+    otherwise try to start its own backend (and, without a GPU, fail or print a traceback). Must
+    run before JAX starts its backends."""
+    if os.environ.get("JAX_PLATFORMS"):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence | None = None):

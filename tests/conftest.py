@@ -5,10 +5,12 @@ import shutil
 import tempfile
 
 # LLVM optimization level 0 halves XLA:CPU's compile time, most of a tiny test's time; losses
-# agree with the default level's to ~1e-7.
+# agree with the default level's to ~1e-7. The scheduler flag keeps the simulated devices'
+# collectives from starving each other of threads (`axonn_jax.mesh.CPU_SCHEDULER_FLAG`).
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Default run directories of CLI runs (and of their child processes) go to a temporary folder, not

@@ -4,6 +4,7 @@ sequences) train through every mode of the trainer with their single-device traj
 compression, bf16/fp16, checkpoints, several processes (`launch`, `mpirun --transport mpi`, the MPI
 pipeline); and the README's "Train your own model" example runs as printed."""
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -135,6 +136,35 @@ def run_readme_code(section: str, tmp_path, check: str = "") -> str:
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+def test_simulating_devices_turns_off_the_starving_scheduler(monkeypatch):
+    from axonn_jax.mesh import CPU_SCHEDULER_FLAG, simulate_cpu_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    simulate_cpu_devices(8)  # JAX runs with 8 already: only the environment changes
+    assert CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"].split()
+
+
+def test_pipeline_and_tensor_grid_on_exactly_its_simulated_devices(reference, tmp_path):
+    """A data × pipe × row grid on exactly 8 simulated devices, in a child process whose
+    environment does not turn off XLA:CPU's concurrency-optimized scheduler: under it such runs
+    aborted now and then ("Termination timeout ... rendezvous": a pool of 8 threads for 8 devices,
+    and a device holding two collectives at once), so `simulate_cpu_devices` turns it off
+    (`mesh.CPU_SCHEDULER_FLAG`); the run trains like one device."""
+    from axonn_jax.mesh import CPU_SCHEDULER_FLAG
+
+    env = child_env()
+    name = CPU_SCHEDULER_FLAG.split("=")[0]
+    env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(name))
+    env["AXONN_LOCAL_DEVICES"] = "8"  # init_distributed simulates them
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "user_train.py"), "vit",
+                          "data=2,pipe=2,row=2", "--microbatches", "2", "--metrics-out",
+                          str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert relative_difference(_losses(metrics), reference["vit"]) <= 1e-5
 
 
 def test_readme_example_runs(tmp_path):

@@ -29,6 +29,12 @@ from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
 from ..step.reducers import exchange_collectives, scalar_collectives
 
 
+def counts(model) -> bool:
+    """Whether the planner counts `model` (a model config): its config declares its parts'
+    communication (`communication(step)`)."""
+    return callable(getattr(model, "communication", None))
+
+
 @dataclasses.dataclass(frozen=True)
 class Machine:
     """A cluster's links and devices. Bandwidths are bytes/s one device can send in one direction."""
@@ -233,15 +239,25 @@ class Prediction:
     mfu: float
     exposed_comm_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     """The exposed communication split by the mesh axes it crosses ("row", "data+depth", ...)."""
+    flops_per_device: float = 0.0
+    """FLOPs one device runs per step (the pipeline's recomputed stage forwards included)."""
+    host_memory_per_device_bytes: float = 0.0
+    """Host memory one device's state takes (`offload_optimizer`: fp32 masters and moments)."""
+    fits: bool = True
+    """Whether `memory_per_device_bytes` fits the machine's device memory."""
 
     def as_dict(self) -> dict:
+        """Fields named as `axonn-jax compile --json` names the compiled figures."""
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
                 "step_time_s": self.step_time_s,
                 "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "bubble_s": self.bubble_s, "comm_bytes_per_device": self.comm_bytes_per_device,
                 "memory_per_device_bytes": self.memory_per_device_bytes,
                 "memory_breakdown": self.memory_breakdown, "mfu": self.mfu,
-                "exposed_comm_by_axis": self.exposed_comm_by_axis}
+                "exposed_comm_by_axis": self.exposed_comm_by_axis,
+                "flops_per_device": self.flops_per_device,
+                "host_memory_per_device_bytes": self.host_memory_per_device_bytes,
+                "fits": self.fits}
 
 
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
@@ -286,7 +302,18 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     mem = memory_per_device(work, grid)
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
-                      mem, mfu, {a: t for a, t in by_axis.items() if t > 0})
+                      mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
+                      flops_per_device=work.flops() / devices * recompute,
+                      host_memory_per_device_bytes=host_memory_per_device(work, grid),
+                      fits=mem["total"] <= machine.device_memory)
+
+
+def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
+    """Host bytes of one device's optimizer state: with `offload_optimizer`, its parameters' fp32
+    masters and Adam's two fp32 moments (`offload.optimizer`); else none."""
+    if not work.offload_optimizer:
+        return 0.0
+    return parameters_per_device(work, grid) * 3 * work.param_bytes
 
 
 def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
@@ -324,7 +351,7 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     (default: pipe·{1, 2, 4, 8}) as the fastest that divides the batch and fits in memory.
     Grids whose memory exceeds the device are dropped.
     """
-    if not callable(getattr(work.model, "communication", None)):
+    if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
     candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]

@@ -296,9 +296,10 @@ def flops(hlo_text: str) -> float:
     """Floating-point operations one device runs per call of a compiled HLO module, with the
     convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an arithmetic elementwise op one per output
     element, a reduction one per input element not in the output; transcendental functions are
-    not FLOPs there), but collectives' own sums left out, and instructions inside `while` loops counted once per iteration (from
-    `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step that scans its
-    layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
+    not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`), but
+    collectives' own sums left out, and instructions inside `while` loops counted once per
+    iteration (from `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step
+    that scans its layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
     Several modules in one text (a step of several programs) add up."""
     modules = [m for m in re.split(r"(?m)^(?=HloModule )", hlo_text) if m.strip()]
     if len(modules) > 1:
@@ -336,6 +337,8 @@ def flops(hlo_text: str) -> float:
             elif opcode == "reduce":
                 operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
                 total += _elements(shapes.get(operand, "")) - _elements(shape)
+            elif opcode == "custom-call" and "__cudnn$fmha" in rest:
+                total += _fused_attention_flops(rest)
             elif opcode == "while":
                 body, trips = _loop(name, rest, "FLOPs")
                 total += walk(body, inner) * trips
@@ -351,6 +354,20 @@ def flops(hlo_text: str) -> float:
         return total
 
     return walk(entry)
+
+
+def _fused_attention_flops(rest: str) -> float:
+    """FLOPs of a cuDNN fused-attention call (`__cudnn$fmha*`), from its query and key shapes
+    `(batch, seq, heads, head_dim)` in `operand_layout_constraints`, as XLA's dots would count
+    them (causal masking not discounted): the forward's two matmuls, `4·b·h·t·s·d`; the backward's
+    five (the scores again, then the value, probability, query and key gradients)."""
+    if "operand_layout_constraints={" not in rest:
+        return 0.0
+    constraints = rest.split("operand_layout_constraints={", 1)[1].split("}}", 1)[0]
+    shapes = [[int(d) for d in dims.split(",")] for _, dims in _ARRAY.findall(constraints)]
+    (b, t, h, d), s = shapes[0], shapes[1][1]
+    return (10.0 if "Backward" in rest.split("custom_call_target=", 1)[1].split(",", 1)[0]
+            else 4.0) * b * h * t * s * d
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ before JAX is imported, so `--devices N` can still make the CPU backend expose N
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import traceback
@@ -257,6 +258,62 @@ def _bench_steps(args) -> int:
     return 0
 
 
+def _add_compile_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("compile")
+    c.add_argument("--target", default="h100", choices=["h100", "cpu"],
+                   help="compile for abstract H100s (no GPU needed) or simulated CPU devices")
+    c.add_argument("--top", type=int, default=0, metavar="K",
+                   help="compile the planner's K best grids instead of the config's")
+    c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+
+
+def _compile(args) -> int:
+    """`axonn-jax compile`: the train step of the config, compiled for a target from abstract
+    state, beside `plan`'s prediction (`analysis.compiled`); exit status 1 when a grid does not
+    fit."""
+    import json
+
+    import jax
+
+    from ..analysis import comm_model as cm, compiled as cc, targets
+    from . import options as opts
+    from .plan import workload
+    from .trainer import build_trainer
+
+    config = args.run_config
+    opts.check(config)
+    target = targets.target(args.target)
+    n = config.grid.devices or jax.device_count()
+    devices = target.devices(n)
+    work, machine = workload(config), cm.MACHINES["h100-dgx"]
+    modelled = cm.counts(work.model)
+    if args.top:
+        if not modelled:
+            raise ConfigError([f"--top: the planner does not model {config.model.name}"])
+        grids = [(p.grid, p.microbatches) for p in cm.plan(work, n, machine)[:args.top]]
+    else:
+        grids = [(opts.resolve_grid(config, n), config.pipeline.microbatches)]
+
+    def build(grid, microbatches):
+        trainer = build_trainer(opts.with_grid(config, grid, microbatches), devices)
+        return trainer.step, trainer.local_example()
+
+    predict = (lambda g, m: cm.predict(dataclasses.replace(work, microbatches=m), g, machine)) \
+        if modelled else None
+    reports = cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes,
+                               predict=predict, model_flops=work.flops() if modelled else None,
+                               dump_hlo=config.run.dump_hlo)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in reports], indent=1))
+    else:
+        for row in cc.table(reports):
+            print("  ".join(f"{c:>16}" for c in row))
+    verdicts = [v for r in reports if (v := r.verdict())]
+    for v in verdicts:
+        print(f"axonn-jax compile: {v}", file=sys.stderr)
+    return 1 if verdicts else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="axonn-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -274,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_args(bench)
     add_config_args(bench)
     bench.set_defaults(run=_bench)
+    comp = sub.add_parser("compile", help="compile a train step for abstract H100s or simulated "
+                                          "CPU devices: memory, bytes, FLOPs against plan")
+    add_tree_args(comp)
+    _add_compile_args(comp)
+    add_config_args(comp)
+    comp.set_defaults(run=_compile)
     _add_launch_parser(sub)
     report = sub.add_parser("report", help="plots and a summary of one or several run directories")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
@@ -365,7 +428,8 @@ def _error(command: str, e: BaseException) -> None:
 
 
 SIMULATES = ("train", "bench")
-"""Commands whose `--devices` creates simulated CPU devices (plan's are the devices planned for)."""
+"""Commands whose `--devices` creates simulated CPU devices (plan's are the devices planned for,
+compile's the target's: `analysis.targets` makes them)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,11 +445,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = getattr(args, "run_config", None)
-        devices = config.grid.devices if config and args.command in SIMULATES else None
-        if devices is not None:
-            from ..mesh import simulate_cpu_devices
+        simulates = args.command in SIMULATES or getattr(args, "target", None) == "cpu"
+        devices = config.grid.devices if config and simulates else None
+        if args.command == "compile" or devices is not None:
+            from ..mesh import simulate_cpu_devices, use_cpu_platform
 
-            simulate_cpu_devices(devices)
+            use_cpu_platform()  # simulated or compile-only devices: JAX itself runs on the CPU
+            if devices is not None:
+                simulate_cpu_devices(devices)
         if args.command == "train" and config.run.transport == "xla":
             # Joins the job described by the environment (`axonn-jax launch`, srun, mpirun), if any.
             from .distributed import init_distributed

@@ -5,8 +5,9 @@ for every token; optional shared experts (DeepSeek) see every token.
 
 `aux['loss']` is the weighted auxiliary loss (`aux_loss_weight`·balance + `z_loss_weight`·z),
 a scalar to add to the training loss; the rest are metrics: `expert_load (num_experts,)`
-(assignments each expert was asked to take, before drops), `dropped_tokens` (assignments dropped
-for lack of capacity), and the unweighted `balance_loss` and `z_loss`.
+(assignments each expert was asked to take, before drops), `load_imbalance` (its max over its
+mean: 1 when balanced), `dropped_tokens` (assignments dropped for lack of capacity), and the
+unweighted `balance_loss` and `z_loss`.
 
 Router (in float32): logits `x @ router (d_model, E)`; scores `softmax(logits)` or
 `sigmoid(logits)`; the top-k scores are the combine weights, divided by their sum with
@@ -198,5 +199,7 @@ class MoE(nn.Module):
         load, num_tokens, dropped = stats[:-2], stats[-2], stats[-1]
         balance = balance_loss(probs, load, num_tokens)
         z = z_loss(logits)
+        imbalance = jnp.max(load) / jnp.maximum(jnp.mean(load), 1e-9)
         return {"loss": c.aux_loss_weight * balance + c.z_loss_weight * z, "balance_loss": balance,
-                "z_loss": z, "expert_load": load, "dropped_tokens": dropped}
+                "z_loss": z, "expert_load": load, "load_imbalance": imbalance,
+                "dropped_tokens": dropped}

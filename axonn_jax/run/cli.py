@@ -38,7 +38,8 @@ def _train(args) -> int:
     else:
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
     if config.run.transport == "xla":  # every problem before the run directory is made
-        opts.check(config, config.parallel, num_devices=num_devices)
+        opts.check(config, config.parallel, num_devices=num_devices,
+                   platform=jax.devices()[0].platform)
     summary = _train_logged(config) if _is_main(config) else train(config)
     return exit_code(summary["stopped"])
 

@@ -15,6 +15,8 @@ import json
 import pathlib
 from typing import Any, Callable
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class StepInfo:
@@ -209,16 +211,27 @@ class DeviceMemory(Hook):
 
 
 def _scalars(record: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The record's numbers by name; a per-layer list of numbers (the blocks' metrics, e.g. a
+    mixture of experts' `dropped_tokens`) as one scalar per layer, `name/layer_i`."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[k] = float(v)
+        elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{k}/layer_{i}": float(x) for i, x in enumerate(v)})
+    return out
 
 
 class TensorBoard(Hook):
     """TensorBoard event files in `directory` (tensorboardX), written by the main process: every
     numeric metric of each step under its `metrics.jsonl` name (loss, val_loss, lr, grad_norm,
-    tokens_per_s, examples_per_s, step_time_s, memory, loss_scale, ...) at its step, and the run's
-    constants (`loop.report`: parameter count, state and compiled peak bytes, compression ratio)
-    once, under `run/`, at the starting step. View with `tensorboard --logdir DIR`."""
+    tokens_per_s, examples_per_s, step_time_s, memory, loss_scale, ...) at its step, the blocks'
+    per-layer metrics one scalar per layer (`name/layer_i`) and per-layer vectors (a mixture of
+    experts' tokens per expert) as histograms, and the run's constants (`loop.report`: parameter
+    count, state and compiled peak bytes, compression ratio) once, under `run/`, at the starting
+    step. View with `tensorboard --logdir DIR`."""
 
     def __init__(self, directory: str | pathlib.Path):
         self.directory, self.writer, self.constants = pathlib.Path(directory), None, set()
@@ -244,6 +257,10 @@ class TensorBoard(Hook):
         for name, value in _scalars(info.record).items():
             if name not in self.constants:
                 self.writer.add_scalar(name, value, info.step)
+        for name, value in info.record.items():
+            if isinstance(value, list) and value and isinstance(value[0], list):
+                for i, row in enumerate(value):
+                    self.writer.add_histogram(f"{name}/layer_{i}", np.asarray(row), info.step)
         self.writer.flush()
 
     def end(self, loop):

@@ -130,7 +130,7 @@ class Loop:
         batch = self.trainer.place(self.batches(step))
         t0 = time.perf_counter()
         state, metrics = self.compiled(self.state, batch)
-        metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+        metrics = {k: _plain(v) for k, v in metrics.items()}  # waits for the step
         dt = time.perf_counter() - t0
         record = {"step": step + 1, **metrics, "lr": float(self.trainer.lr_schedule(step)),
                   "examples_per_s": self.examples_per_step / dt, "step_time_s": dt, **self.report}
@@ -139,6 +139,12 @@ class Loop:
         if self.peak_flops:
             record["mfu"] = self.report["model_flops_per_device"] / dt / self.peak_flops
         return state, record
+
+
+def _plain(value):
+    """A metric as JSON holds it: a float, or per layer a (nested) list of floats."""
+    value = np.asarray(value)
+    return float(value) if value.ndim == 0 else value.astype(float).tolist()
 
 
 def _as_batches(data) -> Callable[[int], Any]:

@@ -408,9 +408,11 @@ def preset_of(config: RunConfig):
 
 
 def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | None = None,
-                  rows: int | None = None, num_devices: int | None = None) -> list[str]:
-    """What stops this config's step from running on `grid` over `num_devices` devices (when
-    given): `num_layers` of the model, `rows` of the local batch (default: the config's batch)."""
+                  rows: int | None = None, num_devices: int | None = None,
+                  platform: str | None = None) -> list[str]:
+    """What stops this config's step from running on `grid` over `num_devices` devices of
+    `platform` (each when given): `num_layers` of the model, `rows` of the local batch (default:
+    the config's batch)."""
     from ..config import check_grid
     from ..step.train_step import option_problems
 
@@ -425,6 +427,12 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
         from ..parallel.context import check_sequence
 
         _attempt(found, check_sequence, config.data.seq_len, grid.context)
+        if grid.pipe > 1 and config.model.context_attention == "ring" and platform == "cpu":
+            # A stage's ring hops are one collective-permute of every device of the program,
+            # which XLA:CPU runs only when all of them reach it: stages idle in that tick never do.
+            found.append("--context-attention ring inside pipeline stages deadlocks XLA:CPU (its "
+                         "collective-permutes wait for every stage); use --context-attention "
+                         "allgather on simulated devices")
     found += option_problems(grid, schedule=p.schedule, microbatches=p.microbatches,
                              virtual_stages=p.virtual_stages, remat=config.memory.remat,
                              memory_budget_gb=config.memory.budget_gb,
@@ -468,10 +476,11 @@ def _grid_of_model(preset, grid: ParallelConfig) -> list[str]:
 
 def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
              num_layers: int | None = None, rows: int | None = None,
-             num_devices: int | None = None, builtin_model: bool = True) -> list[str]:
+             num_devices: int | None = None, platform: str | None = None,
+             builtin_model: bool = True) -> list[str]:
     """Every problem of `config` on `grid` (None: the checks that need no grid) over
-    `num_devices` devices (None: unchecked), one line each. builtin_model: the config's model is
-    the one trained (not a caller's `StackedModel`)."""
+    `num_devices` devices of `platform` (None: unchecked), one line each. builtin_model: the
+    config's model is the one trained (not a caller's `StackedModel`)."""
     found = _field_problems(config) + _ignored(config)
     if found:
         return found  # the rest assumes sane values
@@ -483,7 +492,7 @@ def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
             num_layers = preset_of(config).build(jnp.float32).num_layers
     if grid is not None:
         found += grid_problems(config, grid, num_layers=num_layers, rows=rows,
-                               num_devices=num_devices)
+                               num_devices=num_devices, platform=platform)
     return found
 
 

@@ -127,16 +127,19 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
 
 
 def _check(config: RunConfig, grid: ParallelConfig, preset, num_layers: int, rows: int,
-           num_devices: int | None = None) -> None:
-    """Every problem of the config on `grid` at once (the model's own checks when it is built in)."""
-    opts.check(config, grid, num_layers=num_layers, rows=rows, num_devices=num_devices,
+           devices=None) -> None:
+    """Every problem of the config on `grid` (and `devices`) at once (the model's own checks when
+    it is built in)."""
+    opts.check(config, grid, num_layers=num_layers, rows=rows,
+               num_devices=None if devices is None else len(devices),
+               platform=None if devices is None else devices[0].platform,
                builtin_model=preset is not None)
 
 
 def _build_xla(config, model, optimizer, preset, devices):
     grid = config.parallel
     devices = list(devices) if devices is not None else jax.devices()
-    _check(config, grid, preset, model.num_layers, config.data.batch_size, len(devices))
+    _check(config, grid, preset, model.num_layers, config.data.batch_size, devices)
     mesh = make_mesh(grid, devices)
     step = make_train_step(model, optimizer, mesh, **step_options(config))
     return step, jax.process_index() == 0, lambda directory, every, **kw: Checkpointer(

@@ -29,7 +29,8 @@ def _train(args) -> int:
 
     config = _with_run_dir(args.run_config)
     num_devices = jax.device_count()
-    opts.check(config)  # what needs no grid, before the planner runs
+    platform = jax.devices()[0].platform
+    opts.check(config, platform=platform)  # what needs no grid, before the planner runs
     if config.grid.auto:
         grid, microbatches = auto_grid(config, num_devices)
         text = ",".join(f"{k}={v}" for k, v in grid.as_dict().items())
@@ -38,8 +39,7 @@ def _train(args) -> int:
     else:
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
     if config.run.transport == "xla":  # every problem before the run directory is made
-        opts.check(config, config.parallel, num_devices=num_devices,
-                   platform=jax.devices()[0].platform)
+        opts.check(config, config.parallel, num_devices=num_devices, platform=platform)
     summary = _train_logged(config) if _is_main(config) else train(config)
     return exit_code(summary["stopped"])
 
@@ -282,8 +282,8 @@ def _compile(args) -> int:
     from .trainer import build_trainer
 
     config = args.run_config
-    opts.check(config)
     target = targets.target(args.target)
+    opts.check(config, platform="gpu" if args.target == "h100" else "cpu")
     n = config.grid.devices or jax.device_count()
     devices = target.devices(n)
     work, machine = workload(config), cm.MACHINES["h100-dgx"]

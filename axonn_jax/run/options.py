@@ -441,8 +441,10 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
     return found
 
 
-def model_problems(config: RunConfig, grid: ParallelConfig | None) -> list[str]:
-    """What stops the built-in model the config names from running (on `grid`, if given)."""
+def model_problems(config: RunConfig, grid: ParallelConfig | None,
+                   platform: str | None = None) -> list[str]:
+    """What stops the built-in model the config names from running (on `grid` and `platform`,
+    where given)."""
     from ..models import attention
     from ..offload.precision import DTYPES
 
@@ -463,7 +465,7 @@ def model_problems(config: RunConfig, grid: ParallelConfig | None) -> list[str]:
         found.append(f"--seq-len {config.data.seq_len} exceeds {preset.name}'s max_seq_len "
                      f"{preset.config.max_seq_len}")
     _attempt(found, attention.check, config.model.attention, DTYPES[config.precision.dtype],
-             getattr(preset.config, "head_dim", None))
+             getattr(preset.config, "head_dim", None), platform)
     return found + ([] if grid is None else _grid_of_model(preset, grid))
 
 
@@ -485,7 +487,7 @@ def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
     if found:
         return found  # the rest assumes sane values
     if builtin_model:
-        found += model_problems(config, grid)
+        found += model_problems(config, grid, platform)
         if found:
             return found
         if num_layers is None:

@@ -97,7 +97,8 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
     preset = None
     if model is None:
-        opts.check(config)  # the model's own checks first: the preset must exist to build it
+        # The model's own checks first: the preset must exist to build it.
+        opts.check(config, platform=(devices or jax.devices())[0].platform)
         preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
         if preset.data == "tokens":

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         compiled = trainer.step.lower(state, batch_of(0)).compile()
         report = state_report(state, compiled)
         n = report["num_params"]
-        grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state["params"]))
+        grad_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))
         times, losses = [], []
         for step in range(args.steps + 1):
             batch = batch_of(step)

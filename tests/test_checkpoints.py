@@ -88,7 +88,7 @@ def test_offload_checkpoint_restores_without_offload_and_back(reference, corpus,
     # That offload checkpoint restored without offload holds the uninterrupted run's state.
     trainer = build_trainer(options(corpus, parallel=ParallelConfig(data=2)), devices[:2])
     state = trainer.make_checkpointer(str(directory), 0).restore(trainer.init_state())
-    assert int(state["step"]) == STEPS
+    assert int(state.step) == STEPS
     want = reference[0]["state"]
     # Per group, within 1e-4: the key bias's gradient is zero (softmax ignores it), so its moments
     # are rounding noise, which Adam's mu / sqrt(nu) turns into steps of about the learning rate.
@@ -109,7 +109,7 @@ def test_compressed_residuals_resplit_or_reset(corpus, devices, tmp_path):
                                         parallel=ParallelConfig(data=data)), devices[:data])
         state = trainer.make_checkpointer(str(directory), 0, note=notes.append).restore(
             trainer.init_state())
-        residual = np.asarray(state["reducer"]["blocks"]["mlp_up"]["kernel"])
+        residual = np.asarray(state.reducer["blocks"]["mlp_up"]["kernel"])
         assert residual.shape[0] == data
         if data == 4:
             saved = residual
@@ -175,7 +175,7 @@ def test_damaged_newest_step_falls_back(reference, template, tmp_path, damage, c
     trainer, fresh = template
     notes = []
     state = trainer.make_checkpointer(str(directory), 2, note=notes.append).restore(fresh)
-    assert int(state["step"]) == 2 and len(notes) == 1
+    assert int(state.step) == 2 and len(notes) == 1
     assert notes[0].startswith(f"checkpoint step 4 in {directory} is damaged (")
     assert notes[0].endswith("skipped, trying step 2") and "\n" not in notes[0]
     assert sorted(os.listdir(directory)) == ["2", "4.damaged"]  # set aside, not deleted

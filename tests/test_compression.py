@@ -220,8 +220,8 @@ def test_2bit_with_error_feedback_still_trains(runs):
 
 def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):
     trainer, state = runs["4bit"]["trainer"], runs["4bit"]["state"]
-    residual = jax.tree.leaves(state["reducer"])
-    params = jax.tree.leaves(state["params"])
+    residual = jax.tree.leaves(state.reducer)
+    params = jax.tree.leaves(state.params)
     assert [r.shape for r in residual] == [(8, *p.shape) for p in params]
     assert all(r.sharding.spec[0] == "data" for r in residual)
     assert any(np.any(np.asarray(r)) for r in residual)
@@ -243,7 +243,7 @@ def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):
     resumed = continue_from(restored)
     assert resumed == continue_from(state)
     # The residual matters: dropping it changes the trajectory (so the check above can fail).
-    spare["reducer"] = jax.tree.map(jnp.zeros_like, spare["reducer"])
+    spare = spare.replace(reducer=jax.tree.map(jnp.zeros_like, spare.reducer))
     assert continue_from(spare)[1:] != resumed[1:]
 
 
@@ -253,7 +253,7 @@ def test_no_error_feedback_keeps_no_state(devices):
     trainer = build_trainer(TrainOptions(**{**TRAIN, "compress_bits": 4, "error_feedback": False}),
                             devices=devices)
     state = trainer.init_state()
-    assert "reducer" not in state
+    assert state.reducer is None
     lowered = trainer.step.lower(state, trainer.bound.abstract_batch())
     text = lowered.as_text()
     assert "all_to_all" in text and "all_gather" in text

@@ -112,8 +112,8 @@ def run(options, devices, corpus):
 
 
 def _residual_specs_follow_params(state, trainer):
-    flat_p = jax.tree_util.tree_leaves_with_path(state["params"])
-    flat_r = dict(jax.tree_util.tree_leaves_with_path(state["reducer"]))
+    flat_p = jax.tree_util.tree_leaves_with_path(state.params)
+    flat_r = dict(jax.tree_util.tree_leaves_with_path(state.reducer))
     assert len(flat_r) == len(flat_p)
     split = 0
     for path, p in flat_p:
@@ -194,7 +194,7 @@ def test_tensor_parallel_4bit_step_moves_a_sixth_of_the_data_bytes(devices, grid
     assert off(packed) == off(exact)
     # The compressed all-gather moves each device's shard, packed: at most a sixth of the fp32
     # bytes of this device's gradients.
-    params = jax.tree.leaves(trainer.init_state(abstract=True)["params"])
+    params = jax.tree.leaves(trainer.init_state(abstract=True).params)
     local_grad_bytes = sum(4 * np.prod(p.sharding.shard_shape(p.shape)) for p in params)
     assert 0 < packed[("all-gather", data)] <= local_grad_bytes / 6
 
@@ -209,5 +209,5 @@ def test_pipeline_tensor_parallel_compressed_tracks_data_parallel(devices, corpu
     assert 0 < diff <= 1e-3, diff
     _residual_specs_follow_params(state, trainer)
     # Stage blocks' residuals are split over pipe (layers) and row, like their parameters.
-    r = state["reducer"]["blocks"]["query"]["kernel"]  # (2 data, 8 layers, 32, 32)
+    r = state.reducer["blocks"]["query"]["kernel"]  # (2 data, 8 layers, 32, 32)
     assert {s.data.shape for s in r.addressable_shards} == {(1, 4, 32, 16)}

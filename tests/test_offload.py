@@ -10,9 +10,10 @@ import pytest
 from axonn_jax import ParallelConfig
 from axonn_jax.models import gpt
 from axonn_jax.offload import activations
-from axonn_jax.offload.optimizer import lowered_for_gpu, placement_transfers
+from axonn_jax.offload.optimizer import lowered_for_gpu, on_device, placement_transfers
 from axonn_jax.run.loop import state_report
-from axonn_jax.step.update import make_update
+from axonn_jax.step.state import TrainState
+from axonn_jax.step.update import make_update, update_chain
 from axonn_jax.offload.precision import loss_scaler
 from axonn_jax.train import TrainOptions, build_trainer
 
@@ -47,13 +48,13 @@ def test_offloaded_optimizer_gives_identical_losses_and_lives_on_host(reference,
     assert len(losses) == STEPS and losses[-1] < losses[0]
     assert relative_difference(losses, reference[0]) <= 1e-6
     kinds = lambda tree: {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
-    assert kinds(state["params"]) == {"device"}
-    assert kinds(state["opt_state"]["master"]) == {"pinned_host"}
-    adam = state["opt_state"]["inner"][0]
+    assert kinds(state.params) == {"device"}
+    assert kinds(state.opt_state["master"]) == {"pinned_host"}
+    adam = state.opt_state["inner"][0]
     assert kinds(adam.mu) == kinds(adam.nu) == {"pinned_host"}
     assert adam.count.sharding.memory_kind == "device"
     # Host copies are partitioned exactly like their parameters.
-    for p, m in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state["opt_state"]["master"])):
+    for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state["master"])):
         assert m.sharding.spec == p.sharding.spec and m.dtype == jnp.float32
     report = state_report(state, compiled)
     n = report["num_params"]
@@ -71,7 +72,7 @@ def test_update_moves_state_per_layer_not_in_bulk(devices):
         state = trainer.init_state(abstract=True)
         bound = trainer.bound
         moves = placement_transfers(lowered_for_gpu(bound.programs[0], state, bound.abstract_batch()))
-        params = state["params"]
+        params = state.params
         layers = trainer.model.num_layers
         layer_shapes = {tuple(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])}
         block_slices = {(1, *s) for s in layer_shapes}  # layer i of each of the (one) stages
@@ -96,9 +97,9 @@ def test_bf16_device_state_bytes_per_parameter(devices):
                                 devices[:1])
         state = trainer.init_state(abstract=True)
         nbytes = lambda x: x.size * x.dtype.itemsize
-        n = sum(x.size for x in jax.tree.leaves(state["params"]))
+        n = sum(x.size for x in jax.tree.leaves(state.params))
         device = sum(nbytes(x) for x in jax.tree.leaves(state) if x.sharding.memory_kind == "device")
-        grads = sum(nbytes(x) for x in jax.tree.leaves(state["params"]))  # in the params' dtype
+        grads = sum(nbytes(x) for x in jax.tree.leaves(state.params))  # in the params' dtype
         per_param[offload] = (device + grads) / n
     assert per_param[True] <= 4.5
     assert per_param[False] >= 16
@@ -114,12 +115,12 @@ def test_fp16_step_with_inf_gradients_is_skipped(devices):
     state, metrics = step(state, lm_batch(trainer, TOKENS, 0))
     assert int(metrics["skipped_steps"]) == 0 and np.isfinite(float(metrics["loss"]))
     # A loss scale near fp32's maximum overflows the scaled loss: the step must change nothing.
-    state["precision"]["scale"] = jnp.asarray(3e38, jnp.float32)
-    before = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
+    state = state.replace(precision={**state.precision, "scale": jnp.asarray(3e38, jnp.float32)})
+    before = jax.tree.map(np.asarray, {"params": state.params, "opt_state": state.opt_state})
     state, metrics = step(state, lm_batch(trainer, TOKENS, 1))
-    after = jax.tree.map(np.asarray, {"params": state["params"], "opt_state": state["opt_state"]})
-    assert int(metrics["skipped_steps"]) == 1 and int(state["precision"]["skipped_steps"]) == 1
-    assert float(state["precision"]["scale"]) == pytest.approx(1.5e38)
+    after = jax.tree.map(np.asarray, {"params": state.params, "opt_state": state.opt_state})
+    assert int(metrics["skipped_steps"]) == 1 and int(state.precision["skipped_steps"]) == 1
+    assert float(state.precision["scale"]) == pytest.approx(1.5e38)
     jax.tree.map(np.testing.assert_array_equal, after, before)
     state, metrics = step(state, lm_batch(trainer, TOKENS, 2))  # scale still huge: skipped again
     assert int(metrics["skipped_steps"]) == 2
@@ -127,20 +128,21 @@ def test_fp16_step_with_inf_gradients_is_skipped(devices):
 
 def test_on_device_guard_skips_non_finite_updates():
     """The shared update (`step.update`): clipping and the 16-bit skip guard on the device."""
-    update = jax.jit(make_update(optax.adamw(0.1), scaler=loss_scaler("float16"), clip_norm=1.0))
+    tx = update_chain(optax.adamw(0.1), clip_norm=1.0, skip_non_finite=True)
+    update = jax.jit(make_update(on_device(tx), scaler=loss_scaler("float16")))
     params = {"w": jnp.ones((3,)), "b": jnp.zeros((2,))}
-    state = {"step": jnp.int32(0), "params": params, "opt_state": optax.adamw(0.1).init(params),
-             "precision": loss_scaler("float16").init()}
-    state["precision"]["scale"] = jnp.float32(4.0)
+    precision = {**loss_scaler("float16").init(), "scale": jnp.float32(4.0)}
+    state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                       rng=jax.random.key_data(jax.random.key(0)), precision=precision)
     bad = {"w": jnp.array([1.0, jnp.inf, 0.0]), "b": jnp.ones((2,))}
     new, metrics = update(state, bad)
-    assert int(metrics["skipped_steps"]) == 1 and float(new["precision"]["scale"]) == 2.0
-    jax.tree.map(np.testing.assert_array_equal, (new["params"], new["opt_state"]),
-                 (params, state["opt_state"]))
+    assert int(metrics["skipped_steps"]) == 1 and float(new.precision["scale"]) == 2.0
+    jax.tree.map(np.testing.assert_array_equal, (new.params, new.opt_state),
+                 (params, state.opt_state))
     new, metrics = update(state, jax.tree.map(jnp.ones_like, params))
     assert int(metrics["skipped_steps"]) == 0
     assert float(metrics["grad_norm"]) == pytest.approx(np.sqrt(5) / 4)  # unscaled
-    assert not np.allclose(new["params"]["w"], params["w"])
+    assert not np.allclose(new.params["w"], params["w"])
 
 
 def test_layer_groups_keep_the_model_function(devices):
@@ -251,7 +253,7 @@ def test_offloaded_state_checkpoint_round_trip(devices, tmp_path):
     reader = Checkpointer(tmp_path, 1)
     restored = reader.restore(state)
     reader.close()
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored["opt_state"]["master"])} == {
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state["master"])} == {
         "pinned_host"}
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored, state)

@@ -161,7 +161,7 @@ def reference(devices, corpus_path):
     state = trainer.init_state()
     initial = jax.device_get(state)
     batch = jax.device_get(lm_batch(trainer, corpus.train, 0))
-    loss, grads = jax.jit(jax.value_and_grad(trainer.model.loss))(state["params"], batch)
+    loss, grads = jax.jit(jax.value_and_grad(trainer.model.loss))(state.params, batch)
     trajectory = []
     for step in range(STEPS):
         state, metrics = trainer.step(state, lm_batch(trainer, corpus.train, step))
@@ -262,9 +262,9 @@ def test_pipeline_trajectory(reference, devices, tmp_path, grid, schedule, m, v,
         got.append(float(metrics["loss"]))
     assert relative_difference(got, reference["trajectory"][:steps]) <= 1e-5
     # The update keeps the layout: blocks (and their Adam moments) split over pipe.
-    assert state["params"]["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
-    assert state["opt_state"][0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
-    assert state["params"]["embed"]["wte"]["embedding"].sharding.spec == P()
+    assert state.params["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
+    assert state.opt_state[0].mu["blocks"]["mlp_up"]["kernel"].sharding.spec == P("pipe")
+    assert state.params["embed"]["wte"]["embedding"].sharding.spec == P()
     if v > 1:
         # Checkpoints hold the model's layer order: one device restores exactly these parameters.
         saver = trainer.make_checkpointer(str(tmp_path), 1)
@@ -272,8 +272,8 @@ def test_pipeline_trajectory(reference, devices, tmp_path, grid, schedule, m, v,
         saver.close()
         single = build_trainer(TrainOptions(**BASE, steps=STEPS), devices[:1])
         restored = single.make_checkpointer(str(tmp_path), 1).restore(single.init_state())
-        expected = jax.device_get(trainer.step.canonical_params(state["params"]))
-        for a, b in zip(jax.tree.leaves(jax.device_get(restored["params"])),
+        expected = jax.device_get(trainer.step.canonical_params(state.params))
+        for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
                         jax.tree.leaves(expected)):
             np.testing.assert_array_equal(a, b)
 
@@ -287,7 +287,7 @@ def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
                                          offload_optimizer=True), devices)
     state = trainer.init_state()
     # The update alone: only the gradient norm's all-reduce, no block state crossing stages.
-    update = jax.jit(trainer.bound.update).lower(state, state["params"]).compile()
+    update = jax.jit(trainer.bound.update).lower(state, state.params).compile()
     assert {c.kind for c in hlo.collectives(update.as_text())} <= {"all-reduce"}
     batch = lm_batch(trainer, reference["corpus"].train, 0)
     compiled = trainer.step.lower(state, batch).compile()
@@ -296,7 +296,7 @@ def test_offloaded_optimizer_with_pipeline_stages(reference, devices):
         state, metrics = compiled(state, lm_batch(trainer, reference["corpus"].train, step))
         got.append(float(metrics["loss"]))
     assert relative_difference(got, reference["trajectory"][:3]) <= 1e-5
-    master = state["opt_state"]["master"]["blocks"]["mlp_up"]["kernel"]
+    master = state.opt_state["master"]["blocks"]["mlp_up"]["kernel"]
     assert master.sharding.memory_kind == "pinned_host" and master.sharding.spec == P("pipe")
 
 

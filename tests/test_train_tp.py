@@ -46,7 +46,7 @@ def test_tensor_parallel_pipeline_stages(devices):
                              parallel=ParallelConfig(pipe=2, row=2, data=2)), devices=devices)
     assert relative_difference(losses(got), losses(ref)) <= 1e-5
     # Each stage's blocks are split over pipe (layers) and row (output features).
-    kernel = got["state"]["params"]["blocks"]["query"]["kernel"]  # (8 layers, 32, 32)
+    kernel = got["state"].params["blocks"]["query"]["kernel"]  # (8 layers, 32, 32)
     assert {s.data.shape for s in kernel.addressable_shards} == {(4, 32, 16)}
 
 

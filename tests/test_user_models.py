@@ -70,7 +70,7 @@ def test_compressed_trajectory_tracks_exact(reference, devices, name, grid, opti
     losses, summary = trajectory(devices, name, grid, **options)
     assert 0 < relative_difference(losses, reference[name]) <= bound
     if options.get("error_feedback", True):  # each device's residual, split like its parameter
-        residual = jax.tree.leaves(summary["state"]["reducer"])
+        residual = jax.tree.leaves(summary["state"].reducer)
         assert residual and all(r.shape[0] == grid["data"] for r in residual)
 
 

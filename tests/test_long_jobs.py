@@ -174,7 +174,7 @@ def test_divergence_stops_without_saving(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--compress-bucket", "512"], "--compress-bucket needs gradient compression"),
     (["--no-error-feedback"], "--no-error-feedback needs gradient compression"),
-    (["--schedule", "1f1b"], "--schedule 1f1b needs a pipeline (--pipe > 1)"),
+    (["--schedule", "zb-h1"], "--schedule zb-h1 needs a pipeline (--pipe > 1)"),
     (["--stop-at", "-1"], "--stop-at must be a step >= 1"),
     (["--eval-batches", "0"], "--eval-batches must be positive, got 0"),
     (["--devices", "-2"], "--devices must be positive, got -2"),

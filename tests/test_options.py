@@ -69,7 +69,8 @@ def test_old_spellings_and_new_paths_name_the_same_fields(tmp_path):
 
 def test_written_config_reads_back(tmp_path):
     config = TrainOptions(model="llama-tiny", steps=7, parallel=ParallelConfig(data=2, pipe=2),
-                          microbatches=4, dtype="bfloat16", clip_norm=None, resume="auto")
+                          microbatches=4, dtype="bfloat16", clip_norm=None, resume="auto",
+                          run_dir="runs/x")
     path = config_lib.write(tmp_path / "c.yaml", config_lib.effective_config(config))
     assert config_lib.load_file(path) == config
 

@@ -225,14 +225,11 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
     config = rundir.with_run_dir(config)
     outputs = _run_dir_hooks(config)  # checked before the work starts
     r, c = config.run, config.checkpoint
-    if r.metrics_out and pathlib.Path(r.metrics_out).is_dir():
-        raise ValueError(f"--metrics-out {r.metrics_out} is a directory; name a file "
-                         "(e.g. metrics.jsonl)")
+    options.check(config, builtin_model=model is None)  # what needs no grid, before any work
     corpus = None
     if model is None:
         if data is not None:
             raise ValueError("train: data without a model; the built-in models read data.path")
-        options.check(config)
         preset = options.preset_of(config)
         if preset.data == "images":
             data, eval_data = (preset.config.batches(r.seed + offset, config.data.batch_size)

@@ -25,6 +25,7 @@ problem, one line each; `check` raises them together.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -312,8 +313,13 @@ def build(values: dict[str, Any], base: RunConfig | None = None,
 
 def TrainOptions(**values) -> RunConfig:  # noqa: N802 - the flat spelling of earlier releases
     """The config tree from flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(
-    data=2)`, `compress_bits`, ...: the flags' names), paths, or whole sections."""
-    return build(values)
+    data=2)`, `compress_bits`, ...: the flags' names), paths, or whole sections; ConfigError for
+    values no grid or device count can make right (the rest is checked when a run is built)."""
+    config = build(values)
+    found = _field_problems(config)
+    if found:
+        raise ConfigError(found)
+    return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,8 +363,10 @@ def _field_problems(config: RunConfig) -> list[str]:
             found.append(f"{flag} must be positive, got {value}")
     if config.grid.devices is not None and config.grid.devices < 1:
         found.append(f"--devices must be positive, got {config.grid.devices}")
-    for flag, value in (("--stop-at", c.stop_at), ("--keep-every", c.keep_every),
-                        ("--checkpoint-every", c.every), ("--eval-every", d.eval_every)):
+    if c.stop_at < 0:
+        found.append(f"--stop-at must be a step >= 1 (0: run to the end), got {c.stop_at}")
+    for flag, value in (("--keep-every", c.keep_every), ("--checkpoint-every", c.every),
+                        ("--eval-every", d.eval_every)):
         if value < 0:
             found.append(f"{flag} must be >= 0, got {value}")
     if c.resume not in (True, False, "auto"):
@@ -368,6 +376,9 @@ def _field_problems(config: RunConfig) -> list[str]:
     if c.every and not (c.dir or r.run_dir):
         found.append("--checkpoint-every needs a place for the checkpoints: --checkpoint-dir (or "
                      "the run directory)")
+    if r.metrics_out and pathlib.Path(r.metrics_out).is_dir():
+        found.append(f"--metrics-out {r.metrics_out} is a directory; name a file "
+                     "(e.g. metrics.jsonl)")
     if r.profile_steps is not None:
         from .hooks import parse_step_range
 

@@ -37,6 +37,7 @@ from ..offload.optimizer import HostOffloadedOptimizer
 from ..offload.precision import DTYPES, check_dtype, loss_scaler, scale_of
 from ..parallel import pipeline as pipeline_lib
 from . import hosted
+from .gathers import unbatched_gathers
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
 from .update import initial_state, make_update
@@ -455,6 +456,9 @@ class BoundStep:
 
     def loss_fn(self, params, batch):
         """The mean loss of `batch` in the compute dtype (parameters cast for the forward)."""
+        return unbatched_gathers(self._loss)(params, batch)
+
+    def _loss(self, params, batch):
         fns, dtype = self.fns, self.compute_dtype
         params = _cast_floating(self.owner.canonical_params(params), dtype)
         x = fns.embed(params["embed"], batch).astype(dtype)
@@ -479,7 +483,7 @@ class BoundStep:
         def head(p, y, batch):
             return fns.head(_cast_floating(p, dtype), y, batch).astype(jnp.float32)
 
-        return embed, stage, head
+        return unbatched_gathers(embed), unbatched_gathers(stage), unbatched_gathers(head)
 
     def _local_loss_and_grads(self, params, batch, scale, step, red_state):
         """Inside the shard_map: this data shard's loss and gradients, reduced over `data`."""

@@ -173,6 +173,20 @@ def test_pipeline_and_tensor_grid_on_exactly_its_simulated_devices(reference, tm
     assert relative_difference(_losses(metrics), reference["vit"]) <= 1e-5
 
 
+def test_sixteen_devices_four_axes_equal_one_device(reference, tmp_path):
+    """A user's ViT on 16 simulated devices in a child process, data × pipe × depth × row all 2
+    (1F1B): the single device's trajectory."""
+    env = child_env()
+    env["AXONN_LOCAL_DEVICES"] = "16"
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "user_train.py"), "vit",
+                          "data=2,pipe=2,depth=2,row=2", "--microbatches", "2", "--metrics-out",
+                          str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert relative_difference(_losses(metrics), reference["vit"]) <= 1e-5
+
+
 def test_readme_example_runs(tmp_path):
     """The README's "Train your own model" example, as printed, in a fresh interpreter."""
     out = run_readme_code("## Train your own model", tmp_path)

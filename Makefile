@@ -15,10 +15,10 @@ $(VENV)/.core: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
-# Test, MPI and compile extras. mpi4jax builds from source against the mpich wheel, without build
-# isolation; the CUDA compile plugin is pinned to the installed jaxlib's version.
+# Test, data, MPI and compile extras. mpi4jax builds from source against the mpich wheel, without
+# build isolation; the CUDA compile plugin is pinned to the installed jaxlib's version.
 $(VENV)/.test: $(VENV)/.core
-	$(BIN)/pip install --quiet -e ".[test,bench]"
+	$(BIN)/pip install --quiet -e ".[test,bench,data]"
 	bash scripts/install_mpi_extra.sh $(VENV)
 	bash scripts/install_compile_extra.sh $(VENV)
 	touch $@

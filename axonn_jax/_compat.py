@@ -240,3 +240,19 @@ def jaxpr_internals():
 
     return types.SimpleNamespace(Literal=core.Literal, DropVar=core.DropVar, Var=core.Var,
                                  dce_rules=pe.dce_rules)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes that are manual in the enclosing shard_map (none outside one)."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
+
+
+def manual_axis_size(name: str) -> int:
+    """The size of mesh axis `name` when it is manual in the enclosing shard_map, else 1 (the
+    axis is absent, automatic, or there is no shard_map: the code sees the whole of it)."""
+    import jax
+
+    return jax.sharding.get_abstract_mesh().shape[name] if name in manual_axes() else 1

@@ -6,22 +6,33 @@ import dataclasses
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """The pipeline timetables (`axonn_jax.parallel.pipeline`), named as `--schedule` takes them."""
 
-AXES: tuple[str, ...] = ("data", "pipe", "depth", "row", "col")
+AXES: tuple[str, ...] = ("data", "pipe", "expert", "context", "depth", "row", "col")
 """Mesh axis names, outermost (slowest-changing device id, across hosts) first."""
 
-BATCH_AXES: tuple[str, ...] = ("data", "depth")
-"""Axes the batch is split over: `data` replicates the model, `depth` splits weights and batch."""
+BATCH_AXES: tuple[str, ...] = ("data", "expert", "depth")
+"""Axes the batch's rows are split over: `data` replicates the model, `expert` splits the experts
+of mixture-of-experts layers (the rest of the model is data-parallel over it), `depth` splits
+weights and batch. `context` splits each row's sequence instead (`SEQUENCE_AXIS`)."""
+
+SEQUENCE_AXIS = "context"
+"""The axis that splits the sequence (dim 1 of every batch leaf) in load-balanced chunks."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of the `data × pipe × depth × row × col` grid.
+    """Sizes of the `data × pipe × expert × context × depth × row × col` grid.
 
     data:  batch split, gradients all-reduced (optionally compressed).
     pipe:  the stack of layers split into stages.
+    expert: the experts of mixture-of-experts layers split; tokens exchanged with all-to-all; the
+           batch split too (the other layers are data-parallel over it).
+    context: each sequence split in load-balanced chunks (ring or all-gather attention).
     depth: weights of every tensor-parallel layer split further (ZeRO-3 inside the TP group) and the
            batch too.
     row, col: each dense layer's output / input features (AxoNN's 2D tensor parallelism).
+
+    (Positional arguments keep their order of earlier releases: data, pipe, depth, row, col; the
+    mesh's order is `AXES`.)
     """
 
     data: int = 1
@@ -29,6 +40,8 @@ class ParallelConfig:
     depth: int = 1
     row: int = 1
     col: int = 1
+    expert: int = 1
+    context: int = 1
 
     def __post_init__(self):
         for name in AXES:
@@ -52,6 +65,11 @@ class ParallelConfig:
     def tensor_parallel_size(self) -> int:
         """Devices in one tensor-parallel group (`depth · row · col`)."""
         return self.depth * self.row * self.col
+
+    @property
+    def batch_shards(self) -> int:
+        """Devices that hold different examples or tokens (`data · expert · context`)."""
+        return self.data * self.expert * self.context
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in AXES}
@@ -91,22 +109,21 @@ def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: P
 def check_grid(config: ParallelConfig, *, batch_size: int, microbatches: int = 1,
                num_layers: int | None = None, flags: bool = False) -> None:
     """Raise ValueError naming the numbers unless the grid can split a step: the batch over `data`
-    and `depth` (and, with `pipe > 1`, each data shard into `microbatches`), the layers over
-    `pipe`. The trainer and the planner (`analysis.comm_model`) both check grids with this.
-    flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the messages."""
-    batch, mb, pipe = ("--batch-size", "--microbatches", "--pipe") if flags else \
-        ("batch size", "microbatches", "pipe")
+    and `depth`, each data shard into `microbatches` (a pipeline's, or gradient accumulation's),
+    the layers over `pipe`. The trainer and the planner (`analysis.comm_model`) both check grids
+    with this. flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the
+    messages."""
+    batch, mb = ("--batch-size", "--microbatches") if flags else ("batch size", "microbatches")
     if microbatches < 1:
         raise ValueError(f"{mb} must be positive, got {microbatches}")
-    if microbatches > 1 and config.pipe == 1:
-        raise ValueError(f"{mb} {microbatches} needs {pipe} > 1")
     check_divisible(batch, batch_size, BATCH_AXES, config)
-    if config.pipe > 1:
-        if num_layers is not None and num_layers % config.pipe:
-            raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {config.pipe}: "
-                             f"every pipeline stage must hold the same number of layers")
-        # Each microbatch of a data shard is split over `depth` again by the tensor layers.
-        if batch_size % (config.data * microbatches * config.depth):
-            depth = f" × depth = {config.depth}" if config.depth > 1 else ""
-            raise ValueError(f"{batch} = {batch_size} is not divisible by data × microbatches = "
-                             f"{config.data} × {microbatches}{depth}")
+    if config.pipe > 1 and num_layers is not None and num_layers % config.pipe:
+        raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {config.pipe}: "
+                         f"every pipeline stage must hold the same number of layers")
+    # Each microbatch of a data shard is split over `expert` and `depth` again.
+    rows = config.data * config.expert * config.depth
+    if microbatches > 1 and batch_size % (rows * microbatches):
+        more = "".join(f" × {a} = {getattr(config, a)}" for a in ("expert", "depth")
+                       if getattr(config, a) > 1)
+        raise ValueError(f"{batch} = {batch_size} is not divisible by data × microbatches = "
+                         f"{config.data} × {microbatches}{more}")

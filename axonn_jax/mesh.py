@@ -58,7 +58,8 @@ def use_cpu_platform() -> None:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
-    """A `jax.sharding.Mesh` of shape `config.shape` with axes `('data','pipe','depth','row','col')`.
+    """A `jax.sharding.Mesh` of shape `config.shape` with axes `config.AXES` (data, pipe, expert,
+    context, depth, row, col).
 
     Devices are laid out in id order with the innermost axis (`col`) fastest, so tensor-parallel axes
     stay inside a process/host and `data`/`pipe` span processes. Axes are `Auto` (GSPMD partitions
@@ -79,4 +80,4 @@ def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
 
 def config_of(mesh) -> ParallelConfig:
     """The ParallelConfig a mesh was built from."""
-    return ParallelConfig(**{name: int(mesh.shape[name]) for name in AXES})
+    return ParallelConfig(**{name: int(mesh.shape.get(name, 1)) for name in AXES})

@@ -1,7 +1,8 @@
-"""`axonn_jax.train`: the training entry points, `train(options, model=None, data=None)` and
-`TrainOptions` (the loop and its hooks live in `axonn_jax.run`)."""
+"""`axonn_jax.train`: the training entry points, `train(config, model=None, data=None)`, the config
+tree `RunConfig` and `TrainOptions(**flat names)` that builds one (the loop and its hooks live in
+`axonn_jax.run`)."""
 from .run.loop import train
-from .run.options import TrainOptions, make_optimizer
+from .run.options import RunConfig, TrainOptions, make_optimizer
 from .run.trainer import Trainer, build_trainer
 
-__all__ = ["TrainOptions", "Trainer", "build_trainer", "make_optimizer", "train"]
+__all__ = ["RunConfig", "TrainOptions", "Trainer", "build_trainer", "make_optimizer", "train"]

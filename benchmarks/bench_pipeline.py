@@ -65,21 +65,23 @@ def operation_costs(trainer, rows: int, seq_len: int, repeats: int) -> dict:
     from axonn_jax.parallel import pipeline
 
     o, bound = trainer.options, trainer.bound
-    embed, stage, head = bound._stage_functions()
+    n = pipeline.check_layers(trainer.model.num_layers, o.parallel.pipe, o.pipeline.virtual_stages)
+    compute = bound.compute
+    embed, stage, head = compute.embed, compute.stage(n), compute.head
     params = bound.fns.init(jax.random.key(0))
-    n = pipeline.check_layers(trainer.model.num_layers, o.parallel.pipe, o.virtual_stages)
     prm = (params["embed"], jax.tree.map(lambda a: a[:n], params["blocks"]), params["head"])
     mb = {"inputs": jnp.zeros((rows, seq_len), jnp.int32),
           "targets": jnp.zeros((rows, seq_len), jnp.int32)}
     x = jax.jit(embed)(prm[0], mb)
-    forward, backward = pipeline.stage_operations(embed, stage, head, o.microbatches, x.dtype)
+    forward, backward = pipeline.stage_operations(embed, stage, head, o.pipeline.microbatches,
+                                                  x.dtype)
     flags = {"first": (True, False), "middle": (False, False), "last": (False, True)}
     flags = {k: tuple(jnp.asarray(f) for f in v) for k, v in flags.items()}
     costs = {"F": {k: _op_time(jax.jit(forward), prm, x, mb, flags[k][0], repeats=repeats)
                    for k in ("first", "middle")},
              "act_bytes": x.size * x.dtype.itemsize}
     costs["F"]["last"] = 0.0  # the engine skips it: the backward recomputes it
-    if o.schedule != "zb-h1":
+    if o.pipeline.schedule != "zb-h1":
         costs["B"] = {k: _op_time(jax.jit(backward), prm, x, mb, *flags[k], x, repeats=repeats)
                       for k in KINDS}
         return costs

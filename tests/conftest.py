@@ -53,7 +53,8 @@ def lm_batch(trainer, tokens, step, seed_offset=0):
     from axonn_jax.run.data import lm_batch as make
 
     o = trainer.options
-    return trainer.place(make(tokens, o.seed + seed_offset, step, o.batch_size, o.seq_len))
+    return trainer.place(make(tokens, o.run.seed + seed_offset, step, o.data.batch_size,
+                              o.data.seq_len))
 
 
 def preset_trajectory(devices, family, name, grid=None, steps=3, **options):

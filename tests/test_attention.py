@@ -13,9 +13,10 @@ from axonn_jax.models import attention, gpt, llama
 from axonn_jax.run.cli import main as cli_main
 
 
-def plain_attention(q, k, v, implementation=None):
+def plain_attention(q, k, v, implementation=None, **unused):
     """Softmax attention with a causal mask, written out (the models' core before
-    `jax.nn.dot_product_attention`); `implementation` is ignored."""
+    `jax.nn.dot_product_attention`); `implementation` and the masks' keywords (None in these
+    tests) are ignored."""
     b, t, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, h // kv, d)

@@ -2,12 +2,12 @@
 the planner's behaviour."""
 import dataclasses
 import json
+import math
 
 import pytest
 
 from axonn_jax import ParallelConfig
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.models import get as get_model
 from axonn_jax.models.gpt import get_config
 from axonn_jax.analysis import comm_model as cm
 from axonn_jax.analysis.hlo import bytes_by_axes as hlo_bytes_by_axes, collectives, wire_bytes
@@ -29,7 +29,7 @@ def compiled_step(devices):
     cache = {}
 
     def get(options):
-        key = repr(options)  # TrainOptions is a mutable dataclass, not hashable
+        key = repr(options)
         if key not in cache:
             cache[key] = compile_train_step(options, devices[: options.parallel.num_devices])
         return cache[key]
@@ -43,9 +43,9 @@ def compiled_hlo(compiled_step):
 
 
 def workload(options):
-    return cm.Workload(get_model(options.model).config, options.batch_size, options.seq_len,
-                       compute_bytes=4, param_bytes=4, microbatches=options.microbatches,
-                       schedule=options.schedule, compress_bits=options.compress_bits)
+    from axonn_jax.run.plan import workload as of_config
+
+    return of_config(options)
 
 
 P = ParallelConfig
@@ -207,21 +207,22 @@ def test_plan_cli_json(capsys):
 
 
 def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
-    from axonn_jax.run.cli import _auto_grid, build_parser
+    from axonn_jax.run.cli import parse
+    from axonn_jax.run.plan import auto_grid
 
+    _auto_grid = lambda argv, n: auto_grid(parse(argv).run_config, n)  # noqa: E731
     argv = ["train", "--batch-size", "16", "--seq-len", "32"]
-    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="gpipe")
+    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="1f1b")
     best = cm.plan(work, 8, cm.MACHINES["cpu"])[0]
-    assert _auto_grid(build_parser().parse_args(argv), 8) == (best.grid, best.microbatches)
+    assert _auto_grid(argv, 8) == (best.grid, best.microbatches)
     # 1.3B parameters need their state split 8 ways on the cpu preset's 8 GB devices; the planner
     # prefers tensor parallelism, which the trainer runs with compression too.
     big = ["train", "--model", "gpt-1.3b", "--batch-size", "16", "--seq-len", "32"]
     big_work = cm.Workload(get_config("gpt-1.3b"), 16, 32, compute_bytes=4, compress_bits=4)
     best_big = cm.plan(big_work, 8, cm.MACHINES["cpu"])[0]
     assert best_big.grid.tensor_parallel_size > 1
-    assert _auto_grid(build_parser().parse_args(big + ["--compress-bits", "4"]), 8) == \
-        (best_big.grid, best_big.microbatches)
-    assert _auto_grid(build_parser().parse_args(big), 8)[0].tensor_parallel_size > 1
+    assert _auto_grid(big + ["--compress-bits", "4"], 8) == (best_big.grid, best_big.microbatches)
+    assert _auto_grid(big, 8)[0].tensor_parallel_size > 1
     metrics = tmp_path / "m.jsonl"
     rc = cli_main(argv + ["--auto-grid", "--steps", "1", "--eval-batches", "1",
                           "--metrics-out", str(metrics)])
@@ -230,3 +231,42 @@ def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
     assert metrics.read_text()
     assert cli_main(["train", "--auto-grid", "--row", "2", "--steps", "1"]) == 2
     assert "drop --row" in capsys.readouterr().err
+
+
+def test_compressed_exchange_counts_the_reducers_bytes():
+    """The planner's CGX exchange (`reducers.exchange_collectives`) and the reducer's own count
+    (`compressed_wire_bytes`, what `--metrics-out` reports) share the size rule and the bytes of a
+    packed bucket: on shards of whole buckets over 64 devices the ring's wire bytes are the
+    reducer's times (g−1)/g; the small and the 1-D shard go exact in both."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.collectives import ParameterShard
+    from axonn_jax.step.reducers import compressed_wire_bytes, exchange_collectives
+
+    shapes = [(1024, 64), (16, 32), (2048,)]  # 64 buckets; below the size rule's 1024; 1-D
+    shards = [ParameterShard(math.prod(s), len(s), ()) for s in shapes]
+    grid = ParallelConfig(data=64)
+    sent = exchange_collectives(shards, grid.data, bits=4, param_bytes=4)
+    assert {c.kind for c in sent} == {"all-to-all", "all-gather", "all-reduce"}
+    counted = compressed_wire_bytes(4, 1024)([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes])
+    assert sum(c.wire_bytes(grid) for c in sent) == pytest.approx(counted * 63 / 64, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny-mqa", "unet-tiny", "resnet-tiny"])
+def test_declared_parameters_are_the_models(name):
+    """Each model's declared parts (`config.communication`) hold, on one device, exactly the
+    parameters its StackedModel initializes (what the gradient exchange, the gradient-norm sums
+    and the memory model count), and on a tensor-parallel grid a device holds less."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models import get as preset
+
+    config = preset(name).config
+    batch = config.example_batch(2) if hasattr(config, "example_batch") else \
+        {k: jax.ShapeDtypeStruct((2, 8), jnp.int32) for k in ("inputs", "targets")}
+    params = jax.eval_shape(preset(name).build(jnp.float32).init, jax.random.key(0), batch)
+    work = cm.Workload(config, 8, 8)
+    assert cm.parameters_per_device(work, P()) == sum(x.size for x in jax.tree.leaves(params))
+    assert cm.parameters_per_device(work, P(row=2, col=2)) < cm.parameters_per_device(work, P())

@@ -105,7 +105,7 @@ def run(options, devices, corpus):
     """(losses, final state, trainer) of `options.steps` train steps (no evaluation)."""
     trainer = build_trainer(options, devices)
     state, losses = trainer.init_state(), []
-    for i in range(options.steps):
+    for i in range(options.run.steps):
         state, metrics = trainer.step(state, lm_batch(trainer, corpus, i))
         losses.append(float(metrics["loss"]))
     return losses, state, trainer

@@ -5,7 +5,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "axonn_jax"
 
 # Lowest first; a module may import only modules of its own layer or below.
-LAYERS = [("config", "mesh", "_compat"), ("tp",), ("parallel",), ("offload",), ("step",),
+LAYERS = [("config", "mesh", "_compat", "collectives"), ("tp",), ("parallel",), ("offload",), ("step",),
           ("models",), ("transport",), ("analysis",), ("run",), ("__init__", "__main__", "train")]
 
 
@@ -67,3 +67,18 @@ def test_lower_layers_never_import_higher_ones():
     upward = [f"{m} -> {t}" for m, targets in _imports().items() for t in targets
               if _layer(t) > _layer(m)]
     assert not upward, upward
+
+
+def test_analysis_knows_no_model_type():
+    """The communication model adds up what the parts declare: no isinstance dispatch on a model
+    config type anywhere in `analysis/`, and `comm_model` names none."""
+    configs = ("GPTConfig", "LlamaConfig", "UNetConfig", "ResNetConfig")
+    found = []
+    for path in (PACKAGE / "analysis").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Name, ast.Attribute)) else \
+                " ".join(a.name for a in getattr(node, "names", []))
+            dispatch = isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"
+            if (dispatch or path.name == "comm_model.py") and any(c in text for c in configs):
+                found.append(f"{path.name}:{node.lineno} {text}")
+    assert not found, found

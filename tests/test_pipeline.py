@@ -198,8 +198,8 @@ def test_gradients_equal_reference(reference, devices, grid, schedule, m, v):
     trainer = _pipeline_trainer(devices, grid, schedule, m, v)
     params = _place(trainer, reference["initial"])["params"]
     batch = trainer.place(reference["batch"])
-    # (params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)
-    args = (params, batch, np.float32(1.0), np.int32(0), None)
+    # (params, batch, loss scale, step key, reducer state) -> (loss, grads, reducer state, metrics)
+    args = (params, batch, np.float32(1.0), jax.random.key(0), None)
     compiled = jax.jit(trainer.bound.loss_and_grads).lower(*args).compile()
     # Activations and cotangents cross stages as point-to-point messages, as many as the
     # communication model counts from the tick table.
@@ -207,7 +207,7 @@ def test_gradients_equal_reference(reference, devices, grid, schedule, m, v):
                        microbatches=m, schedule=schedule, virtual_stages=v)
     assert hlo.wire_bytes(compiled.as_text())["collective-permute"] == \
         cm.bytes_by_kind(work, ParallelConfig(**grid))["collective-permute"]
-    loss, grads, _ = compiled(*args)
+    loss, grads, _, _ = compiled(*args)
     assert grads["blocks"]["query"]["kernel"].sharding.spec[0] == "pipe"
     grads = trainer.step.canonical_params(grads)
     assert relative_difference(float(loss), reference["loss"]) <= 1e-6
@@ -353,12 +353,13 @@ def _toy_temp_bytes(devices, p, m, schedule):
     mesh = jax.sharding.Mesh(np.asarray(devices[:p]), ("pipe",))
     sched = make_schedule(schedule, p, m)
     embed = lambda table, batch: table[batch["tokens"]]
-    stage = lambda w, x: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    layers = lambda w, x: jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    stage = lambda w, x, batch: (layers(w, x), jnp.float32(0.0), {})
     head = lambda v, x, batch: jnp.mean((x @ v - batch["targets"]) ** 2)
 
     def local(params, batch):
         params = ensure_varying(params, ("pipe",))
-        return pipeline_loss_and_grads(embed, stage, head, params, batch, sched)
+        return pipeline_loss_and_grads(embed, stage, head, params, batch, sched)[:2]
 
     specs = (P(), P("pipe"), P())
     fn = shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs),

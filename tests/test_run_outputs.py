@@ -61,7 +61,8 @@ def test_run_directory_holds_everything(run_dir):
     trace, = (run_dir / rundir.PROFILE).glob("plugins/profile/*/perfetto_trace.json.gz")
     assert json.loads(gzip.decompress(trace.read_bytes()))  # a Perfetto (Chrome JSON) trace
     config = config_lib.read_file(run_dir / rundir.CONFIG)
-    assert config["batch_size"] == 8 and config["data_parallel"] == 8 and "stop_at" not in config
+    assert config["data"]["batch_size"] == 8 and config["grid"]["data"] == 8 and \
+        "stop_at" not in config["checkpoint"]
 
 
 def test_tensorboard_events_hold_every_metric(run_dir):
@@ -85,18 +86,24 @@ def test_tensorboard_events_hold_every_metric(run_dir):
 
 def test_config_round_trips(run_dir, tmp_path):
     written = config_lib.read_file(run_dir / rundir.CONFIG)
-    again = parse(["train", "--config", str(run_dir / rundir.CONFIG)])
-    assert config_lib.effective_config(again.parser, again, exclude=JOB_KEYS) == written
+    again = parse(["train", "--config", str(run_dir / rundir.CONFIG)]).run_config
+    assert config_lib.effective_config(again, exclude=JOB_KEYS) == written
     path = config_lib.write(tmp_path / "c.yaml", {"steps": 5, "batch-size": 4, "lr": "1e-3",
                                                   "no_error_feedback": True, "dp": 2})
-    args = parse(["train", "--config", str(path), "--set", "steps=6", "profile_steps=2:3",
-                  "--steps", "7"])
+    c = parse(["train", "--config", str(path), "--set", "steps=6", "profile_steps=2:3",
+               "--steps", "7"]).run_config
     # The file, then --set, then flags on the command line.
-    assert (args.steps, args.batch_size, args.lr, args.error_feedback, args.data,
-            args.profile_steps) == (7, 4, 1e-3, False, 2, "2:3")
+    assert (c.run.steps, c.data.batch_size, c.optimizer.lr, c.compression.error_feedback,
+            c.grid.data, c.run.profile_steps) == (7, 4, 1e-3, False, 2, "2:3")
+    # Nested sections and paths name the same fields as the flat keys.
+    nested = config_lib.write(tmp_path / "n.yaml", {"pipeline": {"schedule": "zb-h1"},
+                                                    "grid": {"pipe": 2}, "data": {"seq_len": 8}})
+    c = parse(["train", "--config", str(nested), "--set", "optimizer.lr=0.5"]).run_config
+    assert (c.pipeline.schedule, c.grid.pipe, c.data.seq_len, c.optimizer.lr) == \
+        ("zb-h1", 2, 8, 0.5)
     plan = parse(["plan", "--config", str(config_lib.write(tmp_path / "p.yaml",
                                                            {"devices": 8, "batch": 16}))])
-    assert (plan.num_devices, plan.batch) == (8, 16)  # required flags given by the config
+    assert (plan.run_config.grid.devices, plan.run_config.data.batch_size) == (8, 16)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -106,7 +113,7 @@ def test_config_round_trips(run_dir, tmp_path):
     (["--set", "lr=fast"], "config key 'lr' must be a number"),
     (["--set", "dtype=float64"], "config key 'dtype' must be one of"),
     (["--set", "offload_optimizer=3"], "config key 'offload_optimizer' must be true or false"),
-    (["--set", "profile_steps=5:2"], "config key 'profile_steps'"),
+    (["--set", "profile_steps=5:2"], "--profile-steps takes A:B with 1 <= A <= B"),
     (["--set", "steps"], "--set takes key=value"),
     (["--config", "/no/such.yaml"], "config file '/no/such.yaml' does not exist"),
     (["--config", "BAD"], "cannot parse"),
@@ -208,9 +215,7 @@ def test_compression_ratio_counts_each_devices_shards(devices):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_example_configs_build(name, devices):
-    from axonn_jax.run.cli import _option_fields, _parallel_config
-    from axonn_jax.train import TrainOptions, build_trainer
+    from axonn_jax.train import build_trainer
 
-    args = parse(["train", "--config", str(CONFIGS / name)])
-    options = TrainOptions(parallel=_parallel_config(args, len(devices)), **_option_fields(args))
-    build_trainer(options, devices)  # the grid and the model's checks pass
+    config = parse(["train", "--config", str(CONFIGS / name)]).run_config
+    build_trainer(config, devices)  # the grid and the model's checks pass

@@ -218,3 +218,34 @@ def test_compiled_backward_leaves_room_for_overlap(devices):
     gathers = [g for g in by_op("all-gather") if axes[g.name] == ("depth",)]
     assert len(gathers) == 2
     assert all(program[g.operands[0]].opcode == "parameter" for g in gathers)
+
+
+def test_replicated_rows_is_local_to_its_context():
+    """`replicated_rows` holds in the context that entered it (nested blocks included) and nowhere
+    else: a thread tracing at the same time keeps the split layout, and leaving the block restores
+    it (a module-global counter changed while tracing would leak into the thread)."""
+    import threading
+
+    from axonn_jax.tp.tensor import replicated_rows, split_batch
+
+    sizes = dict(data=1, pipe=1, depth=2, row=2, col=2)
+    seen = {}
+    entered, checked = threading.Event(), threading.Event()
+
+    def other():
+        entered.wait()
+        seen["thread"] = split_batch((8,), sizes)
+        checked.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert split_batch((8,), sizes) and not split_batch((6,), sizes)
+    with replicated_rows():
+        with replicated_rows(False):  # a block that does not ask for it keeps the outer one
+            seen["nested"] = split_batch((8,), sizes)
+        entered.set()
+        checked.wait(10)
+        seen["inside"] = split_batch((8,), sizes)
+    thread.join()
+    assert seen == {"thread": True, "nested": False, "inside": False}
+    assert split_batch((8,), sizes)

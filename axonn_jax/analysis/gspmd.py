@@ -28,12 +28,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._compat import shard_map, to_varying
+from ..collectives import FP32, KINDS, Collective, StepShape
 from ..config import ParallelConfig
 from ..mesh import make_mesh
 from ..models import gpt
-from .flops import compiled_flops
-from .hlo import KINDS, collective_bytes, wire_bytes
+from ..step.reducers import exchange_collectives
+from ..tp.layers import Norms
 from ..tp.parallelize import parallelize
+from ..tp.tensor import split_batch
+from .flops import compiled_flops
+from .hlo import collective_bytes, wire_bytes
 
 AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 2, 4), (1, 1, 8),
                (4, 1, 1, 2), (2, 2, 1, 2), (2, 1, 2, 2), (2, 1, 1, 4), (1, 1, 2, 4)]
@@ -72,57 +76,27 @@ def _loss(model):
 
 def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1) -> dict[str, int]:
     """Per-device collective bytes per step of AxoNN's algorithm (HLO byte convention of
-    `axonn_jax.analysis.hlo`: full buffers, fp32). Dense layers per block: query/key/value and
-    mlp_up normal (in over col, out over row), attn_out and mlp_down transposed; per layer:
-    forward kernel all-gather over depth and output all-reduce over the input axis; backward kernel
-    all-gather again, input-gradient all-reduce over the output axis, kernel-gradient reduce-scatter
-    and bias-gradient all-reduce over depth. With the batch split over the other axis (when it
-    divides, `tp.tensor.split_batch`) the all-reduces are reduce-scatters onto the rows, the
-    inputs' rows all-gathered forward (kept for the weight gradient), the output gradients' backward. The two LayerNorms: feature
-    statistics all-reduced over col (mean and mean of squares forward, two reductions backward),
-    scale/bias gradients over depth (and row, split).
-    With data > 1 the batch is split `data` ways more and each device's gradient shards are
-    all-reduced over `data` (plus the loss).
+    `axonn_jax.analysis.hlo`: full buffers, fp32), as the blocks' parts declare them
+    (`GPTConfig.shape`: the dense layers, `tp.tensor.DenseLayer`; the two LayerNorms,
+    `tp.layers.Norms`), in the layout `tp.tensor.split_batch` picks for the batch. With data > 1
+    the batch is split `data` ways more and each device's gradient shards are all-reduced over
+    `data` (`step.reducers.exchange_collectives`), and the loss averaged. No embedding, head or
+    gradient norm: the step is the blocks' alone.
     """
-    h, f, n = w.d_model, 4 * w.d_model, w.batch * w.seq // data
-    rows = w.batch // data  # the batch-split layout when they divide (`tp.tensor.split_batch`)
-    split = rows % (depth * row) == 0 and rows % (depth * col) == 0
-    dense = [(h, h, False)] * 3 + [(h, h, True), (h, f, False), (f, h, True)]
-    out = dict.fromkeys(KINDS, 0)
-    for k, (i, o, transpose) in enumerate(dense):
-        a_in, a_out = (row, col) if transpose else (col, row)
-        block = i * o // (a_in * a_out)
-        x, y = n // depth * i // a_in, n // depth * o // a_out
-        if data > 1:
-            out["all-reduce"] += block // depth + o // a_out
-        if depth > 1:
-            out["all-gather"] += 2 * block
-            out["reduce-scatter"] += block
-        if depth > 1 or (split and a_in > 1):
-            out["all-reduce"] += o // a_out
-        if split:
-            # x's rows gathered forward (query, key and value share theirs), dy's backward; the
-            # partial sums and the input gradient reduce-scattered
-            if a_out > 1:
-                out["all-gather"] += x * (k not in (1, 2))
-                out["reduce-scatter"] += x
-            if a_in > 1:
-                out["all-gather"] += y
-                out["reduce-scatter"] += y
-        else:
-            if a_in > 1:
-                out["all-reduce"] += y
-            if a_out > 1:
-                out["all-reduce"] += x
-    if col > 1:
-        out["all-reduce"] += 2 * 4 * n // depth // (row if split else 1)
-    if depth > 1 or (split and row > 1):
-        out["all-reduce"] += 2 * 2 * h // col
+    grid = ParallelConfig(data=data, depth=depth, row=row, col=col)
+    step = StepShape(grid, w.batch, w.seq, compute_bytes=4, param_bytes=4)
+    step = dataclasses.replace(step, split=split_batch((step.layer_rows,), grid.as_dict()))
+    parts = [*(layer for layer in w.config.shape(grid).layers if layer.layers),
+             Norms(w.d_model, count=2, layers=w.layers)]
+    found = [c for p in parts for c in p.collectives(step)]
     if data > 1:
-        out["all-reduce"] += 2 * 2 * h // col
-    out = {k: 4 * v * w.layers for k, v in out.items()}
-    out["all-reduce"] += 4 if data > 1 else 0  # the loss
-    return out
+        found += exchange_collectives([s for p in parts for s in p.parameters(step)], data)
+        found.append(Collective("all-reduce", ("data",), FP32))  # the loss
+    out = dict.fromkeys(KINDS, 0.0)
+    for c in found:
+        if c.group(grid) > 1:
+            out[c.kind] += c.size * c.count
+    return {k: int(round(v)) for k, v in out.items()}
 
 
 def _init_placed(model, mesh, specs_fn, w: BlockShape):

@@ -27,7 +27,9 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                 "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
-_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+# A computation's first line: `%name (params) -> shape {` when compiled, `name {` in the HLO of a
+# lowered, not yet compiled program (`Lowered.as_text(dialect="hlo")`).
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
 _CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
@@ -273,9 +275,26 @@ def _elements(shape_text: str) -> int:
     return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
 
 
+def _ragged_dot_flops(rest: str, shapes: dict[str, str]) -> float:
+    """FLOPs of a `ragged-dot` (a grouped matmul: each row of the ragged dimension meets one
+    group's matrix): 2·|lhs|·|rhs| over the contracted, batch and rhs group sizes, i.e. 2·m·k·n for
+    `(m, k) × (groups, k, n)` whatever the group sizes, and for its transposes."""
+    lhs, rhs = re.match(r"\s*%?([\w.\-]+),\s*%?([\w.\-]+)", rest).groups()
+    dims = {name: [int(d) for d in _ARRAY.search(shapes[name]).group(2).split(",") if d]
+            for name in (lhs, rhs)}
+
+    def size(key: str, of: str) -> int:
+        m = re.search(key + r"=\{([0-9,]*)\}", rest)
+        return math.prod(dims[of][int(i)] for i in m.group(1).split(",") if i) if m else 1
+
+    divisor = (size("lhs_contracting_dims", lhs) * size("lhs_batch_dims", lhs)
+               * size("rhs_group_dims", rhs))
+    return 2.0 * math.prod(dims[lhs]) * math.prod(dims[rhs]) / divisor
+
+
 def flops(hlo_text: str) -> float:
     """Floating-point operations one device runs per call of a compiled HLO module, with the
-    convention of XLA's cost analysis (a dot 2·M·N·K, an arithmetic elementwise op one per output
+    convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an arithmetic elementwise op one per output
     element, a reduction one per input element not in the output; transcendental functions are
     not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`), but
     collectives' own sums left out, and instructions inside `while` loops counted once per
@@ -311,6 +330,8 @@ def flops(hlo_text: str) -> float:
                     lhs_dims = lhs_array.group(2).split(",")
                     k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
                 total += 2.0 * _elements(shape) * k
+            elif opcode == "ragged-dot":
+                total += _ragged_dot_flops(rest, shapes)
             elif opcode in _ELEMENTWISE:
                 total += _elements(shape)
             elif opcode == "reduce":

@@ -35,10 +35,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..config import ParallelConfig
 from ..mesh import make_mesh
 from ..offload.activations import compiled_peak_bytes
+from ..offload.optimizer import on_device
 from ..offload.precision import loss_scaler
 from ..step.model import StackedModel
 from ..step.train_step import make_train_step
-from ..step.update import initial_state, make_update
+from ..step.update import initial_state, make_update, update_chain
 from .flops import compiled_flops
 from .hlo import KINDS, wire_bytes
 
@@ -96,25 +97,23 @@ def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_n
     named = lambda s: NamedSharding(mesh, s)  # noqa: E731
     p_shard = jax.tree.map(named, specs, is_leaf=lambda s: isinstance(s, P))
     scaler = loss_scaler("float32")
-    state_shapes = jax.eval_shape(lambda k: initial_state(fns.init(k), optimizer=optimizer,
-                                                          scaler=scaler), jax.random.key(0))
+    params_update = on_device(update_chain(optimizer, clip_norm=clip_norm, skip_non_finite=False))
+    make_state = lambda k: initial_state(fns.init(k), params_update=params_update,  # noqa: E731
+                                         scaler=scaler, rng=jax.random.key_data(k))
+    state_shapes = jax.eval_shape(make_state, jax.random.key(0))
     replicated = named(P())
-    shardings = {"step": replicated, "params": p_shard,
-                 "opt_state": optax.tree_map_params(
-                     optimizer, lambda leaf, s, p: s if leaf.shape == p.shape else replicated,
-                     state_shapes["opt_state"], p_shard, state_shapes["params"],
-                     transform_non_params=lambda _: replicated)}
+    shardings = jax.tree.map(lambda _: replicated, state_shapes).replace(
+        params=p_shard, opt_state=params_update.state_shardings(state_shapes.opt_state, p_shard))
     batch_axes = tuple(a for a in axes if a in ("dp", "fsdp"))
     b_shard = jax.tree.map(lambda _: named(P(batch_axes or None)), batch)
-    update = make_update(optimizer, scaler=scaler, clip_norm=clip_norm)
+    update = make_update(params_update, scaler=scaler)
 
     def step(state, b):
-        loss, grads = jax.value_and_grad(fns.loss)(state["params"], b)
+        loss, grads = jax.value_and_grad(fns.loss)(state.params, b)
         new, metrics = update(state, grads)
         return new, {"loss": loss, **metrics}
 
-    init = jax.jit(lambda k: initial_state(fns.init(k), optimizer=optimizer, scaler=scaler),
-                   out_shardings=shardings)
+    init = jax.jit(make_state, out_shardings=shardings)
     jitted = jax.jit(step, in_shardings=(shardings, b_shard), out_shardings=(shardings, replicated),
                      donate_argnums=0)
     return jitted, init(jax.random.key(0)), jax.device_put(batch, b_shard)

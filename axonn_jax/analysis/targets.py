@@ -120,7 +120,7 @@ def h100_topology(n: int) -> str:
     return f"1x{n // GPUS_PER_NODE}x{GPUS_PER_NODE}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)  # a topology's devices, reused by every compile of that size
 def h100_devices(n: int) -> tuple:
     """`n` compile-only H100 devices (`jax.Device`s of platform `gpu` that own no memory), in nodes
     of 8; ValueError (`cuda_compile_problem`) where they cannot be made. Tried up to 8192."""

@@ -56,10 +56,10 @@ def _image_preset(name: str, config, module) -> Preset:
 
 def presets() -> dict[str, Preset]:
     """Every built-in model by name."""
-    from . import gpt, llama, resnet, unet
+    from . import gpt, llama, mixtral, resnet, unet
 
     found = {name: _preset(name, config, module)
-             for module in (gpt, llama) for name, config in module.PRESETS.items()}
+             for module in (gpt, llama, mixtral) for name, config in module.PRESETS.items()}
     return found | {name: _image_preset(name, config, module)
                     for module in (unet, resnet) for name, config in module.PRESETS.items()}
 
@@ -73,16 +73,16 @@ def get(name: str) -> Preset:
 
 
 def pretrained(path) -> Preset:
-    """The model of the Hugging Face directory `path` (its `config.json`: a Llama or a GPT-2),
-    starting from the checkpoint's parameters; ValueError for another architecture."""
-    from . import gpt, llama
+    """The model of the Hugging Face directory `path` (its `config.json`: a Llama, a Mixtral or a
+    GPT-2), starting from the checkpoint's parameters; ValueError for another architecture."""
+    from . import gpt, llama, mixtral
 
     config_file = pathlib.Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"--init-from {str(path)!r} is not a Hugging Face model directory "
                                 "(no config.json)")
     cfg = json.loads(config_file.read_text())
-    families = {m.HF.model_type: m for m in (llama, gpt)}
+    families = {m.HF.model_type: m for m in (llama, gpt, mixtral)}
     if cfg.get("model_type") not in families:
         raise ValueError(f"{str(config_file)!r}: model_type {cfg.get('model_type')!r} is not "
                          f"supported (supported: {', '.join(families)})")

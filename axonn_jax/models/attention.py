@@ -1,8 +1,11 @@
 """The attention core of the built-in models, and the one place that picks its implementation.
 
-`causal_attention(q, k, v, implementation)` is `jax.nn.dot_product_attention` with a causal mask
-(grouped-query attention when `k, v` have fewer heads than `q`). Its implementation is one of
-`IMPLEMENTATIONS`:
+`causal_attention(q, k, v, implementation, segment_ids=, positions=)` is
+`jax.nn.dot_product_attention` with a causal mask (grouped-query attention when `k, v` have fewer
+heads than `q`), optionally restricted to segments (packed documents) and to true positions.
+Inside a shard_map manual over a context axis of more than one device it is the context-parallel
+attention of `axonn_jax.parallel.context` (ring or all-gather) instead. A user's model calls it
+the same way. Its implementation is one of `IMPLEMENTATIONS`:
 
 - `xla`: JAX's reference implementation (two einsums around an fp32 softmax); runs everywhere.
 - `cudnn`: cuDNN's fused flash attention; a CUDA GPU, bfloat16 or float16, head_dim a multiple
@@ -11,6 +14,13 @@
 
 A choice that cannot run where it is asked for (`cudnn` on a CPU, in float32) raises a one-line
 ValueError (`check`), which `axonn-jax train --attention` shows before anything is compiled.
+
+Masks: with segment ids or positions the mask is an explicit `(rows, 1, seq, seq)` boolean, which
+XLA's implementation takes; `auto` picks it then, and `cudnn` named explicitly is refused (cuDNN's
+packed-sequence offsets are not in JAX's public API; handing it the mask as an additive bias would
+cost a `rows·seq²` buffer). Without them cuDNN uses its own causal mask. The context-parallel
+kernels compute their blocks with XLA einsums (an fp32 online softmax) whatever the
+implementation: `cudnn` named explicitly there is refused.
 """
 from __future__ import annotations
 
@@ -21,8 +31,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import mesh_platform, nested_shard_map, platform_or_default
+from ..parallel import context
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+DOCUMENT_INPUTS = ("segment_ids", "positions")
+"""The batch entries (packed documents) the built-in models' blocks take as side inputs."""
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -64,29 +77,61 @@ def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | Non
     return "xla" if _cudnn_problem(dtype, head_dim, platform_or_default(platform)) else "cudnn"
 
 
-def causal_attention(q, k, v, implementation: str = "auto"):
-    """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`. q: `(batch, seq, heads,
-    head_dim)`; k, v: `(batch, seq, kv_heads, head_dim)` with kv_heads dividing heads: query head
+def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None, positions=None,
+                     context_axis: str = "context", context_scheme: str = "ring"):
+    """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`. q: `(rows, seq, heads,
+    head_dim)`; k, v: `(rows, seq, kv_heads, head_dim)` with kv_heads dividing heads: query head
     `h` attends with key/value head `h // (heads / kv_heads)` (grouped-query attention; kv_heads =
-    1 is multi-query, = heads multi-head). Returns `(batch, seq, heads, head_dim)` in q's dtype.
+    1 is multi-query, = heads multi-head). Returns `(rows, seq, heads, head_dim)` in q's dtype.
+
+    A query attends to the keys not later in the sequence, not later by `positions` and in its
+    segment (`segment_ids`); both `(rows, seq)` integers, optional (packed documents: ids per
+    document, positions restarting at each). Inside a shard_map manual over `context_axis`
+    (more than one device) the sequence is split over it in the zig-zag layout and
+    `context_scheme` (`ring`, `allgather`) attends across it (`parallel.context.attention`).
     `implementation`: see `resolve`."""
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{q.shape[2]} query heads are not divisible by {k.shape[2]} key/value heads")
+    context.check_scheme(context_scheme)
+    if context.axis_size(context_axis) > 1:
+        if implementation == "cudnn":
+            raise ValueError("--attention cudnn does not run inside context parallelism (its "
+                             "blocks are XLA einsums); use --attention xla or auto")
+        check_choice(implementation)
+        return context.attention(q, k, v, axis=context_axis, scheme=context_scheme,
+                                 segment_ids=segment_ids, positions=positions)
+    context.check_inputs(q, k, v, segment_ids, positions)
     # The platform of the mesh in context (the step's shard_map); outside one, an explicit `cudnn`
     # is trusted (the trainer checked it against its mesh) and `auto` asks the default backend.
     platform = mesh_platform() or ("gpu" if implementation == "cudnn" else None)
     impl = resolve(implementation, q.dtype, q.shape[-1], platform)
+    mask = None
+    if segment_ids is not None or positions is not None:
+        if implementation == "cudnn":
+            raise ValueError("--attention cudnn with document masks (segment ids, positions) is "
+                             "not implemented yet; use --attention xla or auto")
+        impl = "xla"
+        mask = context.causal_mask(q.shape[1], segment_ids, positions)[:, None]
     if impl == "xla" and q.dtype == jnp.float16 and platform_or_default() == "cpu":
         # XLA:CPU has no float16 × float16 -> float32 dot, which the xla implementation asks for;
         # its scores and softmax are float32 either way, so computing in float32 changes nothing
         # but the rounding of q, k, v products.
         out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                           v.astype(jnp.float32), is_causal=True,
+                                           v.astype(jnp.float32), mask=mask, is_causal=True,
                                            implementation="xla")
         return out.astype(q.dtype)
     if impl == "cudnn":
         return fully_manual(_cudnn, q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+
+def positions_or_none(positions, seq_len: int, context_axis: str = "context"):
+    """The true positions a block needs for its position encoding: `positions` when given, the
+    context layout's `(1, seq_len)` inside a shard_map manual over `context_axis`, else None
+    (positions are `arange(seq_len)`)."""
+    if positions is not None:
+        return positions
+    if context.axis_size(context_axis) > 1:
+        return context.positions(seq_len, context_axis)[None]
+    return None
 
 
 def _cudnn(q, k, v):

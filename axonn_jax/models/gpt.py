@@ -22,9 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ..collectives import ModelCommunication, StepShape
 from ..config import ParallelConfig, check_divisible
+from ..parallel import context
 from ..step.model import StackedModel
-from . import attention, hf
+from ..tp.tensor import DenseLayer
+from . import attention, decoder, hf
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -39,12 +42,14 @@ class GPTConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False  # the output head multiplies by the token table (GPT-2)
     attention: str = "auto"  # the attention core's implementation (models.attention)
+    context_attention: str = "ring"  # its scheme across a context axis (parallel.context)
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
     """The Hugging Face `config.json` this came from (JSON text), whose other fields
     `to_pretrained` keeps."""
 
     def __post_init__(self):
         attention.check_choice(self.attention)
+        context.check_scheme(self.context_attention)
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.d_model % self.num_heads:
@@ -67,6 +72,23 @@ class GPTConfig:
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
         scores = 2 * 2 * seq_len * d * L
         return 3 * (matmul + scores)
+
+    def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
+        """The communicating parts on `grid` (`models.decoder`): query, key and value projections
+        sharing one input gather, the attention output, the MLP, the head."""
+        d, f, n = self.d_model, self.d_ff, self.num_layers // grid.pipe
+        layers = (DenseLayer("qkv", d, d, False, 3, n, gathers=1),
+                  DenseLayer("attn_out", d, d, True, 1, n),
+                  DenseLayer("mlp_up", d, f, False, 1, n), DenseLayer("mlp_down", f, d, True, 1, n),
+                  DenseLayer("head", d, self.vocab_size, False, bias=False,
+                             table=self.tie_embeddings))
+        return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size,
+                                    self.max_seq_len, layers, tied=self.tie_embeddings)
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`)."""
+        return decoder.communication(self.shape(step.grid), step,
+                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
@@ -108,7 +130,9 @@ leave out (norm outputs, softmax, GELU, residual sums) is cheap to recompute fro
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings: `batch['inputs'] (b, t) int32 -> (b, t, d_model)`."""
+    """Token plus learned position embeddings: `batch['inputs'] (b, t) int32 -> (b, t, d_model)`,
+    at `batch['positions'] (b, t)` when the batch has them (packed documents), else at the
+    tokens' true positions (`arange(t)`, or the context layout's inside a context axis)."""
 
     config: GPTConfig
     dtype: Any = jnp.float32
@@ -121,23 +145,34 @@ class Embedding(nn.Module):
     def __call__(self, batch):
         c, tokens = self.config, batch["inputs"]
         t = tokens.shape[1]
-        if t > c.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len {c.max_seq_len}")
-        return self.wte(tokens) + self.wpe(jnp.arange(t))[None]
+        check_length(t, c.max_seq_len)
+        positions = attention.positions_or_none(batch.get("positions"), t)
+        table = self.wpe(jnp.arange(t))[None] if positions is None else self.wpe(positions)
+        return self.wte(tokens) + table
 
     def table(self):
         """The token table `(vocab, d_model)` (what a tied head multiplies by)."""
         return self.wte.embedding
 
 
+def check_length(local_len: int, max_seq_len: int) -> None:
+    """ValueError unless the whole sequence (`local_len` times the devices of a context axis
+    around this call) fits in `max_seq_len`."""
+    total = local_len * context.axis_size()
+    if total > max_seq_len:
+        raise ValueError(f"sequence length {total} exceeds the model's max_seq_len {max_seq_len}")
+
+
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block. `x: (batch, seq, d_model)` -> same shape."""
+    """One pre-LayerNorm transformer block. `x: (batch, seq, d_model)` -> same shape.
+    `segment_ids`, `positions` `(batch, seq)`: see `attention.causal_attention` (None: one
+    document, positions in order)."""
 
     config: GPTConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         c = self.config
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, name=name)
         # The norms' outputs carry no name (they are recomputed): a name between a norm and a
@@ -147,7 +182,8 @@ class Block(nn.Module):
         heads = lambda y, n: checkpoint_name(y.reshape(b, t, c.num_heads, c.head_dim), n)
         q, k, v = (heads(dense(c.d_model, n)(h), s)
                    for n, s in (("query", "q"), ("key", "k"), ("value", "v")))
-        y = attention.causal_attention(q, k, v, c.attention)
+        y = attention.causal_attention(q, k, v, c.attention, segment_ids=segment_ids,
+                                       positions=positions, context_scheme=c.context_attention)
         y = checkpoint_name(y.reshape(b, t, c.d_model), "attn")
         x = x + checkpoint_name(dense(c.d_model, "attn_out")(y), "attn_proj")
         h = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, name="ln2")(x)
@@ -208,7 +244,8 @@ def stacked(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = 
     used (no layer's layout depends on it)."""
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
-                        head_reads_embed=config.tie_embeddings)
+                        head_reads_embed=config.tie_embeddings,
+                        side_inputs=attention.DOCUMENT_INPUTS)
 
 
 def output_logits(head: nn.Module, h, table=None):

@@ -21,6 +21,7 @@ slicing, only the blocks its own devices hold.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import pathlib
@@ -63,23 +64,36 @@ def _require(module: str):
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """Where one parameter leaf lives: the Hugging Face module `name` (with `{}` for the layer
-    index when `layers` > 0: the leaf stacks `layers` tensors on a leading axis) and its `kind`
-    (see the module docstring). `offset`: the leaf is columns `[offset, offset + n)` of the
-    tensor's output features (GPT-2's fused query/key/value projection)."""
+    index when `layers` > 0: the leaf stacks `layers` tensors on a leading axis; and a second
+    `{}` for the expert index when `experts` > 0: the leaf stacks `experts` tensors on the next
+    axis, Mixtral's `experts.{}.w1`) and its `kind` (see the module docstring). `offset`: the
+    leaf is columns `[offset, offset + n)` of the tensor's output features (GPT-2's fused
+    query/key/value projection)."""
 
     name: str
     kind: str
     layers: int = 0
     offset: int = 0
+    experts: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Tensor kind {self.kind!r} is not one of {KINDS}")
 
+    @property
+    def stacked(self) -> tuple[int, ...]:
+        """Sizes of the leaf's leading axes that stack tensors (layers, then experts)."""
+        return tuple(n for n in (self.layers, self.experts) if n)
+
+    def indices(self) -> list[tuple[int, ...]]:
+        """The index into the stacked axes of each tensor, in `names` order."""
+        return list(itertools.product(*map(range, self.stacked)))
+
     def names(self, fmt: str) -> list[str]:
-        """The tensor names in a checkpoint of format `fmt` ('pt' or 'flax'), one per layer."""
+        """The tensor names in a checkpoint of format `fmt` ('pt' or 'flax'), one per layer (and
+        expert), layer-major."""
         full = f"{self.name}.{_SUFFIX[fmt][self.kind]}"
-        return [full.format(i) for i in range(self.layers)] if self.layers else [full]
+        return [full.format(*i) for i in self.indices()]
 
     def transposed(self, fmt: str) -> bool:
         return self.kind in _TRANSPOSED[fmt]
@@ -159,7 +173,7 @@ class Checkpoint:
                 problems.append(f"missing tensor(s) {', '.join(missing[:3])}"
                                 + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""))
                 continue
-            layer_shape = want[1:] if t.layers else want
+            layer_shape = want[len(t.stacked):]
             group = _group(tensors, t)  # the leaves that make up this tensor (fused: several)
             width = sum((flat[p].shape[-1] for p in group), 0) if len(group) > 1 else layer_shape[-1]
             needed = (*layer_shape[:-1], width)
@@ -189,12 +203,13 @@ class Checkpoint:
         def block(index):
             key = tuple((s.start, s.stop) for s in index)
             if key not in cache:
-                if t.layers:
-                    layers = range(t.layers)[index[0]]
-                    cache[key] = np.stack([self._block(names[i], index[1:], transposed, t.offset)
-                                           for i in layers])
-                else:
-                    cache[key] = self._block(names[0], index, transposed, t.offset)
+                k = len(t.stacked)
+                ranges = [range(n)[s] for n, s in zip(t.stacked, index[:k])]
+                position = lambda i: int(np.ravel_multi_index(i, t.stacked)) if i else 0  # noqa: E731
+                parts = [self._block(names[position(i)], index[k:], transposed, t.offset)
+                         for i in itertools.product(*ranges)]
+                cache[key] = parts[0] if not k else \
+                    np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
                 cache[key] = cache[key].astype(dtype)
             return cache[key]
 
@@ -309,12 +324,12 @@ def _host(x) -> np.ndarray:
 
 
 def _hf_tensors(tensors: dict[tuple[str, ...], Tensor]):
-    """`{hf name: [(leaf path, layer or None, Tensor), ...]}` in the PyTorch layout; several
-    leaves at increasing offsets make up a fused tensor."""
+    """`{hf name: [(leaf path, index into its stacked axes, Tensor), ...]}` in the PyTorch
+    layout; several leaves at increasing offsets make up a fused tensor."""
     out: dict[str, list] = {}
     for path, t in tensors.items():
-        for i, name in enumerate(t.names("pt")):
-            out.setdefault(name, []).append((path, i if t.layers else None, t))
+        for index, name in zip(t.indices(), t.names("pt")):
+            out.setdefault(name, []).append((path, index, t))
     for parts in out.values():
         parts.sort(key=lambda p: p[2].offset)
     return out
@@ -337,8 +352,7 @@ def save(path, tensors: dict[tuple[str, ...], Tensor], params, make_config: Call
     names = _hf_tensors(tensors)
 
     def nbytes(name):
-        return sum(math.prod(flat[p].shape[1:] if i is not None else flat[p].shape)
-                   for p, i, _ in names[name]) * dtype.itemsize
+        return sum(math.prod(flat[p].shape[len(i):]) for p, i, _ in names[name]) * dtype.itemsize
 
     shards, size = [[]], 0
     for name in names:
@@ -356,9 +370,8 @@ def save(path, tensors: dict[tuple[str, ...], Tensor], params, make_config: Call
     for file, shard in zip(files, shards):
         data = {}
         for name in shard:
-            # One layer of one leaf on the host at a time.
-            parts = [_host(flat[leaf] if layer is None else flat[leaf][layer])
-                     for leaf, layer, _ in names[name]]
+            # One layer (and expert) of one leaf on the host at a time.
+            parts = [_host(flat[leaf][index] if index else flat[leaf]) for leaf, index, _ in names[name]]
             block = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
             t = names[name][0][2]
             data[name] = np.ascontiguousarray(block.T if t.transposed("pt") else block, dtype)

@@ -32,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from ..collectives import Collective, ModelCommunication, ParameterShard, StepShape
 from ..config import ParallelConfig, check_divisible
+from ..parallel import context
 from ..step.model import StackedModel
-from ..tp.tensor import replicated_rows
-from . import attention, hf
-from .gpt import cross_entropy, output_logits
+from ..tp.tensor import DenseLayer, replicated_rows
+from . import attention, decoder, hf
+from .gpt import check_length, cross_entropy, output_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +78,12 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention: str = "auto"  # the attention core's implementation (models.attention)
+    context_attention: str = "ring"  # its scheme across a context axis (parallel.context)
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
         attention.check_choice(self.attention)
+        context.check_scheme(self.context_attention)
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
@@ -120,6 +124,32 @@ class LlamaConfig:
         divide over it)."""
         return grid is not None and self.num_kv_heads % grid.row != 0
 
+    def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
+        """The communicating parts on `grid` (`models.decoder`): the query projection, the
+        key/value projections (sharing its input gather, or `KeyValueReplicated` when
+        `replicate_kv`), the attention output, the gate and up projections (one input gather),
+        the down projection, the head; RMSNorms, no biases."""
+        d, q, kv, f = self.d_model, self.q_features, self.kv_features, self.d_ff
+        n = self.num_layers // grid.pipe
+        rep = self.replicate_kv(grid)
+        kv_layers = (DenseLayer("kv", d, kv, False, 2, n, bias=False, gathers=0),)
+        layers = (DenseLayer("q", d, q, False, 1, n, bias=False, gathers=1),
+                  *(() if rep else kv_layers),
+                  DenseLayer("attn_out", q, d, True, 1, n, bias=False),
+                  DenseLayer("mlp_in", d, f, False, 2, n, bias=False, gathers=1),
+                  DenseLayer("mlp_down", f, d, True, 1, n, bias=False),
+                  DenseLayer("head", d, self.vocab_size, False, bias=False,
+                             table=self.tie_embeddings))
+        replicated = (KeyValueReplicated(d, kv, self.num_kv_heads, 2, n),) if rep else ()
+        return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size, 0, layers,
+                                    replicated, norm_stats=1, norm_params=1,
+                                    tied=self.tie_embeddings)
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`)."""
+        return decoder.communication(self.shape(step.grid), step,
+                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
+
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
         `grid` (see `GPTConfig.check_grid`); key/value heads that do not divide over `row` are
@@ -130,6 +160,60 @@ class LlamaConfig:
         check_divisible("num_heads·head_dim", self.q_features, ("row", "depth"), grid)
         check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
         check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyValueReplicated:
+    """The collectives and parameter shards of `ReplicatedDense` key/value projections
+    (`collectives.Part`), `count` of `fan_in` → `fan_out` in each of the `layers` blocks one
+    device holds, as GSPMD lays them out (measured in tests/test_comm_model.py): the query heads'
+    split over `row` factors into a split of the `kv_heads` key/value heads over `r = gcd(kv_heads,
+    row)` devices and of each group's query heads over `row / r`, and the projections follow it:
+    each device computes its `1/r` of the key/value features. Forward, the partial sums over
+    `col`; backward, the attention's key/value gradients summed over the `row / r` devices sharing
+    a head, the input gradient over the `r` devices holding different heads; the kernel's
+    gradient, computed in `r` pieces, is all-gathered to the kernel's layout before the update
+    (`step.train_step` lays gradients out like their parameters)."""
+
+    fan_in: int
+    fan_out: int
+    kv_heads: int
+    count: int
+    layers: int
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        per_stage = self.count * self.layers
+        r = math.gcd(self.kv_heads, g.row)
+        features = step.tokens * self.fan_out / r * cb
+        kernel = self.layers * self.fan_in * self.fan_out / (g.col * g.depth) * pb
+        out = [Collective("all-reduce", ("col",), features, per_stage, stage_forward=True),
+               Collective("all-reduce", ("row",), features, per_stage, group_size=g.row // r),
+               Collective("all-reduce", ("row",), step.tokens * self.fan_in / g.col * cb,
+                          per_stage, group_size=r),
+               Collective("all-gather", ("row",), kernel, self.count, group_size=r)]
+        if g.depth > 1:
+            # The kernel's slice `b` is moved into place and gathered over depth for the forward
+            # and again for the backward; its gradient summed over depth and moved back.
+            b = self.fan_in * self.fan_out / (g.col * g.depth * r) * pb
+            # (Measured: with whole key/value heads, r = 1, GSPMD also moves the gathered
+            # kernel, once for the forward and once for the backward.)
+            moves = [Collective("collective-permute", ("depth",), b * g.depth, 2 * per_stage,
+                                per_microbatch=True)] if r == 1 else []
+            out += [*moves, Collective("collective-permute", ("depth",), b, 3 * per_stage,
+                                       per_microbatch=True),
+                    Collective("all-gather", ("depth",), b * g.depth, 2 * per_stage,
+                               per_microbatch=True),
+                    Collective("all-reduce", ("depth",), b, per_stage, per_microbatch=True)]
+        return out
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The kernels, split over col·depth only; the data-parallel exchange reduces each
+        device's `1/r` piece of its gradient (see the class docstring)."""
+        g = step.grid
+        r = math.gcd(self.kv_heads, g.row)
+        elements = self.layers * self.fan_in * self.fan_out / (g.col * g.depth)
+        return [ParameterShard(elements, 3, (("col", "depth"),), exchanged=elements / r)] * self.count
 
 
 _LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
@@ -152,6 +236,13 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3-405b": LlamaConfig(126, 16384, 128, 53248, num_kv_heads=8, vocab_size=128256,
                                max_seq_len=131072, rope_theta=500000.0,
                                rope_scaling=_LLAMA31_SCALING),
+    # Llama 3.1 8B and 70B: 128k context through the Llama-3 frequency scaling.
+    "llama3.1-8b": LlamaConfig(32, 4096, 32, 14336, num_kv_heads=8, vocab_size=128256,
+                               max_seq_len=131072, rope_theta=500000.0,
+                               rope_scaling=_LLAMA31_SCALING),
+    "llama3.1-70b": LlamaConfig(80, 8192, 64, 28672, num_kv_heads=8, vocab_size=128256,
+                                max_seq_len=131072, rope_theta=500000.0,
+                                rope_scaling=_LLAMA31_SCALING),
     # Llama 3.2 1B: tied embeddings.
     "llama3.2-1b": LlamaConfig(16, 2048, 32, 8192, num_kv_heads=8, vocab_size=128256,
                                max_seq_len=131072, rope_theta=500000.0, tie_embeddings=True,
@@ -190,12 +281,23 @@ def rope_tables(seq_len: int, head_dim: int, theta: float,
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def rope_at(positions, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """(cos, sin), each `(rows, seq, head_dim)` float32, at integer `positions (rows, seq)` (true
+    positions: packed documents, the context layout); angles computed in float32 as Hugging
+    Face's are (`rope_tables` rounds float64 ones: the two agree to float32 rounding)."""
+    freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x, cos, sin):
     """Rotate `x (batch, seq, heads, head_dim)` by position: `x·cos + rotate_half(x)·sin`, with
-    cos/sin `(seq, head_dim)`."""
+    cos/sin `(seq, head_dim)` or `(batch, seq, head_dim)`."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = (jnp.asarray(a, x.dtype)[None, :, None, :] for a in (cos, sin))
+    cos, sin = (jnp.asarray(a, x.dtype) for a in (cos, sin))
+    cos, sin = ((a[None] if a.ndim == 2 else a)[:, :, None, :] for a in (cos, sin))
     return x * cos + rotated * sin
 
 
@@ -234,10 +336,7 @@ class Embedding(nn.Module):
         self.tokens = nn.Embed(self.config.vocab_size, self.config.d_model, dtype=self.dtype)
 
     def __call__(self, batch):
-        t = batch["inputs"].shape[1]
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds the model's max_seq_len "
-                             f"{self.config.max_seq_len}")
+        check_length(batch["inputs"].shape[1], self.config.max_seq_len)
         return self.tokens(batch["inputs"])
 
     def table(self):
@@ -247,21 +346,26 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     """One Llama block: `x + attn(norm(x))`, then `+ mlp(norm(·))`. `x: (batch, seq, d_model)`.
-    `replicate_kv`: key/value projections as `ReplicatedDense` (see the module docstring)."""
+    `replicate_kv`: key/value projections as `ReplicatedDense` (see the module docstring).
+    `segment_ids`, `positions` `(batch, seq)`: see `attention.causal_attention` (None: one
+    document, positions in order); rotary embeddings turn by the true positions."""
 
     config: LlamaConfig
     dtype: Any = jnp.float32
     replicate_kv: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, segment_ids=None, positions=None):
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         kv_dense = (lambda n, name: ReplicatedDense(n, self.dtype, name=name)) \
             if self.replicate_kv else dense
         norm = lambda name: nn.RMSNorm(epsilon=c.norm_eps, dtype=self.dtype, name=name)  # noqa: E731
         b, t, _ = x.shape
-        cos, sin = rope_tables(t, c.head_dim, c.rope_theta, c.rope_scaling)
+        true_positions = attention.positions_or_none(positions, t)
+        cos, sin = (rope_tables(t, c.head_dim, c.rope_theta, c.rope_scaling)
+                    if true_positions is None else
+                    rope_at(true_positions, c.head_dim, c.rope_theta, c.rope_scaling))
         heads = lambda y, n, name: checkpoint_name(y, name).reshape(b, t, n, c.head_dim)  # noqa: E731
 
         # Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
@@ -271,13 +375,20 @@ class Block(nn.Module):
             q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
             k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
             v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
-            y = attention.causal_attention(q, k, v, c.attention)
+            y = attention.causal_attention(q, k, v, c.attention, segment_ids=segment_ids,
+                                           positions=positions, context_scheme=c.context_attention)
             y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
             x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
-            h = norm("mlp_norm")(x)
-            gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
-            up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
-            return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
+            return self.mlp(x, norm("mlp_norm")(x))
+
+    def mlp(self, x, h):
+        """The block's second half, `x + SwiGLU(h)` with `h = mlp_norm(x)`; a subclass may put
+        another feed-forward layer here (`models.mixtral`)."""
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
+        up = checkpoint_name(dense(c.d_ff, "up_proj")(h), "mlp_up")
+        return x + dense(c.d_model, "down_proj")(nn.silu(gate) * up)
 
 
 class Head(nn.Module):
@@ -338,7 +449,8 @@ def stacked(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None 
     rep = config.replicate_kv(grid)
     return StackedModel(Embedding(config, dtype), Block(config, dtype, rep), Head(config, dtype, rep),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
-                        head_reads_embed=config.tie_embeddings)
+                        head_reads_embed=config.tie_embeddings,
+                        side_inputs=attention.DOCUMENT_INPUTS)
 
 
 def network(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> Llama:

@@ -15,6 +15,7 @@ class per kind of shape (`ShapeBatches`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -22,8 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..collectives import ModelCommunication, StepShape, from_parts
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
+from ..tp.layers import GroupNorms
+from ..tp.tensor import ConvLayer
+from .unet import Layer
 
 CLASSES = ("disc", "square", "horizontal stripes", "vertical stripes")
 
@@ -46,6 +51,40 @@ class ResNetConfig:
             check_divisible("channels", self.channels, axes, grid)
         for axis in ("row", "col"):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
+
+    def layers(self) -> list[Layer]:
+        """Every convolution and dense layer (`unet.Layer`s) in the order the model runs them: the
+        stem's two, one block's two, the classifier (one row per image, after the pooling)."""
+        s, c, h = self.image_size, self.channels, -(-self.image_size // 2)
+        return [Layer("embed", "stem", 9, 3, c, s * s, s * s),
+                Layer("embed", "down", 9, c, 2 * c, h * h, s * s),
+                Layer("block", "conv1", 9, 2 * c, 2 * c, h * h, h * h),
+                Layer("block", "conv2", 9, 2 * c, 2 * c, h * h, h * h),
+                Layer("head", "classifier", 1, 2 * c, self.num_classes, 1, 1)]
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`) on the most loaded
+        pipeline stage: every convolution and the classifier a `tp.tensor.ConvLayer` laid out as
+        `parallelize` traces it (`conv_layouts`), the GroupNorm vectors whole, the stage boundary
+        a block's input. Not counted: GSPMD's re-layouts (the stem's three input channels, the
+        pooled features), the GroupNorms' and the loss's collectives."""
+        g, layouts = step.grid, conv_layouts(self)
+        copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
+        parts = [ConvLayer(layer.window, layer.cin, layer.cout, layer.pixels, layer.in_pixels,
+                           layouts.get(layer.name, False), copies[layer.part],
+                           stacked=layer.part == "block") for layer in self.layers()]
+        width = 2 * self.channels
+        parts += [GroupNorms(2 * width, copies["block"], stacked=True), GroupNorms(width)]
+        pixels = self.layers()[2].pixels
+        boundary = step.rows / step.microbatches * pixels * width / g.col * step.compute_bytes
+        activations = sum(3 * (copies[layer.part] if layer.part == "block" else 1) * step.rows
+                          / step.microbatches * layer.pixels * layer.cout
+                          / getattr(g, "col" if layouts.get(layer.name, False) else "row")
+                          for layer in self.layers()) * step.compute_bytes
+        flops = 3 * 2 * step.batch * sum(
+            layer.window * layer.cin * layer.cout * layer.pixels
+            * (self.num_layers if layer.part == "block" else 1) for layer in self.layers())
+        return from_parts(parts, step, boundary=boundary, flops=flops, activations=activations)
 
     def example_batch(self, batch_size: int) -> dict:
         """ShapeDtypeStructs of a batch of `batch_size` labeled images."""
@@ -111,6 +150,16 @@ def stacked(config: ResNetConfig, dtype=jnp.float32, grid: ParallelConfig | None
     """The classifier as the trainer's `StackedModel`; `grid` is not used."""
     return StackedModel(Stem(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers)
+
+
+@functools.lru_cache(maxsize=16)  # one entry per ResNet shape planned; each holds a small dict
+def conv_layouts(config: ResNetConfig) -> dict[str, bool]:
+    """`{layer name: transpose}` of the ResNet's layers (`ResNetConfig.layers` names), as
+    `parallelize` traces them on one image."""
+    from .layouts import part_layouts
+
+    embed, block, head = part_layouts(stacked(config), config.example_batch(1))
+    return embed | block | head
 
 
 @dataclasses.dataclass(frozen=True)

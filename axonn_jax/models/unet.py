@@ -33,6 +33,7 @@ GSPMD.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -41,8 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..collectives import ModelCommunication, StepShape, from_parts
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
+from ..tp.layers import GroupNorms
+from ..tp.tensor import ConvLayer
 
 
 class Layer(NamedTuple):
@@ -157,16 +161,21 @@ class UNetConfig:
                 self.num_layers if layer.part == "block" else 1)
         return total + 2 * self._norm_channels()
 
-    def _norm_channels(self) -> int:
-        """Channels normalized by GroupNorms (each has a scale and a bias)."""
-        n = 0
+    def norm_channels(self) -> dict[str, int]:
+        """Channels normalized by GroupNorms (each has a scale and a bias) per part: the
+        embedding's, one block's, the head's."""
+        n = {"embed": 0, "block": 0, "head": self.level_channels[0]}  # the output norm
         for layer in self.layers():
-            layers = self.num_layers if layer.part == "block" else 1
             if layer.name.endswith("conv1"):  # norm1 on the block's input, norm2 on conv1's output
-                n += (layer.cin + layer.cout) * layers
+                n[layer.part] += layer.cin + layer.cout
             elif layer.name.endswith("/query"):
-                n += layer.cin * layers
-        return n + self.level_channels[0]  # the output norm
+                n[layer.part] += layer.cin
+        return n
+
+    def _norm_channels(self) -> int:
+        """Channels normalized by GroupNorms in the whole model."""
+        n = self.norm_channels()
+        return n["embed"] + self.num_layers * n["block"] + n["head"]
 
     def flops_per_image(self) -> float:
         """Training FLOPs of one image (forward + backward = 3× forward; the head's recomputed
@@ -177,6 +186,46 @@ class UNetConfig:
             if layer.name.endswith("/query"):  # scores and the weighted sum
                 fwd[layer.part] += 2 * 2 * layer.pixels ** 2 * layer.cin
         return 3 * (2 * fwd["embed"] + self.num_layers * fwd["block"] + fwd["head"])
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`) on the most loaded
+        pipeline stage (the last: its blocks, the head and the head's recomputed down path):
+        every convolution and dense layer a `tp.tensor.ConvLayer` laid out as `parallelize`
+        traces it (`conv_layouts`), the GroupNorm vectors whole, the stage boundary the
+        bottleneck's activation with its timestep row, the head reading all of the embedding's
+        parameters. Not counted: GSPMD's re-layouts of skip concatenations and of layers whose
+        input arrives on the other axis (the down and up paths'), GroupNorm collectives."""
+        g, layouts = step.grid, conv_layouts(self)
+        copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
+        # Without a pipeline the device also runs the head's recomputed down path.
+        runs = {"embed": 2 if g.pipe == 1 else 1}
+        convs = {part: [] for part in copies}
+        for layer in self.layers():
+            convs[layer.part].append(ConvLayer(
+                layer.window, layer.cin, layer.cout, layer.pixels, layer.in_pixels,
+                layouts.get(layer.name, False), copies[layer.part], runs.get(layer.part, 1),
+                stacked=layer.part == "block"))
+        for part, channels in self.norm_channels().items():
+            convs[part].append(GroupNorms(channels, copies[part], part == "block"))
+        embed = sum(p.elements for part in convs["embed"] for p in part.parameters(step))
+        r, c = self.bottleneck_size, self.bottleneck_channels
+        boundary = step.rows / step.microbatches * (r + 1) * r * c / g.col * step.compute_bytes
+        return from_parts([p for part in convs.values() for p in part], step, boundary=boundary,
+                          flops=self.flops_per_image() * step.batch, head_reads=embed,
+                          activations=self._activation_bytes(step, layouts))
+
+    def _activation_bytes(self, step: StepShape, layouts: dict[str, bool]) -> float:
+        """Activation bytes one device keeps for the backward: each layer's output and the
+        GroupNorm/SiLU around it (about three arrays of its size), the blocks' over a stage."""
+        g = step.grid
+        images = step.rows / step.microbatches
+        total = 0.0
+        for layer in self.layers():
+            n = self.num_layers / g.pipe if layer.part == "block" else \
+                2 if layer.part == "embed" else 1
+            fout = "col" if layouts.get(layer.name, False) else "row"
+            total += 3 * n * images * layer.pixels * layer.cout / getattr(g, fout)
+        return total * step.compute_bytes
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless every convolution and dense layer splits
@@ -376,6 +425,21 @@ def stacked(config: UNetConfig, dtype=jnp.float32, grid: ParallelConfig | None =
     """The U-Net as the trainer's `StackedModel` (see the module docstring); `grid` is not used."""
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers, head_reads_embed=True)
+
+
+@functools.lru_cache(maxsize=16)  # one entry per U-Net shape planned; each holds a small dict
+def conv_layouts(model: UNetConfig) -> dict[str, bool]:
+    """`{layer name: transpose}` of a U-Net's layers (`UNetConfig.layers` names), as
+    `parallelize` traces them: the parts of a narrow copy of the same architecture (the layout
+    does not depend on widths) traced abstractly on one device."""
+    from .layouts import part_layouts
+
+    small = dataclasses.replace(model, channels=4, num_groups=1, num_heads=1, num_layers=1,
+                                image_size=2 ** len(model.channel_mult), in_channels=1)
+    embed, block, head = part_layouts(stacked(small), small.example_batch(1))
+    found = {name.removeprefix("down/"): t for name, t in embed.items()} | block
+    # the head's recomputed down path keeps the embedding's own layout
+    return found | {name: t for name, t in head.items() if name not in found}
 
 
 def images(seed: int, step: int, batch_size: int, size: int, channels: int = 3) -> np.ndarray:

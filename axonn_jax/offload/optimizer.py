@@ -1,24 +1,26 @@
-"""Host-resident optimizer state (AxoNN): fp32 master weights and optimizer moments in `pinned_host`.
+"""Where the optimizer state lives: on the device, or in host memory (AxoNN).
 
-Layout of the train state with offload:
-- `params`: the parameters the model computes with, in the compute dtype (bf16 / fp16 / fp32), in
-  device memory, sharded as the model shards them.
-- `opt_state["master"]`: fp32 master parameters, and `opt_state["inner"]`: the elementwise
-  optimizer's state (AdamW's `mu`, `nu`), both in `pinned_host` memory with the sharding of their
-  parameter; the inner state's scalars (`count`) stay on the device.
+Both are a `ParamUpdate`: how the update phase of a step turns gradients into new parameters with
+an optax transformation `tx` (`step.update` builds the chain: unscale, clip, skip-if-non-finite,
+the optimizer), and where the state of `tx` is kept.
 
-The update streams the host state through the device in pieces: one `fori_loop` iteration per layer
-of the stacked `blocks` parameters (leading layer axis), then buckets of at most `bucket_bytes` of
-the other parameters. With pipeline stages the layer axis is split over `pipe`, so iteration `i`
-updates layer `i` of every stage at once (the stack viewed as `(stages, layers per stage, …)`) and
-no state crosses between stages. Each piece is `device_put` to the device, updated, and put back to
-`pinned_host`, so the compiled program holds one piece of fp32 state on the device at a time and
-XLA can overlap the transfers of one piece with the arithmetic of the next.
+- `on_device(tx)`: `tx`'s state placed like its parameters; `optax.apply_updates`.
+- `host_offload(tx, ...)`: fp32 master weights and `tx`'s state in `pinned_host` memory; the
+  parameters the model computes with (`params`, in the compute dtype: bf16 / fp16 / fp32) stay in
+  device memory, sharded as the model shards them. Its state is `{'master', 'inner'}`: the fp32
+  masters and `tx`'s state, each leaf with the sharding of its parameter; the state's shared
+  scalars (Adam's `count`) stay on the device.
 
-The caller hands the update one scalar `factor` that every gradient is multiplied by (in fp32) as
-its piece is consumed: global-norm clipping and the fp16 loss-scale division, computed once on the
-device from the global norm (`axonn_jax.step.update`), so no full fp32 copy of the gradients is ever
-made. The per-piece transform must be elementwise apart from shared scalars (AdamW is).
+The offloaded update streams the host state through the device in pieces: one `fori_loop`
+iteration per layer of the stacked `blocks` parameters (leading layer axis), then buckets of at most
+`bucket_bytes` of the other parameters. With pipeline stages the layer axis is split over `pipe`,
+so iteration `i` updates layer `i` of every stage at once (the stack viewed as `(stages, layers per
+stage, …)`) and no state crosses between stages. Each piece is `device_put` to the device, run
+through `tx`, and put back to `pinned_host`, so the compiled program holds one piece of fp32 state
+on the device at a time and XLA can overlap the transfers of one piece with the arithmetic of the
+next. So `tx` must be elementwise apart from shared scalars (AdamW is): what needs the whole
+gradient tree (its global norm, whether it is finite) reaches it as an extra argument computed once
+(`step.update`), and no full fp32 copy of the gradients is ever made.
 
 On CPU, `device_put` inside `jit` lowers to nothing (JAX 0.10 emits the placement annotations only
 for GPU/TPU); host and device share memory there. `lowered_for_gpu` lowers a step for CUDA so its
@@ -27,16 +29,77 @@ per-piece transfers can be inspected without a GPU.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._compat import HOST_MEMORY_KIND, with_memory_kind
-from .precision import keep_if_finite
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+class ParamUpdate(NamedTuple):
+    """The update phase's parameters and optimizer state.
+
+    init(fp32 params) -> (params, opt_state): the parameters the model computes with and the
+      optimizer state of `tx`.
+    apply(grads, opt_state, params, **extra) -> (params, opt_state): one step of `tx` (extra:
+      the chain's extra arguments, e.g. `loss_scale`, `grad_norm`, `finite`).
+    state_shardings(opt_state, param_shardings) -> shardings of `opt_state` (arrays or
+      ShapeDtypeStructs).
+    canonical(params, opt_state) -> (params, opt_state) as checkpoints hold them (fp32
+      parameters, `tx`'s state); `from_canonical(params, opt_state)` back (ShapeDtypeStructs too).
+    """
+
+    init: Callable
+    apply: Callable
+    state_shardings: Callable
+    canonical: Callable = lambda params, opt_state: (params, opt_state)
+    from_canonical: Callable = lambda params, opt_state: (params, opt_state)
+
+
+def _replicated_like(param_shardings):
+    any_sharding = jax.tree.leaves(param_shardings)[0]
+    return NamedSharding(any_sharding.mesh, P())
+
+
+def on_device(tx: optax.GradientTransformation) -> ParamUpdate:
+    """`tx` with its state on the device, each leaf placed like its parameter (replicated when it
+    is shaped otherwise, e.g. a count)."""
+    def init(params):
+        return params, tx.init(params)
+
+    def apply(grads, opt_state, params, **extra):
+        updates, opt_state = tx.update(grads, opt_state, params, **extra)
+        return optax.apply_updates(params, updates), opt_state
+
+    def state_shardings(opt_state, param_shardings):
+        replicated = _replicated_like(param_shardings)
+        shapes = jax.tree.map(lambda s: s, param_shardings)
+        return optax.tree_map_params(
+            tx, lambda leaf, sharding: sharding, opt_state, shapes,
+            transform_non_params=lambda _: replicated)
+
+    return ParamUpdate(init, apply, state_shardings)
+
+
+def host_offload(tx: optax.GradientTransformation, compute_dtype, num_layers: int,
+                 num_stages: int = 1, stacked_key: str = "blocks",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParamUpdate:
+    """`tx` (elementwise apart from shared scalars) streamed per piece over fp32 masters and
+    state in `pinned_host` (see the module docstring).
+
+    compute_dtype: dtype of the device parameters (the model's compute dtype).
+    num_layers: length of the leading axis of the stacked `stacked_key` parameters.
+    num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration
+      updates one layer per stage.
+    """
+    offload = _Streamed(tx, compute_dtype, num_layers, num_stages, stacked_key, bucket_bytes)
+    return ParamUpdate(offload.init, offload.apply, offload.state_shardings,
+                       offload.canonical, offload.from_canonical)
 
 
 class _Role:
@@ -45,6 +108,13 @@ class _Role:
 
     def __init__(self, param: int | None):
         self.param = param
+
+
+def _on_device(x, dtype):
+    """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x`."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=with_memory_kind(x.sharding, "device"))
+    return jax.device_put(x, with_memory_kind(x.sharding, "device")).astype(dtype)
 
 
 def _none_is_leaf(x) -> bool:
@@ -82,21 +152,15 @@ def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[lis
 
 
 @dataclasses.dataclass(frozen=True)
-class HostOffloadedOptimizer:
-    """`inner` (elementwise, e.g. AdamW) streamed per piece over state that lives in `pinned_host`.
-
-    compute_dtype: dtype of the device parameters (the model's compute dtype).
-    num_layers: length of the leading axis of the stacked `stacked_key` parameters.
-    num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration updates
-      one layer per stage.
-    """
+class _Streamed:
+    """`host_offload`'s parts (see there)."""
 
     inner: optax.GradientTransformation
     compute_dtype: Any
     num_layers: int
-    num_stages: int = 1
-    stacked_key: str = "blocks"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    num_stages: int
+    stacked_key: str
+    bucket_bytes: int
 
     def init(self, params):
         """fp32 `params` -> (device params in `compute_dtype`, opt_state {'master', 'inner'})."""
@@ -108,19 +172,23 @@ class HostOffloadedOptimizer:
         """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
         on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
         host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND), param_shardings)
-        any_sharding = jax.tree.leaves(param_shardings)[0]
-        scalar = jax.sharding.NamedSharding(any_sharding.mesh, jax.sharding.PartitionSpec())
+        scalar = _replicated_like(param_shardings)
         inner = optax.tree_map_params(self.inner, lambda _, s: s, opt_state["inner"], host,
                                       transform_non_params=lambda _: scalar)
         return {"master": host, "inner": inner}
 
-    def update(self, grads, params, opt_state, factor, keep=None):
-        """One optimizer step.
+    def canonical(self, params, opt_state):
+        """(fp32 masters, `tx`'s state): the tree of a run without offload."""
+        return opt_state["master"], opt_state["inner"]
 
-        grads: like `params` (compute dtype); each is used as `grad.astype(float32) * factor`.
-        keep: None, or a bool scalar; where False the step leaves masters and state unchanged (a
-        skipped mixed-precision step). Returns (params, opt_state).
-        """
+    def from_canonical(self, master, inner):
+        """Back from `canonical`: the device parameters are made from the masters."""
+        return jax.tree.map(lambda m: _on_device(m, self.compute_dtype), master), \
+            {"master": master, "inner": inner}
+
+    def apply(self, grads, opt_state, params, **extra):
+        """One step of `tx` over the streamed pieces. grads: like `params` (compute dtype);
+        extra: `tx`'s extra arguments. Returns (params, opt_state)."""
         param_leaves, param_def = jax.tree.flatten(params)
         grad_leaves = jax.tree.leaves(grads)
         master = jax.tree.leaves(opt_state["master"])
@@ -132,7 +200,7 @@ class HostOffloadedOptimizer:
             state by role, device params) on the device, and the new shared scalars."""
             chosen = set(index)
             sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
-            g = [None if x is None else x.astype(jnp.float32) * factor for x in sel(grad_leaves)]
+            g = [None if x is None else x for x in sel(grad_leaves)]
             m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
                  for x in sel(master)]
             s_in, scalar_iter = [], iter(scalars)
@@ -144,14 +212,9 @@ class HostOffloadedOptimizer:
                                 if r.param in chosen else None)
             g_tree, m_tree = jax.tree.unflatten(param_def, g), jax.tree.unflatten(param_def, m)
             updates, new_state = self.inner.update(g_tree, jax.tree.unflatten(state_def, s_in),
-                                                   m_tree)
+                                                   m_tree, **extra)
             new_m = jax.tree.leaves(optax.apply_updates(m_tree, updates), is_leaf=_none_is_leaf)
-            new_s = jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
-            if keep is not None:
-                new_m = [None if a is None else keep_if_finite(keep, a, b) for a, b in zip(new_m, m)]
-                new_s = [None if a is None else keep_if_finite(keep, a, b)
-                         for a, b in zip(new_s, s_in)]
-            return new_m, new_s
+            return new_m, jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
 
         scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
         new_scalars = scalars

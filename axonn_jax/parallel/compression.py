@@ -345,13 +345,19 @@ def init_residual(params, num_shards: int):
     return jax.tree.map(lambda p: jnp.zeros((num_shards, *p.shape), p.dtype), params)
 
 
+def bucket_bytes(bits: int, bucket_size: int, itemsize: int = 4) -> float:
+    """Bytes of one packed bucket: `bucket_size` values at `bits` bits, its scale and offset of
+    `itemsize` bytes each."""
+    return bucket_size * bits / 8 + 2 * itemsize
+
+
 def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> float:
     """Bytes one shard sends per gradient element through the compressed exchange, for large
-    buffers and many shards (`(n-1)/n -> 1`): packed values and bucket metadata, twice."""
-    return 2 * (bits / 8 + 2 * itemsize / bucket_size)
+    buffers and many shards (`(n-1)/n -> 1`): packed buckets (`bucket_bytes`), twice."""
+    return 2 * bucket_bytes(bits, bucket_size, itemsize) / bucket_size
 
 
 __all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits",
            "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "compressed_psum",
            "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
-           "init_residual", "wire_bytes_per_element"]
+           "init_residual", "bucket_bytes", "wire_bytes_per_element"]

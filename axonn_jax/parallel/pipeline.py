@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
+from ..collectives import Collective
 from ..config import SCHEDULES
 from .backward_split import split_backward
 
@@ -159,6 +160,26 @@ class Schedule:
         f, b, w = forward_cost, input_cost, weight_cost
         idle = (p - 1) * ((f + b - w) if self.split_backward else (f + b + w) / v)
         return idle / (m * (f + b + w) + idle)
+
+
+def pipeline_collectives(schedule: Schedule, message_bytes: float,
+                         replicated_bytes: float) -> list[Collective]:
+    """What the pipeline adds to a step on one stage device: every tick up to the last forward or
+    backward, one activation forward and one cotangent backward of `message_bytes` each (a
+    chunk's, as large, with interleaved stages: V times as many ticks); at the end, the sum over
+    `pipe` of the gradients of the parameters every stage holds (`replicated_bytes`: embedding,
+    final norm and head, of which only the first and last stage's are not zero)."""
+    return [Collective("all-reduce", (PIPE_AXIS,), replicated_bytes),
+            Collective("collective-permute", (PIPE_AXIS,), message_bytes,
+                       2 * schedule.message_ticks)]
+
+
+def stage_repeats(found: list[Collective], microbatches: int) -> list[Collective]:
+    """A step's collectives (`found`, counted once per step) as the pipeline engine runs them:
+    a stage's forward twice per microbatch (the backward tick recomputes it), parameter-sized
+    collectives (weight gathers, weight-gradient sums) once per microbatch's operation."""
+    return [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
+                                * (microbatches if c.per_microbatch else 1)) for c in found]
 
 
 def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
@@ -384,55 +405,59 @@ def _zeros_of(aval, lead: tuple[int, ...] = ()):
 
 
 def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dtype,
-                     axes: frozenset[str] = frozenset()):
+                     axes: frozenset[str] = frozenset(), scale=1.0):
     """A virtual stage's forward and backward operations, as the engine runs them.
 
     forward(prm, x_in, mb_batch, first) -> y: the chunk's layers on x_in, or on the embedded batch
     when `first` (a traced bool: the first virtual stage). backward(prm, x_in, mb_batch, first,
-    last, cot) -> (input cotangent, microbatch loss (nonzero when `last`), parameter gradients):
-    the forward recomputed and differentiated, from the output cotangent `cot`, or from the loss
-    (weighted 1/M) when `last`. prm = (embed, chunk, head) parameters; `axes`: the manual axes every
-    value varies over.
+    last, cot) -> (input cotangent, microbatch loss, metrics, parameter gradients): the forward
+    recomputed and differentiated, from the output cotangent `cot` and the loss: the head's
+    when `last`, plus the chunk's auxiliary loss, weighted `scale`/M (scale: the loss scale).
+    The loss returned is unscaled, the chunk's metrics are the stage function's. prm = (embed,
+    chunk, head) parameters; `axes`: the manual axes every value varies over.
     """
     m = num_microbatches
 
+    def embedded(prm, x_in, mb_batch, first):
+        return _cond(first, lambda: embed_fn(prm[0], mb_batch).astype(act_dtype),
+                            lambda: x_in)
+
     def forward(prm, x_in, mb_batch, first):
-        emb, blocks, _ = prm
-        x = _cond(first, lambda: embed_fn(emb, mb_batch).astype(act_dtype), lambda: x_in)
-        return stage_fn(blocks, x)
+        return stage_fn(prm[1], embedded(prm, x_in, mb_batch, first), mb_batch)[0]
 
     def backward(prm, x_in, mb_batch, first, last, cot):
         def apply(prm, x):
-            y = forward(prm, x, mb_batch, first)
+            y, extra_loss, metrics = stage_fn(prm[1], embedded(prm, x, mb_batch, first), mb_batch)
             loss = _cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
                                 lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
-            return y, loss
+            return (y, loss + extra_loss), metrics
 
-        (y, loss), vjp = jax.vjp(apply, prm, x_in)
+        (y, loss), vjp, metrics = jax.vjp(apply, prm, x_in, has_aux=True)
         g_y = jnp.where(last, jnp.zeros_like(y), cot)
-        g_loss = jnp.where(last, 1.0 / m, 0.0).astype(jnp.float32)
-        g_prm, g_x = vjp((g_y, _zeros_like_varying(g_loss, axes) + g_loss))
-        return g_x, loss, g_prm
+        g_loss = _zeros_like_varying(jnp.zeros((), jnp.float32), axes) + jnp.float32(scale / m)
+        g_prm, g_x = vjp((g_y, g_loss))
+        return g_x, loss, metrics, g_prm
 
     return forward, backward
 
 
 def split_stage_backward(backward, example_args):
     """`parallel.backward_split` of a `stage_operations` backward at `example_args` (those of the
-    backward): B returns (input cotangent, loss), W the parameter gradients; W reads the
+    backward): B returns (input cotangent, loss, metrics), W the parameter gradients; W reads the
     parameters itself, everything else from B's residuals."""
-    return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=2)
+    return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=3)
 
 
 def pipeline_loss_and_grads(
     embed_fn: Callable[[Any, jax.Array], jax.Array],
-    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array, dict]],
     head_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     params: tuple[Any, Any, Any],
     batch: Any,
     schedule: Schedule,
     axis: str = PIPE_AXIS,
-) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+    scale=1.0,
+) -> tuple[jax.Array, tuple[Any, Any, Any], dict]:
     """Loss and parameter gradients of a pipelined model; call inside a shard_map manual over `axis`.
 
     params = (embed_params, stage_params, head_params). embed/head params: replicated over `axis`;
@@ -443,11 +468,16 @@ def pipeline_loss_and_grads(
     reduced by the caller).
     batch: a pytree of `(b, ...)` arrays, this device's rows (replicated over `axis`), cut into
     `schedule.num_microbatches` microbatches of `b/M` rows.
-    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(chunk_params, x) -> x (same shape);
-    head_fn(head_params, x, batch_mb) -> mean loss of the microbatch (float32 scalar).
+    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(chunk_params, x, batch_mb) ->
+    (x (same shape), the chunk's auxiliary loss (float32 scalar: 0 for plain layers), metrics (a
+    dict of per-layer arrays `(n, ...)`; {} for plain layers)); head_fn(head_params, x, batch_mb)
+    -> mean loss of the microbatch (float32 scalar). scale: the loss scale the gradients are
+    multiplied by.
 
-    Returns the mean loss over the microbatches (equal on every stage) and the gradients:
-    embed/head summed over `axis` (so replicated), stage gradients local to the stage.
+    Returns the mean loss over the microbatches (equal on every stage, auxiliary losses
+    included), the gradients (embed/head summed over `axis`, so replicated; stage gradients local
+    to the stage) and the metrics averaged over the microbatches: per layer of this stage, `(V·n,
+    ...)` in the order of its layer stack (split over `axis` like the blocks).
     """
     p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
     rows = jax.tree.leaves(batch)[0].shape[0]
@@ -480,7 +510,8 @@ def pipeline_loss_and_grads(
         """Whether chunk c of this stage is the first / the last virtual stage."""
         return (stage == 0) & (c == 0), (stage == p - 1) & (c == v - 1)
 
-    stage_forward, backward_fn = stage_operations(embed_fn, stage_fn, head_fn, m, act.dtype, axes)
+    stage_forward, backward_fn = stage_operations(embed_fn, stage_fn, head_fn, m, act.dtype, axes,
+                                                  scale)
 
     def accumulate(grads, updates: dict, c):
         """grads + updates {flat leaf index of (embed, chunk, head): gradient}; chunk c's
@@ -507,9 +538,18 @@ def pipeline_loss_and_grads(
                *ends(example_c), zero_act)
     split = split_stage_backward(backward_fn, example) if schedule.split_backward else None
     w_avals = split.residual_avals if split else []
+    metric_avals = jax.eval_shape(backward_fn, *example)[2]  # per chunk: (n, ...) each
+
+    def add_metrics(total, metrics, c, valid):
+        """total + metrics/M at chunk c's rows of the stage's layers, where `valid`."""
+        def one(acc, x):
+            old = jax.lax.dynamic_slice_in_dim(acc, c * n, n)
+            new = old + jnp.where(valid, x.astype(acc.dtype) / m, jnp.zeros_like(old))
+            return jax.lax.dynamic_update_slice_in_dim(acc, new, c * n, 0)
+        return jax.tree.map(one, total, metrics)
 
     def tick(carry, t, communicate=True):
-        stash, cots, wstash, act_in, cot_in, grads, loss = carry
+        stash, cots, wstash, act_in, cot_in, grads, loss, metrics = carry
         stash = store(stash, at("act_store", t), [act_in])
         cots = store(cots, at("cot_store", t), [cot_in])
 
@@ -528,20 +568,20 @@ def pipeline_loss_and_grads(
                 microbatch(jnp.maximum(b_mb, 0)), *ends(b_c), read(cots, at("cot_backward", t))[0])
         if split is None:
             def backward(_):
-                g_x, mb_loss, g_prm = backward_fn(*args)
-                return g_x, mb_loss, jax.tree.leaves(g_prm)
+                g_x, mb_loss, mb_metrics, g_prm = backward_fn(*args)
+                return g_x, mb_loss, mb_metrics, jax.tree.leaves(g_prm)
 
             shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, g_flat = _cond(
+            g_x, mb_loss, mb_metrics, g_flat = _cond(
                 b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(enumerate(g_flat)), b_c)
         else:
             def backward(_):
-                (g_x, mb_loss), early, res = split.b(*args)
-                return g_x, mb_loss, early, res
+                (g_x, mb_loss, mb_metrics), early, res = split.b(*args)
+                return g_x, mb_loss, mb_metrics, early, res
 
             shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, early, res = _cond(
+            g_x, mb_loss, mb_metrics, early, res = _cond(
                 b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(zip(split.early_index, early)), b_c)
             wstash = store(wstash, at("weight_store", t), res)
@@ -554,10 +594,11 @@ def pipeline_loss_and_grads(
             late = _cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(zip(split.late_index, late)), w_c)
         loss = loss + mb_loss / m
+        metrics = add_metrics(metrics, mb_metrics, b_c, b_mb >= 0)
         if communicate:
             act_in = jax.lax.ppermute(y, axis, _ring(p, +1, v > 1))
             cot_in = jax.lax.ppermute(g_x, axis, _ring(p, -1, v > 1))
-        return (stash, cots, wstash, act_in, cot_in, grads, loss), None
+        return (stash, cots, wstash, act_in, cot_in, grads, loss, metrics), None
 
     carry = (
         [_zeros_like_varying(jnp.zeros((schedule.stash_slots, *act.shape), act.dtype), axes)],
@@ -570,17 +611,20 @@ def pipeline_loss_and_grads(
         zero_act,
         jax.tree.map(lambda x: _zeros_like_varying(x, axes), params),
         _zeros_like_varying(jnp.zeros((), jnp.float32), axes),
+        jax.tree.map(lambda a: _zeros_like_varying(jnp.zeros((v * n, *a.shape[1:]), jnp.float32),
+                                                   axes), metric_avals),
     )
     sends = schedule.message_ticks
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(sends))
     if sends < schedule.num_ticks:  # the last Ws: nothing to send
         carry, _ = jax.lax.scan(functools.partial(tick, communicate=False), carry,
                                 jnp.arange(sends, schedule.num_ticks))
-    *_, grads, loss = carry
+    *_, grads, loss, metrics = carry
     g_embed, g_stage, g_head = grads
-    # Only the first (last) stage has nonzero embedding (head) gradients; only the last has the loss.
+    # Only the first (last) stage has nonzero embedding (head) gradients; the head's loss is the
+    # last stage's, every stage adds its layers' auxiliary losses.
     g_embed, g_head, loss = psum((g_embed, g_head, loss), axis)  # CPU-safe for 16-bit
-    return loss, (g_embed, g_stage, g_head)
+    return loss, (g_embed, g_stage, g_head), metrics
 
 
 def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:

@@ -77,22 +77,15 @@ def digests(tree) -> dict[str, tuple[int, bool]]:
     return out
 
 
+def _with_fields(state, template, keys):
+    """`state` with the fields `keys` taken from `template` (TrainStates or dicts)."""
+    if isinstance(state, dict):
+        return {**state, **{k: template[k] for k in keys}}
+    return state.replace(**{k: getattr(template, k) for k in keys})
+
+
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def resplit_residual(residual, shards: int):
-    """CGX error-feedback residuals `[old shards, *shape]` (one per data-parallel device) as
-    `[shards, *shape]` with the same total correction: the mean of each group of old shards when
-    `shards` divides their number, each old shard repeated when their number divides `shards`; None
-    when neither divides the other. (Every shard adds its residual to its gradient before the
-    mean, so what the residuals still owe the mean is sum(residuals) / shards.)"""
-    old = residual.shape[0]
-    if old % shards == 0:
-        return residual.reshape(shards, old // shards, *residual.shape[1:]).mean(axis=1)
-    if shards % old == 0:
-        return jnp.repeat(residual, shards // old, axis=0)
-    return None
 
 
 class Checkpointer:
@@ -103,14 +96,19 @@ class Checkpointer:
     forever (0: none). The state is a pytree of global jax.Arrays; each process writes the shards
     it owns, and restore places every array with the sharding (and memory kind) of the template it
     is given, each process reading the shards its devices hold. `canonical(state, inverse=False)`:
-    the state as checkpoints hold it and back (`TrainStep.canonical_state`). `info`: JSON values
+    the state as checkpoints hold it (a dict of its fields) and back (`TrainStep.canonical_state`).
+    `reshard`: `{field: reshard(saved, target) -> (value | None, note)}` for fields whose saved
+    shapes may differ from this run's (`TrainStep.reshard`: the reducer's residuals on another
+    data-parallel size); such a field is read as saved and handed to its function (None: it starts
+    from the template's values). `info`: JSON values
     saved beside the state (e.g. the seed, which with the step fixes the data position and every
     random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
     `maybe_save` returns once the state is copied to host memory (False: once it is written).
     """
 
     def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3,
-                 keep_every: int = 0, canonical=None, info: dict | None = None,
+                 keep_every: int = 0, canonical=None, reshard: dict | None = None,
+                 info: dict | None = None,
                  note: Callable[[str], None] | None = None, read_only: bool = False,
                  asynchronous: bool = True):
         import orbax.checkpoint as ocp
@@ -123,6 +121,7 @@ class Checkpointer:
                              f"and {keep_every}")
         self.every = every
         self._canonical = canonical or (lambda state, inverse=False: state)
+        self.reshard = dict(reshard or {})
         self.info = dict(info or {})
         self.note = note or (lambda text: print(text, file=sys.stderr))
         _quiet_orbax()
@@ -214,7 +213,7 @@ class Checkpointer:
             raise DamagedStep("not an axonn_jax checkpoint step (no state or checksums)")
         target = _abstract(self.canonical(_abstract(template)))
         _check_same_model(saved, target, step, self.directory)
-        abstract, resplit, missing = self._restore_target(saved, target)
+        abstract, resharded, missing = self._restore_target(saved, target)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{
                 STATE: ocp.args.PyTreeRestore(
@@ -231,55 +230,40 @@ class Checkpointer:
         if self.info.get("seed") is not None and meta.get("seed") not in (None, self.info["seed"]):
             self.note(f"checkpoint step {step} was written with seed {meta['seed']}; continuing "
                       f"with seed {self.info['seed']} (other data from here on)")
-        if resplit:
-            missing += self._resplit(restored, target, step)
+        for key in resharded:
+            restored[key], note = self.reshard[key](restored[key], target[key])
+            if restored[key] is None:
+                del restored[key]
+                missing.append(key)
+            if note:
+                self.note(f"checkpoint step {step}: {note}")
         for key in sorted(set(saved) - set(target)):
             self.note(f"checkpoint step {step}: its {key!r} state is not used by this run")
-        state = self.canonical(restored, inverse=True)
-        for key in missing:  # fresh values (e.g. zero residuals)
-            if key == "reducer" and not resplit:
-                self.note(f"checkpoint step {step} holds no error-feedback residuals; they start "
-                          "from zero")
-            state[key] = template[key]
-        return state
+        if missing:
+            self.note(f"checkpoint step {step} holds no {', '.join(sorted(missing))}; "
+                      "they start afresh")
+        return _with_fields(self.canonical(restored, inverse=True), template, missing)
 
     def _restore_target(self, saved, target):
-        """(what to read, reducer leaves to re-split, top-level keys the checkpoint lacks)."""
+        """(what to read, fields to reshard, fields the checkpoint lacks): a field with a reshard
+        function whose saved shapes differ from the target's is read as saved, replicated."""
         abstract = {k: v for k, v in target.items() if k in saved}
         missing = [k for k in target if k not in saved]
-        resplit = False
-        if "reducer" in abstract:
+        resharded = []
+        for key in [k for k in abstract if k in self.reshard]:
             flat_saved = {jax.tree_util.keystr(p): m for p, m in
-                          jax.tree_util.tree_leaves_with_path(saved["reducer"])}
-            leaves = jax.tree_util.tree_leaves_with_path(abstract["reducer"])
+                          jax.tree_util.tree_leaves_with_path(saved[key])}
+            leaves = jax.tree_util.tree_leaves_with_path(abstract[key])
             shapes = [tuple(flat_saved[jax.tree_util.keystr(p)].shape) for p, _ in leaves]
             if any(s != x.shape for s, (_, x) in zip(shapes, leaves)):
-                resplit = True
+                resharded.append(key)
                 mesh = jax.tree.leaves(target["params"])[0].sharding.mesh
                 replicated = NamedSharding(mesh, P())
-                abstract["reducer"] = jax.tree.unflatten(
-                    jax.tree.structure(abstract["reducer"]),
+                abstract[key] = jax.tree.unflatten(
+                    jax.tree.structure(abstract[key]),
                     [jax.ShapeDtypeStruct(s, x.dtype, sharding=replicated)
                      for s, (_, x) in zip(shapes, leaves)])
-        return abstract, resplit, missing
-
-    def _resplit(self, restored, target, step) -> list[str]:
-        """Re-split the restored residuals (`[old shards, ...]`) into the target's number of
-        shards, in place; returns ["reducer"] when they cannot be and start from zero instead."""
-        old = jax.tree.leaves(restored["reducer"])[0].shape[0]
-        new = jax.tree.leaves(target["reducer"])[0].shape[0]
-        parts = [resplit_residual(r, new) for r in jax.tree.leaves(restored["reducer"])]
-        del restored["reducer"]
-        if any(p is None for p in parts):
-            self.note(f"checkpoint step {step}: error-feedback residuals of {old} data-parallel "
-                      f"shards cannot be re-split into {new}; reset to zero")
-            return ["reducer"]
-        self.note(f"checkpoint step {step}: error-feedback residuals re-split from {old} to {new} "
-                  "data-parallel shards")
-        restored["reducer"] = jax.tree.map(
-            lambda r, t: jax.device_put(r, t.sharding),
-            jax.tree.unflatten(jax.tree.structure(target["reducer"]), parts), target["reducer"])
-        return []
+        return abstract, resharded, missing
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged steps to `STEP.damaged` (kept for inspection, out of orbax's way)."""
@@ -340,11 +324,9 @@ def _quiet_orbax() -> None:
 class RankZeroCheckpointer(Checkpointer):
     """Checkpoints of a `--transport mpi` job. The processes of `comm` are separate JAX programs
     holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
-    rank reads it. What differs between them, each process's error-feedback residual (the
-    `reducer` state, like the parameters), is gathered to rank 0 and saved as one leaf
-    `[processes, *shape]` per parameter, the layout of the one-program trainer's residuals (one
-    per data-parallel device): on restore each rank takes its own, re-split as `resplit_residual`
-    does when the number of processes changed."""
+    rank reads it. What differs between them (each process's error-feedback residual) the state's
+    owner gathers for the save and hands back on restore (`GradientReducer.saved`), inside
+    `canonical`, which every rank calls."""
 
     def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None, **kwargs):
         self.rank, self.comm = comm.Get_rank(), comm
@@ -353,7 +335,7 @@ class RankZeroCheckpointer(Checkpointer):
         comm.Barrier()  # the directory exists before the readers open it
         if self.rank != 0:
             super().__init__(directory, every, canonical=canonical, read_only=True,
-                             **{k: v for k, v in kwargs.items() if k in ("info", "note")})
+                             **{k: v for k, v in kwargs.items() if k in ("info", "note", "reshard")})
 
     @property
     def is_writer(self) -> bool:
@@ -362,32 +344,8 @@ class RankZeroCheckpointer(Checkpointer):
     def _barrier(self) -> None:
         self.comm.Barrier()
 
-    def canonical(self, state, inverse: bool = False):
-        if not inverse:
-            state = super().canonical(state)
-            if state.get("reducer") is not None:
-                state = {**state, "reducer": self._stack(state["reducer"])}
-            return state
-        if state.get("reducer") is not None:
-            state = {**state, "reducer": jax.tree.map(
-                lambda r: jax.device_put(r[self.rank], r.sharding), state["reducer"])}
-        return super().canonical(state, inverse=True)
-
-    def _stack(self, residual):
-        """`[processes, *shape]` leaves of every rank's residual (ShapeDtypeStructs alike); only
-        rank 0 gets the values (collective: every rank calls it)."""
-        size = self.comm.Get_size()
-        if isinstance(jax.tree.leaves(residual)[0], jax.ShapeDtypeStruct):
-            return jax.tree.map(lambda r: jax.ShapeDtypeStruct((size, *r.shape), r.dtype,
-                                                               sharding=r.sharding), residual)
-        gathered = self.comm.gather(jax.tree.map(np.asarray, residual), root=0)
-        if self.rank != 0:
-            return residual  # not saved
-        return jax.tree.map(lambda r, *all_ranks: jax.device_put(np.stack(all_ranks), r.sharding),
-                            residual, *gathered)
-
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
         if not self._due(step, force):
             return False
-        tree = self.canonical(state)  # every rank: the residuals are gathered
+        tree = self.canonical(state)  # every rank: what differs between them is gathered
         return self.rank == 0 and step != self.latest_step() and self._write(step, tree, force)

@@ -1,52 +1,80 @@
-"""YAML config files for the command line: `axonn-jax train --config FILE.yaml [--set key=value ...]`.
+"""The config tree (`run.options`) on the command line and in YAML files.
 
-Every flag of a command is a config key of the same name (`--batch-size` is `batch_size`; dashes
-and underscores are interchangeable). Values come, lowest priority first, from the flag defaults,
-the file, `--set key=value` (the value read as YAML: `--set steps=10 dtype=bfloat16`), and flags
-given on the command line. Unknown keys and values of the wrong type are refused with one line naming
-the key. `effective_config` writes the values a run used back in the same form, so a run directory's
-`config.yaml` can be given to `--config` again.
+    axonn-jax train --config FILE.yaml [--set key=value ...] [--flag value ...]
+
+Every field of the tree is a flag (`--batch-size`, `--pipe`; see `run.options.option`) and a key.
+A key names a field by its path (`pipeline.schedule`) or its flag (`schedule`, `data_parallel`,
+`dp`); a YAML file may nest sections (`pipeline: {schedule: zb-h1}`) or list flat keys (`model:
+gpt-mini` is `model.name`, `data: PATH` is `data.path`). Values come, lowest priority first, from
+the tree's defaults, the file, `--set key=value` (read as YAML: `--set steps=10 dtype=bfloat16`),
+and flags on the command line. Unknown keys and values of the wrong type are refused with one line
+naming the key. `effective_config` writes a config back as nested YAML, which `--config` reads.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import pathlib
 from typing import Any
 
-CONFIG_FLAGS = ("--config", "--set")
-"""The flags that read configs; they are not config keys themselves."""
+from .options import SECTIONS, Leaf, RunConfig, build, leaves
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """Add `--config FILE.yaml` and `--set key=value ...` to a command's parser."""
-    p.add_argument("--config", default=None, metavar="FILE.yaml",
-                   help="read the options from this YAML file (keys named like the flags)")
+    p.add_argument("--config", dest="config_file", default=None, metavar="FILE.yaml",
+                   help="read the options from this YAML file (see configs/README.md)")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
-                   metavar="KEY=VALUE", help="override config keys, e.g. --set steps=10 lr=1e-3")
+                   metavar="KEY=VALUE", help="override config keys, e.g. --set steps=10 "
+                                             "pipeline.schedule=zb-h1")
 
 
-def _key(option: str) -> str:
-    return option.lstrip("-").replace("-", "_")
+def add_tree_args(p: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """One flag per field of the tree's `sections`, in a group per section. Flags not given stay
+    out of the parsed namespace (their values come from the config file or the defaults)."""
+    for section in sections:
+        group = p.add_argument_group(section)
+        for leaf in leaves():
+            if leaf.path.split(".")[0] == section:
+                _add(group, leaf)
 
 
-def _flags(parser: argparse.ArgumentParser):
-    """`(keys, action)` of every flag of `parser` that a config may set: the keys of its long
-    names, the first one (the flag's own name) first."""
-    for action in parser._actions:
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        if longs and not isinstance(action, argparse._HelpAction) and longs[0] not in CONFIG_FLAGS:
-            yield [_key(option) for option in longs], action
+def _add(group, leaf: Leaf) -> None:
+    meta = leaf.meta
+    kw: dict[str, Any] = dict(dest=leaf.path, default=argparse.SUPPRESS,
+                              help=meta["help"] + _default_text(leaf))
+    if leaf.kind is bool and not isinstance(leaf.default, str) and leaf.path != "checkpoint.resume":
+        kw["action"] = "store_false" if meta["switch_off"] else "store_true"
+    elif leaf.path == "checkpoint.resume":
+        kw.update(nargs="?", const=True, metavar=meta["metavar"])
+    else:
+        names = {int: "N", float: "X", str: "TEXT"}
+        kw.update(type=_typed_flag(leaf), metavar=meta["metavar"] or names.get(leaf.kind))
+        choices = leaf.choices()
+        if choices is not None:
+            kw["choices"] = list(choices)
+    group.add_argument(*leaf.flags, **kw)
 
 
-def config_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """`{key: action}` for every flag of `parser` that a config may set (each long name and alias)."""
-    return {key: action for keys, action in _flags(parser) for key in keys}
+def _default_text(leaf: Leaf) -> str:
+    if leaf.kind is bool or leaf.default is None:
+        return ""
+    return f" (default: {leaf.default})"
 
 
-def _is_switch(action: argparse.Action) -> bool:
-    """A flag without a value (`store_true` / `store_false`)."""
-    return action.nargs == 0 and isinstance(action.const, bool)
+def _typed_flag(leaf: Leaf):
+    """The argparse `type` of a flag: its kind, `none` for an optional value."""
+    kind = leaf.kind
+
+    def convert(text: str):
+        if leaf.default is None or leaf.path == "optimizer.clip_norm":
+            if text.lower() in ("none", "null"):
+                return None
+        return kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names the type in its error messages
+    return convert
 
 
 def _number(key: str, value, kind: type):
@@ -63,31 +91,86 @@ def _number(key: str, value, kind: type):
     return kind(value)
 
 
-def check_value(key: str, action: argparse.Action, value) -> Any:
-    """`value` for the flag of `action` as the parsed namespace holds it (a switch's bool is
-    inverted for `store_false`); raises ValueError naming `key` when it does not fit."""
-    if _is_switch(action):
+class Text(str):
+    """A `--set` value as typed: read as YAML for switches and numbers, kept as text for string
+    fields (YAML 1.1 would turn `--set profile_steps=2:3` into the integer 123)."""
+
+
+def value_of(key: str, leaf: Leaf, value) -> Any:
+    """`value` for the field `leaf` (given under `key`), checked and typed; ValueError naming the
+    key otherwise. A switch-off flag's key (`no_error_feedback`) takes the flag's sense."""
+    import yaml
+
+    if isinstance(value, Text):
+        if value in ("", "null", "~", "None", "none") and \
+                (leaf.default is None or leaf.path == "optimizer.clip_norm"):
+            return None
+        if leaf.kind in (bool, int, float) or leaf.path == "checkpoint.resume":
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = str(value)
+            value = parsed if isinstance(parsed, (bool, int, float)) else str(value)
+        else:
+            value = str(value)
+    if value is None and (leaf.default is None or leaf.path == "optimizer.clip_norm"):
+        return None
+    inverted = leaf.meta["switch_off"] and key == leaf.key
+    if leaf.path == "checkpoint.resume":
+        if isinstance(value, bool) or value == "auto":
+            return value
+        if not isinstance(value, str):
+            raise ValueError(f"config key {key!r} must be true, false, auto or a run directory")
+        return value
+    if leaf.kind is bool:
         if not isinstance(value, bool):
             raise ValueError(f"config key {key!r} must be true or false, got {value!r}")
-        return value if action.const else not value
-    if value is None and action.default is None:
-        return None
-    if action.nargs == "?" and isinstance(action.const, bool) and isinstance(value, bool):
-        return value  # a flag with an optional value (`--resume [RUN_DIR]`)
-    if action.type in (int, float):
-        value = _number(key, value, action.type)
+        return not value if inverted else value
+    if leaf.kind in (int, float):
+        value = _number(key, value, leaf.kind)
     elif not isinstance(value, str):
         raise ValueError(f"config key {key!r} must be a string, got {value!r} "
                          f"({type(value).__name__}; in YAML, quote it)")
-    elif action.type is not None:
-        try:
-            value = action.type(value)
-        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-            raise ValueError(f"config key {key!r}: {e}") from None
-    if action.choices is not None and value not in action.choices:
-        raise ValueError(f"config key {key!r} must be one of {sorted(action.choices)}, "
-                         f"got {value!r}")
+    choices = leaf.choices()
+    if choices is not None and value not in choices:
+        raise ValueError(f"config key {key!r} must be one of {sorted(choices)}, got {value!r}")
     return value
+
+
+def _index() -> dict[str, Leaf]:
+    """Every key that names a field: paths, flag keys, aliases."""
+    index: dict[str, Leaf] = {}
+    for leaf in leaves():
+        index[leaf.path] = leaf
+        for flag in leaf.flags:
+            index[flag.lstrip("-").replace("-", "_")] = leaf
+    return index
+
+
+# Flat keys of old config files that name a section's main field when their value is not a mapping.
+_SECTION_VALUES = {"model": "model.name", "data": "data.path"}
+
+
+def flatten(values: dict, where: str = "") -> dict[str, tuple[str, Any]]:
+    """`{path: (key as written, value)}` of a config mapping (nested sections or flat keys);
+    ValueError (one line) for an unknown key."""
+    index, out = _index(), {}
+    for raw_key, value in values.items():
+        key = str(raw_key).replace("-", "_")
+        full = f"{where}.{key}" if where else key
+        if not where and key in SECTIONS and isinstance(value, dict):
+            out.update(flatten(value, key))
+            continue
+        if not where and key in _SECTION_VALUES and not isinstance(value, dict):
+            out[_SECTION_VALUES[key]] = (key, value)
+            continue
+        leaf = index.get(full)
+        if leaf is None:
+            close = difflib.get_close_matches(full, index, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown config key {raw_key if not where else full!r}{hint}")
+        out[leaf.path] = (full, value)
+    return out
 
 
 def read_file(path: str | pathlib.Path) -> dict:
@@ -111,11 +194,6 @@ def read_file(path: str | pathlib.Path) -> dict:
     return values
 
 
-class Text(str):
-    """A `--set` value as typed: read as YAML for switches and numbers, kept as text for string
-    flags (YAML 1.1 would turn `--set profile_steps=2:3` into the integer 123)."""
-
-
 def parse_overrides(items: list[str]) -> dict:
     """`["key=value", ...]` as `{key: Text(value)}`."""
     values = {}
@@ -127,71 +205,40 @@ def parse_overrides(items: list[str]) -> dict:
     return values
 
 
-def _typed(action: argparse.Action, value):
-    """A `--set` value as the flag of `action` reads it (see `Text`)."""
-    import yaml
-
-    if not isinstance(value, Text):
-        return value
-    if value in ("", "null", "~", "None") and action.default is None:
-        return None
-    if _is_switch(action) or action.type in (int, float) or action.nargs == "?":
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            return str(value)
-        return parsed if isinstance(parsed, (bool, int, float)) else str(value)
-    return str(value)
+def typed(values: dict) -> dict[str, Any]:
+    """`{path: typed value}` of a config mapping (see `flatten`, `value_of`)."""
+    index = {leaf.path: leaf for leaf in leaves()}
+    return {path: value_of(key, index[path], value) for path, (key, value) in
+            flatten(values).items()}
 
 
-def defaults_from(parser: argparse.ArgumentParser, values: dict) -> dict:
-    """Checked `{dest: value}` for the config `values` of `parser`'s command."""
-    actions = config_actions(parser)
-    out = {}
-    for key, value in values.items():
-        name = _key(str(key))
-        if name not in actions:
-            close = difflib.get_close_matches(name, actions, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown config key {key!r}{hint}")
-        action = actions[name]
-        out[action.dest] = check_value(name, action, _typed(action, value))
+def load(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """The config of a parsed command line: `base` (default: the tree's defaults), the file of
+    `--config`, `--set`, then the flags given (argparse leaves flags not given out of `args`)."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config_file", None):
+        values.update(typed(read_file(args.config_file)))
+    values.update(typed(parse_overrides(getattr(args, "overrides", []))))
+    values.update({leaf.path: getattr(args, leaf.path) for leaf in leaves()
+                   if hasattr(args, leaf.path)})
+    return build(values, base=base, given=frozenset(values))
+
+
+def load_file(path: str | pathlib.Path) -> RunConfig:
+    """The config of a YAML file (e.g. a run directory's `config.yaml`) over the defaults."""
+    return build(typed(read_file(path)))
+
+
+def effective_config(config: RunConfig, exclude: tuple[str, ...] = ()) -> dict:
+    """Every field of `config` as nested YAML values (sections in the tree's order), minus the
+    paths in `exclude`: what `--config` reads back to the same config."""
+    out: dict[str, dict] = {}
+    for name in SECTIONS:
+        section = dataclasses.asdict(getattr(config, name))
+        kept = {k: v for k, v in section.items() if f"{name}.{k}" not in exclude}
+        if kept:
+            out[name] = kept
     return out
-
-
-def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """`parser.parse_args(argv)` with the `--config` file and `--set` overrides of the chosen
-    command as its defaults (flags on the command line still win). Raises ValueError or
-    FileNotFoundError (one line) for a bad config."""
-    subparsers = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
-                      None)
-    command = subparsers.choices.get(argv[0]) if subparsers and argv else None
-    if command is None or "--config" not in command._option_string_actions:
-        return parser.parse_args(argv)
-    pre = argparse.ArgumentParser(add_help=False)
-    add_config_args(pre)
-    known, _ = pre.parse_known_args(argv[1:])
-    values = read_file(known.config) if known.config else {}
-    values.update(parse_overrides(known.overrides))
-    defaults = defaults_from(command, values)
-    for action in command._actions:
-        if action.dest in defaults:
-            action.required = False  # given by the config
-    command.set_defaults(**defaults)
-    return parser.parse_args(argv)
-
-
-def effective_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                     exclude: tuple[str, ...] = ()) -> dict:
-    """`{key: value}` of every flag of the command `parser` as `args` holds it (first long name of
-    each flag, in the parser's order), minus the keys in `exclude`: a config that `--config` reads
-    back to the same arguments."""
-    values = {}
-    for keys, action in _flags(parser):
-        if keys[0] not in exclude:
-            value = getattr(args, action.dest)
-            values[keys[0]] = (value if action.const else not value) if _is_switch(action) else value
-    return values
 
 
 def write(path: str | pathlib.Path, values: dict) -> pathlib.Path:

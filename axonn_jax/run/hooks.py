@@ -57,13 +57,13 @@ class Validation(Hook):
         self.history: list[tuple[int, float]] = []
 
     def start(self, loop):
-        loss = self.evaluate(loop.state["params"])
+        loss = self.evaluate(loop.state.params)
         self.history.append((loop.start_step, loss))
         loop.console.print(f"validation loss at step {loop.start_step}: {loss:.4f}")
 
     def step(self, info):
         if info.step % self.every == 0 or info.step == self.last_step:
-            info.record["val_loss"] = self.evaluate(info.state["params"])
+            info.record["val_loss"] = self.evaluate(info.state.params)
             self.history.append((info.step, info.record["val_loss"]))
 
     def end(self, loop):
@@ -126,11 +126,11 @@ class Checkpoints(Hook):
         # Not after a diverged or failed step that consumed (donated) the state.
         if not any(x.is_deleted() for x in jax.tree.leaves(loop.state) if isinstance(x, jax.Array)):
             try:
-                c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+                c.maybe_save(int(loop.state.step), loop.state, force=True)
             except Exception as e:  # a failure of its own after the run's error
                 if loop.completed:
                     raise
-                loop.console.print(f"checkpoint: could not save step {int(loop.state['step'])} "
+                loop.console.print(f"checkpoint: could not save step {int(loop.state.step)} "
                                    f"after the error: {str(e).splitlines()[0] if str(e) else e!r}")
         c.close()
 
@@ -145,7 +145,7 @@ class SaveWhenStopped(Hook):
     def end(self, loop):
         if loop.stopped is not None:
             c = self.make()
-            c.maybe_save(int(loop.state["step"]), loop.state, force=True)
+            c.maybe_save(int(loop.state.step), loop.state, force=True)
             c.close()
 
 
@@ -161,7 +161,7 @@ class Progress(Hook):
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                        console=loop.console, disable=not loop.is_main)
         self.bar.start()
-        self.task = self.bar.add_task("train", total=loop.trainer.options.steps,
+        self.task = self.bar.add_task("train", total=loop.trainer.options.run.steps,
                                       completed=loop.start_step, info="")
 
     def step(self, info):
@@ -185,7 +185,7 @@ class Sample(Hook):
     def end(self, loop):
         if not loop.completed:
             return
-        self.text = self.generate(loop.state["params"])
+        self.text = self.generate(loop.state.params)
         loop.console.print("[bold]sample:[/]")
         loop.console.print(self.text, markup=False, highlight=False)
 
@@ -307,7 +307,7 @@ class Profile(Hook):
 
     def end(self, loop):
         if self.tracing:
-            self._stop(int(loop.state["step"]))
+            self._stop(int(loop.state.step))
 
 
 class ExportPretrained(Hook):
@@ -319,5 +319,5 @@ class ExportPretrained(Hook):
 
     def end(self, loop):
         if loop.completed:
-            self.write(loop.state["params"])
+            self.write(loop.state.params)
             loop.console.print("exported the trained model")

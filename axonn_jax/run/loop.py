@@ -1,8 +1,8 @@
-"""The training loop: `train(options, model=None, data=None)`.
+"""The training loop: `train(config, model=None, data=None)`.
 
 The loop compiles the step, restores a checkpoint if asked, and runs the steps; everything else
 (validation, the metrics file, checkpoints, the progress bar, the HLO dump, sampling) is a hook
-(`run.hooks`) that `train` adds from the options.
+(`run.hooks`) that `train` adds from the config.
 """
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import models
 from ..analysis.flops import compiled_flops, model_flops_per_device, nominal_peak_flops
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
 from ..offload.precision import DTYPES
 from ..offload.activations import compiled_peak_bytes
-from ..parallel import compression
+from ..step.reducers import compressed_wire_bytes, exact_wire_bytes
 from ..step.model import StackedModel
 from . import data as data_lib
 from . import rundir
 from .hooks import (Checkpoints, DeviceMemory, ExportPretrained, HloDump, Hook, MetricsFile, Profile,
                     Progress, Sample, SaveWhenStopped, StepInfo, TensorBoard, Validation,
                     parse_step_range)
-from .options import TrainOptions
+from . import options
+from .options import RunConfig
 from .stopping import Diverged, StopRequest, process_agreement
 from .trainer import Trainer, build_trainer
 
@@ -49,7 +49,7 @@ def state_report(state, compiled) -> dict[str, int | float]:
     """Train-state bytes per device by memory kind, parameter count, the compiled peak and the
     compiled step's FLOPs per device (XLA's cost analysis)."""
     return {
-        "num_params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
         "state_bytes_host": int(tree_bytes_per_device(state, HOST_MEMORY_KIND)),
         "peak_bytes_compiled": int(compiled_peak_bytes(compiled)),
@@ -59,19 +59,11 @@ def state_report(state, compiled) -> dict[str, int | float]:
 
 def compression_ratio(params, bits: int, bucket_size: int) -> float:
     """How many times fewer bytes this device sends in CGX's gradient exchange than in an exact
-    all-reduce of the same gradients (like `params`; its local shards): the wire-byte model of
-    `analysis.comm_model` (an exact all-reduce sends 2 · itemsize bytes per element, a compressed
-    one `compression.wire_bytes_per_element`), with the tensors that the size rule keeps exact."""
-    exact = sent = 0.0
-    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        shard = jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
-        n, itemsize = shard.size, shard.dtype.itemsize
-        width = compression.bits_for_leaf(jax.tree_util.keystr(path), shard, bits,
-                                          compression.DEFAULT_MIN_SIZE)
-        exact += 2 * itemsize * n
-        sent += n * (compression.wire_bytes_per_element(width, bucket_size, itemsize) if width
-                     else 2 * itemsize)
-    return exact / sent
+    all-reduce of the same gradients (like `params`; its local shards), as the reducers count
+    their wire bytes (`step.reducers`), with the tensors that the size rule keeps exact."""
+    shards = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), params)
+    return exact_wire_bytes(shards) / compressed_wire_bytes(bits, bucket_size)(shards)
 
 
 class Loop:
@@ -88,7 +80,7 @@ class Loop:
         self.trainer, self.state, self.batches, self.hooks = trainer, state, batches, hooks
         self.console, self.end_step, self.stop = console, end_step, stop
         self.is_main = trainer.is_main
-        self.start_step = int(state["step"])
+        self.start_step = int(state.step)
         self.history: list[dict] = []
         self.completed = False
         self.stopped: str | None = None
@@ -97,14 +89,15 @@ class Loop:
         self.report = state_report(state, self.compiled)
         rows = jax.tree.leaves(trainer.example_batch)[0].shape[0]
         self.examples_per_step = rows
-        self.tokens_per_step = rows * trainer.options.seq_len \
+        self.tokens_per_step = rows * trainer.options.data.seq_len \
             if trainer.preset and trainer.preset.data == "tokens" else None
         self.peak_flops = None
         o = trainer.options
-        if self.tokens_per_step and o.transport == "xla":  # a built-in model on one mesh
+        if self.tokens_per_step and o.run.transport == "xla":  # a built-in model on one mesh
             self.report["model_flops_per_device"] = model_flops_per_device(
-                trainer.preset.config, self.tokens_per_step, o.seq_len, o.parallel.num_devices)
-            self.peak_flops = nominal_peak_flops(jax.devices()[0], DTYPES[o.dtype])
+                trainer.preset.config, self.tokens_per_step, o.data.seq_len,
+                o.parallel.num_devices)
+            self.peak_flops = nominal_peak_flops(jax.devices()[0], DTYPES[o.precision.dtype])
 
     def run(self):
         started = []
@@ -119,7 +112,7 @@ class Loop:
                 state, record = self._step(step)
                 # An infinite gradient norm with a finite loss has already spoilt the update.
                 bad = [k for k in ("loss", "grad_norm") if not math.isfinite(record.get(k, 0.0))]
-                if bad and self.trainer.options.dtype != "float16":
+                if bad and self.trainer.options.precision.dtype != "float16":
                     raise Diverged(f"the {bad[0]} of step {step + 1} is {record[bad[0]]}: the run "
                                    f"diverged (a lower --lr?); stopped without keeping that step")
                 self.state = state
@@ -180,23 +173,24 @@ def _evaluator(trainer: Trainer, batches, num_batches: int):
     return lambda params: float(np.mean([float(trainer.step.eval_loss(params, b)) for b in placed]))
 
 
-def _tokenizer(options: TrainOptions):
+def _tokenizer(config: RunConfig):
     """The `tokenizer.json` of the `--init-from` directory, or None (byte-level tokens)."""
-    if not options.init_from:
+    if not config.model.init_from:
         return None
-    path = pathlib.Path(options.init_from) / "tokenizer.json"
+    path = pathlib.Path(config.model.init_from) / "tokenizer.json"
     return path if path.is_file() else None
 
 
-def _language_model_data(options: TrainOptions, vocab_size: int):
-    corpus = data_lib.Corpus.load(options.data_path, min_tokens=options.seq_len + 2,
-                                  tokenizer=_tokenizer(options), vocab_size=vocab_size)
-    make = lambda tokens, seed: data_lib.TokenBatches(tokens, seed, options.batch_size,  # noqa: E731
-                                                      options.seq_len)
-    return make(corpus.train, options.seed), make(corpus.val, options.seed + 10_000), corpus
+def _language_model_data(config: RunConfig, vocab_size: int):
+    d, seed = config.data, config.run.seed
+    corpus = data_lib.Corpus.load(d.path, min_tokens=d.seq_len + 2,
+                                  tokenizer=_tokenizer(config), vocab_size=vocab_size)
+    make = lambda tokens, seed: data_lib.TokenBatches(tokens, seed, d.batch_size,  # noqa: E731
+                                                      d.seq_len)
+    return make(corpus.train, seed), make(corpus.val, seed + 10_000), corpus
 
 
-def train(options: TrainOptions, model: StackedModel | None = None, data=None, *, eval_data=None,
+def train(config: RunConfig, model: StackedModel | None = None, data=None, *, eval_data=None,
           devices=None, console=None, hooks: list[Hook] = ()) -> dict[str, Any]:
     """Run a training job; returns a summary: `history` (one record per step), `val_history`,
     the final `state`, the `trainer`, the state report, `stopped` (the name of the signal that
@@ -206,119 +200,83 @@ def train(options: TrainOptions, model: StackedModel | None = None, data=None, *
     stops at the next step boundary and saves a checkpoint (`run.stopping`). A non-finite loss
     raises `run.stopping.Diverged`.
 
-    model: None trains the preset `options.model` on the corpus `options.data_path` (default: the
-    Python standard library's sources); or any `StackedModel`, with `data` a function
-    `step -> batch` or an iterable of batches (global batches: numpy pytrees with a leading batch
-    axis of `options.batch_size`) and optionally `eval_data` likewise (validation needs it).
-    hooks: more hooks, run after the built-in ones. With `options.run_dir` the metrics, HLO dump,
+    config: the run's config tree (`run.options`; `TrainOptions(**flat names)` builds one).
+    model: None trains the model the config names on the corpus `data.path` (default: the Python
+    standard library's sources); or any `StackedModel`, with `data` a function `step -> batch` or
+    an iterable of batches (global batches: numpy pytrees with a leading batch axis of
+    `data.batch_size`) and optionally `eval_data` likewise (validation needs it).
+    hooks: more hooks, run after the built-in ones. With `run.run_dir` the metrics, HLO dump,
     checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
     """
     with StopRequest() as stop:
-        return _train(stop, options, model, data, eval_data, devices, console, hooks)
+        return _train(stop, config, model, data, eval_data, devices, console, hooks)
 
 
-def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, devices, console,
+def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices, console,
            hooks) -> dict[str, Any]:
     from rich.console import Console
 
-    options = rundir.with_run_dir(options)
-    outputs = _run_dir_hooks(options)  # checked before the work starts
-    if options.metrics_out and pathlib.Path(options.metrics_out).is_dir():
-        raise ValueError(f"--metrics-out {options.metrics_out} is a directory; name a file "
+    config = rundir.with_run_dir(config)
+    outputs = _run_dir_hooks(config)  # checked before the work starts
+    r, c = config.run, config.checkpoint
+    if r.metrics_out and pathlib.Path(r.metrics_out).is_dir():
+        raise ValueError(f"--metrics-out {r.metrics_out} is a directory; name a file "
                          "(e.g. metrics.jsonl)")
     corpus = None
     if model is None:
         if data is not None:
-            raise ValueError("train: data without a model; the built-in models read options.data_path")
-        preset = models.pretrained(options.init_from) if options.init_from else \
-            models.get(options.model)
+            raise ValueError("train: data without a model; the built-in models read data.path")
+        options.check(config)
+        preset = options.preset_of(config)
         if preset.data == "images":
-            for flag, used in (("--sample-tokens", options.sample_tokens),
-                               ("--export-to", options.export_to), ("--data", options.data_path)):
-                if used:
-                    raise ValueError(f"{flag} is for language models; {preset.name} trains on "
-                                     "procedurally drawn images")
-            data, eval_data = (preset.config.batches(options.seed + offset, options.batch_size)
+            data, eval_data = (preset.config.batches(r.seed + offset, config.data.batch_size)
                                for offset in (0, 10_000))
         else:
-            data, eval_data, corpus = _language_model_data(options, preset.config.vocab_size)
+            data, eval_data, corpus = _language_model_data(config, preset.config.vocab_size)
     elif data is None:
         raise ValueError("train: a caller's model needs data (a function step -> batch or an "
                          "iterable of batches)")
     batches = _as_batches(data)
     example = None if model is None else jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batches(0))
-    trainer = build_trainer(options, devices, model=model, example_batch=example)
+    trainer = build_trainer(config, devices, model=model, example_batch=example)
+    config = trainer.options  # its grid resolved
     console = console or Console(quiet=not trainer.is_main)
-    stop.agree = process_agreement(options.transport)
+    stop.agree = process_agreement(r.transport)
     state = trainer.init_state()
     checkpointer = trainer.make_checkpointer(
-        options.checkpoint_dir, options.checkpoint_every, keep=options.keep,
-        keep_every=options.keep_every, info={"seed": options.seed}, note=console.print) \
-        if options.checkpoint_dir else None
-    resume = options.resume
+        c.dir, c.every, keep=c.keep, keep_every=c.keep_every, info={"seed": r.seed},
+        note=console.print) if c.dir else None
+    resume = c.resume
     if resume == "auto":
         resume = checkpointer.latest_step() is not None
         if not resume:
-            console.print(f"--resume auto: no checkpoint in {options.checkpoint_dir}; starting "
-                          "from step 0")
+            console.print(f"--resume auto: no checkpoint in {c.dir}; starting from step 0")
     if resume:
         state = checkpointer.restore(state)
-        console.print(f"resumed from step {int(state['step'])} in {options.checkpoint_dir}")
-    end = min(options.steps, options.stop_at or options.steps)
-    if int(state["step"]) >= end:
+        console.print(f"resumed from step {int(state.step)} in {c.dir}")
+    end = min(r.steps, c.stop_at or r.steps)
+    if int(state.step) >= end:
         checkpointer.close()
-        last = f"--steps {options.steps}" if end == options.steps else f"--stop-at {end}"
-        console.print(f"nothing to do: the checkpoint is at step {int(state['step'])} and the run "
+        last = f"--steps {r.steps}" if end == r.steps else f"--stop-at {end}"
+        console.print(f"nothing to do: the checkpoint is at step {int(state.step)} and the run "
                       f"ends at step {end} ({last}); the run is already complete")
         return {"history": [], "val_history": [], "state": state, "trainer": trainer,
                 "stopped": None}
-    validation = None
-    built: list[Hook] = []
-    if options.dump_hlo:
-        built.append(HloDump(options.dump_hlo))
-    if eval_data is not None:
-        every = options.eval_every or max(1, options.steps // 10)
-        validation = Validation(_evaluator(trainer, eval_data, options.eval_batches), every,
-                                options.steps)
-        built.append(validation)
-    built.append(DeviceMemory())
-    if options.metrics_out:
-        built.append(MetricsFile(options.metrics_out, append=resume))
-    built += outputs
-    if checkpointer:
-        built.append(Checkpoints(checkpointer))
-    elif options.run_dir:  # a signal still saves the run
-        built.append(SaveWhenStopped(lambda: trainer.make_checkpointer(
-            pathlib.Path(options.run_dir) / rundir.CHECKPOINTS, 0)))
-    elif options.stop_at:
-        console.print(f"warning: --stop-at {options.stop_at} without --checkpoint-dir: the "
-                      "progress is not saved")
-    built.append(Progress())
-    sample = None
-    if options.sample_tokens and trainer.preset:
-        sample = Sample(_sampler(trainer))
-        built.append(sample)
-    if options.export_to:
-        if not trainer.preset:
-            raise ValueError("train: export_to needs a built-in or --init-from model")
-        if options.transport == "mpi" and options.parallel.pipe > 1:
-            raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
-                                      "implemented yet (each process holds one stage's parameters)")
-        built.append(ExportPretrained(lambda params: _export(trainer, params)))
+    built, validation, sample = _hooks(config, trainer, eval_data, resume, checkpointer, outputs,
+                                       console)
     loop = Loop(trainer, state, batches, built + list(hooks), console, end, stop)
-    if options.compress_bits:
+    if config.compression.bits:
         loop.report["compression_ratio"] = compression_ratio(
-            state["params"], options.compress_bits, options.compress_bucket)
+            state.params, config.compression.bits, config.compression.bucket)
     _describe(loop, trainer, corpus, console)
     state = loop.run()
     if loop.stopped:
         # A barrier: every process has saved before any exits (mpirun stops a whole job as soon
         # as one of its processes exits with an error code).
         stop.agree(0)
-        where = options.checkpoint_dir or (options.run_dir and
-                                           pathlib.Path(options.run_dir) / rundir.CHECKPOINTS)
-        console.print(f"{loop.stopped}: stopped after step {int(state['step'])}; " + (
+        where = c.dir or (r.run_dir and pathlib.Path(r.run_dir) / rundir.CHECKPOINTS)
+        console.print(f"{loop.stopped}: stopped after step {int(state.step)}; " + (
             f"checkpoint saved in {where}" if where else "nothing saved (no checkpoint directory)"))
     summary = {"history": loop.history, "val_history": validation.history if validation else [],
                "state": state, "trainer": trainer, "stopped": loop.stopped, **loop.report}
@@ -327,14 +285,54 @@ def _train(stop: StopRequest, options: TrainOptions, model, data, eval_data, dev
     return summary
 
 
-def _run_dir_hooks(options: TrainOptions) -> list[Hook]:
+def _hooks(config: RunConfig, trainer: Trainer, eval_data, resume: bool, checkpointer,
+           outputs: list[Hook], console):
+    """The loop's built-in hooks for the config (with the run directory's `outputs` after the
+    metrics file), its validation hook and its sampling hook (None when not asked for)."""
+    r, c, d = config.run, config.checkpoint, config.data
+    validation = sample = None
+    built: list[Hook] = []
+    if r.dump_hlo:
+        built.append(HloDump(r.dump_hlo))
+    if eval_data is not None:
+        every = d.eval_every or max(1, r.steps // 10)
+        validation = Validation(_evaluator(trainer, eval_data, d.eval_batches), every, r.steps)
+        built.append(validation)
+    built.append(DeviceMemory())
+    if r.metrics_out:
+        built.append(MetricsFile(r.metrics_out, append=resume))
+    built += outputs
+    if checkpointer:
+        built.append(Checkpoints(checkpointer))
+    elif r.run_dir:  # a signal still saves the run
+        built.append(SaveWhenStopped(lambda: trainer.make_checkpointer(
+            pathlib.Path(r.run_dir) / rundir.CHECKPOINTS, 0)))
+    elif c.stop_at:
+        console.print(f"warning: --stop-at {c.stop_at} without --checkpoint-dir: the "
+                      "progress is not saved")
+    built.append(Progress())
+    if config.model.sample_tokens and trainer.preset:
+        sample = Sample(_sampler(trainer))
+        built.append(sample)
+    if config.model.export_to:
+        if not trainer.preset:
+            raise ValueError("train: export_to needs a built-in or --init-from model")
+        if r.transport == "mpi" and config.parallel.pipe > 1:
+            raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
+                                      "implemented yet (each process holds one stage's parameters)")
+        built.append(ExportPretrained(lambda params: _export(trainer, params)))
+    return built, validation, sample
+
+
+def _run_dir_hooks(config: RunConfig) -> list[Hook]:
     """The TensorBoard writer and the `--profile-steps` trace, in the run directory."""
-    steps = parse_step_range(options.profile_steps) if options.profile_steps else None
-    if not options.run_dir:
+    r = config.run
+    steps = parse_step_range(r.profile_steps) if r.profile_steps else None
+    if not r.run_dir:
         if steps:
             raise ValueError("--profile-steps writes into the run directory: set run_dir")
         return []
-    root = pathlib.Path(options.run_dir)
+    root = pathlib.Path(r.run_dir)
     return [TensorBoard(root / rundir.TENSORBOARD)] + \
         ([Profile(root / rundir.PROFILE, *steps)] if steps else [])
 
@@ -351,7 +349,7 @@ def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:
         f"{r['state_bytes_host'] / 2**20:.1f} MiB/device on host; compiled peak "
         f"{r['peak_bytes_compiled'] / 2**20:.1f} MiB{data}")
     plan = trainer.step.bind(trainer.local_example()).plan
-    if o.remat == "auto" and plan is not None:
+    if o.memory.remat == "auto" and plan is not None:
         console.print(plan.describe(r["peak_bytes_compiled"]))
 
 
@@ -369,10 +367,11 @@ def _sampler(trainer: Trainer) -> Callable[[Any], str]:
     else:
         encode, decode = data_lib.encode, data_lib.decode
     network = preset.network(jnp.float32, o.parallel)
+    d = o.data
 
     def sample(params) -> str:
         tokens = generate(network, trainer.step.canonical_params(params), encode("def "),
-                          o.sample_tokens, window=o.seq_len, key=jax.random.key(o.seed))
+                          o.model.sample_tokens, window=d.seq_len, key=jax.random.key(o.run.seed))
         return decode(tokens)
 
     return sample
@@ -382,10 +381,11 @@ def _export(trainer: Trainer, params) -> None:
     """Write `params` to `--export-to` as a Hugging Face directory, with the `--init-from`
     directory's tokenizer and generation files."""
     o, preset = trainer.options, trainer.preset
-    network = preset.network(DTYPES[o.dtype], o.parallel)
-    preset.family.to_pretrained(network, trainer.step.canonical_params(params), o.export_to)
-    if o.init_from and jax.process_index() == 0:
+    network = preset.network(DTYPES[o.precision.dtype], o.parallel)
+    m = o.model
+    preset.family.to_pretrained(network, trainer.step.canonical_params(params), m.export_to)
+    if m.init_from and jax.process_index() == 0:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "generation_config.json", "tokenizer.model"):
-            if (pathlib.Path(o.init_from) / name).is_file():
-                shutil.copyfile(pathlib.Path(o.init_from) / name, pathlib.Path(o.export_to) / name)
+            if (pathlib.Path(m.init_from) / name).is_file():
+                shutil.copyfile(pathlib.Path(m.init_from) / name, pathlib.Path(m.export_to) / name)

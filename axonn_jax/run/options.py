@@ -1,101 +1,548 @@
-"""`TrainOptions`: everything a training run needs, one field per `axonn-jax train` flag."""
+"""The config tree: every option of a run in nested dataclasses, each default written once.
+
+    RunConfig
+      model        which network (a preset or a Hugging Face directory) and its attention kernel
+      grid         the device grid, or the planner's pick (`auto`)
+      pipeline     microbatches and the pipeline's timetable
+      precision    the compute dtype
+      optimizer    AdamW, its warm-up/cosine schedule, gradient clipping
+      memory       optimizer state in host memory, activation recompute/offload
+      compression  CGX-compressed data-parallel gradients
+      data         the corpus, batch and sequence, validation
+      checkpoint   where and when to save, resuming, stopping
+      run          steps, seed, outputs, transport
+
+`axonn-jax train`, `plan`, `compile` and `bench` read the same tree (`run.config` makes their flags
+and YAML keys from it), so one config file plans, compiles and trains the same run. A field's flag
+is `--<name>` unless its metadata names another (`flag`), and it may have aliases (old spellings
+keep working: `--data-parallel 2`, `--dp 2`). In YAML and `--set`, a field is named by its path
+(`pipeline.schedule`) or by its flag (`schedule`); Python callers may build the tree from the flat
+names of the flags (`TrainOptions(steps=3, batch_size=8, parallel=ParallelConfig(data=2))`).
+
+`problems(config, num_devices)` checks a whole config against a device count and returns every
+problem, one line each; `check` raises them together.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
+import jax.numpy as jnp
 import optax
 
-from ..config import ParallelConfig
-from ..models.attention import check_choice
-from ..offload.precision import DTYPES
+from ..config import AXES, SCHEDULES, ParallelConfig
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+REMAT_CHOICES = ("none", "full", "offload", "auto")
+ATTENTION_CHOICES = ("auto", "xla", "cudnn")
+TRANSPORTS = ("xla", "mpi")
 
 
-@dataclasses.dataclass
-class TrainOptions:
-    """Everything a training run needs. Field names match the `axonn-jax train` flags."""
+def option(default: Any = None, help: str = "", *, flag: str | None = None,
+           aliases: tuple[str, ...] = (), legacy: str | None = None, kind: type | None = None,
+           choices: tuple | Callable[[], Any] | None = None, metavar: str | None = None,
+           cli: bool = True, switch_off: bool = False):
+    """A field of the tree with what the command line and YAML need to know of it.
 
-    model: str = "gpt-tiny"
-    steps: int = 100
-    batch_size: int = 16
-    seq_len: int = 64
-    lr: float = 3e-3
-    warmup_steps: int = -1  # -1: 5% of the steps
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
-    data_path: str | None = None
-    eval_every: int = 0  # 0: about ten validations per run
-    eval_batches: int = 4
-    checkpoint_every: int = 0
-    checkpoint_dir: str | None = None
-    keep: int = 3  # checkpoints: the newest `keep` steps are kept
-    keep_every: int = 0  # ... and every multiple of `keep_every` forever (0: none)
-    resume: bool | str = False  # "auto": resume when the checkpoint directory holds a checkpoint
-    stop_at: int = 0  # stop after this step (schedule still spans `steps`); 0: run to the end
-    metrics_out: str | None = None
-    dump_hlo: str | None = None
-    run_dir: str | None = None  # holds the run's outputs (run.rundir); the CLI always sets one
-    profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A..B into run_dir
-    sample_tokens: int = 0
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    microbatches: int = 1
-    schedule: str = "gpipe"  # the pipeline's timetable (parallel.pipeline.SCHEDULES)
-    virtual_stages: int = 1  # interleaved-1f1b: layer chunks per pipeline stage
-    offload_optimizer: bool = False
-    remat: str = "none"
-    attention: str = "auto"  # the attention core of built-in models: auto, xla, cudnn
-    memory_budget_gb: float | None = None
-    compress_bits: int = 0
-    compress_bucket: int = 1024
-    error_feedback: bool = True
-    transport: str = "xla"
-    init_from: str | None = None  # a Hugging Face directory: its model and parameters (not --model)
-    export_to: str | None = None  # write the trained model there as a Hugging Face directory
+    flag: its long option (default `--<field name>`); aliases: more long options; legacy: its name
+    among the flat `TrainOptions` keywords (default: the flag without dashes); kind: its value's
+    type when the default is None; choices: allowed values (or a function giving them);
+    cli: False for fields set only from YAML or Python; switch_off: a bool whose flag turns it
+    off (`--no-error-feedback`)."""
+    meta = dict(help=help, flag=flag, aliases=aliases, legacy=legacy, kind=kind, choices=choices,
+                metavar=metavar, cli=cli, switch_off=switch_off)
+    return dataclasses.field(default=default, metadata=meta)
 
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        check_choice(self.attention)
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.resume not in (True, False, "auto"):
-            raise ValueError(f"resume must be True, False or 'auto', got {self.resume!r}")
-        if self.resume and not (self.checkpoint_dir or self.run_dir):
-            raise ValueError("--resume needs the run directory (or --checkpoint-dir)")
-        if self.checkpoint_every and not (self.checkpoint_dir or self.run_dir):
-            raise ValueError("--checkpoint-every needs a place for the checkpoints: "
-                             "--checkpoint-dir (or the run directory)")
-        if self.stop_at < 0:
-            raise ValueError(f"--stop-at must be a step >= 1 (0: run to the end), got {self.stop_at}")
-        if self.eval_batches < 1:
-            raise ValueError(f"--eval-batches must be positive, got {self.eval_batches}")
+
+def _presets():
+    from ..models import presets
+
+    return sorted(presets())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    name: str = option("gpt-tiny", "model preset", flag="--model", choices=_presets)
+    init_from: str | None = option(None, "fine-tune a Hugging Face Llama or GPT-2 directory "
+                                   "(config.json + safetensors; its tokenizer.json tokenizes the "
+                                   "data); replaces --model", kind=str, metavar="HF_DIR")
+    export_to: str | None = option(None, "write the trained model there as a Hugging Face "
+                                   "directory", kind=str, metavar="DIR")
+    attention: str = option("auto", "attention core of built-in models: cuDNN flash attention (a "
+                            "CUDA GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)",
+                            choices=ATTENTION_CHOICES)
+    context_attention: str = option("ring", "attention across the context axis: keys/values "
+                                    "passed around a ring, or all-gathered",
+                                    choices=("ring", "allgather"))
+    sample_tokens: int = option(0, "generate a sample of this many tokens at the end")
+
+
+@dataclasses.dataclass(frozen=True)
+class GridOptions:
+    """Sizes of the grid's axes; `data` None fills the devices the others leave."""
+
+    data: int | None = option(None, "data-parallel size (default: devices / the other axes)",
+                              flag="--data-parallel", aliases=("--dp",), kind=int)
+    pipe: int = option(1, "pipeline stages")
+    expert: int = option(1, "devices the experts of mixture-of-experts layers are split over "
+                         "(the rest of the model is data-parallel over them)")
+    context: int = option(1, "devices each sequence is split over (load-balanced chunks)")
+    depth: int = option(1, "depth of 3D tensor parallelism")
+    row: int = option(1, "rows of 2D tensor parallelism")
+    col: int = option(1, "columns of 2D tensor parallelism")
+    auto: bool = option(False, "let the planner choose the grid (and microbatches)",
+                        flag="--auto-grid")
+    devices: int | None = option(None, "devices of the job: simulated CPU devices to create (set "
+                                 "before JAX starts); for `plan`, the devices to plan for",
+                                 kind=int)
+
+    def sizes(self) -> dict[str, int | None]:
+        """`{axis: size}` in mesh order (`data` may be None)."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    microbatches: int = option(1, "microbatches per step (a pipeline's, or gradient accumulation)")
+    schedule: str = option("1f1b", "the pipeline's timetable", choices=SCHEDULES)
+    virtual_stages: int = option(1, "interleaved-1f1b: layer chunks per pipeline stage",
+                                 metavar="V")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOptions:
+    dtype: str = option("float32", "compute dtype; fp32 master weights (float16: dynamic loss "
+                        "scaling)", choices=DTYPE_NAMES)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions:
+    lr: float = option(3e-3, "peak learning rate")
+    warmup_steps: int = option(-1, "linear warm-up steps (-1: 5%% of --steps)")
+    weight_decay: float = option(0.1, "AdamW's decoupled weight decay")
+    b1: float = option(0.9, "AdamW's first-moment decay")
+    b2: float = option(0.95, "AdamW's second-moment decay")
+    clip_norm: float | None = option(1.0, "clip the gradients' global norm to this (none: never)",
+                                     kind=float)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+    offload_optimizer: bool = option(False, "fp32 master weights and optimizer state in host "
+                                     "memory, streamed through the device per layer")
+    remat: str = option("none", "what each block keeps for the backward (auto: KARMA's planner "
+                        "within --memory-budget)", choices=REMAT_CHOICES)
+    budget_gb: float | None = option(None, "device memory budget of --remat auto", kind=float,
+                                     flag="--memory-budget", legacy="memory_budget_gb",
+                                     metavar="GB")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionOptions:
+    bits: int = option(0, "CGX: bits per gradient value over `data` (0: exact all-reduce)",
+                       flag="--compress-bits", legacy="compress_bits")
+    bucket: int = option(1024, "CGX: values per quantization bucket", flag="--compress-bucket",
+                         legacy="compress_bucket")
+    error_feedback: bool = option(True, "CGX: carry each device's rounding error to the next "
+                                  "step", flag="--no-error-feedback", legacy="error_feedback",
+                                  switch_off=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOptions:
+    path: str | None = option(None, "text file, directory of text files, or .npy/.bin token "
+                              "file (default: the Python standard library's sources)",
+                              flag="--data", legacy="data_path", kind=str, metavar="PATH")
+    batch_size: int = option(16, "global batch (sequences)", aliases=("--batch",))
+    seq_len: int = option(64, "tokens per sequence")
+    eval_every: int = option(0, "validate every N steps (0: about ten validations per run)")
+    eval_batches: int = option(4, "validation batches")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    dir: str | None = option(None, "where checkpoints go (default: RUN_DIR/checkpoints)",
+                             flag="--checkpoint-dir", legacy="checkpoint_dir", kind=str)
+    every: int = option(0, "save every N steps", flag="--checkpoint-every",
+                        legacy="checkpoint_every")
+    keep: int = option(3, "keep the newest N checkpoints", metavar="N")
+    keep_every: int = option(0, "and every checkpoint whose step is a multiple of K, forever",
+                             metavar="K")
+    resume: bool | str = option(False, "continue the run in RUN_DIR (with its config.yaml) from "
+                                "its latest checkpoint; `--resume auto`: continue when the "
+                                "checkpoint directory holds a checkpoint, else start",
+                                metavar="RUN_DIR")
+    stop_at: int = option(0, "stop after this step and save a checkpoint, e.g. before a job's "
+                          "time limit (resume later). SIGTERM/SIGUSR1 stop at the next step "
+                          "(exit code 75), Ctrl-C too (130)", metavar="STEP")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutputs:
+    steps: int = option(100, "training steps")
+    seed: int = option(0, "seed of the parameters, the batches and stochastic rounding")
+    run_dir: str | None = option(None, "where the run's config, metrics, log, checkpoints, HLO, "
+                                 "TensorBoard events, profile and plots go (default: "
+                                 "runs/<model>-<time>)", kind=str, metavar="DIR")
+    metrics_out: str | None = option(None, "one JSON object per step (default: "
+                                     "RUN_DIR/metrics.jsonl)", kind=str, metavar="FILE.jsonl")
+    dump_hlo: str | None = option(None, "write the optimized HLO of the compiled train step "
+                                  "(default: RUN_DIR/hlo)", kind=str, metavar="DIR")
+    profile_steps: str | None = option(None, "write a jax.profiler trace of steps A to B into "
+                                       "RUN_DIR/profile", kind=str, metavar="A:B")
+    transport: str = option("xla", "how processes exchange gradients and pipeline messages",
+                            choices=TRANSPORTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every option of a run (see the module docstring)."""
+
+    model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+    grid: GridOptions = dataclasses.field(default_factory=GridOptions)
+    pipeline: PipelineOptions = dataclasses.field(default_factory=PipelineOptions)
+    precision: PrecisionOptions = dataclasses.field(default_factory=PrecisionOptions)
+    optimizer: OptimizerOptions = dataclasses.field(default_factory=OptimizerOptions)
+    memory: MemoryOptions = dataclasses.field(default_factory=MemoryOptions)
+    compression: CompressionOptions = dataclasses.field(default_factory=CompressionOptions)
+    data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
+    run: RunOutputs = dataclasses.field(default_factory=RunOutputs)
+    given: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
+    """Paths of the fields the command line set (a config file, `--set`, a flag): `plan` evaluates
+    the grid a config names rather than ranking them all, and options set there that would have
+    no effect are refused."""
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The grid as a `ParallelConfig` (`grid.data` must be resolved: see `resolve_grid`)."""
+        if self.grid.data is None:
+            raise ValueError("the grid's data size is not resolved yet (run.options.resolve_grid)")
+        return ParallelConfig(**self.grid.sizes())
 
     @property
     def warmup(self) -> int:
-        return max(1, self.steps // 20) if self.warmup_steps < 0 else self.warmup_steps
+        """Warm-up steps (the default: 5% of the steps, at least one)."""
+        o = self.optimizer
+        return max(1, self.run.steps // 20) if o.warmup_steps < 0 else o.warmup_steps
 
-    def step_options(self) -> dict:
-        """The `make_train_step` options these flags ask for."""
-        return dict(microbatches=self.microbatches, schedule=self.schedule,
-                    virtual_stages=self.virtual_stages,
-                    offload_optimizer=self.offload_optimizer, remat=self.remat,
-                    memory_budget_gb=self.memory_budget_gb, compress_bits=self.compress_bits,
-                    compress_bucket=self.compress_bucket, error_feedback=self.error_feedback,
-                    dtype=self.dtype, clip_norm=self.clip_norm, seed=self.seed)
+    def replace(self, **paths) -> "RunConfig":
+        """A copy with fields replaced by path: `config.replace(**{"pipeline.schedule": "gpipe"})`
+        (or by flat name, as `TrainOptions` takes them)."""
+        return build(paths, base=self)
 
 
-def make_optimizer(options: TrainOptions) -> tuple[optax.GradientTransformation, Callable]:
-    """AdamW with linear warmup and cosine decay (clipping is the step's `clip_norm`), and the
-    learning-rate schedule `step -> lr`."""
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+                             if f.name != "given"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One field of the tree: `path` ('pipeline.schedule'), its dataclass field, the flags
+    naming it (the first is its own) and its flat name (`legacy`)."""
+
+    path: str
+    field: dataclasses.Field
+    flags: tuple[str, ...]
+    legacy: str
+
+    @property
+    def key(self) -> str:
+        """Its flat key: the first flag without dashes, dashes as underscores (`data_parallel`)."""
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+    @property
+    def default(self):
+        return self.field.default
+
+    @property
+    def meta(self) -> dict:
+        return self.field.metadata
+
+    @property
+    def kind(self) -> type:
+        return self.meta["kind"] or type(self.default)
+
+    def choices(self):
+        c = self.meta["choices"]
+        return c() if callable(c) else c
+
+
+def leaves() -> list[Leaf]:
+    """Every field of the tree, section by section."""
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            flags = (flag, *f.metadata.get("aliases", ()))
+            legacy = f.metadata.get("legacy") or flag.lstrip("-").replace("-", "_")
+            out.append(Leaf(f"{section}.{f.name}", f, flags, legacy))
+    return out
+
+
+def _by(attribute: str) -> dict[str, Leaf]:
+    return {getattr(leaf, attribute): leaf for leaf in leaves()}
+
+
+def build(values: dict[str, Any], base: RunConfig | None = None,
+          given: frozenset = frozenset()) -> RunConfig:
+    """A config from `{path or flat name: value}` over `base` (default: the defaults); a flat
+    `parallel=ParallelConfig(...)` sets the grid, a section name may take a section object.
+    Values are taken as given (`run.config` types and checks text); `given`: paths to add to the
+    config's `given` (what the command line set)."""
+    by_path, by_legacy, by_key = _by("path"), _by("legacy"), _by("key")
+    sections = {name: dataclasses.asdict(getattr(base or RunConfig(), name)) for name in SECTIONS}
+    for name, value in values.items():
+        if name == "parallel":
+            if not isinstance(value, ParallelConfig):
+                raise TypeError(f"parallel must be a ParallelConfig, got {type(value).__name__}")
+            sections["grid"].update(value.as_dict())
+            continue
+        if name in SECTIONS and isinstance(value, SECTIONS[name]):
+            sections[name] = dataclasses.asdict(value)
+            continue
+        leaf = by_path.get(name) or by_legacy.get(name) or by_key.get(name)
+        if leaf is None:
+            raise TypeError(f"unknown option {name!r}")
+        section, field = leaf.path.split(".")
+        sections[section][field] = value
+    return RunConfig(**{name: SECTIONS[name](**v) for name, v in sections.items()},
+                     given=(base.given if base else frozenset()) | frozenset(given))
+
+
+def TrainOptions(**values) -> RunConfig:  # noqa: N802 - the flat spelling of earlier releases
+    """The config tree from flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(
+    data=2)`, `compress_bits`, ...: the flags' names), paths, or whole sections."""
+    return build(values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks: every problem of a config, one line each.
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def _attempt(found: list[str], check: Callable, *args, **kwargs) -> None:
+    """Run a check that raises ValueError/NotImplementedError; keep its message."""
+    try:
+        check(*args, **kwargs)
+    except (ValueError, NotImplementedError) as e:
+        found.append(str(e))
+
+
+def _field_problems(config: RunConfig) -> list[str]:
+    """Values that no grid or device count can make right."""
+    found = []
+    for leaf in leaves():
+        section, field = leaf.path.split(".")
+        value = getattr(getattr(config, section), field)
+        choices = leaf.choices()
+        if choices is not None and value not in choices:
+            found.append(f"{leaf.flags[0]} must be one of {', '.join(map(str, choices))}, "
+                         f"got {value!r}")
+    c, d, r = config.checkpoint, config.data, config.run
+    positive = [("--steps", r.steps), ("--batch-size", d.batch_size), ("--seq-len", d.seq_len),
+                ("--eval-batches", d.eval_batches), ("--microbatches", config.pipeline.microbatches),
+                ("--virtual-stages", config.pipeline.virtual_stages), ("--keep", c.keep)]
+    positive += [(leaf.flags[0], getattr(config.grid, leaf.path.split(".")[1]))
+                 for leaf in leaves() if leaf.path in {f"grid.{a}" for a in AXES}]
+    for flag, value in positive:
+        if value is not None and value < 1:
+            found.append(f"{flag} must be positive, got {value}")
+    if config.grid.devices is not None and config.grid.devices < 1:
+        found.append(f"--devices must be positive, got {config.grid.devices}")
+    for flag, value in (("--stop-at", c.stop_at), ("--keep-every", c.keep_every),
+                        ("--checkpoint-every", c.every), ("--eval-every", d.eval_every)):
+        if value < 0:
+            found.append(f"{flag} must be >= 0, got {value}")
+    if c.resume not in (True, False, "auto"):
+        found.append(f"--resume must be true, false or auto, got {c.resume!r}")
+    if c.resume and not (c.dir or r.run_dir):
+        found.append("--resume needs the run directory (or --checkpoint-dir)")
+    if c.every and not (c.dir or r.run_dir):
+        found.append("--checkpoint-every needs a place for the checkpoints: --checkpoint-dir (or "
+                     "the run directory)")
+    if r.profile_steps is not None:
+        from .hooks import parse_step_range
+
+        _attempt(found, parse_step_range, r.profile_steps)
+    return found
+
+
+def _ignored(config: RunConfig) -> list[str]:
+    """Options the command line set to something that would have no effect on this config:
+    refused, not ignored (a default value, as a written-out config holds them all, is no request;
+    Python callers build configs for many grids with one set of options and are not refused)."""
+    found = []
+    if "pipeline.schedule" in config.given and \
+            config.pipeline.schedule != PipelineOptions().schedule and config.grid.pipe == 1 \
+            and not config.grid.auto:
+        found.append(f"--schedule {config.pipeline.schedule} needs a pipeline (--pipe > 1)")
+    c, default = config.compression, CompressionOptions()
+    if not c.bits:
+        if "compression.bucket" in config.given and c.bucket != default.bucket:
+            found.append("--compress-bucket needs gradient compression (--compress-bits)")
+        if "compression.error_feedback" in config.given and \
+                c.error_feedback != default.error_feedback:
+            found.append("--no-error-feedback needs gradient compression (--compress-bits)")
+    if config.grid.auto:
+        explicit = [f"--{a}" for a in AXES[1:] if getattr(config.grid, a) != 1]
+        explicit += ["--data-parallel"] if config.grid.data is not None else []
+        if explicit:
+            found.append(f"--auto-grid chooses the grid itself; drop {', '.join(explicit)}")
+    return found
+
+
+def preset_of(config: RunConfig):
+    """The built-in model the config names (`models.Preset`): `--init-from`'s or `--model`'s."""
+    from .. import models
+
+    return models.pretrained(config.model.init_from) if config.model.init_from else \
+        models.get(config.model.name)
+
+
+def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | None = None,
+                  rows: int | None = None, num_devices: int | None = None) -> list[str]:
+    """What stops this config's step from running on `grid` over `num_devices` devices (when
+    given): `num_layers` of the model, `rows` of the local batch (default: the config's batch)."""
+    from ..config import check_grid
+    from ..step.train_step import option_problems
+
+    found: list[str] = []
+    if num_devices is not None:
+        _attempt(found, grid.validate, num_devices)
+    p = config.pipeline
+    _attempt(found, check_grid, grid, batch_size=rows or config.data.batch_size,
+             microbatches=p.microbatches, num_layers=num_layers, flags=True)
+    mpi = config.run.transport == "mpi"
+    if grid.context > 1:
+        from ..parallel.context import check_sequence
+
+        _attempt(found, check_sequence, config.data.seq_len, grid.context)
+    found += option_problems(grid, schedule=p.schedule, microbatches=p.microbatches,
+                             virtual_stages=p.virtual_stages, remat=config.memory.remat,
+                             memory_budget_gb=config.memory.budget_gb,
+                             compress_bits=config.compression.bits, dtype=config.precision.dtype,
+                             num_layers=num_layers, between_processes=mpi)
+    return found
+
+
+def model_problems(config: RunConfig, grid: ParallelConfig | None) -> list[str]:
+    """What stops the built-in model the config names from running (on `grid`, if given)."""
+    from ..models import attention
+    from ..offload.precision import DTYPES
+
+    found: list[str] = []
+    try:
+        preset = preset_of(config)
+    except (ValueError, FileNotFoundError) as e:
+        return [str(e)]
+    if preset.data == "images":
+        for flag, used in (("--sample-tokens", config.model.sample_tokens),
+                           ("--export-to", config.model.export_to),
+                           ("--data", config.data.path)):
+            if used:
+                found.append(f"{flag} is for language models; {preset.name} trains on "
+                             "procedurally drawn images")
+        return found + ([] if grid is None else _grid_of_model(preset, grid))
+    if config.data.seq_len > preset.config.max_seq_len:
+        found.append(f"--seq-len {config.data.seq_len} exceeds {preset.name}'s max_seq_len "
+                     f"{preset.config.max_seq_len}")
+    _attempt(found, attention.check, config.model.attention, DTYPES[config.precision.dtype],
+             getattr(preset.config, "head_dim", None))
+    return found + ([] if grid is None else _grid_of_model(preset, grid))
+
+
+def _grid_of_model(preset, grid: ParallelConfig) -> list[str]:
+    found: list[str] = []
+    if grid.tensor_parallel_size > 1:
+        _attempt(found, preset.check_grid, grid)
+    return found
+
+
+def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
+             num_layers: int | None = None, rows: int | None = None,
+             num_devices: int | None = None, builtin_model: bool = True) -> list[str]:
+    """Every problem of `config` on `grid` (None: the checks that need no grid) over
+    `num_devices` devices (None: unchecked), one line each. builtin_model: the config's model is
+    the one trained (not a caller's `StackedModel`)."""
+    found = _field_problems(config) + _ignored(config)
+    if found:
+        return found  # the rest assumes sane values
+    if builtin_model:
+        found += model_problems(config, grid)
+        if found:
+            return found
+        if num_layers is None:
+            num_layers = preset_of(config).build(jnp.float32).num_layers
+    if grid is not None:
+        found += grid_problems(config, grid, num_layers=num_layers, rows=rows,
+                               num_devices=num_devices)
+    return found
+
+
+def check(config: RunConfig, grid: ParallelConfig | None = None, **kwargs) -> None:
+    """Raise ConfigError with every problem of `problems(config, grid, **kwargs)`."""
+    found = problems(config, grid, **kwargs)
+    if found:
+        raise ConfigError(list(dict.fromkeys(found)))
+
+
+# ---------------------------------------------------------------------------------------------
+# What the tree makes.
+
+
+def resolve_grid(config: RunConfig, num_devices: int) -> ParallelConfig:
+    """The grid of `config` on `num_devices` devices: `data` fills what the other axes leave
+    (under `--transport mpi` the pipeline stages are processes, not this process's devices)."""
+    g = config.grid
+    inner = 1
+    for axis in AXES[1:]:
+        if not (axis == "pipe" and config.run.transport == "mpi"):
+            inner *= getattr(g, axis)
+    data = g.data
+    if data is None:
+        if num_devices % inner:
+            others = "·".join(a for a in AXES[1:] if not (a == "pipe" and
+                                                         config.run.transport == "mpi"))
+            raise ConfigError([f"{others} = {inner} does not divide the {num_devices} devices"])
+        data = num_devices // inner
+    return ParallelConfig(**{**g.sizes(), "data": data})
+
+
+def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None = None
+              ) -> RunConfig:
+    """`config` with its grid set to `grid` (and the planner off), e.g. the grid that ran."""
+    values: dict[str, Any] = {f"grid.{a}": getattr(grid, a) for a in AXES}
+    values["grid.auto"] = False
+    if microbatches is not None:
+        values["pipeline.microbatches"] = microbatches
+    return config.replace(**values)
+
+
+def make_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW with linear warm-up and cosine decay to a tenth of the peak (clipping is the
+    step's), and the learning-rate schedule `step -> lr`."""
+    o = config.optimizer
+    steps, warmup = config.run.steps, config.warmup
     lr_schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=options.lr,
-        warmup_steps=options.warmup,
-        decay_steps=max(options.steps, options.warmup + 1),
-        end_value=options.lr * 0.1,
-    )
-    adamw = optax.adamw(lr_schedule, b1=0.9, b2=0.95, weight_decay=options.weight_decay)
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1), end_value=o.lr * 0.1)
+    adamw = optax.adamw(lr_schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
     return adamw, lr_schedule
+
+
+def step_options(config: RunConfig) -> dict:
+    """The `make_train_step` options of the config."""
+    p, m, c = config.pipeline, config.memory, config.compression
+    return dict(microbatches=p.microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
+                offload_optimizer=m.offload_optimizer, remat=m.remat,
+                memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
+                error_feedback=c.error_feedback, dtype=config.precision.dtype,
+                clip_norm=config.optimizer.clip_norm)

@@ -11,6 +11,7 @@ import datetime
 import json
 import pathlib
 import statistics
+from typing import Any
 
 from ..config import AXES
 from . import rundir
@@ -34,11 +35,11 @@ def pyplot():
 
 @dataclasses.dataclass
 class Run:
-    """One run directory: its name, `config.yaml` (empty when absent) and `metrics.jsonl` records."""
+    """One run directory: its name, `config.yaml` (None when absent) and `metrics.jsonl` records."""
 
     name: str
     path: pathlib.Path
-    config: dict
+    config: Any  # run.options.RunConfig | None
     records: list[dict]
 
     @classmethod
@@ -58,8 +59,8 @@ class Run:
                     raise ValueError(f"{metrics}:{i} is not a JSON object") from None
         if not records:
             raise ValueError(f"{metrics} holds no steps yet")
-        config = config_lib.read_file(path / rundir.CONFIG) if (path / rundir.CONFIG).is_file() \
-            else {}
+        config = config_lib.load_file(path / rundir.CONFIG) if (path / rundir.CONFIG).is_file() \
+            else None
         return cls(path.resolve().name, path, config, records)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -147,9 +148,10 @@ def plot_runs(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
     return [f for f in files if f is not None]
 
 
-def _grid(config: dict) -> str:
-    sizes = [config.get("data_parallel" if a == "data" else a) for a in AXES]
-    return "×".join("?" if s is None else str(s) for s in sizes) if config else "–"
+def _grid(config) -> str:
+    if config is None:
+        return "–"
+    return "×".join("?" if s is None else str(s) for s in config.grid.sizes().values())
 
 
 def summary(runs: list[Run], images: list[pathlib.Path]) -> str:
@@ -165,7 +167,8 @@ def summary(runs: list[Run], images: list[pathlib.Path]) -> str:
         peak = max(run.series("memory_peak_bytes")[1] or run.series("peak_bytes_compiled")[1]
                    or [0])
         lines.append(
-            f"| {run.name} | {run.config.get('model', '–')} | {_grid(run.config)} | {last['step']} "
+            f"| {run.name} | {run.config.model.name if run.config else '–'} | {_grid(run.config)} "
+            f"| {last['step']} "
             f"| {last['loss']:.4f} | {f'{val[-1]:.4f}' if val else '–'} | "
             f"{statistics.median(rate):,.0f} | "
             f"{statistics.median(run.series('step_time_s')[1]) * 1e3:.1f} | {peak / MiB:,.1f} | "

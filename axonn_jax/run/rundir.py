@@ -18,7 +18,6 @@ e.g. to a scratch file system); `train(TrainOptions(run_dir=...))` fills the sam
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import pathlib
@@ -73,18 +72,19 @@ def agree(text: str, transport: str = "xla") -> str:
     return bytes(agreed[agreed != 0].tolist()).decode()
 
 
-def with_run_dir(options):
-    """`options` (a `TrainOptions`) with the outputs it leaves unset placed in its `run_dir`:
-    metrics file, HLO dump and, when it checkpoints, stops at `stop_at` or resumes, checkpoint
-    directory. Unchanged without a `run_dir`."""
-    if not options.run_dir:
-        return options
-    root = pathlib.Path(options.run_dir)
-    checkpoints = options.checkpoint_every > 0 or options.resume or options.stop_at > 0
-    return dataclasses.replace(
-        options, metrics_out=options.metrics_out or str(root / METRICS),
-        checkpoint_dir=options.checkpoint_dir or (str(root / CHECKPOINTS) if checkpoints else None),
-        dump_hlo=options.dump_hlo or str(root / HLO))
+def with_run_dir(config):
+    """`config` (a `run.options.RunConfig`) with the outputs it leaves unset placed in its
+    `run_dir`: metrics file, HLO dump and, when it checkpoints, stops at `stop_at` or resumes,
+    checkpoint directory. Unchanged without a `run_dir`."""
+    r, c = config.run, config.checkpoint
+    if not r.run_dir:
+        return config
+    root = pathlib.Path(r.run_dir)
+    checkpoints = c.every > 0 or c.resume or c.stop_at > 0
+    return config.replace(**{
+        "run.metrics_out": r.metrics_out or str(root / METRICS),
+        "checkpoint.dir": c.dir or (str(root / CHECKPOINTS) if checkpoints else None),
+        "run.dump_hlo": r.dump_hlo or str(root / HLO)})
 
 
 _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")

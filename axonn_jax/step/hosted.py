@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..offload.precision import scale_of
 
 
 def _like(tree, sharding):
@@ -50,10 +49,10 @@ class CompiledProcessStep:
     replicated: NamedSharding
 
     def __call__(self, state, batch):
-        loss, grads, _ = self.grads(state["params"], batch, scale_of(state), state["step"], None)
-        out = self.exchange(*jax.device_put((loss, grads, state.get("reducer"), state["step"]),
-                                            self.first_device))
-        return self.update(state, *jax.device_put(out, self.replicated))
+        key = state.step_key()
+        loss, grads, _, metrics = self.grads(state.params, batch, state.loss_scale, key, None)
+        out = self.exchange(*jax.device_put((loss, grads, state.reducer, key), self.first_device))
+        return self.update(state, *jax.device_put(out, self.replicated), metrics)
 
     def as_text(self) -> str:
         return "\n\n".join((self.grads.as_text(), self.exchange_hlo, self.update.as_text()))
@@ -68,31 +67,29 @@ class CompiledProcessStep:
 
 def process_programs(bound):
     """(step, eval_loss) of a `BoundStep` whose reducer runs between processes."""
-    reducer = bound.owner.process_reducer
-    mesh = bound.owner.mesh
+    reducer = bound.parts.process_reducer
+    mesh = bound.parts.mesh
     first = mesh.devices.flat[0]
     single = jax.sharding.SingleDeviceSharding(first)
     replicated = NamedSharding(mesh, P())
 
-    def exchange(loss, grads, red_state, step):
-        grads, red_state = reducer.reduce(grads, red_state, step)
+    def exchange(loss, grads, red_state, key):
+        grads, red_state = reducer.reduce(grads, red_state, key)
         return reducer.mean(loss), grads, red_state
 
-    def update(state, loss, grads, red_state):
-        new, metrics = bound.update(state, grads)
-        if red_state is not None:
-            new["reducer"] = red_state
-        return new, {"loss": loss, **metrics}
+    def update(state, loss, grads, red_state, metrics):
+        new, update_metrics = bound.update(state, grads)
+        return new.replace(reducer=red_state), {"loss": loss, **metrics, **update_metrics}
 
     def build(state, batch):
-        args = (state["params"], batch, scale_of(state), state["step"], None)
+        key = jax.eval_shape(lambda s: s.step_key(), state)
+        args = (state.params, batch, state.loss_scale, key, None)
         grads = jax.jit(bound.loss_and_grads).lower(*args).compile()
-        loss, g, _ = jax.eval_shape(bound.loss_and_grads, *args)
-        red = state.get("reducer")
+        loss, g, _, metrics = jax.eval_shape(bound.loss_and_grads, *args)
         jitted = jax.jit(exchange)
-        hlo = jitted.lower(*_like((loss, g, red, state["step"]), single)).compile().as_text()
+        hlo = jitted.lower(*_like((loss, g, state.reducer, key), single)).compile().as_text()
         upd = jax.jit(update, donate_argnums=0).lower(
-            state, *_like((loss, g, red), replicated)).compile()
+            state, *_like((loss, g, state.reducer), replicated), metrics).compile()
         return CompiledProcessStep(grads, jitted, hlo, upd, first, replicated)
 
     compiled: dict = {}
@@ -119,7 +116,7 @@ class CompiledEngineStep:
     example: tuple
 
     def __call__(self, state, batch):
-        loss, grads, extra = self.engine.run(state["params"], batch, scale_of(state))
+        loss, grads, extra = self.engine.run(state.params, batch, state.loss_scale)
         return self.finish(state, loss, grads, {k: np.int32(v) for k, v in extra.items()})
 
     def as_text(self) -> str:
@@ -134,15 +131,14 @@ class CompiledEngineStep:
 
 def engine_programs(bound):
     """(step, eval_loss) of a `BoundStep` whose gradient phase is a host-driven engine."""
-    reducer, engine = bound.owner.process_reducer, bound.engine
+    reducer, engine = bound.parts.process_reducer, bound.host_engine
 
     def finish(state, loss, grads, extra):
-        grads, red_state = reducer.reduce(grads, state.get("reducer"), state["step"])
+        grads, red_state = reducer.reduce(grads, state.reducer, state.step_key())
         loss = engine.sum_over_stages(reducer.mean(loss))  # nonzero on the last stage only
         new, metrics = bound.update(state, grads)
-        if red_state is not None:
-            new["reducer"] = red_state
-        return new, {"loss": loss, **metrics, **engine.reduce_metrics(extra)}
+        return new.replace(reducer=red_state), {"loss": loss, **metrics,
+                                                **engine.reduce_metrics(extra)}
 
     finish = jax.jit(finish, donate_argnums=0)
 

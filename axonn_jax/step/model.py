@@ -4,7 +4,12 @@ the loss.
 `StackedModel(embed, block, head, num_layers)` holds plain Flax modules, linen or NNX:
 
     embed(batch) -> x          batch: any pytree of arrays with a leading batch axis
-    block(x) -> x              `num_layers` times, parameters stacked on a leading layer axis
+    block(x, **side) -> x      `num_layers` times, parameters stacked on a leading layer axis;
+                               `side`: the batch entries named by `side_inputs` that the batch
+                               holds (e.g. `segment_ids`, `positions` of packed documents)
+    block(...) -> (x, aux)     or, a block with auxiliary outputs (a mixture of experts): `aux`
+                               a dict of arrays; `aux['loss']` (float32 scalar, weighted) is added
+                               to the training loss, the other entries are metrics (per layer)
     head(x, batch) -> loss     a float scalar: the mean loss of the rows of `batch`
     head(x, batch, embed_params) -> loss    with `head_reads_embed` (weight tying: e.g. an
                                output layer that multiplies by the embedding's table)
@@ -53,22 +58,28 @@ class _LinenPart:
     def __init__(self, module: nn.Module, name: str):
         self.module, self.name = module, name
 
-    def init(self, key, *args):
-        variables = self.module.init(key, *args)
+    def init(self, key, *args, **kwargs):
+        variables = self.module.init(key, *args, **kwargs)
         extra = sorted(set(variables) - {"params"})
         if extra:
             raise ValueError(f"StackedModel {self.name}: only 'params' variables are trained, "
                              f"the module also creates {extra}")
         return nn.unbox(variables.get("params", {}))
 
-    def apply(self, params, *args):
-        return self.module.apply({"params": params}, *args)
+    def apply(self, params, *args, **kwargs):
+        return self.module.apply({"params": params}, *args, **kwargs)
 
-    def parallelize(self, mesh, *args):
+    def parallelize(self, mesh, *args, **kwargs):
         """(the tensor-parallel part, PartitionSpecs of its parameters over the tensor axes)."""
         part = _LinenPart(parallelize(self.module, mesh), self.name)
-        boxed = jax.eval_shape(part.module.init, jax.random.key(0), *args)
-        return part, nn.get_partition_spec(boxed.get("params", {}))
+        return part, part.specs(*args, **kwargs)
+
+    def specs(self, *args, **kwargs):
+        """PartitionSpecs of its parameters from their partitioning metadata (P() where none:
+        e.g. a mixture of experts' weights over `expert`)."""
+        boxed = jax.eval_shape(lambda k, a, kw: self.module.init(k, *a, **kw), jax.random.key(0),
+                               args, kwargs)
+        return _specs_or_replicated(nn.get_partition_spec(boxed.get("params", {})))
 
 
 class _NnxPart:
@@ -100,7 +111,7 @@ class _NnxPart:
         graphdef, abstract = nnx.split(one, nnx.Param)
         return cls(graphdef, abstract, values, name)
 
-    def init(self, key, *args):
+    def init(self, key, *args, **kwargs):
         return self.values(key)
 
     def module(self, params):
@@ -108,16 +119,26 @@ class _NnxPart:
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
-    def apply(self, params, *args):
-        return self.module(params)(*args)
+    def apply(self, params, *args, **kwargs):
+        return self.module(params)(*args, **kwargs)
 
-    def parallelize(self, mesh, *args):
+    def parallelize(self, mesh, *args, **kwargs):
         tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args)
         graphdef, abstract = nnx.split(tp, nnx.Param)
-        specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
-        specs = jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
-                             is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
-        return _NnxPart(graphdef, abstract, self.values, self.name), specs
+        part = _NnxPart(graphdef, abstract, self.values, self.name)
+        return part, part.specs()
+
+    def specs(self, *args, **kwargs):
+        """PartitionSpecs of its parameters from their sharding metadata (P() where none)."""
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self.abstract))
+        return jax.tree.map(lambda s: P(*s) if isinstance(s, tuple) else P(), specs,
+                            is_leaf=lambda s: s is None or isinstance(s, (tuple, P)))
+
+
+def _specs_or_replicated(specs):
+    """Linen's partition specs with P() for the leaves that carry none."""
+    return jax.tree.map(lambda s: s if isinstance(s, P) else P(), specs,
+                        is_leaf=lambda s: s is None or isinstance(s, P))
 
 
 def _pure_params(module: nnx.Module, name: str) -> dict:
@@ -164,6 +185,8 @@ class StackedModel:
     head_reads_embed: the head is called with the embedding's parameters as a third argument
     (tied weights): they are stored once, in `params['embed']`, and their gradient is the sum of
     both uses.
+    side_inputs: the entries of a (dict) batch handed to every block as keyword arguments when the
+    batch holds them, or a function `batch -> dict` of them.
     """
 
     embed: Any
@@ -172,6 +195,15 @@ class StackedModel:
     num_layers: int
     offload_names: tuple[str, ...] | None = None
     head_reads_embed: bool = False
+    side_inputs: tuple[str, ...] | Callable = ()
+
+    def side(self, batch) -> dict:
+        """The side inputs of `batch` for the blocks (see the class docstring)."""
+        if callable(self.side_inputs):
+            return dict(self.side_inputs(batch))
+        if not isinstance(batch, dict):
+            return {}
+        return {k: batch[k] for k in self.side_inputs if k in batch}
 
     def __post_init__(self):
         if not isinstance(self.num_layers, int) or self.num_layers < 1:
@@ -198,24 +230,52 @@ class StackedModel:
         return ModelFunctions.of(self, _abstract(example_batch), mesh)
 
 
-def scan_layers(block: Callable, stacked, x, groups=None, num_layers: int | None = None):
-    """`x` through the stacked layers, `block(layer_params, x) -> x`, as one `lax.scan` per group of
-    consecutive layers: groups `((count, wrap), ...)` (counts sum to the layers; `wrap` maps the
-    layer function to another, e.g. `jax.checkpoint` with a policy; None keeps it). A remat policy
-    is fixed when a scan body is traced, so layers with different decisions need different scans;
-    slicing one parameter stack keeps the parameter tree independent of the plan."""
+def split_aux(out) -> tuple[Any, dict]:
+    """A block's output as (x, aux): `aux` is {} for a block without auxiliary outputs."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        return out
+    return out, {}
+
+
+def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None):
+    """`x` through the stacked layers, `block(layer_params, x, **side) -> x | (x, aux)`, as one
+    `lax.scan` per group of consecutive layers: groups `((count, wrap), ...)` (counts sum to the
+    layers; `wrap` maps the layer function to another, e.g. `jax.checkpoint` with a policy; None
+    keeps it). A remat policy is fixed when a scan body is traced, so layers with different
+    decisions need different scans; slicing one parameter stack keeps the parameter tree
+    independent of the plan. Returns (x, aux): every aux entry stacked on a leading layer axis
+    ({} for blocks without auxiliary outputs)."""
     total = jax.tree.leaves(stacked)[0].shape[0]
     groups = groups or ((total, None),)
-    start = 0
+    side = side or {}
+    start, auxes = 0, []
+
+    def layer(p, h):
+        y, aux = split_aux(block(p, h, **side))
+        return y.astype(h.dtype), aux  # activations stay in the dtype they came in
+
     for count, wrap in groups:
-        f = block if wrap is None else wrap(block)
+        f = layer if wrap is None else wrap(layer)
         part = jax.tree.map(lambda a: a[start:start + count], stacked)
-        # Activations between blocks stay in the dtype they came in (the compute dtype).
-        x, _ = jax.lax.scan(lambda h, p: (f(p, h).astype(h.dtype), None), x, part)
+        x, aux = jax.lax.scan(lambda h, p: f(p, h), x, part)
+        auxes.append(aux)
         start += count
     if start != total:
         raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
-    return x
+    aux = auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+    return x, aux
+
+
+def _on_mesh(specs, mesh):
+    """`specs` without the axes `mesh` lacks or holds once (metadata of a layout for another
+    grid, e.g. a mixture of experts' `col`/`row` names without tensor parallelism)."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n and n in mesh.shape and mesh.shape[n] > 1)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(keep(e) for e in s)), specs,
+                        is_leaf=lambda s: isinstance(s, P))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,13 +308,14 @@ class ModelFunctions:
         init_parts = (embed, block, head)
         e_abs = jax.eval_shape(embed.init, jax.random.key(0), batch)
         x = jax.eval_shape(embed.apply, e_abs, batch)
+        side = model.side(batch)  # ShapeDtypeStructs
         head_extra = (e_abs,) if model.head_reads_embed else ()
         specs = None
         tensor = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col")) \
             and mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
-                embed.parallelize(mesh, batch), block.parallelize(mesh, x),
+                embed.parallelize(mesh, batch), block.parallelize(mesh, x, **side),
                 head.parallelize(mesh, x, batch, *head_extra))
             specs = {"embed": e_spec, "blocks": jax.tree.map(lambda s: P(None, *s), b_spec,
                                                              is_leaf=lambda s: isinstance(s, P)),
@@ -268,14 +329,19 @@ class ModelFunctions:
                 p_blocks = part.init(k_blocks, h)
             else:
                 keys = jax.random.split(k_blocks, model.num_layers)
-                p_blocks = jax.vmap(lambda k: part.init(k, h))(keys)
+                p_blocks = jax.vmap(lambda k: part.init(k, h, **_zeros(side)))(keys)
             p_embed = init_parts[0].init(k_embed, b)
             extra = (p_embed,) if model.head_reads_embed else ()
             return {"embed": p_embed, "blocks": p_blocks,
                     "head": init_parts[2].init(k_head, h, b, *extra)}
 
-        if specs is None:
-            specs = jax.tree.map(lambda _: P(), jax.eval_shape(init, jax.random.key(0)))
+        if specs is None:  # no tensor parallelism: only what the modules' metadata splits
+            specs = {"embed": embed.specs(batch),
+                     "blocks": jax.tree.map(lambda s: P(None, *s), block.specs(x, **side),
+                                            is_leaf=lambda s: isinstance(s, P)),
+                     "head": head.specs(x, batch, *head_extra)}
+            if mesh is not None:
+                specs = _on_mesh(specs, mesh)
         head_apply = head.apply
         if model.head_reads_embed:
             head_apply = lambda hp, y, b: head.apply(hp[0], y, b, hp[1])  # noqa: E731
@@ -295,11 +361,13 @@ class ModelFunctions:
             return jax.tree.map(jnp.add, g_embed, g_tied), g_head
         return g_embed, g_head_params
 
-    def run_blocks(self, stacked, x, groups=None):
-        """`x` through the stacked blocks (see `scan_layers`)."""
-        return scan_layers(self.block, stacked, x, groups)
+    def run_blocks(self, stacked, x, groups=None, side: dict | None = None):
+        """`(x, aux)`: `x` through the stacked blocks (see `scan_layers`)."""
+        return scan_layers(self.block, stacked, x, groups, side)
 
     def loss(self, params, batch, groups=None):
+        """The mean loss of `batch`, the blocks' auxiliary losses included."""
         x = self.embed(params["embed"], batch)
-        return self.head(self.head_params(params), self.run_blocks(params["blocks"], x, groups),
-                         batch)
+        y, aux = self.run_blocks(params["blocks"], x, groups, self.model.side(batch))
+        loss = self.head(self.head_params(params), y, batch)
+        return loss + jnp.sum(aux["loss"]) if "loss" in aux else loss

@@ -2,37 +2,66 @@
 transform, so that every train step differs from another only in the reducer it is given.
 
     state = reducer.init(params)                          # None when the reducer keeps nothing
-    grads, state = reducer.reduce(grads, state, step)     # the mean over the data-parallel copies
+    grads, state = reducer.reduce(grads, state, key)      # the mean over the data-parallel copies
     loss = reducer.mean(loss)                             # an exact mean of a few small values
 
+`key`: the step's random key (`fold_in(TrainState.rng, step)`), for stochastic rounding.
 `exact_mean` and `compressed_mean` (CGX, error-feedback residual in its state) run inside the train
 step's shard_map, manual over `data`. Reducers between processes (`between_processes=True`, e.g.
 `axonn_jax.transport.mpi`) run in a program of their own on one device of each process, after the
 step has averaged the gradients over its local devices exactly.
+
+A reducer owns its state everywhere it goes: its placement (`state_spec`), its layout in a
+checkpoint (`saved` / `from_saved`), its resharding when a run resumes on another grid
+(`reshard`), and the bytes its exchange sends (`wire_bytes`; the collectives behind them, as the
+communication model counts them: `exchange_collectives`).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import pmean
+from ..collectives import FP32, Collective
 from ..parallel import compression
 
 
+def _keep(saved, target):
+    return None, ""
+
+
+def exact_wire_bytes(shards) -> float:
+    """Bytes one device sends in a ring all-reduce of gradient shards (arrays or
+    ShapeDtypeStructs of one device's pieces), counted as 2 · itemsize per element (the
+    reduce-scatter's share plus the all-gather's for a large group)."""
+    return float(sum(2 * s.dtype.itemsize * s.size for s in jax.tree.leaves(shards)))
+
+
 class GradientReducer(NamedTuple):
-    """init(params) -> state | None; reduce(grads, state, step) -> (grads, state); mean(tree) ->
+    """init(params) -> state | None; reduce(grads, state, key) -> (grads, state); mean(tree) ->
     tree (exact); state_spec(param_spec) -> spec of the state leaf of that parameter.
 
+    saved(state) / from_saved(state): the state as checkpoints hold it and back (identity unless
+    the state lives in several processes). reshard(saved, target) -> (state | None, note): a
+    saved state whose shapes differ from `target`'s (ShapeDtypeStructs with shardings: this
+    run's) made into this run's, or None to start afresh; `note` says what was done.
+    wire_bytes(shards): bytes one device sends to reduce gradient shards of these shapes.
     between_processes: runs between processes on one device each (see the module docstring);
-    process_index / process_count: this process's place among them (which rows of each global batch
-    it trains on)."""
+    process_index / process_count: this process's place among them (which rows of each global
+    batch it trains on)."""
 
     init: Callable[[Any], Any]
     reduce: Callable[[Any, Any, Any], tuple[Any, Any]]
     mean: Callable[[Any], Any]
     state_spec: Callable[[P], P] = lambda spec: spec
+    saved: Callable[[Any], Any] = lambda state: state
+    from_saved: Callable[[Any], Any] = lambda state: state
+    reshard: Callable[[Any, Any], tuple[Any, str]] = _keep
+    wire_bytes: Callable[[Any], float] = exact_wire_bytes
     between_processes: bool = False
     process_index: int = 0
     process_count: int = 1
@@ -41,13 +70,56 @@ class GradientReducer(NamedTuple):
 def exact_mean(axis: str = "data") -> GradientReducer:
     """The mean over the mesh axis `axis` (an all-reduce); no state."""
     return GradientReducer(init=lambda params: None,
-                           reduce=lambda grads, state, step: (pmean(grads, axis), state),
+                           reduce=lambda grads, state, key: (pmean(grads, axis), state),
                            mean=lambda tree: pmean(tree, axis))
 
 
+def resplit_residual(residual, shards: int):
+    """CGX error-feedback residuals `[old shards, *shape]` (one per data-parallel device) as
+    `[shards, *shape]` with the same total correction: the mean of each group of old shards when
+    `shards` divides their number, each old shard repeated when their number divides `shards`; None
+    when neither divides the other. (Every shard adds its residual to its gradient before the
+    mean, so what the residuals still owe the mean is sum(residuals) / shards.)"""
+    old = residual.shape[0]
+    if old % shards == 0:
+        return residual.reshape(shards, old // shards, *residual.shape[1:]).mean(axis=1)
+    if shards % old == 0:
+        return jnp.repeat(residual, shards // old, axis=0)
+    return None
+
+
+def reshard_residuals(saved, target) -> tuple[Any, str]:
+    """`GradientReducer.reshard` of residuals `[shards, *shape]`: re-split (`resplit_residual`)
+    onto the target's number of shards and placed like the target, or None (reset to zero)."""
+    old = jax.tree.leaves(saved)[0].shape[0]
+    new = jax.tree.leaves(target)[0].shape[0]
+    parts = [resplit_residual(r, new) for r in jax.tree.leaves(saved)]
+    if any(p is None for p in parts):
+        return None, (f"error-feedback residuals of {old} data-parallel shards cannot be "
+                      f"re-split into {new}; reset to zero")
+    placed = jax.tree.map(lambda r, t: jax.device_put(r, t.sharding),
+                          jax.tree.unflatten(jax.tree.structure(target), parts), target)
+    return placed, f"error-feedback residuals re-split from {old} to {new} data-parallel shards"
+
+
+def compressed_wire_bytes(bits: int, bucket_size: int) -> Callable[[Any], float]:
+    """`GradientReducer.wire_bytes` of CGX: packed values, a scale and an offset per bucket, for
+    the shards the size rule compresses (`compression.bits_for_leaf`); the rest exact."""
+    def wire(shards) -> float:
+        sent = 0.0
+        for path, s in jax.tree_util.tree_flatten_with_path(shards)[0]:
+            width = compression.bits_for_leaf(jax.tree_util.keystr(path), s, bits,
+                                              compression.DEFAULT_MIN_SIZE)
+            per = compression.wire_bytes_per_element(width, bucket_size, s.dtype.itemsize) \
+                if width else 2 * s.dtype.itemsize
+            sent += s.size * per
+        return sent
+
+    return wire
+
+
 def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
-                    error_feedback: bool = True, seed: int = 0,
-                    axis: str = "data") -> GradientReducer:
+                    error_feedback: bool = True, axis: str = "data") -> GradientReducer:
     """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits in
     buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`).
 
@@ -55,8 +127,8 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     compresses only its own shard). With `error_feedback`, rounding is to nearest and the state is
     each device's residual: leaves `[size of axis, *param.shape]`, split over `axis` and like the
     parameter (nearest rounding with feedback was measured better than stochastic with feedback at
-    2 bits). Without it the state is None and rounding is stochastic, its noise a pure function of
-    (seed, step), which keeps the mean unbiased.
+    2 bits). Without it the state is None and rounding is stochastic, its noise drawn from the
+    step's key, which keeps the mean unbiased.
     """
     compression.check_args(bits, bucket_size)
     shards = int(mesh.shape[axis])
@@ -64,13 +136,51 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     def init(params):
         return compression.init_residual(params, shards) if error_feedback else None
 
-    def reduce(grads, residual, step):
-        key = None if error_feedback else jax.random.fold_in(jax.random.key(seed), step)
+    def reduce(grads, residual, key):
         local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
         grads, local = compression.sharded_compressed_pmean(
-            grads, grad_specs, mesh, axis, bits=bits, bucket_size=bucket_size, key=key,
-            residual=local)
+            grads, grad_specs, mesh, axis, bits=bits, bucket_size=bucket_size,
+            key=None if error_feedback else key, residual=local)
         return grads, None if local is None else jax.tree.map(lambda r: r[None], local)
 
     return GradientReducer(init, reduce, mean=lambda tree: pmean(tree, axis),
-                           state_spec=lambda spec: P(axis, *spec))
+                           state_spec=lambda spec: P(axis, *spec), reshard=reshard_residuals,
+                           wire_bytes=compressed_wire_bytes(bits, bucket_size))
+
+
+def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int = 4,
+                         bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
+                         min_size: int = compression.DEFAULT_MIN_SIZE,
+                         axis: str = "data") -> list[Collective]:
+    """The collectives one device issues to reduce its gradient shards (`collectives.
+    ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s all-reduce (`bits` 0), or
+    `compressed_mean`'s (CGX, each device compressing its own shards): the shards the size rule
+    compresses (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes`
+    each) and the buffer to `parts` shards, sent by an all-to-all and gathered back; the others
+    in an exact all-reduce."""
+    if not bits:
+        exchanged = sum(s.elements if s.exchanged is None else s.exchanged for s in shards)
+        return [Collective("all-reduce", (axis,), exchanged * param_bytes)]
+    widths = [compression.bits_for_leaf("", s, bits, min_size) for s in shards]
+    exact = sum(s.elements for s, w in zip(shards, widths) if not w)
+    buckets = sum(math.ceil(s.elements / bucket_size) for s, w in zip(shards, widths) if w)
+    packed = math.ceil(buckets / parts) * parts * compression.bucket_bytes(bits, bucket_size,
+                                                                            param_bytes)
+    return [Collective("all-to-all", (axis,), packed), Collective("all-gather", (axis,), packed),
+            Collective("all-reduce", (axis,), exact * param_bytes)]
+
+
+def scalar_collectives(shards, grid) -> list[Collective]:
+    """The step's scalars on one device: the loss averaged over the batch (over depth by the
+    engine, over data by the reducer's `mean`), and the gradient's squared norm: one float32
+    partial sum per parameter shard and per split dimension, over that dimension's axes. (XLA may
+    add the partial sums of one group of devices before reducing them, fusing a few of these: the
+    count is an upper bound, exact within a few scalars.)"""
+    per_group: dict[tuple[str, ...], int] = {}
+    for p in shards:
+        for axes in p.splits:
+            axes = tuple(a for a in axes if getattr(grid, a) > 1)
+            if axes:
+                per_group[axes] = per_group.get(axes, 0) + 1
+    loss = [Collective("all-reduce", ("depth",), FP32), Collective("all-reduce", ("data",), FP32)]
+    return loss + [Collective("all-reduce", axes, FP32, n) for axes, n in per_group.items()]

@@ -1,21 +1,20 @@
 """`make_train_step`: the one train-step builder, for any `StackedModel`, optax optimizer and grid.
 
-A step has three phases:
+A step is assembled from three parts chosen by the grid and the options, each behind one interface:
 
-1. **loss and gradients** of this device's rows: autodiff of `head(blocks(embed(batch)), batch)`,
-   or the pipeline engine (`parallel.pipeline`) when the mesh has `pipe > 1`, in a shard_map manual
-   over `data` (and `pipe`) and automatic over the tensor axes, whose layers
-   (`axonn_jax.parallelize`) bring their own collectives;
-2. **the reduction** of the gradients over `data` by a `GradientReducer` (exact or CGX-compressed;
-   inside the same shard_map), and, for reducers between processes (MPI), a program of its own;
-3. **the update** (`step.update`): clipping, loss scale, non-finite guard, and the optimizer on the
-   device or streamed from host memory.
+1. a **gradient engine** (`step.engines`): the loss and gradients of this device's rows, inside a
+   shard_map manual over the batch axes (and `pipe`) and automatic over the tensor axes, whose
+   layers (`axonn_jax.parallelize`) bring their own collectives: `SpmdEngine` (data and tensor
+   grids, with gradient accumulation over microbatches) or `PipelineEngine` (`pipe > 1`, a
+   schedule); or a host-driven engine (the message-driven MPI pipeline, `transport.mpi_pipeline`);
+2. a **gradient reducer** (`step.reducers`): the mean over `data` (exact or CGX-compressed),
+   inside the same shard_map, or between processes (MPI) in a program of its own (`step.hosted`);
+3. an **optax update** (`step.update`): unscale, clip, skip-if-non-finite and the optimizer, with
+   the optimizer state on the device or streamed from host memory (`offload.optimizer`).
 
-Without a reducer between processes the three phases are one jitted program. An `engine` (the
-message-driven MPI pipeline, `transport.mpi_pipeline`) replaces phase 1 by a host loop over
-per-microbatch programs.
-
-Batches are pytrees of arrays with a leading batch axis, split over `data` and `depth`.
+They meet in a pure `train_step(state, batch) -> (state, metrics)` on a typed `TrainState`
+(`step.state`). Batches are pytrees of arrays with a leading batch axis, split over `data` and
+`depth`.
 """
 from __future__ import annotations
 
@@ -29,18 +28,20 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import ensure_varying, shard_map, to_varying
-from ..config import BATCH_AXES, check_grid
+from .._compat import ensure_varying, pmean, psum, shard_map
+from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
-from ..offload.optimizer import HostOffloadedOptimizer
-from ..offload.precision import DTYPES, check_dtype, loss_scaler, scale_of
-from ..parallel import pipeline as pipeline_lib
+from ..offload.optimizer import ParamUpdate, host_offload, on_device
+from ..offload.precision import DTYPES, check_dtype, loss_scaler
+from ..parallel import context as context_lib, pipeline as pipeline_lib
 from . import hosted
-from .gathers import unbatched_gathers
+from .compute import ComputeFunctions
+from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
-from .update import initial_state, make_update
+from .state import TrainState
+from .update import initial_state, make_update, update_chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,39 @@ class StepOptions:
     error_feedback: bool = True
     dtype: str = "float32"
     clip_norm: float | None = None
-    seed: int = 0
+
+
+_NOT_YET = "is not implemented yet"
+
+
+def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
+                    virtual_stages: int, remat, memory_budget_gb: float | None,
+                    compress_bits: int, dtype: str, num_layers: int | None = None,
+                    between_processes: bool = False) -> list[str]:
+    """Why a step with these options cannot run on `grid`, one line each (empty: it can).
+    between_processes: the gradients are reduced between processes (MPI)."""
+    found = []
+
+    def attempt(check, *args):
+        try:
+            check(*args)
+        except (ValueError, NotImplementedError) as e:
+            found.append(str(e))
+
+    attempt(check_dtype, dtype)
+    attempt(activations.check_options, remat, memory_budget_gb)
+    if grid.pipe > 1:
+        attempt(pipeline_lib.check_schedule, schedule, grid.pipe, microbatches, virtual_stages)
+        if num_layers is not None:
+            attempt(pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
+        if remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
+            found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
+    elif virtual_stages > 1:
+        found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
+    if compress_bits and not between_processes and grid.data == 1:
+        found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
+                     "there is no gradient exchange to compress")
+    return found
 
 
 def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation, mesh, *,
@@ -67,36 +100,90 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
     """The train step of `model` with `optimizer` on `mesh` (axes `data, pipe, depth, row, col`).
 
     options (see `StepOptions`):
-      microbatches, schedule, virtual_stages: pipeline microbatches and timetable (`gpipe` |
-        `1f1b` | `interleaved-1f1b` with `virtual_stages` chunks per device | `zb-h1`), pipe > 1.
+      microbatches: slices of each device's rows whose gradients are accumulated (with
+        `pipe > 1`, the pipeline's microbatches); schedule, virtual_stages: the pipeline's
+        timetable (`gpipe` | `1f1b` | `interleaved-1f1b` with `virtual_stages` chunks per device |
+        `zb-h1`), pipe > 1.
       offload_optimizer: fp32 masters and optimizer state in host memory, streamed per layer;
-        `optimizer` must then be elementwise (AdamW is), and clipping is `clip_norm`.
+        `optimizer` must then be elementwise (AdamW is).
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
         `offload.activations.Plan`: what each block keeps for the backward.
       compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`.
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
         forward (masters stay fp32); float16 scales the loss; mixed precision skips non-finite steps.
-      clip_norm: clip the gradients' global norm (None: no clipping); seed: stochastic rounding.
+      clip_norm: clip the gradients' global norm (None: no clipping).
     reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
-      the local `data` devices exactly. engine: a host-driven gradient phase (the MPI pipeline),
+      the local `data` devices exactly. engine: a host-driven gradient engine (the MPI pipeline),
       `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
-      shape, `BoundStep`: its model functions, stage functions and batch).
+      shape, `BoundStep`: its `compute` functions, `fns`, `model` and abstract `batch`).
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(StepOptions)}
     if unknown:
         raise TypeError(f"make_train_step: unknown options {sorted(unknown)}")
-    return TrainStep(model, optimizer, mesh, StepOptions(**options), reducer, engine)
+    return TrainStep(StepParts.of(model, optimizer, mesh, StepOptions(**options), reducer, engine))
 
 
-def _cast_floating(tree, dtype):
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                        tree)
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What a step is built from: the model, the optimizer, the mesh and its grid, the options,
+    a reducer between processes and a host-driven engine (None: in-process)."""
 
+    model: StackedModel
+    optimizer: optax.GradientTransformation
+    mesh: Any
+    grid: ParallelConfig
+    options: StepOptions
+    process_reducer: GradientReducer | None
+    host_engine: Callable | None
 
-def _shapes(tree) -> str:
-    """`{path: shape}` of a pytree's leaves, for error messages."""
-    return str({jax.tree_util.keystr(k): tuple(jnp.shape(v))
-                for k, v in jax.tree_util.tree_leaves_with_path(tree)})
+    @classmethod
+    def of(cls, model, optimizer, mesh, options: StepOptions, reducer, engine) -> "StepParts":
+        grid = config_of(mesh)
+        if engine is not None and reducer is None:
+            raise ValueError("make_train_step: an engine needs a reducer between processes")
+        checked = {f.name: getattr(options, f.name) for f in dataclasses.fields(StepOptions)
+                   if f.name in ("schedule", "microbatches", "virtual_stages", "remat",
+                                 "memory_budget_gb", "compress_bits", "dtype")}
+        found = option_problems(grid, num_layers=model.num_layers,
+                                between_processes=reducer is not None, **checked)
+        if found:
+            raise (NotImplementedError if found[0].endswith(_NOT_YET) else ValueError)(found[0])
+        return cls(model, optimizer, mesh, grid, options, reducer, engine)
+
+    @functools.cached_property
+    def layer_order(self) -> np.ndarray | None:
+        """Which model layer each position of the stored `blocks` stack holds, or None when they
+        are in order. Interleaved stages store each device's chunks contiguously, so that the
+        stack stays split over `pipe` in blocks (`parallel.pipeline.interleave_order`)."""
+        o = self.options
+        if self.grid.pipe == 1 or o.virtual_stages == 1:
+            return None
+        return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
+                                             o.virtual_stages)
+
+    def reducer(self, grad_specs) -> GradientReducer:
+        """The reducer inside the step: CGX-compressed or exact over `data` (grad_specs: how the
+        tensor axes split the gradients; None when only its state's layout is needed)."""
+        o = self.options
+        if o.compress_bits and self.process_reducer is None:
+            return compressed_mean(self.mesh, grad_specs, bits=o.compress_bits,
+                                   bucket_size=o.compress_bucket, error_feedback=o.error_feedback)
+        return exact_mean()
+
+    def state_reducer(self, grad_specs=None) -> GradientReducer:
+        """The reducer whose state the train state holds (between processes, or in the step)."""
+        return self.process_reducer or self.reducer(grad_specs)
+
+    @functools.cached_property
+    def params_update(self) -> ParamUpdate:
+        """The update chain (`step.update`) with its state on the device or in host memory."""
+        o = self.options
+        tx = update_chain(self.optimizer, clip_norm=o.clip_norm,
+                          skip_non_finite=loss_scaler(o.dtype).guards)
+        if o.offload_optimizer:
+            return host_offload(tx, DTYPES[o.dtype], self.model.num_layers,
+                                num_stages=self.grid.pipe)
+        return on_device(tx)
 
 
 def _take_rows(x, index: tuple[int, ...]):
@@ -113,121 +200,166 @@ def _take_rows(x, index: tuple[int, ...]):
     return _take_program(sharding, index)(x).block_until_ready()
 
 
-def _on_device(x, dtype):
-    """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x`."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding.with_memory_kind("device"))
-    return jax.device_put(x, x.sharding.with_memory_kind("device")).astype(dtype)
-
-
 @functools.lru_cache(maxsize=64)
 def _take_program(sharding, index: tuple[int, ...]):
     return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
+
+
+def check_sequences(batch, size: int) -> None:
+    """ValueError (one line) unless every batch leaf has a sequence dimension (dim 1) that cuts
+    into the `2·size` chunks of the context axis's load-balanced layout."""
+    for path, a in jax.tree_util.tree_leaves_with_path(batch):
+        if len(a.shape) < 2:
+            raise ValueError(f"context = {size} splits dim 1 of every batch leaf (the sequence), "
+                             f"but batch{jax.tree_util.keystr(path)} has shape {tuple(a.shape)}")
+        context_lib.check_sequence(a.shape[1], size)
+
+
+def batch_spec(grid: ParallelConfig) -> P:
+    """The PartitionSpec of every batch leaf: rows over `BATCH_AXES`, with `context > 1` the
+    sequence (dim 1) over `context`."""
+    return P(BATCH_AXES, "context") if grid.context > 1 else P(BATCH_AXES)
+
+
+def _manual_specs(specs, manual) -> Any:
+    """Each PartitionSpec of `specs` with only the `manual` axes left (what a shard_map manual
+    over them takes)."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda s: P(*(keep(e) for e in s)), specs,
+                        is_leaf=lambda s: isinstance(s, P))
+
+
+def _sum_over_unsplit(grads, specs, axes: tuple[str, ...], grid: ParallelConfig):
+    """Gradients over the batch `axes` besides `data` (`expert`, `context`): each summed over the
+    axes that do not split its parameter and divided by all their sizes, so that with the mean
+    over `data` after it every gradient is the global batch's mean. (A gradient of expert weights
+    split over `expert` already sums the tokens of every expert shard through the all-to-all's
+    transpose.)"""
+    if not axes:
+        return grads
+    total = float(np.prod([getattr(grid, a) for a in axes]))
+
+    def one(g, spec):
+        split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+        over = tuple(a for a in axes if a not in split)
+        return (psum(g, over) if over else g) / total
+
+    return jax.tree.map(one, grads, specs)
 
 
 def _abstract_batch(batch):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), batch)
 
 
+def _shapes(tree) -> str:
+    """`{path: shape}` of a pytree's leaves, for error messages."""
+    return str({jax.tree_util.keystr(k): tuple(jnp.shape(v))
+                for k, v in jax.tree_util.tree_leaves_with_path(tree)})
+
+
+def reorder_blocks(tree, order: np.ndarray | None, num_layers: int, to_model: bool,
+                   take: Callable | None = None):
+    """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
+    stored `order` to the model's (`to_model`) or back; traceable (`take(x, index)`: how to reorder
+    a leaf, `jnp.take` on axis 0 by default)."""
+    if order is None:
+        return tree
+    index = np.argsort(order) if to_model else order
+    take = take or (lambda x, i: jnp.take(x, jnp.asarray(i), axis=0))
+
+    def one(path, x):
+        blocks = any(getattr(k, "key", None) == "blocks" for k in path)
+        if blocks and getattr(x, "ndim", 0) and x.shape[0] == num_layers:
+            return take(x, index)
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _take_leaf(x, index):
+    """One leaf reordered in a program of its own (`_take_rows`); layouts pass through."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return _take_rows(x, tuple(int(j) for j in index))
+
+
 class TrainStep:
     """`step(state, batch) -> (state, metrics)` and what a training loop needs around it.
 
-    state: `{'step', 'params', 'opt_state'}` (+ `'precision'` for mixed precision, + `'reducer'`
-    when the reducer keeps state, e.g. CGX error-feedback residuals), global arrays: parameters
-    split over the tensor axes by their layers and, with `pipe > 1`, the blocks over `pipe` on
-    their layer axis; optimizer state placed like its parameters (in `pinned_host` with
-    `offload_optimizer`). Batches: pytrees of `(batch, ...)` arrays split over `data` and `depth`.
-    The step is compiled for each batch shape it meets (`lower` / `compile` ahead of time).
+    state: a `TrainState` of global arrays (see there for their placement). Batches: pytrees of
+    `(batch, ...)` arrays split over `data` and `depth`. The step is compiled for each batch shape
+    it meets (`lower` / `compile` ahead of time).
     """
 
-    def __init__(self, model, optimizer, mesh, options: StepOptions, reducer, engine):
-        check_dtype(options.dtype)
-        activations.check_options(options.remat, options.memory_budget_gb)
-        self.model, self.optimizer, self.mesh, self.options = model, optimizer, mesh, options
-        self.grid = config_of(mesh)
-        self.process_reducer, self.engine = reducer, engine
-        if engine is not None and reducer is None:
-            raise ValueError("make_train_step: an engine needs a reducer between processes")
-        if self.grid.pipe > 1:
-            pipeline_lib.check_schedule(options.schedule, self.grid.pipe, options.microbatches,
-                                        options.virtual_stages)
-            pipeline_lib.check_layers(model.num_layers, self.grid.pipe, options.virtual_stages)
-        elif options.virtual_stages > 1:
-            raise ValueError(f"--virtual-stages {options.virtual_stages} needs --pipe > 1")
-        if self.grid.pipe > 1 and options.remat == "auto":
-            # Every stage runs one program, so a per-layer plan must be uniform.
-            raise NotImplementedError("remat='auto' with pipe > 1 is not implemented yet")
-        if options.compress_bits and reducer is None and self.grid.data == 1:
-            raise ValueError(f"compress_bits={options.compress_bits} needs data > 1: with one "
-                             "data-parallel copy there is no gradient exchange to compress")
-        self.scaler = loss_scaler(options.dtype)
+    def __init__(self, parts: StepParts):
+        self.parts = parts
         self._bound: dict = {}
 
-    # ------------------------------------------------------------------ layer order
+    @property
+    def model(self) -> StackedModel:
+        return self.parts.model
 
-    @functools.cached_property
+    @property
+    def mesh(self):
+        return self.parts.mesh
+
+    @property
+    def grid(self) -> ParallelConfig:
+        return self.parts.grid
+
+    @property
+    def options(self) -> StepOptions:
+        return self.parts.options
+
+    @property
     def layer_order(self):
-        """Which model layer each position of the stored `blocks` stack holds (a numpy array), or
-        None when they are in order. Interleaved stages store each device's chunks contiguously,
-        so that the stack stays split over `pipe` in blocks (`parallel.pipeline.interleave_order`);
-        `eval_loss`, checkpoints (`canonical_state`) and `canonical_params` see the model's order."""
-        o = self.options
-        if self.grid.pipe == 1 or o.virtual_stages == 1:
-            return None
-        return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
-                                             o.virtual_stages)
+        return self.parts.layer_order
 
-    def _reorder(self, tree, to_model: bool, take: Callable | None = None):
-        """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
-        stored order to the model's (`to_model`) or back; traceable (`take(x, index)`: how to
-        reorder a leaf, `jnp.take` on axis 0 by default)."""
-        order = self.layer_order
-        if order is None:
-            return tree
-        index = np.argsort(order) if to_model else order
-        layers = self.model.num_layers
-        take = take or (lambda x, i: jnp.take(x, jnp.asarray(i), axis=0))
-
-        def one(path, x):
-            blocks = any(getattr(k, "key", None) == "blocks" for k in path)
-            if blocks and getattr(x, "ndim", 0) and x.shape[0] == layers:
-                return take(x, index)
-            return x
-
-        return jax.tree_util.tree_map_with_path(one, tree)
+    # ------------------------------------------------------------------ checkpoint layout
 
     def canonical_params(self, params):
         """`params` with the blocks in the model's layer order (for `StackedModel.loss`, sampling)."""
-        return self._reorder(params, to_model=True)
+        return reorder_blocks(params, self.layer_order, self.model.num_layers, to_model=True)
 
-    def canonical_state(self, state, inverse: bool = False):
-        """The state as checkpoints hold it, so that they restore on any grid and in any mode:
-        every block-stacked leaf (parameters, optimizer moments and masters, reducer residuals) in
-        the model's layer order, and with `offload_optimizer` the fp32 masters as `params` and the
-        inner optimizer state as `opt_state` (the tree of a run without offload). `inverse`: back
-        to this step's state from such a tree, whose leaves are placed like
-        `canonical_state(this step's state)` (masters in host memory; the compute-dtype parameters
-        are made from them). Works on ShapeDtypeStructs too (the layout only). One program per
-        leaf, so that host-resident leaves visit the device one at a time."""
-        def take(x, i):
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return x
-            return _take_rows(x, tuple(int(j) for j in i))
-
-        offload = self.options.offload_optimizer
+    def canonical_state(self, state: TrainState, inverse: bool = False):
+        """The state as checkpoints hold it (a dict), so that it restores on any grid and in any
+        mode: every block-stacked leaf (parameters, optimizer moments and masters, reducer
+        residuals) in the model's layer order, the parameters and optimizer state of a run without
+        offload (`ParamUpdate.canonical`), and the reducer's state as it saves it
+        (`GradientReducer.saved`). `inverse`: back to this step's `TrainState` from such a dict,
+        whose leaves are placed like `canonical_state(this step's state)`. Works on
+        ShapeDtypeStructs too (the layout only). One program per leaf, so that host-resident
+        leaves visit the device one at a time."""
+        order, layers = self.layer_order, self.model.num_layers
+        update, reducer = self.parts.params_update, self.state_reducer
         if not inverse:
-            state = self._reorder(state, to_model=True, take=take)
-            if offload:
-                state = {**state, "params": state["opt_state"]["master"],
-                         "opt_state": state["opt_state"]["inner"]}
-            return state
-        state = self._reorder(state, to_model=False, take=take)
-        if offload:
-            dtype = DTYPES[self.options.dtype]
-            master = state["params"]
-            state = {**state, "opt_state": {"master": master, "inner": state["opt_state"]},
-                     "params": jax.tree.map(lambda m: _on_device(m, dtype), master)}
-        return state
+            tree = reorder_blocks(state.as_dict(), order, layers, to_model=True, take=_take_leaf)
+            tree["params"], tree["opt_state"] = update.canonical(tree["params"],
+                                                                 tree["opt_state"])
+            if "reducer" in tree:
+                tree["reducer"] = reducer.saved(tree["reducer"])
+            return tree
+        tree = dict(state)
+        if "reducer" in tree:
+            tree["reducer"] = reducer.from_saved(tree["reducer"])
+        tree = reorder_blocks(tree, order, layers, to_model=False, take=_take_leaf)
+        tree["params"], tree["opt_state"] = update.from_canonical(tree["params"],
+                                                                  tree["opt_state"])
+        return TrainState.from_dict(tree)
+
+    @property
+    def state_reducer(self) -> GradientReducer:
+        """The reducer whose state the train state holds (its layout and resharding)."""
+        return self.parts.state_reducer()
+
+    def reshard(self) -> dict[str, Callable]:
+        """`{state field: reshard(saved, target) -> (value | None, note)}`: how a checkpoint's
+        field whose shapes differ from this step's becomes this step's (`run.checkpoint`)."""
+        return {"reducer": self.state_reducer.reshard}
 
     # ------------------------------------------------------------------ binding to a batch shape
 
@@ -235,18 +367,18 @@ class TrainStep:
         """The step's programs for batches shaped like `batch` (built once per shape)."""
         key = jax.tree.structure(batch), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(batch))
         if key not in self._bound:
-            self._bound[key] = BoundStep(self, _abstract_batch(batch))
+            self._bound[key] = BoundStep(self.parts, _abstract_batch(batch))
         return self._bound[key]
 
     # ------------------------------------------------------------------ state and batches
 
-    def init_state(self, key, example_batch, params=None):
+    def init_state(self, key, example_batch, params=None) -> TrainState:
         """Fresh state for batches like `example_batch`, created directly in its placement;
         `params`: start from these parameters (a tree like the model's, any placement: e.g. a
         pretrained checkpoint) instead of initializing them from `key`."""
         return self.bind(example_batch).init_state(key, params)
 
-    def abstract_state(self, example_batch):
+    def abstract_state(self, example_batch) -> TrainState:
         """ShapeDtypeStructs of the state with their shardings (nothing allocated)."""
         return self.bind(example_batch).abstract_state()
 
@@ -254,16 +386,18 @@ class TrainStep:
         return jax.tree.map(lambda s: s.sharding, self.abstract_state(example_batch))
 
     def batch_shardings(self, batch):
-        """NamedShardings of a batch pytree: leading axis over `data` and `depth`."""
-        return jax.tree.map(lambda _: NamedSharding(self.mesh, P(BATCH_AXES)), batch)
+        """NamedShardings of a batch pytree: rows over `data`, `expert` and `depth`, the
+        sequence (dim 1) over `context`."""
+        spec = batch_spec(self.grid)
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), batch)
 
     def batch_share(self) -> tuple[int, int]:
         """(index, count): this process trains on rows [index·B/count, (index+1)·B/count) of each
         global batch of B rows (count is 1 within one JAX program, the processes of a reducer
         between processes, or the pipelines of an MPI pipeline engine)."""
-        if self.engine is not None:
-            return self.engine.batch_share
-        r = self.process_reducer
+        if self.parts.host_engine is not None:
+            return self.parts.host_engine.batch_share
+        r = self.parts.process_reducer
         return (0, 1) if r is None else (r.process_index, r.process_count)
 
     def local_batch(self, batch):
@@ -303,33 +437,51 @@ class TrainStep:
 
 
 class BoundStep:
-    """A `TrainStep` bound to one batch shape: its model functions, plan, shardings, programs."""
+    """The step's parts bound to one batch shape: the model's functions, the activation plan, the
+    parameter shardings, the engine, the reducer, the update and the programs.
 
-    def __init__(self, step: TrainStep, batch):
-        self.owner = step
-        self.batch = batch  # abstract: this process's share (see TrainStep.local_batch)
-        o, grid, mesh = step.options, step.grid, step.mesh
+    batch: abstract, this process's share (`TrainStep.local_batch`)."""
+
+    def __init__(self, parts: StepParts, batch):
+        self.parts, self.batch = parts, batch
+        o, grid, mesh = parts.options, parts.grid, parts.mesh
+        self.model = parts.model
         rows = jax.tree.leaves(batch)[0].shape[0]
         check_grid(grid, batch_size=rows, microbatches=o.microbatches,
-                   num_layers=step.model.num_layers)
-        self.fns: ModelFunctions = step.model.bind(batch, mesh)
-        self.compute_dtype = DTYPES[o.dtype]  # before `_plan`, which measures in it
-        self.plan = self._plan()
-        self.groups = self.plan.layer_groups(step.model.offload_names) if self.plan else None
-        self.offloaded = HostOffloadedOptimizer(
-            step.optimizer, self.compute_dtype, step.model.num_layers, num_stages=grid.pipe) \
-            if o.offload_optimizer else None
-        self.reducer = self._reducer()
+                   num_layers=parts.model.num_layers)
+        if grid.context > 1:
+            check_sequences(batch, grid.context)
+        self.fns: ModelFunctions = parts.model.bind(batch, mesh)
+        self.compute_dtype = DTYPES[o.dtype]
+        self.scaler = loss_scaler(o.dtype)
         self.specs = self._param_specs()
-        self.engine = None if step.engine is None else step.engine(self)
-        self._update = make_update(
-            step.optimizer, scaler=step.scaler, clip_norm=o.clip_norm, offloaded=self.offloaded,
-            all_reduce_squares=self.engine.sum_over_stages if self.engine else lambda s: s)
+        self.reducer = parts.reducer(self.fns.specs)
+        self.host_engine = None  # built last: it computes with the plan's functions
+        self.plan = self._plan()
+        self.compute = self.compute_with(self.plan)
+        self.engine = self._engine(self.compute)
+        if parts.host_engine is not None:
+            self.host_engine = parts.host_engine(self)
 
     # ------------------------------------------------------------------ pieces
 
+    def compute_with(self, plan: activations.Plan | None) -> ComputeFunctions:
+        """The model's functions in the compute dtype, its blocks run with `plan`."""
+        groups = plan.layer_groups(self.model.offload_names) if plan else None
+        return ComputeFunctions(self.fns, self.compute_dtype, groups)
+
+    def _engine(self, compute: ComputeFunctions):
+        o, grid = self.parts.options, self.parts.grid
+        axes = batch_manual_axes(grid)
+        if grid.pipe > 1:
+            return PipelineEngine(compute, pipeline_lib.make_schedule(
+                o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
+        # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
+        alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
+        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches)
+
     def _plan(self) -> activations.Plan | None:
-        o, layers = self.owner.options, self.owner.model.num_layers
+        o, layers = self.parts.options, self.model.num_layers
         if isinstance(o.remat, activations.Plan) or o.remat != "auto":
             return activations.uniform_plan(o.remat, layers)
         return activations.make_plan(
@@ -338,108 +490,87 @@ class BoundStep:
 
     def _block_cost(self) -> activations.BlockCost:
         """One block's costs at this device's share of the activations (`data`, `depth` split)."""
-        o, grid = self.owner.options, self.owner.grid
+        o, grid = self.parts.options, self.parts.grid
         x = self.fns.activation
         local = jax.ShapeDtypeStruct((x.shape[0] // (grid.data * grid.depth), *x.shape[1:]),
                                      self.compute_dtype if o.dtype != "float32" else x.dtype)
         param_dtype = self.compute_dtype if o.offload_optimizer else jnp.float32
         one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(param_dtype), p),
                                    jax.eval_shape(self.fns.init, jax.random.key(0))["blocks"])
-        return activations.block_cost(self.fns.block, one_layer, local,
-                                      self.owner.model.offload_names)
+        return activations.block_cost(self.fns.block, one_layer, local, self.model.offload_names)
 
     def _measure_peak(self, plan: activations.Plan) -> int:
-        """Compiled peak bytes per device of this step with activation `plan` (for the planner)."""
-        s = self.owner
-        other = TrainStep(s.model, s.optimizer, s.mesh,
-                          dataclasses.replace(s.options, remat=plan, memory_budget_gb=None),
-                          s.process_reducer, s.engine)
-        bound = other.bind(self.batch)
+        """Compiled peak bytes per device of this step with activation `plan` (for the planner):
+        the same parts, the blocks run with `plan`."""
+        step = jax.jit(self._train_step_fn(self._engine(self.compute_with(plan))),
+                       donate_argnums=0)
         return activations.compiled_peak_bytes(
-            bound.lower(bound.abstract_state(), bound.abstract_batch()).compile())
+            step.lower(self.abstract_state(), self.abstract_batch()).compile())
 
-    def _reducer(self) -> GradientReducer:
-        o = self.owner.options
-        if o.compress_bits and self.owner.process_reducer is None:
-            return compressed_mean(self.owner.mesh, self.fns.specs, bits=o.compress_bits,
-                                   bucket_size=o.compress_bucket,
-                                   error_feedback=o.error_feedback, seed=o.seed)
-        return exact_mean()
+    @property
+    def state_reducer(self) -> GradientReducer:
+        """The reducer whose state the train state holds (between processes, or in the step)."""
+        return self.parts.process_reducer or self.reducer
 
     def _param_specs(self) -> dict:
         """Every parameter's PartitionSpec on the mesh: the tensor axes from its layer, plus `pipe`
         on the blocks' layer axis."""
         specs = self.fns.specs
-        if self.owner.grid.pipe > 1:
+        if self.parts.grid.pipe > 1:
             specs = {**specs, "blocks": jax.tree.map(lambda s: P("pipe", *s[1:]), specs["blocks"],
                                                      is_leaf=lambda s: isinstance(s, P))}
         return specs
 
     def _named(self, spec: P) -> NamedSharding:
-        return NamedSharding(self.owner.mesh, spec)
+        return NamedSharding(self.parts.mesh, spec)
 
     # ------------------------------------------------------------------ state
 
-    def _init(self, key, params=None):
-        s = self.owner
+    def _init(self, key, params=None) -> TrainState:
+        parts = self.parts
         params = self.fns.init(key) if params is None else params
-        params = s._reorder(params, to_model=False)
-        if self.engine is not None:
-            params = self.engine.stage_params(params)
-        state = initial_state(params, optimizer=s.optimizer, scaler=s.scaler,
-                              offloaded=self.offloaded)
-        reducer = self.state_reducer()
-        red = reducer.init(params)
-        if red is not None:
-            state["reducer"] = red
-        return state
+        params = reorder_blocks(params, parts.layer_order, self.model.num_layers, to_model=False)
+        if self.host_engine is not None:
+            params = self.host_engine.stage_params(params)
+        return initial_state(params, params_update=parts.params_update, scaler=self.scaler,
+                             rng=jax.random.key_data(key),
+                             reducer_state=self.state_reducer.init(params))
 
-    def state_reducer(self) -> GradientReducer:
-        """The reducer whose state the train state holds (between processes, or in the step)."""
-        return self.owner.process_reducer or self.reducer
-
-    def _state_shardings(self, shapes):
-        s = self.owner
+    def _state_shardings(self, shapes: TrainState) -> TrainState:
         replicated = self._named(P())
-        if self.engine is not None:  # one device per process: everything on it
+        if self.host_engine is not None:  # one device per process: everything on it
             return jax.tree.map(lambda _: replicated, shapes)
         params = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
-        out = {k: jax.tree.map(lambda _: replicated, v) for k, v in shapes.items()}
-        out["params"] = params
-        if self.offloaded is not None:
-            out["opt_state"] = self.offloaded.state_shardings(shapes["opt_state"], params)
-        else:
-            out["opt_state"] = optax.tree_map_params(
-                s.optimizer, lambda leaf, sharding, p: sharding if leaf.shape == p.shape else
-                replicated, shapes["opt_state"], params, shapes["params"],
-                transform_non_params=lambda _: replicated)
-        if "reducer" in shapes:
-            spec = self.state_reducer().state_spec
-            out["reducer"] = jax.tree.map(lambda p: self._named(spec(p)), self.specs,
-                                          is_leaf=lambda x: isinstance(x, P))
+        out = jax.tree.map(lambda _: replicated, shapes)
+        out = out.replace(params=params, opt_state=self.parts.params_update.state_shardings(
+            shapes.opt_state, params))
+        if shapes.reducer is not None:
+            spec = self.state_reducer.state_spec
+            out = out.replace(reducer=jax.tree.map(lambda p: self._named(spec(p)), self.specs,
+                                                   is_leaf=lambda x: isinstance(x, P)))
         return out
 
     @functools.cached_property
-    def _abstract_state(self):
+    def _abstract_state(self) -> TrainState:
         shapes = jax.eval_shape(self._init, jax.random.key(0))
         shardings = self._state_shardings(shapes)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             shapes, shardings)
 
-    def abstract_state(self):
+    def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs of the train state, with their shardings."""
         return self._abstract_state
 
     def abstract_batch(self):
         """ShapeDtypeStructs of the batch, with their shardings."""
-        shardings = self.owner.batch_shardings(self.batch)
+        shardings = jax.tree.map(lambda _: self._named(batch_spec(self.parts.grid)), self.batch)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.batch, shardings)
 
     def state_shardings(self):
         return jax.tree.map(lambda a: a.sharding, self._abstract_state)
 
-    def init_state(self, key, params=None):
+    def init_state(self, key, params=None) -> TrainState:
         shardings = self.state_shardings()
         if params is None:
             return jax.jit(self._init, out_shardings=shardings)(key)
@@ -452,118 +583,118 @@ class BoundStep:
         params = jax.tree.map(lambda p, a: jnp.asarray(p, a.dtype), params, abstract)
         return jax.jit(self._init, out_shardings=shardings)(key, params)
 
-    # ------------------------------------------------------------------ phase 1 and 2
+    # ------------------------------------------------------------------ phases 1 and 2
 
     def loss_fn(self, params, batch):
         """The mean loss of `batch` in the compute dtype (parameters cast for the forward)."""
-        return unbatched_gathers(self._loss)(params, batch)
+        return self.compute.loss(reorder_blocks(params, self.parts.layer_order,
+                                                self.model.num_layers, to_model=True), batch)
 
-    def _loss(self, params, batch):
-        fns, dtype = self.fns, self.compute_dtype
-        params = _cast_floating(self.owner.canonical_params(params), dtype)
-        x = fns.embed(params["embed"], batch).astype(dtype)
-        y = fns.run_blocks(params["blocks"], x, self.groups)
-        return fns.head(fns.head_params(params), y, batch).astype(jnp.float32)
+    def loss_and_grads(self, params, batch, scale, key, red_state, engine=None):
+        """`(params, batch, loss scale, step key, reducer state) -> (loss, grads, reducer state,
+        metrics)`: phases 1 and 2 on global arrays (gradients scaled by `scale`, averaged over
+        the batch axes); `engine`: another engine than the step's (the planner's measurements)."""
+        engine = engine or self.engine
+        if not engine.manual_axes:
+            loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
+            return loss, grads, red_state, metrics
+        manual = engine.manual_axes
+        p_specs = _manual_specs(self.specs, manual)
+        extra = tuple(a for a in ("expert", "context") if a in manual)
 
-    def _stage_functions(self, chunk_layers: int | None = None):
-        """The pipeline engine's embed, stage and head functions (parameters cast, remat plan); the
-        stage function runs one chunk of `chunk_layers` layers (default `num_layers / (pipe ·
-        virtual_stages)`)."""
-        fns, dtype, o = self.fns, self.compute_dtype, self.owner.options
-        layers = chunk_layers or pipeline_lib.check_layers(
-            self.owner.model.num_layers, self.owner.grid.pipe, o.virtual_stages)
-        groups = None if self.groups is None else ((layers, self.groups[0][1]),)
+        def local(params, batch, scale, key, red_state):
+            batch = self._balanced(batch, manual)
+            loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
+            grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
+            grads, red_state = self.reducer.reduce(grads, red_state, key)
+            mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731
+            return mean(loss), grads, red_state, mean(metrics)
 
-        def embed(p, batch):
-            return fns.embed(_cast_floating(p, dtype), batch).astype(dtype)
+        r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
+                               is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
+            else P("data")
+        loss, grads, red_state, metrics = shard_map(
+            local, mesh=self.parts.mesh, in_specs=(p_specs, self._batch_spec(manual), P(), P(),
+                                                   r_specs),
+            out_specs=(P(), p_specs, r_specs, engine.metric_spec),
+            axis_names=set(manual))(params, batch, scale, key, red_state)
+        # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
+        order = self.parts.layer_order
+        if order is not None:
+            metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
+                                   metrics)
+        return loss, grads, red_state, metrics
 
-        def stage(p, x):
-            return fns.run_blocks(_cast_floating(p, dtype), x, groups)
+    def _balanced(self, batch, manual):
+        """Inside the shard_map: with `context` manual, this device's chunks of every sequence in
+        the load-balanced zig-zag layout (`parallel.context.balance`) instead of its contiguous
+        part (one all-gather of the batch over `context`: token ids, small beside the
+        activations); else `batch`."""
+        if "context" not in manual:
+            return batch
+        size = self.parts.grid.context
 
-        def head(p, y, batch):
-            return fns.head(_cast_floating(p, dtype), y, batch).astype(jnp.float32)
+        def mine(a):
+            local = a.shape[1]
+            whole = jax.lax.all_gather(a, "context", axis=1, tiled=True)
+            return jax.lax.dynamic_slice_in_dim(context_lib.balance(whole, size),
+                                                jax.lax.axis_index("context") * local, local, 1)
 
-        return unbatched_gathers(embed), unbatched_gathers(stage), unbatched_gathers(head)
+        return jax.tree.map(mine, batch)
 
-    def _local_loss_and_grads(self, params, batch, scale, step, red_state):
-        """Inside the shard_map: this data shard's loss and gradients, reduced over `data`."""
-        grid = self.owner.grid
-        if grid.pipe > 1:
-            params = ensure_varying(params, ("data", "pipe"))
-            embed, stage, head = self._stage_functions()
-            o = self.owner.options
-            sched = pipeline_lib.make_schedule(o.schedule, grid.pipe, o.microbatches,
-                                               o.virtual_stages)
-            loss, (g_e, g_b, g_h) = pipeline_lib.pipeline_loss_and_grads(
-                embed, stage, lambda p, y, b: head(p, y, b) * scale,
-                (params["embed"], params["blocks"], self.fns.head_params(params)), batch, sched)
-            g_e, g_h = self.fns.embed_and_head_grads(g_e, g_h)
-            grads = {"embed": g_e, "blocks": g_b, "head": g_h}
-        else:
-            # Varying over `data`: each shard keeps its own gradients until the explicit reduction.
-            params = to_varying(params, ("data",))
-            loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, batch) * scale)(params)
-        grads, red_state = self.reducer.reduce(grads, red_state, step)
-        return self.reducer.mean(loss) / scale, grads, red_state
-
-    def loss_and_grads(self, params, batch, scale, step, red_state):
-        """`(params, batch, loss scale, step, reducer state) -> (loss, grads, reducer state)`:
-        phases 1 and 2 on global arrays (gradients scaled by `scale`, averaged over `data`)."""
-        grid = self.owner.grid
-        if grid.pipe == 1 and grid.data == 1 and grid.tensor_parallel_size > 1:
-            # Nothing to reduce; and XLA rejects an all-reduce over the size-1 `data` axis of
-            # gradients that come out of the tensor-parallel shard_maps.
-            loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, batch) * scale)(params)
-            return loss / scale, grads, red_state
-        if grid.pipe > 1:
-            manual = {"data", "pipe"}
-            p_specs = {"embed": P(), "blocks": P("pipe"), "head": P()}
-            r_specs = {"embed": P("data"), "blocks": P("data", "pipe"), "head": P("data")}
-        else:
-            manual, p_specs, r_specs = {"data"}, P(), P("data")
-        if red_state is None:
-            r_specs = P("data")  # no leaves to match
-        return shard_map(self._local_loss_and_grads, mesh=self.owner.mesh,
-                         in_specs=(p_specs, P("data"), P(), P(), r_specs),
-                         out_specs=(P(), p_specs, r_specs), axis_names=manual)(
-            params, batch, scale, step, red_state)
+    def _batch_spec(self, manual) -> P:
+        """How the manual axes split every batch leaf: rows over `data` (and `expert`), the
+        sequence (dim 1) over `context`."""
+        rows = tuple(a for a in ("data", "expert") if a in manual)
+        return P(rows, "context") if "context" in manual else P(rows)
 
     # ------------------------------------------------------------------ the step
 
-    def update(self, state, grads):
+    def update(self, state: TrainState, grads):
         """Phase 3 (`step.update`) on gradients laid out like their parameters: GSPMD would
         otherwise give a replicated parameter the layout of its gradient (e.g. a position table
         added to feature-split activations), and the state would drift from step to step."""
-        if self.engine is None:
+        if self.host_engine is None:
             grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)),
                                  grads, self.specs, is_leaf=lambda x: isinstance(x, P))
-        return self._update(state, grads)
+            sum_squares = lambda s: s  # noqa: E731
+        else:
+            sum_squares = self.host_engine.sum_over_stages
+        return make_update(self.parts.params_update, scaler=self.scaler,
+                           sum_squares=sum_squares)(state, grads)
 
-    def _train_step(self, state, batch):
-        loss, grads, red = self.loss_and_grads(state["params"], batch, scale_of(state),
-                                               state["step"], state.get("reducer"))
-        new, metrics = self.update(state, grads)
-        if red is not None:
-            new["reducer"] = red
-        return new, {"loss": loss, **metrics}
+    def _train_step_fn(self, engine) -> Callable:
+        def train_step(state: TrainState, batch):
+            loss, grads, red, metrics = self.loss_and_grads(
+                state.params, batch, state.loss_scale, state.step_key(), state.reducer, engine)
+            new, update_metrics = self.update(state, grads)
+            return new.replace(reducer=red), {"loss": loss, **metrics, **update_metrics}
+
+        return train_step
 
     def _eval(self, params, batch):
-        grid = self.owner.grid
-        if grid.data == 1 and grid.pipe == 1:
+        grid = self.parts.grid
+        manual = frozenset(batch_manual_axes(grid))
+        if manual == {"data"} and grid.data == 1 and grid.pipe == 1:
             return self.loss_fn(params, batch)
-        return shard_map(lambda p, b: self.reducer.mean(self.loss_fn(p, b)), mesh=self.owner.mesh,
-                         in_specs=(P(), P("data")), out_specs=P(), axis_names={"data"})(params, batch)
+
+        def local(p, b):
+            loss = self.loss_fn(ensure_varying(p, tuple(sorted(manual))), self._balanced(b, manual))
+            return pmean(loss, tuple(sorted(manual)))
+
+        return shard_map(local, mesh=self.parts.mesh,
+                         in_specs=(_manual_specs(self.specs, manual), self._batch_spec(manual)),
+                         out_specs=P(), axis_names=set(manual))(params, batch)
 
     @functools.cached_property
     def programs(self) -> tuple[Callable, Callable]:
         """(step, eval_loss): jitted functions, or for the host-driven paths (`step.hosted`)
         callables with the same `.lower(...).compile()` interface."""
-        s = self.owner
-        if s.engine is not None:
+        if self.host_engine is not None:
             return hosted.engine_programs(self)
-        if s.process_reducer is not None:
+        if self.parts.process_reducer is not None:
             return hosted.process_programs(self)
-        return jax.jit(self._train_step, donate_argnums=0), jax.jit(self._eval)
+        return jax.jit(self._train_step_fn(self.engine), donate_argnums=0), jax.jit(self._eval)
 
     def step(self, state, batch):
         return self.programs[0](state, batch)

@@ -1,15 +1,20 @@
-"""The update phase of a train step: global-norm clipping, the loss-scale division, the non-finite
-guard and the optimizer (on the device, or streamed from host memory), in one place for every path.
+"""The update phase of a train step, as optax transformations.
 
-Clipping and unscaling are one scalar `factor` by which every gradient is multiplied as it is
-consumed, computed from the global norm of the (scaled) gradients:
+    tx = update_chain(optimizer, clip_norm=1.0, skip_non_finite=...)
+       = skip_if_not_finite(chain(unscale_by_loss_scale(), clip_by_global_norm(1.0), optimizer))
 
-    norm = sqrt(sum_squares(grads)) / loss_scale
-    factor = (max_norm / norm if norm > max_norm else 1) / loss_scale
+Every element is elementwise given three scalars that `make_update` computes once from the whole
+gradient tree and passes to the chain as optax extra arguments:
 
-so the host-offloaded optimizer can apply it piece by piece without an fp32 copy of all gradients.
-`sum_squares` takes a hook for gradients spread over processes (the MPI pipeline sums the squares of
-its stages' gradients); in every other path the gradients are global arrays and the sum is local.
+    loss_scale    the mixed-precision loss scale the gradients are multiplied by
+    grad_norm     the global norm of the unscaled gradients (also the step's `grad_norm` metric)
+    finite        whether that norm is finite
+
+so the same chain runs on the whole tree (`offload.optimizer.on_device`) or streamed piece by piece
+from host memory (`offload.optimizer.host_offload`) with identical results, and no fp32 copy of all
+gradients is made for either. The squared norm takes a hook for gradients spread over processes
+(the MPI pipeline sums the squares of its stages' gradients); elsewhere gradients are global
+arrays and the sum is local.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..offload.optimizer import HostOffloadedOptimizer
+from ..offload.optimizer import ParamUpdate
 from ..offload.precision import LossScaler, keep_if_finite
+from .state import TrainState
 
 
 def sum_of_squares(grads) -> jax.Array:
@@ -29,62 +35,85 @@ def sum_of_squares(grads) -> jax.Array:
                jnp.zeros((), jnp.float32))
 
 
-def gradient_factor(norm, loss_scale, clip_norm: float | None):
-    """The multiplier that unscales and clips every gradient (see the module docstring).
-    norm: global norm of the unscaled gradients; clip_norm None: no clipping."""
-    clip = 1.0 if clip_norm is None else jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
-    return (clip / loss_scale).astype(jnp.float32)
+def _stateless(update) -> optax.GradientTransformationExtraArgs:
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
-def make_update(optimizer: optax.GradientTransformation, *, scaler: LossScaler,
-                clip_norm: float | None = None, offloaded: HostOffloadedOptimizer | None = None,
-                all_reduce_squares: Callable = lambda s: s) -> Callable:
-    """`update(state, grads) -> (state, metrics)`.
+def unscale_by_loss_scale() -> optax.GradientTransformationExtraArgs:
+    """Gradients in float32, divided by the extra argument `loss_scale` (a power of two, so the
+    division is exact)."""
+    def update(updates, state, params=None, *, loss_scale=None, **extra):
+        inverse = 1.0 / jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
+        return jax.tree.map(lambda g: g.astype(jnp.float32) * inverse, updates), state
 
-    state: `{'step', 'params', 'opt_state'}` and, for mixed precision, `'precision'` (the
-    `scaler`'s state: its `scale` multiplied the loss, so `grads` are scaled by it). `offloaded`:
-    the optimizer state lives in host memory and `optimizer` is its per-piece transform (see
-    `offload.optimizer`). metrics: `grad_norm` (before clipping) and, for mixed precision,
-    `loss_scale` and `skipped_steps`.
+    return _stateless(update)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm with the norm given as the extra argument `grad_norm` (of the
+    whole tree, also when the chain sees only a piece of it): multiply by `max_norm / norm` when
+    the norm exceeds `max_norm`."""
+    def update(updates, state, params=None, *, grad_norm, **extra):
+        factor = jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm).astype(jnp.float32)
+        return jax.tree.map(lambda g: g * factor, updates), state
+
+    return _stateless(update)
+
+
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner`, except that where the extra argument `finite` is False the updates are zero and
+    the state stays as it was (a skipped mixed-precision step)."""
+    inner = optax.with_extra_args_support(inner)
+
+    def update(updates, state, params=None, *, finite, **extra):
+        new_updates, new_state = inner.update(updates, state, params, finite=finite, **extra)
+        zeros = jax.tree.map(jnp.zeros_like, new_updates)
+        return keep_if_finite(finite, new_updates, zeros), keep_if_finite(finite, new_state, state)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def update_chain(optimizer: optax.GradientTransformation, *, clip_norm: float | None,
+                 skip_non_finite: bool) -> optax.GradientTransformation:
+    """The update of a step as one optax transformation (see the module docstring): unscale
+    (always: it also casts the gradients to float32), clip when `clip_norm`, then `optimizer`;
+    skipped on non-finite gradients when `skip_non_finite` (mixed precision)."""
+    parts = [unscale_by_loss_scale()]
+    if clip_norm is not None:
+        parts.append(clip_by_global_norm(clip_norm))
+    tx = optax.chain(*parts, optimizer)
+    return skip_if_not_finite(tx) if skip_non_finite else tx
+
+
+def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
+                sum_squares: Callable = lambda s: s) -> Callable:
+    """`update(state, grads) -> (state, metrics)` of a `TrainState`.
+
+    grads: like `state.params`, multiplied by `state.loss_scale`. metrics: `grad_norm` (before
+    clipping) and, for mixed precision, `loss_scale` and `skipped_steps`. sum_squares: the hook
+    that completes the squared norm of gradients spread over processes.
     """
-    def update(state, grads):
-        mp = state.get("precision")
-        scale = jnp.float32(1.0) if mp is None else mp["scale"]
-        norm = jnp.sqrt(all_reduce_squares(sum_of_squares(grads))) / scale
+    def update(state: TrainState, grads) -> tuple[TrainState, dict[str, Any]]:
+        scale = state.loss_scale
+        norm = jnp.sqrt(sum_squares(sum_of_squares(grads))) / scale
         finite = jnp.isfinite(norm)
-        factor = gradient_factor(norm, scale, clip_norm)
-        keep = finite if scaler.guards else None
-        params, opt_state = state["params"], state["opt_state"]
-        if offloaded is not None:
-            new_params, new_opt = offloaded.update(grads, params, opt_state, factor, keep)
-        else:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32) * factor, grads)
-            updates, new_opt = optimizer.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            if keep is not None:
-                new_params, new_opt = keep_if_finite(keep, (new_params, new_opt),
-                                                     (params, opt_state))
-        new = {**state, "step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
+        params, opt_state = params_update.apply(grads, state.opt_state, state.params,
+                                                loss_scale=scale, grad_norm=norm, finite=finite)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"grad_norm": norm}
-        if mp is not None:
-            new["precision"] = scaler.update(mp, finite)
-            metrics.update(loss_scale=mp["scale"], skipped_steps=new["precision"]["skipped_steps"])
+        if state.precision is not None:
+            new = new.replace(precision=scaler.update(state.precision, finite))
+            metrics.update(loss_scale=state.precision["scale"],
+                           skipped_steps=new.precision["skipped_steps"])
         return new, metrics
 
     return update
 
 
-def initial_state(params, *, optimizer: optax.GradientTransformation, scaler: LossScaler,
-                  offloaded: HostOffloadedOptimizer | None = None) -> dict[str, Any]:
-    """The train state for fp32 `params`: `{'step', 'params', 'opt_state'}` and, for mixed
-    precision, `'precision'` (with `offloaded`, `params` become the device copy in the compute
-    dtype and `opt_state` the fp32 masters and the optimizer's state)."""
-    if offloaded is not None:
-        params, opt_state = offloaded.init(params)
-    else:
-        opt_state = optimizer.init(params)
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
-    mp = scaler.init()
-    if mp is not None:
-        state["precision"] = mp
-    return state
+def initial_state(params, *, params_update: ParamUpdate, scaler: LossScaler, rng,
+                  reducer_state=None) -> TrainState:
+    """The `TrainState` of fp32 `params` (with offload, `params` become the device copy in the
+    compute dtype and the optimizer state holds the fp32 masters)."""
+    params, opt_state = params_update.init(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                      rng=rng, reducer=reducer_state, precision=scaler.init())

@@ -9,12 +9,14 @@ Flax's own layers with the same kernels, `axonn_jax.tp.tensor`, and places their
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..collectives import FP32, Collective, ParameterShard, StepShape
 from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
 
 _default_kernel_init = nn.initializers.lecun_normal()
@@ -83,6 +85,63 @@ def norm_call(m: nn.Module, x, axis: str, rms: bool = False):
                             m.param_dtype))
         y = y + args[-1]
     return y.astype(nn.dtypes.canonicalize_dtype(*args, dtype=m.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Norms:
+    """The collectives and parameter shards of norms over activations whose `features` are split
+    over `col` (`norm_call`), as a model declares them (`collectives.Part`): LayerNorm (`stats`
+    2: the mean and the mean of squares) or RMSNorm (1), `vectors` parameter vectors each (scale
+    and bias, or scale); `count` such norms in each of the `layers` blocks one device holds
+    (`layers` 0: outside the stack, run once per step with the head)."""
+
+    features: int
+    stats: int = 2
+    vectors: int = 2
+    count: int = 1
+    layers: int = 0
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        """Per-token statistics summed over col, in float32 whatever the compute dtype, forward
+        and backward; the vectors' gradients summed over the devices that saw other rows (depth,
+        and row when the batch is split)."""
+        g, stacked = step.grid, self.layers > 0
+        n = self.count * self.layers if stacked else self.count
+        tokens = step.tokens / (g.row if step.split else 1)  # split: rows over row too
+        stats = self.stats * tokens * FP32
+        return [
+            Collective("all-reduce", ("col",), stats, n, stage_forward=stacked),  # forward
+            Collective("all-reduce", ("col",), stats, n),  # backward: the matching sums
+            Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
+                       self.vectors * self.features / g.col * step.param_bytes, n,
+                       per_microbatch=True),
+        ]
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        g = step.grid
+        if not self.layers:
+            return [ParameterShard(self.features / g.col, 1, (("col",),), True)] * \
+                (self.count * self.vectors)
+        return [ParameterShard(self.layers * self.features / g.col, 2, (("col",),))] * \
+            (self.count * self.vectors)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupNorms:
+    """The scales and biases of GroupNorms over `channels` channels in each of `layers` copies of a
+    part (`collectives.Part`; `stacked`: a block of the stack), counted whole on every device;
+    their collectives are not counted (GSPMD lays the GroupNorm out)."""
+
+    channels: int
+    layers: int = 1
+    stacked: bool = False
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        return []
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        return [ParameterShard(2 * self.channels * self.layers, 1 + self.stacked, (),
+                               not self.stacked)]
 
 
 class Dense(nn.Module):

@@ -52,6 +52,10 @@ _SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.Conv, nnx.Con
                     "nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, and modules given an AsDense or "
                     "Replicated rule")
 _TRACE = contextvars.ContextVar("axonn_nnx_trace", default=None)
+CLASS_CACHE = 256
+"""Classes made per process (`_under`, `_rule_class`, `_tracing_rule`): one per user layer class
+(and rule) parallelized. The bound is far above what a program defines; were one evicted, a
+later call would make an equal class under a new identity (modules made before keep theirs)."""
 
 
 def _flax_base(m) -> type | None:
@@ -115,7 +119,7 @@ def _check_options(path: str, m: nnx.Module):
 # -- classes: a layer's class is swapped on the copy, keeping a user subclass's own methods on top
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CLASS_CACHE)
 def _under(cls: type, parallel: type, prefix: str) -> type:
     """`parallel` (a subclass of the Flax layer that `cls` is or subclasses) slotted under `cls`'s
     own methods: `super()` in `cls` reaches `parallel`'s methods."""
@@ -135,7 +139,7 @@ def _rule_call(rule: AsDense) -> Callable:
     return __call__
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CLASS_CACHE)
 def _rule_class(cls: type, rule: AsDense) -> type:
     return type(f"Parallel{cls.__name__}", (cls,), {"__call__": _rule_call(rule),
                                                       "__module__": cls.__module__})
@@ -167,7 +171,7 @@ def _tracing_base(base):
 _TRACING = {base: _tracing_base(base) for base in _FLAX}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CLASS_CACHE)
 def _tracing_rule(cls: type, rule: AsDense) -> type:
     def __call__(self, x, *args, **kwargs):
         return _record(self._axonn_path, rule, x, cls.__call__(self, x, *args, **kwargs))

@@ -37,8 +37,11 @@ moved, keeps what it kept, and runs the work between the layers on each device's
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import math
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +49,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
+from ..collectives import Collective, ParameterShard, StepShape
 
 TP_AXES = ("depth", "row", "col")
 TP_DENSE_NAME = "tp_dense"
 """The `checkpoint_name` of every `tp_dense` output: what a remat policy may keep or offload."""
+LAYER_CACHE = 256
+"""Layer functions kept per process (`_dense_fn`, `_embed_fn`, `_conv_fn`): one per mesh and
+layout traced, each holding its jitted function and executables. A model needs a few dozen per
+mesh; the bound keeps a process that builds many meshes (tests, the planner's compiles) from
+holding every one it ever traced."""
 
 
 def feature_axes(transpose: bool) -> tuple[str, str]:
@@ -189,7 +198,9 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
 
-_REPLICATED = [0]  # depth of nested `replicated_rows()` blocks being traced
+_REPLICATED_ROWS = contextvars.ContextVar("axonn_replicated_rows", default=False)
+"""Whether the `tp_dense` layers being traced keep the replicated layout (`replicated_rows`): a
+ContextVar, so that traces in other threads or contexts never see it."""
 
 
 @contextlib.contextmanager
@@ -198,21 +209,22 @@ def replicated_rows(enabled: bool = True):
     block whose other layers GSPMD lays out and which expect activations whole over `row` (a
     Llama's `ReplicatedDense` key/value projections), where the split rows would be re-laid out
     by gathering them over the whole grid."""
-    _REPLICATED[0] += bool(enabled)
+    token = _REPLICATED_ROWS.set(_REPLICATED_ROWS.get() or bool(enabled))
     try:
         yield
     finally:
-        _REPLICATED[0] -= bool(enabled)
+        _REPLICATED_ROWS.reset(token)
 
 
-def split_batch(x_shape, mesh, transpose: bool) -> bool:
+def split_batch(x_shape, mesh, transpose: bool = False) -> bool:
     """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
     layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
     layer's two feature axes, outside `replicated_rows`. Otherwise the layer falls back to the
-    replicated layout."""
-    if _REPLICATED[0]:
+    replicated layout. `mesh`: a Mesh, None (the mesh in context), or `{axis: size}` (e.g.
+    `ParallelConfig.as_dict()`: the communication model's count, without devices)."""
+    if _REPLICATED_ROWS.get():
         return False
-    sizes = dict(current_mesh(mesh).shape)
+    sizes = mesh if isinstance(mesh, Mapping) else dict(current_mesh(mesh).shape)
     return all(x_shape[0] % (sizes["depth"] * sizes[a]) == 0 for a in feature_axes(transpose))
 
 
@@ -222,7 +234,7 @@ def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
     return P(("depth", batch_axis) if batch_axis else "depth", *([None] * (ndim - 2)), features)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=LAYER_CACHE)
 def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False,
               split: bool = False):
     fin, fout = feature_axes(transpose)
@@ -305,6 +317,99 @@ def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n
     return y.reshape(*y.shape[:-1], *out_dims)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseLayer:
+    """The collectives and parameter shards of `tp_dense` layers of `fan_in` → `fan_out`
+    features, as a model declares them (`collectives.Part`): `count` such layers in each of the
+    `layers` blocks one device holds (`layers` 0: a layer outside the stack, run once per step on
+    the last stage: the output head). `gathers`: per block, the input gathers of the batch-split
+    layout (layers reading one input, a GPT's query, key and value projections, share one);
+    None: one per layer. `table`: the kernel is the vocabulary-parallel token table (a tied head,
+    `tp_attend`'s matmul laid out by GSPMD: no parameters of its own, gradient all-reduced over
+    depth)."""
+
+    name: str
+    fan_in: int
+    fan_out: int
+    transpose: bool
+    count: int = 1
+    layers: int = 0
+    bias: bool = True
+    gathers: int | None = None
+    table: bool = False
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
+        depth, activations' features over one axis and (`step.split`) their rows over the other."""
+        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        stacked = self.layers > 0
+        count = self.count * self.layers if stacked else self.count
+        fin, fout = feature_axes(self.transpose)
+        nin, nout = getattr(g, fin), getattr(g, fout)
+        block = self.fan_in * self.fan_out / (nin * nout)  # kernel block after the depth gather
+        mm_flops = 2 * step.tokens * block  # one of the three matmuls of this layer on one device
+        x_bytes = step.tokens * self.fan_in / nin * cb
+        y_bytes = step.tokens * self.fan_out / nout * cb
+        if step.split:
+            gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
+            out = [
+                # forward: x's rows gathered over the output axis (once per input), partial sums
+                # reduce-scattered onto the rows over the input axis
+                Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=stacked),
+                Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked),
+                # backward: dy's rows gathered over the input axis, the input gradient
+                # reduce-scattered over the output axis (the weight gradient reads x's rows kept
+                # from the forward)
+                Collective("all-gather", (fin,), y_bytes, count),
+                Collective("reduce-scatter", (fout,), x_bytes, count, overlappable=mm_flops),
+            ]
+        else:
+            out = [
+                # forward: partial sums over the input axis (the head runs only in the last
+                # stage's backward tick, so it is not recomputed); backward: input gradient over
+                # the output axis (hidden behind the weight-gradient matmul)
+                Collective("all-reduce", (fin,), y_bytes, count, stage_forward=stacked),
+                Collective("all-reduce", (fout,), x_bytes, count, overlappable=mm_flops),
+            ]
+        out += [
+            # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
+            # head's, laid out by GSPMD, all-reduced)
+            Collective("all-gather", ("depth",), block * pb, count, stage_forward=stacked,
+                       per_microbatch=True),
+            Collective("all-reduce" if self.table else "reduce-scatter", ("depth",), block * pb,
+                       count, per_microbatch=True),
+        ]
+        if stacked:
+            # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
+            # head's forward and backward share one computation, where XLA reuses the gather.
+            out.append(Collective("all-gather", ("depth",), block * pb, count, per_microbatch=True))
+        if self.bias:
+            # the bias is replicated over depth (and, split, the input axis), whose devices saw
+            # different tokens
+            out.append(Collective("all-reduce", ("depth", fin) if step.split else ("depth",),
+                                  self.fan_out / nout * pb, count, per_microbatch=True))
+        return out
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The kernel `(in, out)`: in over in-axis·depth, out over out-axis (stacked over the
+        stage's blocks); the bias split like the outputs, whole over depth."""
+        g = step.grid
+        fin, fout = feature_axes(self.transpose)
+        kernel = ((fin, "depth"), (fout,))
+        tp = g.depth * g.row * g.col
+        if not self.layers:  # outside the stack: every pipeline stage holds it
+            out = [] if self.table else \
+                [ParameterShard(self.fan_in * self.fan_out / tp, 2, kernel, True)]
+            if self.bias:
+                out.append(ParameterShard(self.fan_out / getattr(g, fout), 1, ((fout,),), True))
+            return out
+        n = self.layers
+        out = [ParameterShard(n * self.fan_in * self.fan_out / tp, 3, kernel)] * self.count
+        if self.bias:
+            out += [ParameterShard(n * self.fan_out / getattr(g, fout), 2, ((fout,),))] * self.count
+        return out
+
+
 def embed_spec() -> P:
     """PartitionSpec of a `(vocab, features)` table: vocab over (`row`, `depth`), features over `col`."""
     return P(("row", "depth"), "col")
@@ -326,7 +431,7 @@ def table_divides(shape, mesh) -> bool:
         and shape[1] % sizes["col"] == 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=LAYER_CACHE)
 def _embed_fn(mesh, ndim: int, batched: bool):
     t_spec = P("depth" if batched else None, *([None] * (ndim - 1)))
     y_spec = activation_spec(ndim + 1, "col", batch=batched)
@@ -399,6 +504,51 @@ def tp_attend(x, table, mesh=None):
     return tp_dense(x, table, None, mesh, transpose=False, out_in=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The collectives and parameter shard of a vocabulary-parallel table (`tp_embed`) of
+    `rows` × `features`, as a model declares it (`collectives.Part`): rows over row·depth,
+    features over col, gathered over depth for the lookup like a dense kernel. `batched`: looks
+    up the step's tokens; else the `seq_len` positions (a learned position table), broadcast over
+    the batch."""
+
+    rows: int
+    features: int
+    batched: bool = True
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        shard = self.rows * self.features / (g.row * g.col)
+        if self.batched:
+            lookups = step.tokens * self.features / g.col * cb
+            out = [
+                Collective("all-gather", ("depth",), shard * pb, stage_forward=True,
+                           per_microbatch=True),
+                # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
+                # completes the embeddings
+                Collective("all-reduce", ("row",), lookups, stage_forward=True),
+                # the table's gradient scattered back over depth
+                Collective("reduce-scatter", ("depth",), shard * pb, per_microbatch=True),
+            ]
+            if step.split:  # the lookup's output is replicated over row: GSPMD gathers its
+                out.append(Collective("all-gather", ("row",), lookups))  # gradient's rows
+            return out
+        return [
+            Collective("all-gather", ("depth",), shard * pb, stage_forward=True, per_microbatch=True),
+            # the lookup sum, once per position; the gradient is first summed over the batch,
+            # which depth splits
+            Collective("all-reduce", ("row",), step.seq_len * self.features / g.col * cb,
+                       stage_forward=True, per_microbatch=True),
+            Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
+                       step.seq_len * self.features / g.col * pb, per_microbatch=True),
+        ]
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        g = step.grid
+        return [ParameterShard(self.rows * self.features / (g.depth * g.row * g.col), 2,
+                               (("row", "depth"), ("col",)), True)]
+
+
 class ConvSpec(tuple):
     """The window arithmetic of a channels-last convolution, hashable (it keys the compiled
     function): `transposed` (`lax.conv_transpose` rather than `lax.conv_general_dilated`),
@@ -462,7 +612,7 @@ def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
         raise ValueError(f"tp_conv: bias {bias.shape} does not match kernel {kernel.shape}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=LAYER_CACHE)
 def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
     fin, fout = feature_axes(transpose)
     x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
@@ -504,3 +654,55 @@ def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False)
     fn = _conv_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, spec)
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvLayer:
+    """The collectives and parameter shards of a `tp_conv` layer (a dense layer is one with a
+    window of 1), as a model declares it (`collectives.Part`): `window` kernel positions of `cin`
+    → `cout` channels, `pixels` output and `in_pixels` input positions per row (image), with
+    `transpose`; `layers` copies on one device (a stage's blocks, or 1), each run `runs` times per
+    step; `stacked`: a block of the stack (its forward recomputed in a pipeline stage's backward,
+    its backward a scan loop that gathers the kernel again); else every stage holds it. Rows keep
+    the replicated layout: batch over depth only."""
+
+    window: int
+    cin: int
+    cout: int
+    pixels: int
+    in_pixels: int
+    transpose: bool = False
+    layers: int = 1
+    runs: int = 1
+    stacked: bool = False
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        """AxoNN's dense layer over the channels of every window (`tp_conv`), with `window · cin`
+        input features and one row per output pixel; the input gradient sized by the input
+        pixels."""
+        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        n = self.layers * self.runs
+        fin, fout = feature_axes(self.transpose)
+        nin, nout = getattr(g, fin), getattr(g, fout)
+        block = self.window * self.cin * self.cout / (nin * nout)
+        rows_out, rows_in = step.rows * self.pixels, step.rows * self.in_pixels
+        return [
+            Collective("all-gather", ("depth",), block * pb, n * (2 if self.stacked else 1),
+                       per_microbatch=True),
+            Collective("all-reduce", (fin,), rows_out * self.cout / nout * cb, n,
+                       stage_forward=self.stacked),
+            Collective("all-reduce", (fout,), rows_in * self.cin / nin * cb, n,
+                       overlappable=2 * rows_out * block),
+            Collective("reduce-scatter", ("depth",), block * pb, n, per_microbatch=True),
+            Collective("all-reduce", ("depth",), self.cout / nout * pb, n, per_microbatch=True),
+        ]
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The kernel `(window, in, out)` split as `conv_kernel_spec`, the bias like the outputs."""
+        g = step.grid
+        fin, fout = feature_axes(self.transpose)
+        n, outside = self.layers, not self.stacked
+        kernel = self.window * self.cin * self.cout / (g.depth * g.row * g.col)
+        return [ParameterShard(n * kernel, 3 + self.stacked, ((fin, "depth"), (fout,)), outside),
+                ParameterShard(n * self.cout / getattr(g, fout), 1 + self.stacked, ((fout,),),
+                               outside)]

@@ -16,11 +16,12 @@ gradient, and hence the loss trajectory, is that of one process holding the whol
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ..parallel import compression
-from ..step.reducers import GradientReducer
+from ..step.reducers import GradientReducer, compressed_wire_bytes, reshard_residuals
 
 
 def world():
@@ -50,7 +51,7 @@ def mpi_mean(comm) -> GradientReducer:
     size = comm.Get_size()
     mean = lambda tree: jax.tree.map(lambda x: x / size, allreduce_sum(tree, comm))  # noqa: E731
     return GradientReducer(init=lambda params: None,
-                           reduce=lambda grads, state, step: (mean(grads), state), mean=mean,
+                           reduce=lambda grads, state, key: (mean(grads), state), mean=mean,
                            between_processes=True, process_index=comm.Get_rank(),
                            process_count=size)
 
@@ -67,20 +68,47 @@ def mpi_collectives(comm) -> compression.Collectives:
 
 
 def mpi_compressed_mean(comm, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
-                        error_feedback: bool = True, seed: int = 0) -> GradientReducer:
+                        error_feedback: bool = True) -> GradientReducer:
     """CGX's compressed mean over the processes of `comm`. With `error_feedback` the state is this
     process's residual (like the parameters) and rounding is to nearest; without it, rounding is
-    stochastic with noise from (seed, step, rank)."""
+    stochastic with noise from the step's key.
+
+    In a checkpoint the residuals of all processes are one leaf `[processes, *shape]` per
+    parameter (the layout of the one-program trainer's residuals, one per data-parallel device),
+    gathered to rank 0, which writes; on restore each rank takes its own, re-split as the
+    one-program residuals are when the number of processes changed."""
     compression.check_args(bits, bucket_size)
     collectives = mpi_collectives(comm)
     exact = mpi_mean(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
 
     def init(params):
         return jax.tree.map(jnp.zeros_like, params) if error_feedback else None
 
-    def reduce(grads, residual, step):
-        key = None if error_feedback else jax.random.fold_in(jax.random.key(seed), step)
+    def reduce(grads, residual, key):
         return compression.compressed_pmean(grads, collectives, bits=bits, bucket_size=bucket_size,
-                                            key=key, residual=residual)
+                                            key=None if error_feedback else key, residual=residual)
 
-    return exact._replace(init=init, reduce=reduce)
+    def saved(residual):
+        """`[processes, *shape]` leaves of every rank's residual (ShapeDtypeStructs alike); only
+        rank 0 gets the values (collective: every rank calls it)."""
+        if residual is None:
+            return None
+        if isinstance(jax.tree.leaves(residual)[0], jax.ShapeDtypeStruct):
+            return jax.tree.map(lambda r: jax.ShapeDtypeStruct((size, *r.shape), r.dtype,
+                                                               sharding=r.sharding), residual)
+        gathered = comm.gather(jax.tree.map(np.asarray, residual), root=0)
+        if rank != 0:
+            return residual  # not saved
+        return jax.tree.map(lambda r, *ranks: jax.device_put(np.stack(ranks), r.sharding),
+                            residual, *gathered)
+
+    def from_saved(stacked):
+        if stacked is None or isinstance(jax.tree.leaves(stacked)[0], jax.ShapeDtypeStruct):
+            return None if stacked is None else jax.tree.map(
+                lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype, sharding=r.sharding), stacked)
+        return jax.tree.map(lambda r: jax.device_put(r[rank], r.sharding), stacked)
+
+    return exact._replace(init=init, reduce=reduce, saved=saved, from_saved=from_saved,
+                          reshard=reshard_residuals,
+                          wire_bytes=compressed_wire_bytes(bits, bucket_size))

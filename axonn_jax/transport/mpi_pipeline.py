@@ -179,7 +179,7 @@ class StageEngine:
     phase of this process's train step.
 
     bound: the train step bound to this pipeline's batch shape (`step.train_step.BoundStep`: its
-    stage functions, which cast the parameters to the compute dtype, and its abstract batch of
+    `compute` functions, which cast the parameters to the compute dtype, and its abstract batch of
     `b` rows, cut into M microbatches of `b/M` rows); activations `(b/M, ...)` like the
     embedding's output.
     """
@@ -194,7 +194,7 @@ class StageEngine:
         self.position, self.schedule, self.m = position, schedule, num_microbatches
         self.v = virtual_stages
         self.comms = {ACT: position.pipe_comm.Dup(), GRAD: position.pipe_comm.Dup()}
-        model = bound.owner.model
+        model = bound.model
         self.layers = pipeline_lib.check_layers(model.num_layers, position.num_stages)
         self.n = pipeline_lib.check_layers(model.num_layers, position.num_stages, self.v)
         batch = bound.batch
@@ -203,7 +203,8 @@ class StageEngine:
             raise ValueError(f"the {rows} rows of a pipeline's batch are not divisible by "
                              f"microbatches = {num_microbatches}")
         self.mb_rows = rows // num_microbatches
-        embed, stage_fn, head = bound._stage_functions(self.n)
+        compute = bound.compute
+        embed, stage_fn, head = compute.embed, compute.stage(self.n), compute.head
         self._fns = embed, stage_fn, head
         mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((self.mb_rows, *a.shape[1:]), a.dtype),
                           batch)
@@ -226,13 +227,14 @@ class StageEngine:
                                             p["blocks"])}
 
     def _apply(self, prm, x, mb_batch, first: bool, last: bool):
-        """A chunk's input (the batch when `first`) -> output (the loss when `last`); prm: the
-        stage's parameters with one chunk's `blocks` (`_chunk`)."""
+        """A chunk's input (the batch when `first`) -> (output (the loss when `last`), the
+        chunk's auxiliary loss); prm: the stage's parameters with one chunk's `blocks`
+        (`_chunk`)."""
         embed, stage_fn, head = self._fns
         if first:
             x = embed(prm["embed"], mb_batch)
-        y = stage_fn(prm["blocks"], x)
-        return head(prm["head"], y, mb_batch) if last else y
+        y, extra, _ = stage_fn(prm["blocks"], x, mb_batch)
+        return (head(prm["head"], y, mb_batch) + extra if last else y), extra
 
     def _microbatch(self, batch, mb):
         return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, mb * self.mb_rows,
@@ -246,14 +248,19 @@ class StageEngine:
         def backward(p, x, mb_batch, c, cot, scale):
             prm = self._chunk(p, c)
             if first:  # the input is the batch: differentiate the parameters only
-                out, vjp = jax.vjp(lambda q: self._apply(q, None, mb_batch, True, last), prm)
+                (out, extra), vjp = jax.vjp(lambda q: self._apply(q, None, mb_batch, True, last),
+                                            prm)
             else:
-                out, vjp = jax.vjp(lambda q, x_: self._apply(q, x_, mb_batch, False, last), prm, x)
-            g_out = (scale / m).astype(out.dtype) if last else cot
-            g = vjp(g_out)
+                (out, extra), vjp = jax.vjp(
+                    lambda q, x_: self._apply(q, x_, mb_batch, False, last), prm, x)
+            weight = (scale / m).astype(jnp.float32)
+            # The loss (with the chunk's auxiliary loss) on the last stage, the auxiliary loss
+            # elsewhere, each weighted scale / M.
+            g_out = weight.astype(out.dtype) if last else cot
+            g = vjp((g_out, jnp.zeros_like(extra) if last else weight))
             g_x = jnp.zeros((), jnp.float32) if first else g[1]
-            loss = (out.astype(jnp.float32) / m) if last else jnp.zeros((), jnp.float32)
-            return g_x, loss, g[0]
+            share = out.astype(jnp.float32) if last else extra.astype(jnp.float32)
+            return g_x, share / m, g[0]
 
         return backward
 
@@ -277,7 +284,7 @@ class StageEngine:
             return self._programs[key]
         if kind == "F":
             def forward(p, x, batch, mb, c):
-                return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)
+                return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)[0]
 
             program = jax.jit(forward)
         elif kind == "B" and self.schedule != "zb-h1":
@@ -483,7 +490,7 @@ class StageEngine:
     def inspect(self, state, batch):
         """This stage's backward operation of its first chunk compiled (its largest program: it
         holds the recomputed chunk's activations), for `as_text` / `memory_analysis`."""
-        params = state["params"]
+        params = state.params
         first, last = self._virtual(0)
         x = None if first else jnp.zeros(self.act.shape, self.act.dtype)
         cot = None if last else jnp.zeros(self.act.shape, self.act.dtype)

@@ -1,0 +1,160 @@
+"""The collectives a train step issues, as its parts declare them.
+
+Each part states what it sends for a shape and a grid, next to its code: the tensor-parallel
+layers (`tp.tensor`: dense, convolution, vocabulary-parallel tables; `tp.layers`: norms), the
+pipeline (`parallel.pipeline`: messages, the sum of replicated gradients, repeated stage work),
+the gradient reducers and the step's scalars (`step.reducers`), and each model adapter its
+layers' shapes, its norms and its loss (`config.communication(step)`, e.g. `models.gpt`). The
+communication model (`analysis.comm_model`) adds up what they declare.
+
+Byte convention ("wire bytes"): what one device sends for an operation on a buffer of S bytes in a
+group of g devices under the ring algorithm: all-reduce 2(g−1)/g·S; all-gather (g−1)/g·S (S the
+gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute S.
+Groups of one device move nothing. (`analysis.hlo.wire_bytes` counts the compiled program so.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Protocol
+
+from .config import ParallelConfig
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+FP32 = 4
+"""Bytes of the values reduced in float32 whatever the compute dtype: norm statistics (Flax's
+norms reduce in float32), the logits' softmax sums (the head's logits are float32), scalars."""
+
+_RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1) / g,
+         "reduce-scatter": lambda g: (g - 1) / g, "all-to-all": lambda g: (g - 1) / g,
+         "collective-permute": lambda g: 1.0}
+
+
+def ring_bytes(kind: str, size: float, group: int) -> float:
+    """Wire bytes one device sends for a collective of buffer `size` over `group` devices."""
+    if group <= 1 or size == 0:
+        return 0.0
+    return _RING[kind](group) * size
+
+
+@dataclasses.dataclass
+class Collective:
+    """`count` collectives of one kind over one mesh axis (or several), each on `size` bytes."""
+
+    kind: str
+    axes: tuple[str, ...]
+    size: float
+    count: int = 1
+    overlappable: float = 0.0
+    """FLOPs of independent compute this collective can hide behind (per occurrence)."""
+    stage_forward: bool = False
+    """Part of a pipeline stage's forward, which the engine runs again (recomputes) in the
+    stage's backward tick: with `pipe > 1` it happens twice per microbatch."""
+    per_microbatch: bool = False
+    """Parameter-sized (a weight gather, a weight-gradient reduction): the pipeline runs it in
+    every microbatch's operation, so with `pipe > 1` it happens M times per step instead of once.
+    Activation-sized collectives split with the tokens and add up to the same bytes either way."""
+    group_size: int = 0
+    """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
+    0: all the devices of `axes`."""
+
+    def group(self, grid: ParallelConfig) -> int:
+        return self.group_size or math.prod(getattr(grid, a) for a in self.axes)
+
+    def wire_bytes(self, grid: ParallelConfig) -> float:
+        return self.count * ring_bytes(self.kind, self.size, self.group(grid))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterShard:
+    """One parameter tensor as one device of a pipeline stage holds it (block tensors stacked over
+    the stage's layers)."""
+
+    elements: float
+    ndim: int
+    splits: tuple[tuple[str, ...], ...]
+    """For each split dimension, the mesh axes it is split over (sizes of 1 included), e.g. a
+    normal dense kernel `(('col', 'depth'), ('row',))`."""
+    outside_blocks: bool = False
+    """Embedding tables, final norm and head: every pipeline stage holds them."""
+    exchanged: float | None = None
+    """Elements of its gradient the exact data-parallel exchange reduces, when fewer than
+    `elements` (a kernel whose gradient is computed in pieces and gathered after the exchange);
+    None: all of them."""
+
+    @property
+    def size(self) -> float:
+        """`elements`, under the name the compression size rule reads (`bits_for_leaf`)."""
+        return self.elements
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """One train step as the parts count it: the grid, the global batch of `batch` rows
+    (sequences, or images with `seq_len` 1) of `seq_len` positions, `microbatches`, the bytes of
+    a compute value and of a parameter, and whether the tensor-parallel layers keep the batch
+    split (`split`, `tp.tensor.split_batch`: the model decides, it knows its layers)."""
+
+    grid: ParallelConfig
+    batch: int
+    seq_len: int = 1
+    microbatches: int = 1
+    compute_bytes: int = 2
+    param_bytes: int = 4
+    split: bool = False
+
+    @property
+    def rows(self) -> float:
+        """Rows one device's tensor-parallel group works on per step (the batch over data·depth)."""
+        return self.batch / (self.grid.data * self.grid.depth)
+
+    @property
+    def tokens(self) -> float:
+        """Positions one device's tensor-parallel group works on per step."""
+        return self.batch * self.seq_len / (self.grid.data * self.grid.depth)
+
+    @property
+    def layer_rows(self) -> float:
+        """Rows one layer call sees on a data shard: its microbatch under a pipeline."""
+        return self.batch / (self.grid.data * (self.microbatches if self.grid.pipe > 1 else 1))
+
+    def stage_layers(self, num_layers: int) -> int:
+        """Blocks of a stack of `num_layers` one pipeline stage holds."""
+        return num_layers // self.grid.pipe
+
+
+class Part(Protocol):
+    """Anything that declares its collectives and parameters for a step."""
+
+    def collectives(self, step: StepShape) -> list[Collective]: ...
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCommunication:
+    """What a model declares about one train step (`config.communication(step)`), on one device
+    of the most loaded pipeline stage: the collectives of its own layers (tensor-parallel
+    kernels, norms, loss), the parameter shards that device holds (from which the step's
+    gradient exchange, gradient-norm sums and pipeline gradient sums follow), the bytes of one
+    microbatch's activation between two blocks on one device (`boundary`: what a stage sends and
+    stashes), the layout its dense layers run in (`split`), the elements of the embedding's
+    parameters its head reads (`head_reads`, `StackedModel.head_reads_embed`: the pipeline sums
+    their gradient apart), the training FLOPs of the step, and the activation bytes the device
+    keeps (`activations`; None: the planner's estimate for a stack of transformer blocks)."""
+
+    collectives: tuple[Collective, ...]
+    parameters: tuple[ParameterShard, ...]
+    boundary: float
+    flops: float
+    split: bool = False
+    head_reads: float = 0.0
+    activations: float | None = None
+
+
+def from_parts(parts: Iterable[Part], step: StepShape, **fields) -> ModelCommunication:
+    """The `ModelCommunication` of a model made of `parts`, with its other `fields`."""
+    parts = tuple(parts)
+    return ModelCommunication(tuple(c for p in parts for c in p.collectives(step)),
+                              tuple(s for p in parts for s in p.parameters(step)),
+                              split=step.split, **fields)

@@ -1,0 +1,70 @@
+"""What a decoder language model (`models.gpt`, `models.llama`) declares to the communication model:
+its shape on a grid (`DecoderShape`, from `config.shape(grid)`) and, from it, the parts whose
+collectives and parameters add up to one train step (`communication`): the vocabulary-parallel
+tables, the blocks' dense layers and norms, the final norm, the output head and the loss."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..collectives import FP32, Collective, ModelCommunication, StepShape, from_parts
+from ..tp.layers import Norms
+from ..tp.tensor import DenseLayer, Table, split_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+    """A decoder's communicating parts on a grid: the blocks' tensor-parallel dense layers in the
+    order the transform assigns `transpose`, with the stage's `layers` blocks (`DenseLayer`s),
+    then the output head (layers 0; with `tied`, its matrix is the token table); `replicated`:
+    per-block parts GSPMD lays out, next to which the dense layers keep activations whole over
+    `row` (`tp.tensor.replicated_rows`; a Llama's key/value projections when their heads do not
+    divide over `row`)."""
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    vocab_size: int
+    position_rows: int
+    """Rows of a learned position table (0: none, e.g. rotary positions)."""
+    layers: tuple[DenseLayer, ...]
+    replicated: tuple = ()
+    norm_stats: int = 2
+    """Per-token sums a norm takes over `col`: LayerNorm 2 (mean, mean of squares), RMSNorm 1."""
+    norm_params: int = 2
+    """Vectors per norm: LayerNorm's scale and bias, RMSNorm's scale."""
+    tied: bool = False
+    """The output head multiplies by the token table (GSPMD lays out that matmul)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropy:
+    """`gpt.cross_entropy` on logits whose vocabulary is split over row (the head is a normal
+    layer): forward max, sum of exponentials and picked log-probability, backward the softmax's
+    sum, all float32 (the logits are)."""
+
+    def collectives(self, step: StepShape) -> list[Collective]:
+        tokens = step.tokens / (step.grid.col if step.split else 1)
+        return [Collective("all-reduce", ("row",), tokens * FP32, 4)]
+
+    def parameters(self, step: StepShape) -> list:
+        return []
+
+
+def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCommunication:
+    """One train step of the decoder `shape` (`collectives.ModelCommunication`), whose training
+    FLOPs are `flops`. The dense layers keep the batch split when `tp.tensor.split_batch` says so
+    for the rows one layer sees, unless parts laid out by GSPMD keep it whole."""
+    g, d = step.grid, shape.d_model
+    split = not shape.replicated and split_batch((step.layer_rows,), g.as_dict())
+    step = dataclasses.replace(step, split=split)
+    stage = step.stage_layers(shape.num_layers)
+    tables = [Table(shape.vocab_size, d)]
+    if shape.position_rows:
+        tables.append(Table(shape.position_rows, d, batched=False))
+    norms = [Norms(d, shape.norm_stats, shape.norm_params),  # the final norm, run with the head
+             Norms(d, shape.norm_stats, shape.norm_params, count=2, layers=stage)]
+    rows = g.row if split else 1  # the residual stream's rows split over row
+    boundary = step.tokens / step.microbatches / rows * d / g.col * step.compute_bytes
+    head_reads = shape.vocab_size * d / (g.depth * g.row * g.col) if shape.tied else 0.0
+    return from_parts([*tables, *shape.layers, *shape.replicated, *norms, CrossEntropy()], step,
+                      boundary=boundary, flops=flops, head_reads=head_reads)

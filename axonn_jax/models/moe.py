@@ -1,0 +1,202 @@
+"""A mixture-of-experts feed-forward layer: a router picks `top_k` of `num_experts` SwiGLU experts
+for every token; optional shared experts (DeepSeek) see every token.
+
+    MoE(config)(x) -> (y, aux)       x, y: (..., d_model); aux: a dict of float32 arrays
+
+`aux['loss']` is the weighted auxiliary loss (`aux_loss_weight`·balance + `z_loss_weight`·z),
+a scalar to add to the training loss; the rest are metrics: `expert_load (num_experts,)`
+(assignments each expert was asked to take, before drops), `dropped_tokens` (assignments dropped
+for lack of capacity), and the unweighted `balance_loss` and `z_loss`.
+
+Router (in float32): logits `x @ router (d_model, E)`; scores `softmax(logits)` or
+`sigmoid(logits)`; the top-k scores are the combine weights, divided by their sum with
+`renormalize` (Mixtral's and DeepSeek-V3's `norm_topk_prob`).
+
+Losses:
+- balance (Switch's, in Mixtral's form, `transformers`' `load_balancing_loss_func` for one
+  layer): `E · Σ_e f_e · P_e`, with `f_e` the fraction of the tokens whose top-k choices include
+  `e` (Σ_e f_e = k; the loss is k when routing is uniform) and `P_e` the mean over tokens of
+  `e`'s routing probability (the scores divided by their sum over experts: the softmax itself,
+  or normalized sigmoid scores as in DeepSeek-V3).
+- z (ST-MoE): the mean over tokens of `logsumexp(logits)²`.
+
+Where the tokens are split over manual mesh axes (`batch_axes`: the train step's `data`, `expert`
+and `context`), the expert counts `f_e` are summed over them first (an all-reduce of E + 2
+numbers), so every shard's balance loss uses the whole batch's routing; `f_e` carries no gradient
+and `P_e` is a mean over tokens, so the shards' losses average to the whole batch's loss and
+their gradients sum to its gradient, as the train step reduces them. The metrics are the whole
+batch's too.
+
+Experts are computed by `axonn_jax.parallel.experts.routed_swiglu` (dropless with
+`ragged_dot`, or capacity-based), split over the `expert` mesh axis when the layer runs inside a
+shard_map manual over it: its expert weights are then the device's slice, and its parameter
+shapes say so.
+
+Parameters: `router (d_model, E)` float32; `w_gate (E, d_model, d_ff)`, `w_up (E, d_model,
+d_ff)`, `w_down (E, d_ff, d_model)`; with shared experts
+`shared_gate`, `shared_up`, `shared_down` (`nn.Dense` kernels, hidden `num_shared_experts·d_ff`).
+The expert weights' partitioning metadata is `('expert', 'col', 'row')` (the down projection
+`('expert', 'row', 'col')`): on a mesh with tensor axes each expert's matmuls are split like an
+AxoNN dense layer's, laid out by GSPMD (the tensor axes are automatic in the train step).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .._compat import psum, varying_axes
+from ..parallel import experts as experts_lib
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing of an MoE layer (see the module docstring). `d_ff`: one expert's hidden
+    width. `capacity_factor`: None for dropless, else slots per expert =
+    `ceil(capacity_factor·tokens·top_k/num_experts)`. `dispatch_factor`: dropless over an expert
+    axis of n devices, rows sent to each device = `ceil(dispatch_factor·tokens·top_k/n)` (None:
+    every row could go to one device, nothing is dropped)."""
+
+    num_experts: int
+    top_k: int
+    d_ff: int
+    score: str = "softmax"
+    renormalize: bool = True
+    aux_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0
+    num_shared_experts: int = 0
+    capacity_factor: float | None = None
+    dispatch_factor: float | None = None
+
+    def __post_init__(self):
+        if self.num_experts < 1 or self.d_ff < 1:
+            raise ValueError(f"num_experts = {self.num_experts} and d_ff = {self.d_ff} must be "
+                             "positive")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k = {self.top_k} must be between 1 and num_experts = "
+                             f"{self.num_experts}")
+        if self.score not in SCORES:
+            raise ValueError(f"score = {self.score!r} is not one of {SCORES}")
+        for name in ("capacity_factor", "dispatch_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} = {value} must be > 0")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts = {self.num_shared_experts} must be ≥ 0")
+
+    def check_expert_axis(self, expert: int) -> None:
+        """ValueError naming the numbers unless the experts split evenly over `expert` devices."""
+        if self.num_experts % expert:
+            raise ValueError(f"num_experts = {self.num_experts} is not divisible by expert = "
+                             f"{expert}")
+
+    def num_params(self, d_model: int) -> int:
+        """Parameters of one layer: router, experts, shared experts."""
+        return d_model * self.num_experts + 3 * d_model * self.d_ff * (
+            self.num_experts + self.num_shared_experts)
+
+    def active_params(self, d_model: int) -> int:
+        """Parameters one token multiplies by: router, top_k experts, shared experts."""
+        return d_model * self.num_experts + 3 * d_model * self.d_ff * (
+            self.top_k + self.num_shared_experts)
+
+
+# ----------------------------------------------------------------------------- router and losses
+
+def route(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(weights (T, k) float32, experts (T, k) int32, probs (T, E) float32)` of router logits
+    `(T, E)`: the top-k scores and their experts (best first), and the routing probabilities the
+    balance loss reads (see the module docstring)."""
+    logits = logits.astype(jnp.float32)
+    scores = jax.nn.softmax(logits, -1) if config.score == "softmax" else jax.nn.sigmoid(logits)
+    weights, chosen = jax.lax.top_k(scores, config.top_k)
+    if config.renormalize:
+        weights = weights / jnp.sum(weights, -1, keepdims=True)
+    probs = scores if config.score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
+    return weights, chosen.astype(jnp.int32), probs
+
+
+def balance_loss(probs: jax.Array, expert_load: jax.Array, num_tokens) -> jax.Array:
+    """`E · Σ_e (expert_load_e / num_tokens) · mean_t probs[t, e]`: probs `(T, E)` of the local
+    tokens, expert_load `(E,)` assignments per expert of the `num_tokens` tokens they count (the
+    whole batch's; no gradient flows through them)."""
+    fraction = jax.lax.stop_gradient(expert_load / num_tokens)
+    return probs.shape[-1] * jnp.sum(fraction * jnp.mean(probs, 0))
+
+
+def z_loss(logits: jax.Array) -> jax.Array:
+    """Mean over tokens of `logsumexp(logits)²`, logits `(T, E)`."""
+    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), -1) ** 2)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+def _expert_init(scale_axis: int):
+    """Lecun-normal per expert (fan-in of one expert's matrix, not of the stack)."""
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=scale_axis,
+                                            out_axis=-1, batch_axis=(0,))
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward layer: `x (..., d_model) -> (y (..., d_model), aux)` (see the module
+    docstring). `expert_axis`: the mesh axis experts split over when it is manual in the
+    enclosing shard_map; `batch_axes`: the axes that may split the tokens (the routing statistics
+    are summed over those of them the tokens vary over there)."""
+
+    config: MoEConfig
+    dtype: Any = jnp.float32
+    expert_axis: str = "expert"
+    batch_axes: tuple[str, ...] = ("data", "expert", "context")
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        shape, d = x.shape, x.shape[-1]
+        tokens = x.reshape(-1, d)
+        local = experts_lib.local_experts(c.num_experts, self.expert_axis)
+        # Experts split over the expert axis, each expert's (in, out) features over (col, row) as
+        # AxoNN splits a dense layer (the down projection transposed): GSPMD lays out their
+        # matmuls over the tensor axes, which the train step keeps automatic.
+        param = lambda name, s, names: self.param(  # noqa: E731
+            name, nn.with_partitioning(_expert_init(-2), (self.expert_axis, *names)), s,
+            jnp.float32)
+        w_gate = param("w_gate", (local, d, c.d_ff), ("col", "row"))
+        w_up = param("w_up", (local, d, c.d_ff), ("col", "row"))
+        w_down = param("w_down", (local, c.d_ff, d), ("row", "col"))
+        router = self.param("router", nn.initializers.lecun_normal(), (d, c.num_experts),
+                            jnp.float32)
+
+        logits = tokens.astype(jnp.float32) @ router
+        weights, chosen, probs = route(logits, c)
+        y, dropped = experts_lib.routed_swiglu(
+            tokens.astype(self.dtype), chosen, weights, w_gate, w_up, w_down,
+            num_experts=c.num_experts, axis=self.expert_axis, capacity_factor=c.capacity_factor,
+            dispatch_factor=c.dispatch_factor)
+        if c.num_shared_experts:
+            y = y + self._shared(tokens)
+        aux = self._aux(logits, probs, chosen, dropped)
+        return y.reshape(shape).astype(self.dtype), aux
+
+    def _shared(self, tokens):
+        hidden = self.config.num_shared_experts * self.config.d_ff
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        h = nn.silu(dense(hidden, "shared_gate")(tokens)) * dense(hidden, "shared_up")(tokens)
+        return dense(tokens.shape[-1], "shared_down")(h)
+
+    def _aux(self, logits, probs, chosen, dropped) -> dict:
+        c = self.config
+        load = jnp.bincount(chosen.reshape(-1), length=c.num_experts).astype(jnp.float32)
+        stats = jnp.concatenate([load, jnp.array([chosen.shape[0], dropped], jnp.float32)])
+        axes = tuple(a for a in self.batch_axes if a in varying_axes(stats))
+        if axes:
+            stats = psum(stats, axes)
+        load, num_tokens, dropped = stats[:-2], stats[-2], stats[-1]
+        balance = balance_loss(probs, load, num_tokens)
+        z = z_loss(logits)
+        return {"loss": c.aux_loss_weight * balance + c.z_loss_weight * z, "balance_loss": balance,
+                "z_loss": z, "expert_load": load, "dropped_tokens": dropped}

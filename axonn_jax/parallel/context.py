@@ -1,0 +1,577 @@
+"""Context parallelism: attention over a sequence split along a mesh axis (default `"context"`).
+
+The layout. With `C` devices on the axis the sequence is cut into `2C` chunks of `c` tokens and
+device `i` holds chunks `i` and `2C-1-i` (the zig-zag layout, `balance` / `unbalance`): under a
+causal mask chunk `i` sees `i + 1` chunks and chunk `2C-1-i` sees `2C - i`, so every device owns
+the same `2C + 1` chunk pairs of useful work. `positions(local_len)` gives a device its tokens'
+true positions in that layout.
+
+The kernels (`attention`), called inside a `shard_map` that is manual over the axis, with q `(rows,
+2c, heads, head_dim)` and k, v `(rows, 2c, kv_heads, head_dim)` the device's two chunks:
+
+- `ring`: key/value blocks travel around the axis (`ppermute` to the next device, each transfer
+  issued before the current block's compute so the two overlap); `C` steps, online softmax in
+  fp32. The backward pass rings the key/value blocks again and, beside them, the fp32 key/value
+  gradient accumulators, which end at their owner after one more hop. Residuals: the output and
+  its log-sum-exp, nothing of size seq².
+- `allgather`: one all-gather of keys/values, the same block schedule over the gathered blocks;
+  the backward pass gathers again and returns the key/value gradients with one reduce-scatter.
+
+Both compute, per step, only the `c × c` blocks of chunk pairs that the causal mask does not hide
+(`block_schedule`): 3 on the diagonal step, 2 on each of the `C - 1` others — `2C + 1` blocks on
+every device, where attending every pair costs `4C`. Which 2 depends on the device (traced), so
+they are chosen by dynamic indexing, not by branches: one program, the same FLOPs everywhere
+(`flops`). A step's blocks run as one batch, each `query_tile` queries at a time, so memory
+holds `query_tile × c` scores per block and head, never `seq²`.
+
+Masks. A query attends to a key when the key is not later in the sequence, not later by
+`positions` (when given) and in the same segment (`segment_ids`, when given: packed documents);
+segment ids and positions travel with the keys. Only keys (`kv_heads`) move: grouped-query
+attention rotates `kv_heads / heads` of the bytes of multi-head attention.
+
+`collectives` states what the kernels send (the communication model); `causal_mask` is the same
+mask for one device (what `models.attention` uses); `block_schedule` / `kernel_blocks` list the
+chunk pairs with work and those the kernels compute, per device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+SCHEMES = ("ring", "allgather")
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite -inf: masked scores
+_TINY = 1e-30  # a row's sum of probabilities is >= 1 unless the block hides the whole row
+
+
+# ----------------------------------------------------------------------------- the layout
+
+def zigzag_order(size: int) -> np.ndarray:
+    """The `2·size` chunk indices in the order the devices hold them: `[0, 2C-1, 1, 2C-2, ...]`
+    (device `i` holds entries `2i` and `2i+1`)."""
+    return np.stack([np.arange(size), 2 * size - 1 - np.arange(size)], axis=1).reshape(-1)
+
+
+def check_sequence(seq_len: int, size: int) -> None:
+    """ValueError unless a sequence of `seq_len` tokens cuts into the `2·size` equal chunks of the
+    load-balanced layout."""
+    if seq_len % (2 * size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2·context = {2 * size} "
+                         "(the load-balanced layout cuts it into 2·context equal chunks)")
+
+
+def _permute_chunks(x, size: int, dim: int, order: np.ndarray):
+    check_sequence(x.shape[dim], size)
+    chunks = x.reshape(x.shape[:dim] + (2 * size, x.shape[dim] // (2 * size)) + x.shape[dim + 1:])
+    return jnp.take(chunks, order, axis=dim).reshape(x.shape)
+
+
+def balance(x, size: int, dim: int = 1):
+    """`x` with dimension `dim` (the sequence, of length divisible by `2·size`) permuted into the
+    zig-zag layout: split that dimension evenly over `size` devices afterwards and device `i` holds
+    chunks `i` and `2·size-1-i`. Any array, e.g. `(rows, seq, ...)`."""
+    return _permute_chunks(x, size, dim, zigzag_order(size))
+
+
+def unbalance(x, size: int, dim: int = 1):
+    """The inverse of `balance`: dimension `dim` back in sequence order."""
+    return _permute_chunks(x, size, dim, np.argsort(zigzag_order(size)))
+
+
+def axis_size(axis: str = "context") -> int:
+    """Devices on `axis` when the enclosing shard_map is manual over it, else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in getattr(mesh, "manual_axes", ()):
+        return 1
+    return mesh.shape[axis]
+
+
+def _chunk(half, device, size):
+    """The global chunk index of local half `half` (0 or 1) of `device`: `device` or
+    `2·size-1-device`."""
+    return jnp.where(half == 0, device, 2 * size - 1 - device)
+
+
+def positions(local_len: int, axis: str = "context"):
+    """`(local_len,)` int32: the true positions (indices in the whole sequence) of this device's
+    tokens in the zig-zag layout, inside a shard_map manual over `axis`; `arange(local_len)`
+    elsewhere (outside one, or an axis it does not split). ValueError for an odd `local_len`
+    on a split axis."""
+    size = axis_size(axis)
+    if size == 1:
+        return jnp.arange(local_len, dtype=jnp.int32)
+    if local_len % 2:
+        raise ValueError(f"local sequence length {local_len} is odd: it holds two chunks of the "
+                         f"load-balanced layout (sequence {local_len * size} over context {size})")
+    c, i = local_len // 2, lax.axis_index(axis)
+    return (_chunk(jnp.arange(2)[:, None], i, size) * c
+            + jnp.arange(c)[None]).reshape(-1).astype(jnp.int32)
+
+
+def block_schedule(size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
+    """Per device, the `(query chunk, key chunk)` pairs (chunks of `seq / 2·size` tokens) that a
+    causal mask leaves work in, for the `zigzag` layout (device `i`: chunks `i, 2·size-1-i`) or
+    a `contiguous` split (device `i`: chunks `2i, 2i+1`). Zig-zag: `2·size + 1` pairs on every
+    device; contiguous: `4i + 3` on device `i`."""
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout must be zigzag or contiguous, got {layout!r}")
+    held = zigzag_order(size) if layout == "zigzag" else np.arange(2 * size)
+    out = []
+    for i in range(size):
+        mine = held[2 * i:2 * i + 2]
+        out.append([(int(q), int(k)) for q in mine for k in range(2 * size) if k <= q])
+    return out
+
+
+def kernel_blocks(size: int) -> list[list[tuple[int, int]]]:
+    """Per device, the `(query chunk, key chunk)` pairs the kernels compute, step by step, read off
+    the same slot rule the kernels run (`_slots`) with concrete device indices."""
+    out = []
+    for i in range(size):
+        pairs = []
+        for step in range(size):
+            j = (i - step) % size
+            for a, b in _slots(i, j) + (_slots(i, j, True) if step == 0 else ()):
+                pairs.append((int(_chunk(a, i, size)), int(_chunk(b, j, size))))
+        out.append(pairs)
+    return out
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_inputs(q, k, v, segment_ids=None, positions=None, size: int = 1) -> None:
+    """ValueError (one line, naming the numbers) unless q `(rows, t, heads, head_dim)`, k and v
+    `(rows, t, kv_heads, head_dim)` with kv_heads dividing heads, segment ids and positions
+    `(rows, t)` integers, and (with `size > 1` devices on the axis) `t` even."""
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"attention needs q (rows, seq, heads, head_dim) and k, v of one shape "
+                         f"(rows, seq, kv_heads, head_dim); got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k/v {k.shape} differ in rows, sequence or head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads are not divisible by {k.shape[2]} "
+                         "key/value heads")
+    for name, side in (("segment_ids", segment_ids), ("positions", positions)):
+        if side is not None and (side.shape != q.shape[:2]
+                                 or not jnp.issubdtype(side.dtype, jnp.integer)):
+            raise ValueError(f"{name} must be (rows, seq) = {q.shape[:2]} integers, got "
+                             f"{side.shape} {side.dtype}")
+    if size > 1:
+        check_sequence(q.shape[1] * size, size)
+
+
+def check_scheme(scheme: str) -> None:
+    """ValueError unless `scheme` names a context-parallel attention scheme."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"context attention scheme must be one of {', '.join(SCHEMES)}, "
+                         f"got {scheme!r}")
+
+
+# ----------------------------------------------------------------------------- masks and blocks
+
+def _mask(q_index, k_index, q_side, k_side):
+    """`(rows or 1, tq, tk)` bool: key not later in the sequence (`*_index`, `(t,)`), not later
+    by position, same segment (the optional `(rows, t)` entries `pos`, `seg` of `*_side`)."""
+    mask = (k_index[None, :] <= q_index[:, None])[None]
+    if "pos" in q_side:
+        mask = mask & (k_side["pos"][:, None, :] <= q_side["pos"][:, :, None])
+    if "seg" in q_side:
+        mask = mask & (k_side["seg"][:, None, :] == q_side["seg"][:, :, None])
+    return mask
+
+
+def _side(segment_ids, positions) -> dict:
+    return {n: x for n, x in (("seg", segment_ids), ("pos", positions)) if x is not None}
+
+
+def causal_mask(seq_len: int, segment_ids=None, positions=None):
+    """`(rows or 1, seq, seq)` bool, True where query `t` may attend to key `s`: `s <= t`, not
+    later by `positions` and in the same segment (each `(rows, seq)` integers, optional)."""
+    side = _side(segment_ids, positions)
+    index = jnp.arange(seq_len)
+    return _mask(index, index, side, side)
+
+
+def _block_forward(q, k, v, mask, scale):
+    """Attention of a query block `(rows, tq, kv_heads, groups, d)` over a key block `(rows, tk,
+    kv_heads, d)` under `mask (rows|1, tq, tk)`: (output normalized over this block, fp32, like
+    q; log-sum-exp `(rows, tq, kv_heads, groups)` fp32, below `_NEG / 2` for rows the block
+    hides, whose output is 0)."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    # A hidden row's max stays at _NEG / 2, so its masked scores still give exp(...) = 0.
+    m = jnp.maximum(jnp.max(s, axis=-1), _NEG / 2)
+    p = jnp.exp(s - m[..., None])
+    total = jnp.maximum(jnp.sum(p, axis=-1), _TINY)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    to_rows = lambda x: jnp.moveaxis(x, -1, 1)  # noqa: E731  (b,k,g,q) -> (b,q,k,g)
+    return o / to_rows(total)[..., None], to_rows(m + jnp.log(total))
+
+
+def _tiles(x, tile: int, axis: int):
+    """`x` with `axis` (queries) cut into `(n, tile)`, the `n` tiles moved to the front."""
+    shape = x.shape[:axis] + (x.shape[axis] // tile, tile) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _untile(x, axis: int):
+    """The inverse of `_tiles` for an array of tiles `(n, ...)`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _tiled_forward(q, k, v, mask, scale, tile):
+    """`_block_forward` one tile of `tile` queries at a time (a loop): the scores in memory are
+    `tile × tk` per head, not `tq × tk`."""
+    if q.shape[1] <= tile:
+        return _block_forward(q, k, v, mask, scale)
+    o, lse = lax.map(lambda qm: _block_forward(qm[0], k, v, qm[1], scale),
+                     (_tiles(q, tile, 1), _tiles(mask, tile, 1)))
+    return _untile(o, 1), _untile(lse, 1)
+
+
+def _tiled_backward(q, k, v, mask, lse, do, delta, scale, tile):
+    """`_block_backward` one tile of `tile` queries at a time, summing the key/value gradients
+    over the tiles."""
+    if q.shape[1] <= tile:
+        return _block_backward(q, k, v, mask, lse, do, delta, scale)
+
+    def one(acc, x):
+        dq, dk, dv = _block_backward(x[0], k, v, x[1], *x[2:], scale)
+        return (acc[0] + dk, acc[1] + dv), dq
+    zero = jnp.zeros_like(k, jnp.float32)
+    (dk, dv), dq = lax.scan(one, (zero, jnp.zeros_like(v, jnp.float32)),
+                            tuple(_tiles(x, tile, 1) for x in (q, mask, lse, do, delta)))
+    return _untile(dq, 1), dk, dv
+
+
+def _merge(o, lse, o_block, lse_block):
+    """Online softmax: the output and log-sum-exp over the union of two disjoint key sets (all
+    log-sum-exps finite)."""
+    top = jnp.maximum(lse, lse_block)
+    new = top + jnp.log(jnp.exp(lse - top) + jnp.exp(lse_block - top))
+    return (o * jnp.exp(lse - new)[..., None] + o_block * jnp.exp(lse_block - new)[..., None],
+            new)
+
+
+def _block_backward(q, k, v, mask, lse, do, delta, scale):
+    """(dq, dk, dv) of one block, fp32, from the whole attention's log-sum-exp and
+    `delta = sum(do · o)` (both `(rows, tq, kv_heads, groups)`), recomputing the block's
+    probabilities (flash attention's backward)."""
+    to_heads = lambda x: jnp.moveaxis(x, 1, -1)[..., None]  # noqa: E731  (b,q,k,g) -> (b,k,g,q,1)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
+    p = jnp.exp(jnp.where(mask[:, None, None], s, _NEG) - to_heads(lse))  # lse is finite
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqkgd,bskd->bkgqs", do, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - to_heads(delta))
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k,
+                    preferred_element_type=jnp.float32) * scale
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q,
+                    preferred_element_type=jnp.float32) * scale
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- the block schedule
+
+def _slots(i, j, diagonal: bool = False):
+    """The `(query half, key half)` blocks worth computing when device `i` holds the keys of
+    device `j`: always the second query chunk over the first key chunk (chunk `2C-1-i` follows
+    chunk `j`); then, for `j <= i`, the first query chunk over the first key chunk (causal on the
+    diagonal), for `j > i`, the second over the second (the rest is masked). `diagonal`: the one
+    block more of `j == i`, the second query chunk over the second key chunk (causal)."""
+    if diagonal:
+        return ((1, 1),)
+    traced = isinstance(i, jax.Array) or isinstance(j, jax.Array)
+    other = (j > i).astype(jnp.int32) if traced else int(j > i)
+    return ((1, 0), (other, other))
+
+
+def _half(tree, half):
+    """Local half `half` (axis 1 of every leaf, length 2) of a pytree."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, half, axis=1, keepdims=False), tree)
+
+
+def _put(x, half, value):
+    return lax.dynamic_update_index_in_dim(x, value.astype(x.dtype), half, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a kernel call knows statically: the axis, its size, the scheme and the query tile."""
+
+    axis: str
+    size: int
+    scheme: str
+    tile: int
+
+
+def _blocks(plan, q, q_side, kv, i, j, slots):
+    """The query and key halves of `slots` stacked on axis 1 (query half `a` of device `i`, key
+    half `b` of device `j`, per slot) and their masks, `(rows|1, slots, c, c)`: a step's blocks
+    computed as one batch."""
+    c = q.shape[2]
+    index = lambda half, dev: _chunk(half, dev, plan.size) * c + jnp.arange(c)  # noqa: E731
+    stack = lambda tree, halves: jax.tree.map(  # noqa: E731
+        lambda *xs: jnp.stack(xs, axis=1), *[_half(tree, h) for h in halves])
+    qs, kvs = stack(q, [a for a, _ in slots]), stack(kv, [b for _, b in slots])
+    masks = [_mask(index(a, i), index(b, j), _half(q_side, a),
+                   {n: _half(kv[n], b) for n in ("seg", "pos") if n in kv}) for a, b in slots]
+    return qs, kvs["k"], kvs["v"], jnp.stack(masks, axis=1)
+
+
+_BATCHED = dict(in_axes=1, out_axes=1)
+
+
+def _forward_step(plan, state, q, q_side, kv, i, j, diagonal=False):
+    """`state = (o, lse)` (halves on axis 1) updated with the blocks of keys `kv` from device `j`."""
+    o, lse = state
+    slots = _slots(i, j, diagonal)
+    qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
+    forward = functools.partial(_tiled_forward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
+    o_blocks, lse_blocks = jax.vmap(forward, **_BATCHED)(qs, ks, vs, masks)
+    for n, (a, _) in enumerate(slots):
+        o_a, lse_a = _merge(_half(o, a), _half(lse, a), o_blocks[:, n], lse_blocks[:, n])
+        o, lse = _put(o, a, o_a), _put(lse, a, lse_a)
+    return o, lse
+
+
+def _backward_step(plan, dq, q, q_side, kv, lse, do, delta, i, j, diagonal=False):
+    """`dq` plus this step's share, and (dk, dv) of the keys `kv` of device `j` (fp32)."""
+    slots = _slots(i, j, diagonal)
+    qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
+    rows = lambda x: jnp.stack([_half(x, a) for a, _ in slots], axis=1)  # noqa: E731
+    backward = functools.partial(_tiled_backward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
+    dqs, dks, dvs = jax.vmap(backward, **_BATCHED)(qs, ks, vs, masks, rows(lse), rows(do),
+                                                   rows(delta))
+    dk = jnp.zeros_like(kv["k"], jnp.float32)
+    dv = jnp.zeros_like(kv["v"], jnp.float32)
+    for n, (a, b) in enumerate(slots):
+        dq = _put(dq, a, _half(dq, a) + dqs[:, n])
+        dk, dv = _put(dk, b, _half(dk, b) + dks[:, n]), _put(dv, b, _half(dv, b) + dvs[:, n])
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- transports
+
+def _shift(plan, tree):
+    """Every leaf to the next device on the axis (device d -> d + 1 mod size)."""
+    perm = [(d, (d + 1) % plan.size) for d in range(plan.size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, plan.axis, perm), tree)
+
+
+def _device(plan):
+    return lax.axis_index(plan.axis) if plan.size > 1 else 0
+
+
+def _ring_forward(plan, q, q_side, kv, state):
+    size, i = plan.size, _device(plan)
+    step = functools.partial(_forward_step, plan, q=q, q_side=q_side, i=i)
+    state = step(state=state, kv=kv, j=i, diagonal=True)
+    if size == 1:
+        return step(state=state, kv=kv, j=i)
+
+    def body(carry, s):
+        state, cur = carry
+        nxt = _shift(plan, cur)  # issued before this step's compute, which it overlaps
+        return (step(state=state, kv=cur, j=lax.rem(i - s + size, size)), nxt), None
+    (state, last), _ = lax.scan(body, (state, kv), jnp.arange(size - 1))
+    return step(state=state, kv=last, j=lax.rem(i + 1, size))
+
+
+def _ring_backward(plan, q, q_side, kv, lse, do, delta, dq):
+    size, i = plan.size, _device(plan)
+    step = functools.partial(_backward_step, plan, q=q, q_side=q_side, lse=lse, do=do,
+                             delta=delta, i=i)
+    dq, *diagonal = step(dq=dq, kv=kv, j=i, diagonal=True)
+
+    def one(dq, acc, cur, s, first=False, last=False):
+        # The keys for the next step and the gradients accumulated so far for the current keys
+        # (from the previous device) travel while this device computes its share; on the first
+        # step those are the diagonal's extra block's, here.
+        nxt = None if last else _shift(plan, cur)
+        incoming = diagonal if first else _shift(plan, acc)
+        dq, dk, dv = step(dq=dq, kv=cur, j=lax.rem(i - s + size, size))
+        return dq, (incoming[0] + dk, incoming[1] + dv), nxt
+
+    if size == 1:
+        dq, acc, _ = one(dq, None, kv, 0, first=True, last=True)
+        return dq, acc[0], acc[1]
+    carry = one(dq, None, kv, 0, first=True)
+    carry, _ = lax.scan(lambda carry, s: (one(*carry, s), None), carry, jnp.arange(1, size - 1))
+    dq, acc, _ = one(carry[0], carry[1], carry[2], size - 1, last=True)
+    acc = _shift(plan, acc)  # home: device i holds the gradients of device i + 1's keys
+    return dq, acc[0], acc[1]
+
+
+def _gather(plan, kv):
+    return jax.tree.map(lambda x: lax.all_gather(x, plan.axis, axis=0, tiled=False), kv)
+
+
+def _keys_of(every, j):
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, 0, keepdims=False), every)
+
+
+def _allgather_forward(plan, q, q_side, kv, state):
+    size, i = plan.size, _device(plan)
+    step = functools.partial(_forward_step, plan, q=q, q_side=q_side, i=i)
+    state = step(state=state, kv=kv, j=i, diagonal=True)
+    if size == 1:
+        return step(state=state, kv=kv, j=i)
+    every = _gather(plan, kv)
+
+    def body(state, s):
+        j = lax.rem(i - s + size, size)
+        return step(state=state, kv=_keys_of(every, j), j=j), None
+    return lax.scan(body, state, jnp.arange(size))[0]
+
+
+def _allgather_backward(plan, q, q_side, kv, lse, do, delta, dq):
+    size, i = plan.size, _device(plan)
+    step = functools.partial(_backward_step, plan, q=q, q_side=q_side, lse=lse, do=do,
+                             delta=delta, i=i)
+    dq, dk, dv = step(dq=dq, kv=kv, j=i, diagonal=True)
+    if size == 1:
+        dq, dk1, dv1 = step(dq=dq, kv=kv, j=i)
+        return dq, dk + dk1, dv + dv1
+    every = _gather(plan, kv)
+
+    def body(dq, j):
+        dq, dk, dv = step(dq=dq, kv=_keys_of(every, j), j=j)
+        return dq, (dk, dv)
+    # One step per device's keys, in device order: row j holds the gradients of device j's keys;
+    # every device sums its own row over the axis (one reduce-scatter each for dk and dv).
+    dq, (dks, dvs) = lax.scan(body, dq, jnp.arange(size))
+    own = jax.nn.one_hot(i, size, dtype=jnp.float32)
+    back = lambda d, extra: lax.psum_scatter(  # noqa: E731
+        d + own.reshape((size,) + (1,) * extra.ndim) * extra[None], plan.axis,
+        scatter_dimension=0, tiled=False)
+    return dq, back(dks, dk), back(dvs, dv)
+
+
+_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
+_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _halves(x, groups: int | None = None):
+    """`(rows, 2c, ...)` -> `(rows, 2, c, ...)`; with `groups`, heads `(.., h, d)` ->
+    `(.., h / groups, groups, d)` (query heads grouped by their key/value head)."""
+    b, t = x.shape[:2]
+    x = x.reshape((b, 2, t // 2) + x.shape[2:])
+    if groups is not None:
+        x = x.reshape(x.shape[:3] + (x.shape[3] // groups, groups, x.shape[4]))
+    return x
+
+
+def _forward(plan, q, k, v, side):
+    groups = q.shape[2] // k.shape[2]
+    qh = _halves(q, groups)
+    kv = {"k": _halves(k), "v": _halves(v), **{n: _halves(x) for n, x in side.items()}}
+    q_side = {n: _halves(x) for n, x in side.items()}
+    state = (jnp.zeros_like(qh, jnp.float32), jnp.full_like(qh[..., 0], _NEG, jnp.float32))
+    o, lse = _FORWARD[plan.scheme](plan, qh, q_side, kv, state)
+    return o.astype(q.dtype).reshape(q.shape), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan, q, k, v, side):
+    return _forward(plan, q, k, v, side)[0]
+
+
+def _attend_fwd(plan, q, k, v, side):
+    out, lse = _forward(plan, q, k, v, side)
+    return out, (q, k, v, side, out, lse)
+
+
+def _attend_bwd(plan, residuals, d_out):
+    q, k, v, side, out, lse = residuals
+    groups = q.shape[2] // k.shape[2]
+    qh, do = _halves(q, groups), _halves(d_out, groups)
+    delta = jnp.sum(do.astype(jnp.float32) * _halves(out, groups).astype(jnp.float32), axis=-1)
+    kv = {"k": _halves(k), "v": _halves(v), **{n: _halves(x) for n, x in side.items()}}
+    q_side = {n: _halves(x) for n, x in side.items()}
+    dq, dk, dv = _BACKWARD[plan.scheme](plan, qh, q_side, kv, lse, do, delta,
+                                        jnp.zeros_like(qh, jnp.float32))
+    return (dq.astype(q.dtype).reshape(q.shape), dk.astype(k.dtype).reshape(k.shape),
+            dv.astype(v.dtype).reshape(v.shape), jax.tree.map(lambda _: None, side))
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,
+              positions=None, query_tile: int = 512):
+    """Causal softmax attention of the whole sequence, split over `axis` in the zig-zag layout,
+    scaled by `head_dim ** -0.5`. Call it inside a shard_map manual over `axis` (elsewhere it
+    attends the local sequence as one device would, through the same blocks).
+
+    q `(rows, 2c, heads, head_dim)`, k, v `(rows, 2c, kv_heads, head_dim)`: this device's chunks
+    `i` and `2C-1-i` of the sequence (dim 1 split over `axis`; any other dimension may be split
+    over other axes); `segment_ids`, `positions`: `(rows, 2c)` integers in the same layout or
+    None (no document boundaries; positions from the layout). Returns `(rows, 2c, heads,
+    head_dim)` in q's dtype. `scheme`: `ring` or `allgather` (module docstring).
+    `query_tile`: each `c × c` block runs this many queries at a time (it must divide `c` when
+    smaller), so the scores in memory are `rows·heads·query_tile·c` floats per block."""
+    check_scheme(scheme)
+    size = axis_size(axis)
+    check_inputs(q, k, v, segment_ids, positions, size)
+    if q.shape[1] % 2:
+        raise ValueError(f"sequence length {q.shape[1]} must be even (two chunks per device)")
+    c = q.shape[1] // 2
+    tile = min(query_tile, c)
+    if c % tile:
+        raise ValueError(f"query_tile {query_tile} does not divide the chunk length {c} "
+                         f"(local sequence {q.shape[1]} / 2)")
+    plan = _Plan(axis, size, scheme, tile)
+    return _attend(plan, q, k, v, _side(segment_ids, positions))
+
+
+# ----------------------------------------------------------------------------- communication model
+
+def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
+                axis: str = "context", segment_ids: bool = False, positions: bool = False,
+                backward: bool = True) -> list[tuple[str, str, int]]:
+    """What one `attention` call sends per device, as `[(kind, axis, bytes)]` in the convention
+    of `axonn_jax.analysis.hlo` (full-buffer bytes: a collective-permute's buffer, an all-gather's
+    result, a reduce-scatter's input), forward and (with `backward`) backward pass.
+    `kv_shape`: the per-device key (= value) shape `(rows, 2c, kv_heads, head_dim)`; `dtype`:
+    theirs; `segment_ids`, `positions`: whether those travel with the keys (int32 each).
+
+    ring: the keys, values (and side inputs) hop `size - 1` times forward and again backward,
+    the fp32 key/value gradients `size` times (the last hop brings them home). allgather: one
+    all-gather of the same forward, one backward, and a reduce-scatter of the fp32 gradients.
+
+    Forward and backward in separate loops (a train step's layer scan) send exactly this. In one
+    computation (a lone call differentiated, or a rematerialized layer) XLA merges the
+    backward's first hop (ring) or its all-gather with the forward's; and side inputs that are
+    the same in every layer may have some hops hoisted out of the layer loop: their count here
+    is an upper bound (they are 4 bytes a token each, beside `4·kv_heads·head_dim` of bf16
+    keys and values)."""
+    check_scheme(scheme)
+    if size == 1:
+        return []
+    rows, t = kv_shape[:2]
+    keys = 2 * int(np.prod(kv_shape)) * jnp.dtype(dtype).itemsize \
+        + (int(segment_ids) + int(positions)) * rows * t * 4
+    grads = 2 * int(np.prod(kv_shape)) * 4
+    passes = 2 if backward else 1
+    if scheme == "ring":
+        out = [("collective-permute", axis, passes * (size - 1) * keys)]
+        return out + ([("collective-permute", axis, size * grads)] if backward else [])
+    out = [("all-gather", axis, passes * size * keys)]
+    return out + ([("reduce-scatter", axis, size * grads)] if backward else [])
+
+
+def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
+    """Matmul FLOPs of one `attention` call per device: `2·size + 1` blocks of `c × c` scores
+    (c = half the local sequence) per query head, each 2 matmuls forward (scores, values) and 5
+    backward (scores again, and the gradients of the values, the probabilities, the queries and
+    the keys) of `2·c·c·head_dim`. `q_shape`: the per-device `(rows, 2c, heads, head_dim)`."""
+    rows, t, heads, head_dim = q_shape
+    block = 2 * (t // 2) ** 2 * head_dim * rows * heads
+    return (2 * size + 1) * block * (2 + (5 if backward else 0))

@@ -1,0 +1,178 @@
+"""Routed experts and expert parallelism: tokens to the experts a router chose, through each
+expert's SwiGLU, and back in order.
+
+`routed_swiglu(x, expert_ids, weights, w_gate, w_up, w_down, ...)` runs anywhere: on one device,
+or inside a `shard_map` that is manual over the `expert` axis (name given by `axis`), where the
+expert weights are the local slice of the experts (split over the axis on their leading dim)
+and the tokens are the device's own. The same code serves both: every (token, choice) pair, an
+*assignment*, gets a slot in a send buffer laid out by destination, the buffer crosses the axis
+with one all-to-all (none on one device), the receiving device runs its experts, and a second
+all-to-all brings the rows back to the slots they left from.
+
+Two ways to lay out the send buffer:
+
+- **dropless** (`capacity_factor=None`): one chunk of slots per destination device; the
+  receiver sorts its rows by expert and runs one grouped matmul per projection
+  (`jax.lax.ragged_dot`; jaxlib 0.10.2 computes it densely, every row against every expert, on CPU
+  and GPU alike: `benchmarks/results/moe.md`). On one device the chunk holds every assignment.
+  With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
+  dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
+  assignments past a full chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would
+  send only the rows used) exists in JAX 0.10 but XLA:CPU cannot run it ("HLO opcode
+  `ragged-all-to-all` is not supported by XLA:CPU"), so the exchange is this padded all-to-all.
+- **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
+  assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
+  priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.
+  With `expert > 1` every device fills its own `C` slots of each expert from its own tokens, so
+  which assignments drop depends on how the batch is split; a capacity that drops nothing gives
+  the single device's result on every grid.
+
+Slots are given by a stable sort of the assignments by group, in choice-major order (all first
+choices, then all second ones), so both layouts keep that priority.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .._compat import manual_axis_size
+
+
+def local_experts(num_experts: int, axis: str) -> int:
+    """Experts each device of the manual mesh axis `axis` holds (all of them outside a shard_map
+    manual over it); ValueError naming the numbers unless they divide."""
+    n = manual_axis_size(axis)
+    if num_experts % n:
+        raise ValueError(f"num_experts = {num_experts} is not divisible by the {axis} axis ({n})")
+    return num_experts // n
+
+
+def capacity(rows: int, factor: float, groups: int) -> int:
+    """Slots per group for `rows` assignments over `groups` groups: `ceil(factor·rows/groups)`,
+    at least 1 and at most `rows` (more could never fill)."""
+    return max(1, min(rows, math.ceil(factor * rows / groups)))
+
+
+def layout(num_tokens: int, top_k: int, num_experts: int, devices: int,
+           capacity_factor: float | None = None,
+           dispatch_factor: float | None = None) -> tuple[int, int]:
+    """(groups, slots per group) of the send buffer for `num_tokens` local tokens (see the module
+    docstring): experts × capacity, or devices × rows per device."""
+    rows = num_tokens * top_k
+    if capacity_factor is not None:
+        return num_experts, capacity(rows, capacity_factor, num_experts)
+    if devices == 1 or dispatch_factor is None:
+        return devices, rows
+    return devices, capacity(rows, dispatch_factor, devices)
+
+
+def assign_slots(expert_ids: jax.Array, num_experts: int, groups: int, slots: int) -> jax.Array:
+    """The send-buffer slot of each assignment, `(A,)` int32 in `[0, groups·slots)`, or
+    `groups·slots` for an assignment dropped because its group is full. `expert_ids (A,)`: the
+    expert of each assignment in priority order; group `g` holds experts
+    `[g·E/groups, (g+1)·E/groups)`; within a group slots go by priority (a full group drops its
+    last assignments, whichever their experts)."""
+    group = expert_ids // (num_experts // groups)
+    order = jnp.argsort(group, stable=True)
+    counts = jnp.bincount(group, length=groups)
+    starts = jnp.cumsum(counts) - counts  # first sorted position of each group
+    group = group[order]
+    position = jnp.arange(expert_ids.shape[0]) - starts[group]
+    slot = jnp.where(position < slots, group * slots + position, groups * slots)
+    return jnp.zeros_like(slot).at[order].set(slot)
+
+
+def exchange(buffer: jax.Array, axis: str, devices: int) -> jax.Array:
+    """Chunk `j` of `buffer`'s leading dim to device `j` of `axis`, chunk `i` of the result from
+    device `i` (an all-to-all; nothing on one device)."""
+    if devices == 1:
+        return buffer
+    return jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)
+
+
+def _swiglu(dot, rows, w_gate, w_up, w_down):
+    return dot(jax.nn.silu(dot(rows, w_gate)) * dot(rows, w_up), w_down)
+
+
+def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """`rows (R, d)` through expert `ids[r]`'s SwiGLU, `(R, d)`; ids `(R,)` int32, a row with id
+    ≥ the number of experts (an empty slot) comes out zero. Weights `(E, d, ff)`, `(E, d, ff)`,
+    `(E, ff, d)`. The rows are sorted by expert for one `ragged_dot` per projection."""
+    experts = w_gate.shape[0]
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)  # empty slots sort last, uncounted
+    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)  # noqa: E731
+    out = _swiglu(dot, rows[order], w_gate, w_up, w_down)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """`rows (E, R, d)`: expert `e`'s rows through its SwiGLU, `(E, R, d)` (weights as in
+    `grouped_swiglu`)."""
+    dot = lambda a, w: jnp.einsum("erd,edf->erf", a, w.astype(a.dtype))  # noqa: E731
+    return _swiglu(dot, rows, w_gate, w_up, w_down)
+
+
+def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate, w_up, w_down, *,
+                  num_experts: int, axis: str = "expert", capacity_factor: float | None = None,
+                  dispatch_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """`(y, dropped)`: `y (T, d)` = Σ_j weights[t, j]·SwiGLU_{expert_ids[t, j]}(x[t]) over the
+    choices that were not dropped, and `dropped`, the number of dropped assignments (int32 scalar,
+    this device's).
+
+    x `(T, d)`: this device's tokens; expert_ids `(T, k)` int32 in `[0, num_experts)`; weights
+    `(T, k)`. Expert weights `(E_l, d, ff)`, `(E_l, d, ff)`, `(E_l, ff, d)`: all `num_experts`
+    outside a shard_map manual over `axis`, inside one the `E_l = num_experts / axis size`
+    experts of this device (split over `axis` on dim 0). Layouts: see the module docstring."""
+    t, d = x.shape
+    k = expert_ids.shape[1]
+    n = manual_axis_size(axis)
+    local = local_experts(num_experts, axis)
+    groups, slots = layout(t, k, num_experts, n, capacity_factor, dispatch_factor)
+    ids = expert_ids.T.reshape(-1)  # choice-major: every first choice before any second one
+    token = jnp.tile(jnp.arange(t), k)
+    slot = assign_slots(ids, num_experts, groups, slots)
+    size = groups * slots
+    received = exchange(jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop"), axis, n)
+    if capacity_factor is not None:  # (source, expert, slot) -> (expert, source·slot)
+        per_expert = received.reshape(n, local, slots, d).transpose(1, 0, 2, 3)
+        out = batched_swiglu(per_expert.reshape(local, n * slots, d), w_gate, w_up, w_down)
+        out = out.reshape(local, n, slots, d).transpose(1, 0, 2, 3).reshape(size, d)
+    else:
+        local_ids = jnp.full((size,), local, jnp.int32).at[slot].set(ids % local, mode="drop")
+        out = grouped_swiglu(received, exchange(local_ids, axis, n), w_gate, w_up, w_down)
+    rows = exchange(out, axis, n).at[slot].get(mode="fill", fill_value=0)
+    y = (rows * weights.T.reshape(-1, 1).astype(rows.dtype)).reshape(k, t, d).sum(0)
+    return y, jnp.sum(slot == size, dtype=jnp.int32)
+
+
+def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, expert: int, *,
+                capacity_factor: float | None = None, dispatch_factor: float | None = None,
+                dtype_bytes: int = 4, batch_axes: tuple[str, ...] | None = None,
+                backward: bool = True) -> list[tuple[str, tuple[str, ...], int]]:
+    """The collectives one MoE layer (`models.moe.MoE`) issues per device, `[(kind, axes,
+    bytes)]`, for `num_tokens` local tokens of `d_model` features in `dtype_bytes`-byte floats on
+    an expert axis of `expert` devices; bytes as `analysis.hlo` counts them (the full buffer).
+
+    Forward: the rows out and back (two all-to-alls of the send buffer, `groups·slots·d_model`
+    elements, see `layout`), dropless also the rows' expert ids (int32), and one all-reduce of the
+    routing statistics (`num_experts + 2` float32: tokens per expert, tokens, dropped) over
+    `batch_axes`, the mesh axes of more than one device that split the tokens (default: `expert`
+    when it has more than one device). Backward (`backward`): the two all-to-alls again, carrying
+    the rows' gradients. (XLA:CPU widens 16-bit all-to-alls to float32; GPUs send them as they
+    are.)"""
+    if batch_axes is None:
+        batch_axes = ("expert",) if expert > 1 else ()
+    out = []
+    if expert > 1:
+        groups, slots = layout(num_tokens, top_k, num_experts, expert, capacity_factor,
+                               dispatch_factor)
+        rows = groups * slots * d_model * dtype_bytes
+        out += [("all-to-all", ("expert",), rows)] * (4 if backward else 2)
+        if capacity_factor is None:
+            out.append(("all-to-all", ("expert",), groups * slots * 4))
+    if batch_axes:
+        out.append(("all-reduce", tuple(batch_axes), (num_experts + 2) * 4))
+    return out

@@ -1,0 +1,78 @@
+"""What the communication model (`analysis.comm_model`) is asked about a config: its workload, the
+machine, the grids it ranks, and the planner's pick for `--auto-grid`."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..analysis import comm_model as cm
+from ..config import AXES, ParallelConfig
+from .options import ConfigError, RunConfig, preset_of, resolve_grid
+
+
+def workload(config: RunConfig) -> cm.Workload:
+    """The step the config trains, as the planner counts it."""
+    return cm.Workload(preset_of(config).config, config.data.batch_size, config.data.seq_len,
+                       compute_bytes=4 if config.precision.dtype == "float32" else 2,
+                       microbatches=config.pipeline.microbatches,
+                       schedule=config.pipeline.schedule,
+                       virtual_stages=config.pipeline.virtual_stages,
+                       compress_bits=config.compression.bits,
+                       offload_optimizer=config.memory.offload_optimizer)
+
+
+def machine_for_backend() -> cm.Machine:
+    """The machine preset of the running backend: simulated CPU devices, or H100 nodes of 8."""
+    import jax
+
+    return cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
+
+
+def given_grid(config: RunConfig) -> bool:
+    """The config names a grid (any axis given), as opposed to asking the planner for one."""
+    return any(f"grid.{a}" in config.given for a in AXES)
+
+
+def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
+           grid: ParallelConfig | None = None) -> list[cm.Prediction]:
+    """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
+    (only `grid` when given). Microbatches: the config's when it sets them, else the planner's
+    choice for each grid."""
+    work = workload(config)
+    choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
+    return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices)
+
+
+def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int]:
+    """The planner's fastest grid for the config on `num_devices` devices of this backend, among
+    the grids the trainer runs. Returns (grid, microbatches)."""
+    for p in ranked(config, num_devices, machine_for_backend()):
+        # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
+        if not (p.grid.pipe > 1 and config.memory.remat == "auto"):
+            return p.grid, p.microbatches
+    raise ConfigError([f"--auto-grid: no grid of {num_devices} devices runs "
+                       f"{config.model.name} with --batch-size {config.data.batch_size}"])
+
+
+def planned_grid(config: RunConfig, text: str | None = None) -> ParallelConfig | None:
+    """The one grid `plan` is asked about: `--grid data=..,row=..` (text), or the grid flags of
+    the config (data filling the devices); None: rank them all."""
+    devices = config.grid.devices
+    if text:
+        grid = ParallelConfig.parse(text)
+    elif given_grid(config) and not config.grid.auto:
+        grid = resolve_grid(config, devices)
+    else:
+        return None
+    grid.validate(devices)
+    if reason := cm.infeasible_reason(workload(config), grid):
+        raise ConfigError([f"grid {_grid_text(grid)} cannot run {config.model.name}: {reason}"])
+    return grid
+
+
+def _grid_text(grid: ParallelConfig) -> str:
+    return ",".join(f"{k}={v}" for k, v in grid.as_dict().items() if v != 1) or "data=1"
+
+
+def machine_of(name: str, **overrides) -> cm.Machine:
+    """The machine preset `name` with the fields given (None: the preset's)."""
+    return dataclasses.replace(cm.MACHINES[name], **{k: v for k, v in overrides.items() if v})

@@ -1,0 +1,90 @@
+"""A model's functions as a train step computes them: parameters cast to the compute dtype for the
+forward (the stored parameters keep theirs), activations in the compute dtype, the loss in float32,
+the blocks given the batch's side inputs and run with an activation plan (`offload.activations`),
+their auxiliary losses added to the loss and their other auxiliary outputs returned as metrics.
+Every gradient engine, the in-process ones (`step.engines`) and the message-driven MPI pipeline
+alike, computes through these."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .gathers import unbatched_gathers
+from .model import ModelFunctions
+
+
+def cast_floating(tree, dtype):
+    """Every floating-point leaf of `tree` as `dtype` (integer leaves unchanged)."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                        tree)
+
+
+def aux_loss(aux: dict) -> jax.Array:
+    """The blocks' auxiliary loss (their `aux['loss']` summed over layers), float32."""
+    return jnp.sum(aux["loss"]).astype(jnp.float32) if "loss" in aux else jnp.float32(0.0)
+
+
+def aux_metrics(aux: dict) -> dict:
+    """The blocks' auxiliary outputs other than the loss (per layer: leading layer axis)."""
+    return {k: v for k, v in aux.items() if k != "loss"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeFunctions:
+    """`fns` in `dtype` with the block groups `groups` (`((count, wrap), ...)`: how
+    `step.model.scan_layers` wraps runs of layers, e.g. in `jax.checkpoint` with a policy; None
+    keeps every layer as it is).
+
+        embed(params['embed'], batch) -> x            x: (rows, ...) in `dtype`
+        blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
+        head(head params, y, batch) -> loss           float32 scalar: the mean loss of the rows
+        loss_and_metrics(params, batch) -> (loss, metrics)   the three in a row, the blocks'
+                                                      auxiliary loss added (params: the model's
+                                                      tree `{'embed', 'blocks', 'head'}`)
+        stage(layers) -> (chunk params, x, batch) -> (x, aux loss, metrics)   a pipeline chunk
+    """
+
+    fns: ModelFunctions
+    dtype: Any
+    groups: tuple | None = None
+
+    # Each part runs with its gathers' batching dimensions written into their indices
+    # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
+
+    def embed(self, params, batch):
+        return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
+                                 .astype(self.dtype))(params, batch)
+
+    def blocks(self, stacked, x, batch, groups: tuple | None = None):
+        groups = self.groups if groups is None else groups
+        return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
+            cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
+
+    def head(self, head_params, y, batch):
+        return unbatched_gathers(lambda p, y, b: self.fns.head(cast_floating(p, self.dtype), y, b)
+                                 .astype(jnp.float32))(head_params, y, batch)
+
+    def loss_and_metrics(self, params, batch):
+        """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics)."""
+        x = self.embed(params["embed"], batch)
+        y, aux = self.blocks(params["blocks"], x, batch)
+        loss = self.head(self.fns.head_params(params), y, batch) + aux_loss(aux)
+        return loss, aux_metrics(aux)
+
+    def loss(self, params, batch):
+        return self.loss_and_metrics(params, batch)[0]
+
+    def stage(self, layers: int) -> Callable:
+        """`(chunk params, x, batch) -> (x, auxiliary loss, metrics)` of a pipeline chunk of
+        `layers` layers (`parallel.pipeline`'s stage function): the plan's decision for every
+        layer (a stage's layers run one program, so a plan must be uniform there)."""
+        groups = None if self.groups is None else ((layers, self.groups[0][1]),)
+
+        def run(params, x, batch):
+            y, aux = self.blocks(params, x, batch, groups)
+            return y, aux_loss(aux), aux_metrics(aux)
+
+        return run

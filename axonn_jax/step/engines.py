@@ -1,0 +1,110 @@
+"""Gradient engines: how a train step computes the loss and the gradients of this device's rows, one
+class per kind of grid behind one interface.
+
+    engine.loss_and_grads(params, batch, scale) -> (loss, grads, metrics)
+
+Called inside the step's shard_map, which is manual over `engine.manual_axes` (the batch axes
+`data`, `expert`, `context` that split something; with a pipeline `pipe` too) and automatic over
+the tensor axes, whose layers bring their own collectives. `params` are this device's (split over
+the manual axes as their specs say), `batch` is this device's rows (and, over `context`, its chunk
+of every sequence); `scale` the loss scale. `grads` are this device's, multiplied by `scale` and not
+yet reduced over the batch axes (the step does that); `loss` is this device's mean loss (unscaled);
+`metrics` the blocks' per-layer auxiliary outputs. An engine with no manual axes runs on global
+arrays without a shard_map (nothing to reduce).
+
+- `SpmdEngine`: autodiff of `head(blocks(embed(batch)))`, accumulated over `microbatches` slices of
+  the rows when asked (a global batch that does not fit in memory at once).
+- `PipelineEngine`: the lockstep pipeline (`parallel.pipeline`) over `pipe` with a schedule.
+
+The message-driven MPI pipeline (`transport.mpi_pipeline`) is a host-driven engine of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .._compat import ensure_varying, to_varying
+from ..config import ParallelConfig
+from ..parallel import pipeline as pipeline_lib
+from .compute import ComputeFunctions
+
+
+def batch_manual_axes(grid: ParallelConfig) -> tuple[str, ...]:
+    """The batch axes manual in the step's shard_map: `data` always (the gradient reduction is
+    explicit over it), `expert` and `context` when they split something (their layers exchange
+    tokens or keys over them)."""
+    return ("data",) + tuple(a for a in ("expert", "context") if getattr(grid, a) > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpmdEngine:
+    """Data, expert, context and tensor grids (`pipe` = 1). manual_axes: empty when one
+    data-parallel copy spans tensor-parallel devices and nothing else splits the batch (nothing
+    to reduce, and XLA rejects an all-reduce over the size-1 `data` axis of gradients that come
+    out of the tensor-parallel layers' own shard_maps)."""
+
+    compute: ComputeFunctions
+    manual_axes: frozenset[str]
+    microbatches: int = 1
+
+    metric_spec = P()
+    """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
+
+    def loss_and_grads(self, params, batch, scale):
+        axes = tuple(sorted(self.manual_axes))
+        # Varying over the manual axes: each shard keeps its own gradients until the reduction.
+        params = ensure_varying(params, axes)
+        m = self.microbatches
+
+        def scaled(p, b, weight):
+            loss, metrics = self.compute.loss_and_metrics(p, b)
+            return loss * weight, (loss, metrics)
+
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
+        if m == 1:
+            (_, (loss, metrics)), grads = grad_fn(params, batch, scale)
+            return loss, grads, metrics
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if rows % m:
+            raise ValueError(f"the local batch of {rows} rows is not divisible by microbatches = {m}")
+        split = jax.tree.map(lambda a: a.reshape(m, rows // m, *a.shape[1:]), batch)
+
+        def one(acc, b):
+            # Each microbatch's loss weighted 1/m: the sum of the gradients is the mean's.
+            (_, (loss, metrics)), g = grad_fn(params, b, scale / m)
+            acc = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+            return acc, (loss, metrics)
+
+        zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), axes)
+        grads, (losses, metrics) = jax.lax.scan(one, zeros, split)
+        return jnp.mean(losses), grads, jax.tree.map(lambda v: jnp.mean(v, axis=0), metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineEngine:
+    """`pipe` > 1: the stack's layers split over `pipe` (each device its stage's `V` chunks), the
+    microbatches streamed through the stages in the timetable `schedule`."""
+
+    compute: ComputeFunctions
+    schedule: pipeline_lib.Schedule
+    batch_axes: tuple[str, ...] = ("data",)
+
+    metric_spec = P("pipe")
+    """Metrics (per layer) leave split over `pipe` like the blocks, in their stored order."""
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        return frozenset((*self.batch_axes, "pipe"))
+
+    def loss_and_grads(self, params, batch, scale):
+        fns, s = self.compute.fns, self.schedule
+        params = ensure_varying(params, tuple(sorted(self.manual_axes)))
+        layers = jax.tree.leaves(params["blocks"])[0].shape[0] // s.virtual_stages
+        loss, (g_e, g_b, g_h), metrics = pipeline_lib.pipeline_loss_and_grads(
+            self.compute.embed, self.compute.stage(layers), self.compute.head,
+            (params["embed"], params["blocks"], fns.head_params(params)), batch, s, scale=scale)
+        g_e, g_h = fns.embed_and_head_grads(g_e, g_h)
+        return loss, {"embed": g_e, "blocks": g_b, "head": g_h}, metrics

@@ -281,10 +281,10 @@ def _compile(args) -> int:
     from .trainer import build_trainer
 
     config = args.run_config
-    opts.check(config)
     target = targets.target(args.target)
     n = config.grid.devices or jax.device_count()
     devices = target.devices(n)
+    opts.check(config, platform=devices[0].platform)
     work, machine = workload(config), cm.MACHINES["h100-dgx"]
     modelled = cm.counts(work.model)
     if args.top:

@@ -433,8 +433,10 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
     return found
 
 
-def model_problems(config: RunConfig, grid: ParallelConfig | None) -> list[str]:
-    """What stops the built-in model the config names from running (on `grid`, if given)."""
+def model_problems(config: RunConfig, grid: ParallelConfig | None,
+                   platform: str | None = None) -> list[str]:
+    """What stops the built-in model the config names from running (on `grid`, if given; on
+    devices of `platform`, default: this process's)."""
     from ..models import attention
     from ..offload.precision import DTYPES
 
@@ -455,7 +457,7 @@ def model_problems(config: RunConfig, grid: ParallelConfig | None) -> list[str]:
         found.append(f"--seq-len {config.data.seq_len} exceeds {preset.name}'s max_seq_len "
                      f"{preset.config.max_seq_len}")
     _attempt(found, attention.check, config.model.attention, DTYPES[config.precision.dtype],
-             getattr(preset.config, "head_dim", None))
+             getattr(preset.config, "head_dim", None), platform)
     return found + ([] if grid is None else _grid_of_model(preset, grid))
 
 
@@ -468,15 +470,16 @@ def _grid_of_model(preset, grid: ParallelConfig) -> list[str]:
 
 def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
              num_layers: int | None = None, rows: int | None = None,
-             num_devices: int | None = None, builtin_model: bool = True) -> list[str]:
+             num_devices: int | None = None, builtin_model: bool = True,
+             platform: str | None = None) -> list[str]:
     """Every problem of `config` on `grid` (None: the checks that need no grid) over
-    `num_devices` devices (None: unchecked), one line each. builtin_model: the config's model is
-    the one trained (not a caller's `StackedModel`)."""
+    `num_devices` devices (None: unchecked) of `platform` (None: this process's), one line each.
+    builtin_model: the config's model is the one trained (not a caller's `StackedModel`)."""
     found = _field_problems(config) + _ignored(config)
     if found:
         return found  # the rest assumes sane values
     if builtin_model:
-        found += model_problems(config, grid)
+        found += model_problems(config, grid, platform)
         if found:
             return found
         if num_layers is None:

@@ -97,13 +97,14 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
     preset = None
     if model is None:
-        opts.check(config)  # the model's own checks first: the preset must exist to build it
+        # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a CPU
+        # host)
+        platform = (devices or jax.devices())[0].platform
+        # the model's own checks first: the preset must exist to build it
+        opts.check(config, platform=platform)
         preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
         if preset.data == "tokens":
-            # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a
-            # CPU host)
-            platform = (devices or jax.devices())[0].platform
             preset = preset.with_config(
                 attention=attention.resolve(config.model.attention, dtype,
                                             getattr(preset.config, "head_dim", None), platform),
@@ -127,16 +128,18 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
 
 
 def _check(config: RunConfig, grid: ParallelConfig, preset, num_layers: int, rows: int,
-           num_devices: int | None = None) -> None:
-    """Every problem of the config on `grid` at once (the model's own checks when it is built in)."""
+           num_devices: int | None = None, platform: str | None = None) -> None:
+    """Every problem of the config on `grid` at once (the model's own checks when it is built in)
+    on devices of `platform` (default: this process's)."""
     opts.check(config, grid, num_layers=num_layers, rows=rows, num_devices=num_devices,
-               builtin_model=preset is not None)
+               builtin_model=preset is not None, platform=platform)
 
 
 def _build_xla(config, model, optimizer, preset, devices):
     grid = config.parallel
     devices = list(devices) if devices is not None else jax.devices()
-    _check(config, grid, preset, model.num_layers, config.data.batch_size, len(devices))
+    _check(config, grid, preset, model.num_layers, config.data.batch_size, len(devices),
+           devices[0].platform)
     mesh = make_mesh(grid, devices)
     step = make_train_step(model, optimizer, mesh, **step_options(config))
     return step, jax.process_index() == 0, lambda directory, every, **kw: Checkpointer(

@@ -63,3 +63,18 @@ def test_h100_user_model_with_a_gathering_head(tmp_path):
     assert report.target == "h100" and report.fits and report.host_memory_per_device_bytes > 0
     assert "S(5)" in compiled.as_text()
     assert report.comm_bytes_by_axes["collective-permute over pipe"] > 0
+
+
+@needs_cuda
+def test_plan_verify_compiles_the_best_grid(capsys):
+    """`plan --verify 1`: the planner's best grid compiled for abstract H100s, its compiled figures
+    and every figure more than 10% off the model's beside the prediction."""
+    assert cli_main(["plan", "--model", "gpt-tiny", "--devices", "16", "--batch-size", "16",
+                     "--seq-len", "64", "--verify", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    compiled = row["compiled"]
+    assert compiled["target"] == "h100" and compiled["grid"] == row["grid"]
+    assert compiled["predicted"]["memory_per_device_bytes"] == row["memory_per_device_bytes"]
+    got, want = compiled["memory_per_device_bytes"], row["memory_per_device_bytes"]
+    off = abs(got - want) > 0.1 * got  # relative to the compiled figure
+    assert off == any(d.startswith("memory per device") for d in row["disagreements"])

@@ -36,7 +36,7 @@ def test_whole_step_comparison_of_a_users_model(devices):
     computes the same first loss, and the Megatron layout splits the weights as axonn's does."""
     batch = um.image_batches(8)(0)
     report = step_bench.run(um.vit(2), batch, grids=[ParallelConfig(data=2, row=2, col=2)],
-                            devices=devices, repeats=0,
+                            devices=devices, repeats=1,
                             baselines=("gspmd megatron tp", "gspmd fsdp"), log=lambda *_: None)
     names = [r["name"] for r in report["rows"]]
     assert names == ["axonn data=2 row=2 col=2", "gspmd megatron tp", "gspmd fsdp"]
@@ -45,3 +45,23 @@ def test_whole_step_comparison_of_a_users_model(devices):
     assert all(r["wire_bytes"] > 0 and r["flops_per_device"] > 0 for r in report["rows"])
     md = step_bench.markdown(report, "ViT")
     assert md.count("\n| ") == 4  # header and three variants
+
+
+def test_compile_only_allocates_nothing(devices, monkeypatch):
+    """`repeats=0` (`bench --repeats 0`): every variant compiled from abstract state and batch,
+    nothing placed on a device (a 28B U-Net on 256 simulated devices no longer needs its state in
+    memory)."""
+    import jax
+
+    from axonn_jax.step.train_step import TrainStep
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compile only must not allocate")
+
+    monkeypatch.setattr(jax, "device_put", refuse)
+    monkeypatch.setattr(TrainStep, "init_state", refuse)
+    report = step_bench.run(um.vit(2), um.image_batches(8)(0),
+                            grids=[ParallelConfig(data=2, row=2, col=2)], devices=devices,
+                            repeats=0, baselines=("gspmd fsdp",), log=lambda *_: None)
+    assert [r["loss"] for r in report["rows"]] == [None, None]
+    assert all(r["peak_bytes"] > 0 and r["wire_bytes"] > 0 for r in report["rows"])

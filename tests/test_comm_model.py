@@ -270,3 +270,25 @@ def test_declared_parameters_are_the_models(name):
     work = cm.Workload(config, 8, 8)
     assert cm.parameters_per_device(work, P()) == sum(x.size for x in jax.tree.leaves(params))
     assert cm.parameters_per_device(work, P(row=2, col=2)) < cm.parameters_per_device(work, P())
+
+
+def test_memory_counts_the_compute_copies_and_the_logits():
+    """What the compiled H100 step showed `plan` leaving out (README, "Compiling for H100"): with
+    fp32 parameters computed in bf16, a cast copy and a bf16 gradient of every parameter (none
+    with the optimizer offloaded, whose device parameters are bf16 already), and the head's fp32
+    logits and their gradient."""
+    from axonn_jax.models import get
+
+    grid = ParallelConfig(data=8, pipe=16, row=2)
+    work = cm.Workload(get("llama3-70b").config, 1024, 4096, compute_bytes=2, microbatches=128)
+    n = sum(p.elements for p in cm.declared(work, grid).parameters)
+    tokens = 1024 * 4096 / 8 / 128
+    logits = 2 * tokens * 128256 / 2 * 4
+    fp32 = cm.memory_per_device(dataclasses.replace(work, compute_bytes=4), grid)["activations"]
+    bf16 = cm.memory_per_device(work, grid)["activations"]
+    offload = cm.memory_per_device(dataclasses.replace(work, offload_optimizer=True), grid)
+    assert bf16 - offload["activations"] == pytest.approx(2 * n * 2)
+    # in fp32: no copies, the logits the same, the rest twice as large
+    assert fp32 - logits == pytest.approx(2 * (bf16 - 4 * n - logits))
+    # the compiled step held 83.4 GB: the planner no longer takes it for one that fits in 80
+    assert cm.memory_per_device(work, grid)["total"] > 80e9

@@ -52,14 +52,14 @@ def test_report_and_plan_share_field_names():
 @needs_cuda
 def test_h100_report_of_a_4d_llama(tmp_path, capsys):
     """Llama (grouped-query heads) on 16 abstract H100s, data × pipe × row × col, 1F1B, bf16,
-    cuDNN attention, host-resident optimizer state: the compiled module has the fused attention
+    cuDNN attention, host-resident optimizer state, CGX: the compiled module has the fused attention
     calls and host buffers, its bf16 gradients are reduced in bf16 (the mesh's platform, not this
     CPU process's); the report's figures are the module's, plan's sit beside them by name."""
     code = cli_main(["compile", "--target", "h100", "--devices", "16", "--model", "llama-tiny",
                      "--batch-size", "16", "--seq-len", "64", "--dtype", "bfloat16", "--dp", "2",
                      "--pipe", "2", "--row", "2", "--col", "2", "--microbatches", "2",
                      "--schedule", "1f1b", "--attention", "cudnn", "--offload-optimizer",
-                     "--dump-hlo", str(tmp_path), "--json"])
+                     "--compress-bits", "8", "--dump-hlo", str(tmp_path), "--json"])
     assert code == 0
     (report,) = json.loads(capsys.readouterr().out)
     (module,) = tmp_path.glob("train_step_*.txt")

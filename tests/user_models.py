@@ -40,17 +40,23 @@ class EncoderBlock(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """Mean-pooled tokens -> class logits; the mean cross-entropy against `batch['labels']`."""
+    """Mean-pooled tokens -> class logits; the mean cross-entropy against `batch['labels']`
+    (`take`: the labels' log-probabilities picked with `take_along_axis`, a gather with batching
+    dimensions, instead of a one-hot sum)."""
+
+    take: bool = False
 
     @nn.compact
     def __call__(self, x, batch):
         logits = nn.Dense(CLASSES, name="classes")(nn.LayerNorm(name="norm")(x).mean(axis=1))
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+        if self.take:
+            return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][:, None], axis=1))
         return -jnp.mean(jnp.sum(logp * jax.nn.one_hot(batch["labels"], CLASSES), axis=-1))
 
 
-def vit(num_layers: int = 4) -> StackedModel:
-    return StackedModel(PatchEmbed(), EncoderBlock(), ClassifierHead(), num_layers)
+def vit(num_layers: int = 4, take: bool = False) -> StackedModel:
+    return StackedModel(PatchEmbed(), EncoderBlock(), ClassifierHead(take), num_layers)
 
 
 def image_batches(batch_size: int, seed: int = 0):

@@ -174,8 +174,13 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
     grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
+    # fp32 parameters computed with in 16 bits: the forward's cast of every parameter and its
+    # gradient in the compute dtype before it is added in fp32 (the compiled H100 step of
+    # Llama-3-70B on 256 devices holds both at its peak: memory-usage report of --dump-hlo)
+    copies = 2 * n * work.compute_bytes if not work.offload_optimizer and \
+        work.compute_bytes < work.param_bytes else 0.0
     if d.activations is not None:  # a model that counts its own (a U-Net)
-        activations = d.activations
+        activations = d.activations + copies
         return {"params": params, "grads": grads, "optimizer": optimizer,
                 "activations": activations, "total": params + grads + optimizer + activations}
     # Else a stack of transformer blocks (`d_model`, `num_heads`):
@@ -199,7 +204,9 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         residuals = (sched.weight_slots * layers * 16 * tokens * m.d_model / (g.row * g.col)
                      * work.compute_bytes) if sched.split_backward else 0.0
         stash = sched.stash_slots * act + residuals
-    activations = per_block * layers + stash
+    # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`.
+    logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
+    activations = per_block * layers + stash + logits + copies
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "total": params + grads + optimizer + activations}
 

@@ -81,8 +81,16 @@ def _fsdp(spec: P, shape, axis: str, size: int) -> P:
     return P(*dims)
 
 
-def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_norm):
-    """(jitted step, placed state, placed batch) of GSPMD baseline `name` (see GSPMD_LAYOUTS)."""
+def _placed(shapes, shardings):
+    """ShapeDtypeStructs of `shapes` with `shardings` (nothing allocated)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes,
+                        shardings)
+
+
+def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_norm,
+               abstract: bool = False):
+    """(jitted step, placed state, placed batch) of GSPMD baseline `name` (see GSPMD_LAYOUTS);
+    `abstract`: state and batch as ShapeDtypeStructs with their shardings (compile only)."""
     shape_of, axes = GSPMD_LAYOUTS[name]
     n = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape_of(n)), axes)
@@ -113,27 +121,35 @@ def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_n
         new, metrics = update(state, grads)
         return new, {"loss": loss, **metrics}
 
-    init = jax.jit(make_state, out_shardings=shardings)
     jitted = jax.jit(step, in_shardings=(shardings, b_shard), out_shardings=(shardings, replicated),
                      donate_argnums=0)
+    if abstract:
+        return jitted, _placed(state_shapes, shardings), _placed(_abstract(batch), b_shard)
+    init = jax.jit(make_state, out_shardings=shardings)
     return jitted, init(jax.random.key(0)), jax.device_put(batch, b_shard)
 
 
 def axonn_step(grid: ParallelConfig, model: StackedModel, optimizer, batch, devices, clip_norm,
-               microbatches: int = 1):
-    """(step, placed state, placed batch) of axonn_jax's trainer on `grid`."""
+               microbatches: int = 1, abstract: bool = False):
+    """(step, placed state, placed batch) of axonn_jax's trainer on `grid` (`abstract`: as
+    ShapeDtypeStructs with their shardings, nothing allocated)."""
     step = make_train_step(model, optimizer, make_mesh(grid, devices), clip_norm=clip_norm,
                            microbatches=microbatches)
+    if abstract:
+        bound = step.bind(_abstract(batch))
+        return step, bound.abstract_state(), bound.abstract_batch()
     return step, step.init_state(jax.random.key(0), batch), step.place_batch(batch)
 
 
 def measure(name: str, step, state, batch, repeats: int) -> dict:
-    """Bytes, FLOPs and peak of the compiled step; the first step's loss; median step time."""
+    """Bytes, FLOPs and peak of the compiled step; the first step's loss and the median step
+    time (`repeats` 0: compile only, from abstract state: no loss, no time)."""
     compiled = step.lower(state, batch).compile()
     by_kind = wire_bytes(compiled.as_text())
-    state, metrics = compiled(state, batch)
-    loss = float(metrics["loss"])
-    times = []
+    loss, times = None, []
+    if repeats:
+        state, metrics = compiled(state, batch)
+        loss = float(metrics["loss"])
     for _ in range(repeats):
         t0 = time.perf_counter()
         state, metrics = compiled(state, batch)
@@ -156,15 +172,15 @@ def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, r
     for grid in grids:
         m = microbatches if grid.pipe > 1 else 1
         name = "axonn " + " ".join(f"{k}={v}" for k, v in grid.as_dict().items() if v > 1)
-        rows.append(measure(name, *axonn_step(grid, model, optimizer, batch, devices, clip_norm, m),
-                            repeats))
+        rows.append(measure(name, *axonn_step(grid, model, optimizer, batch, devices, clip_norm, m,
+                                              abstract=not repeats), repeats))
         log(_line(rows[-1]))
     for name in baselines:
-        rows.append(measure(name, *gspmd_step(name, model, optimizer, batch, devices, clip_norm),
-                            repeats))
+        rows.append(measure(name, *gspmd_step(name, model, optimizer, batch, devices, clip_norm,
+                                              abstract=not repeats), repeats))
         log(_line(rows[-1]))
-    losses = [r["loss"] for r in rows]
-    if max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+    losses = [r["loss"] for r in rows if r["loss"] is not None]
+    if losses and max(losses) - min(losses) > 1e-4 * abs(losses[0]):
         raise RuntimeError(f"variants disagree on the first loss: {losses}")
     timed = [r["step_time_s"] for r in rows if r["name"].startswith("gspmd") and r["step_time_s"]]
     for r in rows:

@@ -60,12 +60,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._compat import aval_varying_axes, psum, varying_axes
+from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
 from ..collectives import Collective
 from ..config import SCHEDULES
 from .backward_split import split_backward
 
 PIPE_AXIS = "pipe"
+
+
+def _cond(pred, true_fn, false_fn, *operands):
+    """`lax.cond`, but on CPU meshes both branches run and the cond only picks a result. Stages
+    take different branches (stage 0 embeds, a stage idles in the bubble), and XLA:CPU's
+    collective-permute waits for every device of the program: a permute that GSPMD places inside
+    a stage's work (a re-layout between two tensor axes, e.g. of a user's einsum attention)
+    deadlocks there ("Termination timeout ... rendezvous"). Values and types are lax.cond's; the
+    CPU runs the skipped branch's work too."""
+    if mesh_platform() != "cpu":
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+    taken, skipped = true_fn(*operands), false_fn(*operands)
+    return jax.lax.cond(pred, lambda: taken, lambda: skipped)
 SLOT_TABLES = ("act_store", "act_forward", "act_backward", "cot_store", "cot_backward",
                "weight_store", "weight_read")
 
@@ -406,7 +419,7 @@ def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dty
     m = num_microbatches
 
     def embedded(prm, x_in, mb_batch, first):
-        return jax.lax.cond(first, lambda: embed_fn(prm[0], mb_batch).astype(act_dtype),
+        return _cond(first, lambda: embed_fn(prm[0], mb_batch).astype(act_dtype),
                             lambda: x_in)
 
     def forward(prm, x_in, mb_batch, first):
@@ -415,7 +428,7 @@ def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dty
     def backward(prm, x_in, mb_batch, first, last, cot):
         def apply(prm, x):
             y, extra_loss, metrics = stage_fn(prm[1], embedded(prm, x, mb_batch, first), mb_batch)
-            loss = jax.lax.cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
+            loss = _cond(last, lambda: head_fn(prm[2], y, mb_batch).astype(jnp.float32),
                                 lambda: _zeros_like_varying(jnp.zeros((), jnp.float32), axes))
             return (y, loss + extra_loss), metrics
 
@@ -548,7 +561,7 @@ def pipeline_loss_and_grads(
             return stage_forward(chunk_params(f_c), x, microbatch(jnp.maximum(f_mb, 0)), f_first)
 
         # The last virtual stage's forward output goes nowhere (its backward recomputes it).
-        y = jax.lax.cond((f_mb >= 0) & ~f_last, forward, lambda _: zero_act, None)
+        y = _cond((f_mb >= 0) & ~f_last, forward, lambda _: zero_act, None)
 
         b_mb, b_c = at("backward", t), at("backward_chunk", t)
         args = (chunk_params(b_c), read(stash, at("act_backward", t))[0],
@@ -559,7 +572,7 @@ def pipeline_loss_and_grads(
                 return g_x, mb_loss, mb_metrics, jax.tree.leaves(g_prm)
 
             shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, mb_metrics, g_flat = jax.lax.cond(
+            g_x, mb_loss, mb_metrics, g_flat = _cond(
                 b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(enumerate(g_flat)), b_c)
         else:
@@ -568,7 +581,7 @@ def pipeline_loss_and_grads(
                 return g_x, mb_loss, mb_metrics, early, res
 
             shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, mb_metrics, early, res = jax.lax.cond(
+            g_x, mb_loss, mb_metrics, early, res = _cond(
                 b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(zip(split.early_index, early)), b_c)
             wstash = store(wstash, at("weight_store", t), res)
@@ -578,7 +591,7 @@ def pipeline_loss_and_grads(
                 return split.w((chunk_params(w_c),), read(wstash, at("weight_read", t)))
 
             shapes = jax.eval_shape(weight, None)
-            late = jax.lax.cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
+            late = _cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
             grads = accumulate(grads, dict(zip(split.late_index, late)), w_c)
         loss = loss + mb_loss / m
         metrics = add_metrics(metrics, mb_metrics, b_c, b_mb >= 0)
@@ -590,7 +603,10 @@ def pipeline_loss_and_grads(
     carry = (
         [_zeros_like_varying(jnp.zeros((schedule.stash_slots, *act.shape), act.dtype), axes)],
         [_zeros_like_varying(jnp.zeros((schedule.cotangent_slots, *act.shape), act.dtype), axes)],
-        [_zeros_of(a, (schedule.weight_slots,)) for a in w_avals],
+        # varying over every manual axis: a residual the split traced as the same on every stage
+        # (a batch slice) is stored per stage
+        [_zeros_like_varying(jnp.zeros((schedule.weight_slots, *a.shape), a.dtype), axes)
+         for a in w_avals],
         zero_act,
         zero_act,
         jax.tree.map(lambda x: _zeros_like_varying(x, axes), params),
@@ -652,7 +668,7 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
             valid = (mb >= 0) & (mb < m)
             slot = jnp.clip(mb, 0, m - 1)
             inp = jnp.where(s == 0, xs[slot], recv)
-            y = jax.lax.cond(valid, lambda: stage_fn(prm, inp), lambda: zero)
+            y = _cond(valid, lambda: stage_fn(prm, inp), lambda: zero)
             outs = outs.at[slot].set(jnp.where(valid & (s == p - 1), y, outs[slot]))
             if keep_inputs:
                 ins = ins.at[slot].set(jnp.where(valid, inp, ins[slot]))
@@ -687,7 +703,7 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
                 _, vjp = jax.vjp(stage_fn, prm, ins[slot])
                 return vjp(g_out)
 
-            gp, gx = jax.lax.cond(valid, backward, lambda: (
+            gp, gx = _cond(valid, backward, lambda: (
                 jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm), zero))
             g_prm = jax.tree.map(jnp.add, g_prm, gp)
             g_xs = g_xs.at[slot].set(jnp.where(valid & (s == 0), gx, g_xs[slot]))

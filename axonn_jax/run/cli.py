@@ -128,6 +128,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     shown.add_argument("--plot", default=None, metavar="FILE.png",
                        help="draw the listed grids: step time (compute, communication by axis, "
                             "bubble) and memory per device against capacity")
+    shown.add_argument("--verify", type=int, default=0, metavar="K",
+                       help="compile the K best grids for abstract H100s (`compile`), rank the "
+                            "ones that fit first, and name every figure where the model and the "
+                            "compiler differ by more than 10%%")
 
 
 def _plan(args) -> int:
@@ -161,10 +165,63 @@ def _plan(args) -> int:
 
         path = plot_plan(shown, machine.device_memory, title, args.plot)
         print(f"wrote {path}", file=sys.stderr)
+    if args.verify:
+        return _verify(config, shown, args)
     if args.json:
         print(json.dumps([p.as_dict() for p in shown], indent=1))
         return 0
     _plan_table(shown, title)
+    return 0
+
+
+def _compile_reports(config, grids, target, predict=None, dump_hlo=None):
+    """`analysis.compiled` reports of the config's step on each `(grid, microbatches)`, compiled
+    for `target` (`analysis.targets.Target`) with `predict(grid, microbatches)`'s figures."""
+    import jax
+
+    from ..analysis import comm_model as cm, compiled as cc
+    from . import options as opts
+    from .plan import workload
+    from .trainer import build_trainer
+
+    devices = target.devices(config.grid.devices or jax.device_count())
+    opts.check(config, platform=devices[0].platform)
+    work = workload(config)
+
+    def build(grid, microbatches):
+        trainer = build_trainer(opts.with_grid(config, grid, microbatches), devices)
+        return trainer.step, trainer.local_example()
+
+    return cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes, predict=predict,
+                            model_flops=work.flops() if cm.counts(work.model) else None,
+                            dump_hlo=dump_hlo)
+
+
+def _verify(config, shown, args) -> int:
+    """`plan --verify K`: the K best grids compiled for abstract H100s; those that fit first (in
+    the planner's order), each with the figures where model and compiler part by over 10%."""
+    import json
+
+    from ..analysis import compiled as cc, targets
+
+    by_grid = {(p.grid, p.microbatches): p for p in shown[:args.verify]}
+    reports = _compile_reports(config, list(by_grid), targets.target("h100"),
+                               lambda g, m: by_grid[(g, m)])
+    order = sorted(range(len(reports)), key=lambda i: not reports[i].fits)
+    if args.json:
+        print(json.dumps([{**shown[i].as_dict(), "compiled": reports[i].as_dict(),
+                           "disagreements": cc.disagreements(reports[i])} for i in order],
+                         indent=1))
+        return 0
+    for rank, i in enumerate(order, 1):
+        r = reports[i]
+        grid = "×".join(str(v) for v in r.grid.values())
+        print(f"{rank}. {grid} (plan's #{i + 1}, {r.microbatches} microbatches): compiled "
+              f"{r.memory_per_device_bytes / 1e9:.1f} GB per device "
+              f"({'fits' if r.fits else 'does NOT fit'}), plan "
+              f"{r.predicted['memory_per_device_bytes'] / 1e9:.1f} GB")
+        for line in cc.disagreements(r):
+            print(f"   {line}")
     return 0
 
 
@@ -279,13 +336,11 @@ def _compile(args) -> int:
     from ..analysis import comm_model as cm, compiled as cc, targets
     from . import options as opts
     from .plan import workload
-    from .trainer import build_trainer
 
     config = args.run_config
     target = targets.target(args.target)
     opts.check(config, platform="gpu" if args.target == "h100" else "cpu")
     n = config.grid.devices or jax.device_count()
-    devices = target.devices(n)
     work, machine = workload(config), cm.MACHINES["h100-dgx"]
     modelled = cm.counts(work.model)
     if args.top:
@@ -295,15 +350,9 @@ def _compile(args) -> int:
     else:
         grids = [(opts.resolve_grid(config, n), config.pipeline.microbatches)]
 
-    def build(grid, microbatches):
-        trainer = build_trainer(opts.with_grid(config, grid, microbatches), devices)
-        return trainer.step, trainer.local_example()
-
     predict = (lambda g, m: cm.predict(dataclasses.replace(work, microbatches=m), g, machine)) \
         if modelled else None
-    reports = cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes,
-                               predict=predict, model_flops=work.flops() if modelled else None,
-                               dump_hlo=config.run.dump_hlo)
+    reports = _compile_reports(config, grids, target, predict, config.run.dump_hlo)
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=1))
     else:
@@ -448,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         config = getattr(args, "run_config", None)
         simulates = args.command in SIMULATES or getattr(args, "target", None) == "cpu"
         devices = config.grid.devices if config and simulates else None
-        if args.command == "compile" or devices is not None:
+        if args.command == "compile" or devices is not None or getattr(args, "verify", 0):
             from ..mesh import simulate_cpu_devices, use_cpu_platform
 
             use_cpu_platform()  # simulated or compile-only devices: JAX itself runs on the CPU

@@ -102,9 +102,6 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
         preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
         if preset.data == "tokens":
-            # `auto` means what the devices' platform runs (e.g. cuDNN on abstract H100s from a
-            # CPU host)
-            platform = (devices or jax.devices())[0].platform
             preset = preset.with_config(
                 attention=attention.resolve(config.model.attention, dtype,
                                             getattr(preset.config, "head_dim", None), platform),

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from .gathers import unbatched_gathers
 from .model import ModelFunctions
 
 
@@ -50,16 +51,21 @@ class ComputeFunctions:
     dtype: Any
     groups: tuple | None = None
 
+    # Each part runs with its gathers' batching dimensions written into their indices
+    # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
+
     def embed(self, params, batch):
-        return self.fns.embed(cast_floating(params, self.dtype), batch).astype(self.dtype)
+        return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
+                                 .astype(self.dtype))(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None):
-        return self.fns.run_blocks(cast_floating(stacked, self.dtype), x,
-                                   self.groups if groups is None else groups,
-                                   self.fns.model.side(batch))
+        groups = self.groups if groups is None else groups
+        return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
+            cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 
     def head(self, head_params, y, batch):
-        return self.fns.head(cast_floating(head_params, self.dtype), y, batch).astype(jnp.float32)
+        return unbatched_gathers(lambda p, y, b: self.fns.head(cast_floating(p, self.dtype), y, b)
+                                 .astype(jnp.float32))(head_params, y, batch)
 
     def loss_and_metrics(self, params, batch):
         """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics)."""

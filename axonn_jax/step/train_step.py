@@ -486,7 +486,7 @@ class BoundStep:
             return activations.uniform_plan(o.remat, layers)
         return activations.make_plan(
             layers, int(o.memory_budget_gb * 1e9), self._block_cost(), self._measure_peak,
-            activations.device_spec(self.owner.mesh.devices.flat[0]))
+            activations.device_spec(self.parts.mesh.devices.flat[0]))
 
     def _block_cost(self) -> activations.BlockCost:
         """One block's costs at this device's share of the activations (`data`, `depth` split)."""

@@ -1,0 +1,80 @@
+"""More modes of the train step compiled for 16 abstract H100s (`analysis.targets`), each checked
+in its compiled module: activations offloaded to host memory, cuDNN attention with grouped-query
+heads inside a zero-bubble pipeline with depth, and a user's `StackedModel` whose head gathers
+with `take_along_axis` on data × pipe × depth × row (`benchmarks/compile_modes.py` compiles every
+mode; tests/test_compile.py the report itself)."""
+import json
+
+import pytest
+
+from axonn_jax.analysis import compiled as cc, hlo, targets
+from axonn_jax.run.cli import main as cli_main
+
+NO_CUDA = targets.cuda_compile_problem()
+needs_cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"{NO_CUDA}")
+
+
+def _cudnn_calls(text: str) -> int:
+    return text.count('custom_call_target="__cudnn$fmha')
+
+
+H100_MODES = {  # more modes on 16 abstract H100s (benchmarks/compile_modes.py compiles them all)
+    "gpt-3d-fp16-remat-offload": (
+        ["--model", "gpt-tiny", "--dp", "2", "--depth", "2", "--row", "2", "--col", "2",
+         "--dtype", "float16", "--remat", "offload"],
+        lambda text, axes: "S(5)" in text and _cudnn_calls(text) > 0  # activations on the host
+        and axes[("all-gather", ("depth",))] > 0),
+    "llama-zb-h1-depth-cudnn": (
+        ["--model", "llama-tiny", "--dp", "2", "--pipe", "2", "--depth", "2", "--row", "2",
+         "--schedule", "zb-h1", "--microbatches", "2", "--dtype", "bfloat16", "--attention",
+         "cudnn"],
+        lambda text, axes: _cudnn_calls(text) > 0 and axes[("collective-permute", ("pipe",))] > 0
+        and axes[("all-gather", ("depth",))] > 0),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", H100_MODES)
+def test_h100_modes(name, tmp_path, capsys):
+    flags, check = H100_MODES[name]
+    assert cli_main(["compile", "--devices", "16", "--batch-size", "16", "--seq-len", "64",
+                     *flags, "--dump-hlo", str(tmp_path), "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    grid = report["grid"]
+    text = next(tmp_path.glob("*.txt")).read_text()
+    assert report["fits"] and check(text, hlo.bytes_by_axes(text, grid))
+
+
+@needs_cuda
+def test_h100_user_model_with_a_gathering_head(tmp_path):
+    """A user's ViT (its head picks labels with take_along_axis) on 16 abstract H100s, data ×
+    pipe × depth × row, GPipe, bf16, optimizer offload, through the library API."""
+    import jax
+    import optax
+
+    import user_models as um
+    from axonn_jax import ParallelConfig, make_mesh, make_train_step
+
+    mesh = make_mesh(ParallelConfig(data=2, pipe=2, depth=2, row=2), targets.h100_devices(16))
+    step = make_train_step(um.vit(take=True), optax.adamw(1e-3), mesh, microbatches=2,
+                           schedule="gpipe", dtype="bfloat16", offload_optimizer=True)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), um.image_batches(16)(0))
+    report, compiled = cc.compile_step(step, batch, capacity_bytes=targets.H100_CAPACITY_BYTES)
+    assert report.target == "h100" and report.fits and report.host_memory_per_device_bytes > 0
+    assert "S(5)" in compiled.as_text()
+    assert report.comm_bytes_by_axes["collective-permute over pipe"] > 0
+
+
+@needs_cuda
+def test_plan_verify_compiles_the_best_grid(capsys):
+    """`plan --verify 1`: the planner's best grid compiled for abstract H100s, its compiled figures
+    and every figure more than 10% off the model's beside the prediction."""
+    assert cli_main(["plan", "--model", "gpt-tiny", "--devices", "16", "--batch-size", "16",
+                     "--seq-len", "64", "--verify", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    compiled = row["compiled"]
+    assert compiled["target"] == "h100" and compiled["grid"] == row["grid"]
+    assert compiled["predicted"]["memory_per_device_bytes"] == row["memory_per_device_bytes"]
+    got, want = compiled["memory_per_device_bytes"], row["memory_per_device_bytes"]
+    off = abs(got - want) > 0.1 * got  # relative to the compiled figure
+    assert off == any(d.startswith("memory per device") for d in row["disagreements"])

@@ -312,9 +312,9 @@ class BoundStep:
         check_grid(grid, batch_size=rows, microbatches=o.microbatches,
                    num_layers=step.model.num_layers)
         self.fns: ModelFunctions = step.model.bind(batch, mesh)
+        self.compute_dtype = DTYPES[o.dtype]  # before the plan: `_block_cost` reads it
         self.plan = self._plan()
         self.groups = self.plan.layer_groups(step.model.offload_names) if self.plan else None
-        self.compute_dtype = DTYPES[o.dtype]
         self.offloaded = HostOffloadedOptimizer(
             step.optimizer, self.compute_dtype, step.model.num_layers, num_stages=grid.pipe) \
             if o.offload_optimizer else None

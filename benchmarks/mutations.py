@@ -159,6 +159,11 @@ MUTATIONS = [
 """,
         ("tests/test_user_models.py::test_activation_planner_keeps_the_trajectory[bfloat16]",),
         "the activation planner runs before the compute dtype is known (the old crash)"),
+    Mutation(
+        "remat-auto-cotangent", "axonn_jax/offload/activations.py",
+        "ct = jax.eval_shape(f, params, x)", "ct = x",
+        ("tests/test_user_models.py::test_activation_planner_keeps_the_trajectory[bfloat16]",),
+        "the planner differentiates a block with a cotangent in the input's dtype (bf16 ViT)"),
 ]
 
 
@@ -219,7 +224,8 @@ def main(argv=None) -> int:
     known = {m.name for m in MUTATIONS}
     unknown = set(args.only) - known
     if unknown:
-        raise SystemExit(f"mutations.py: unknown mutation(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise SystemExit(f"mutations.py: unknown mutation(s) {sorted(unknown)}; "
+                         f"known: {sorted(known)}")
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
     if args.list:
         for m in chosen:

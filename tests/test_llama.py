@@ -18,8 +18,9 @@ from axonn_jax.run.cli import main as cli_main
 from axonn_jax.run.data import encode
 from axonn_jax.train import TrainOptions, build_trainer, train
 
-from conftest import (COMPRESSED, PARITY, assert_learns, assert_states_match, assert_steps_match, comparable_state, field,
-                      lm_batches, relative_difference, run_steps, state_tolerances)
+from conftest import (COMPRESSED, PARITY, assert_learns, assert_states_match, assert_steps_match,
+                      comparable_state, field, lm_batches, relative_difference, run_steps,
+                      state_tolerances)
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (4, 16)).astype(np.int32)
 TEXT = " ".join(f"the {a} {b} runs over the {c}." for a in ("quick", "lazy", "red", "small")
@@ -258,7 +259,7 @@ def test_llama_modes_follow_one_device(mode, hf_llama, one_device, devices):
         options = dict(options, init_from=str(hf_llama[0]))
     got = trajectory(devices, **options)
     ref = one_device[options.get("dtype", "float32")]
-    assert_learns(ref["history"], 0.9)  # on a small text, repeated (measured LLAMA_LEARNED)
+    assert_learns(ref["history"], 0.9)  # measured 0.78 (fine-tuning), 0.58 (bf16, from scratch)
     if mode == "compressed-remat":  # 8-bit gradients: close, not equal (measured 1.7e-3 in the
         # losses, 1.9e-2 in the gradient norms)
         assert 0 < assert_trains_like(got, ref, 5e-3, COMPRESSED, norm_rtol=5e-2)

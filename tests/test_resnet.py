@@ -5,7 +5,8 @@ import pytest
 
 from axonn_jax.models import resnet
 
-from conftest import assert_learns, COMPRESSED, assert_states_match, assert_steps_match, preset_trajectory
+from conftest import (COMPRESSED, assert_learns, assert_states_match, assert_steps_match,
+                      preset_trajectory)
 
 # The loss of the repeated batch after two updates, at most this fraction of the first (measured
 # 1.344 falling to 1.018: 0.76).

@@ -9,7 +9,8 @@ from axonn_jax.models.gpt import get_config
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.train import TrainOptions, train
 
-from conftest import PARITY, assert_learns, assert_states_match, assert_steps_match, comparable_state
+from conftest import (PARITY, assert_learns, assert_states_match, assert_steps_match,
+                      comparable_state)
 
 STEPS = 10
 # Warm-up off; clipping active (the gradient norm falls from 4.4 to 1.03, above clip_norm = 1).

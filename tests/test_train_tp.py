@@ -57,8 +57,8 @@ def test_tensor_parallel_bf16_tracks_data_parallel(devices, data_parallel):
     """bf16 compute with TP (its 16-bit all-reduces once aborted XLA:CPU): the losses and gradient
     norms follow the data-parallel bf16 run's (measured 1e-4 apart), the fp32 masters and moments
     within bf16's resolution."""
-    got = train(TrainOptions(**SHORT, dtype="bfloat16", parallel=ParallelConfig(data=2, row=2, col=2)),
-                devices=devices)
+    got = train(TrainOptions(**SHORT, dtype="bfloat16",
+                             parallel=ParallelConfig(data=2, row=2, col=2)), devices=devices)
     assert_trains_like(got, data_parallel("bfloat16"), 2e-3, BF16)
 
 

@@ -16,8 +16,8 @@ from axonn_jax import ParallelConfig
 from axonn_jax.train import TrainOptions, train
 
 import user_models as um
-from conftest import (COMPRESSED, assert_learns, assert_states_match, assert_steps_match, comparable_state, field,
-                      metrics_file, state_tolerances)
+from conftest import (COMPRESSED, assert_learns, assert_states_match, assert_steps_match,
+                      comparable_state, field, metrics_file, state_tolerances)
 from test_distributed import REPO, _mpirun, child_env, cli, run  # noqa: F401
 
 
@@ -33,8 +33,9 @@ def trajectory(devices, name, grid=None, **options):
 
 
 # Losses and gradient norms of fp32 runs, relative: the ViT at lr 1e-2 turns rounding differences
-# into Adam steps that show in its loss after two updates (measured 2.3e-5).
-RTOL = {"vit": 5e-5, "regressor": 1e-5}
+# into Adam steps that show in its loss after two updates (measured up to 2.3e-5; the bound leaves
+# room for XLA:CPU's run-to-run variation, see conftest.FP32).
+RTOL = {"vit": 1e-4, "regressor": 1e-5}
 
 
 def assert_trains_like(got, ref, rtol=None, state=None):
@@ -47,9 +48,9 @@ def assert_trains_like(got, ref, rtol=None, state=None):
     return diff
 
 
-# The ViT's loss on its first batch, measured again after two updates, falls at least this much
-# (measured: LEARNED_VIT); the regressor's likewise.
-LEARNS = {"vit": 0.9, "regressor": 0.9}
+# The loss of the repeated batch after two updates, at most this fraction of the first (measured
+# 0.24 for the ViT, 0.32 for the regressor).
+LEARNS = {"vit": 0.5, "regressor": 0.6}
 
 
 @pytest.fixture(scope="module")

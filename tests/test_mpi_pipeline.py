@@ -1,8 +1,5 @@
 """The message-driven pipeline over MPI (`mpirun -n S·D ... --transport mpi --pipe S`): any order of
 message arrival completes within the stash bound, and mpirun jobs give the single-process trajectory."""
-import json
-import pathlib
-
 import numpy as np
 import pytest
 
@@ -12,9 +9,9 @@ from axonn_jax.transport.mpi_pipeline import permitted, stage_position
 from axonn_jax.parallel.pipeline import stage_order
 from axonn_jax.train import TrainOptions, train
 
-from conftest import relative_difference
+from conftest import PARITY, assert_steps_match, metrics_file
 # The mpirun helpers shared with the other multi-process tests.
-from test_distributed import DATA, RUN, STEPS, _mpirun, cli, losses, run  # noqa: F401
+from test_distributed import DATA, RUN, STEPS, _mpirun, cli, run, steps_of  # noqa: F401
 
 MODEL = "gpt-tiny-deep"  # 8 layers: 4 per stage for --pipe 2, 2 for --pipe 4
 
@@ -137,23 +134,20 @@ def test_stage_position_and_bad_input(capsys):
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    """The single-process trajectories on 8 devices, by dtype (computed when first asked for)."""
+    """The single-process trajectories (per-step records) on 8 devices, by dtype (computed when
+    first asked for)."""
     cache = {}
 
     def trajectory(dtype="float32"):
         if dtype not in cache:
             summary = train(TrainOptions(model=MODEL, steps=STEPS, batch_size=8, seq_len=16,
                                          eval_batches=1, eval_every=1000, data_path=DATA,
-                                         dtype=dtype, parallel=ParallelConfig(data=8)),
+                                         dtype=dtype, parallel=ParallelConfig(data=8), **PARITY),
                             devices=devices)
-            cache[dtype] = [r["loss"] for r in summary["history"]]
+            cache[dtype] = summary["history"]
         return cache[dtype]
 
     return trajectory
-
-
-def metrics(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
 @pytest.mark.parametrize("nprocs, pipe, schedule, microbatches, extra", [
@@ -193,10 +187,10 @@ def test_mpirun_pipeline_equals_single_process(nprocs, pipe, schedule, microbatc
     expected = reference("bfloat16" if bf16 else "float32")
     # bfloat16: the same training to bfloat16's precision (the single process sums its gradients
     # over 8 devices, the pipeline over microbatches, both rounding in bfloat16).
-    assert relative_difference(losses(out_file), expected) <= (2e-2 if bf16 else 1e-5)
+    assert_steps_match(steps_of(out_file), expected, 2e-2 if bf16 else 1e-5)
     # Most stage inputs held at once by any stage: all M for GPipe, P for 1F1B and ZB-H1 (M > P
     # here), (V−1)·P + P chunk inputs for interleaved 1F1B.
     bound = {"gpipe": microbatches, "interleaved-1f1b": 2 * pipe}.get(schedule, pipe)
-    assert {r["stash_peak"] for r in metrics(out_file)} == {bound}
+    assert {r["stash_peak"] for r in metrics_file(out_file)} == {bound}
     if schedule == "gpipe":  # no choice to make: every operation in the static order
-        assert {r["reordered_ops"] for r in metrics(out_file)} == {0}
+        assert {r["reordered_ops"] for r in metrics_file(out_file)} == {0}

@@ -5,17 +5,25 @@ import pytest
 
 from axonn_jax.models import resnet
 
-from conftest import preset_trajectory, relative_difference
+from conftest import (COMPRESSED, assert_learns, assert_states_match, assert_steps_match,
+                      preset_trajectory)
+
+# The loss of the repeated batch after two updates, at most this fraction of the first (measured
+# 1.344 falling to 1.018: 0.76).
+LEARNS = 0.9
 
 
 def trajectory(devices, grid=None, steps=3, **options):
-    """Losses of `steps` steps of the resnet-tiny preset's model and data (no validation)."""
+    """Summary (`history`, `state`) of `steps` steps of the resnet-tiny preset's model on one of
+    its batches, repeated (no validation)."""
     return preset_trajectory(devices, resnet, "resnet-tiny", grid, steps, **options)
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return trajectory(devices)
+    ref = trajectory(devices)
+    assert_learns(ref["history"], LEARNS)  # the same batch, two updates later
+    return ref
 
 
 @pytest.mark.parametrize("grid, options", [
@@ -23,11 +31,16 @@ def reference(devices):
     (dict(data=2, depth=2, row=2), dict(remat="offload")),
 ], ids=["data2_row2_col2-offload", "data2_depth2_row2-remat"])
 def test_resnet_trajectory_equals_single_device(reference, devices, grid, options):
-    losses = trajectory(devices, grid, **options)
-    assert losses[-1] != losses[0]
-    assert relative_difference(losses, reference) <= 1e-5
+    got = trajectory(devices, grid, **options)
+    assert_steps_match(got["history"], reference["history"])
+    assert_states_match(got["state"], reference["state"])
 
 
 def test_resnet_compressed_tracks_exact(reference, devices):
-    losses = trajectory(devices, dict(data=8), compress_bits=8)
-    assert 0 < relative_difference(losses, reference) <= 1e-2
+    """8-bit gradients track the exact trajectory. resnet-tiny's small conv kernels are quantized
+    in steps of 1/255 of their range, and two updates at lr 1e-2 on the repeated batch carry that
+    into the loss: measured 1.1e-2 (losses) and 1.7e-2 (gradient norms) after two updates."""
+    got = trajectory(devices, dict(data=8), compress_bits=8)
+    diff = assert_steps_match(got["history"], reference["history"], 3e-2)
+    assert diff > 0
+    assert_states_match(got["state"], reference["state"], **COMPRESSED)

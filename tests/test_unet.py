@@ -7,17 +7,24 @@ import pytest
 from axonn_jax import ParallelConfig
 from axonn_jax.models import get, unet
 
-from conftest import preset_trajectory, relative_difference
+from conftest import assert_learns, assert_states_match, assert_steps_match, preset_trajectory
+
+# The loss of the repeated batch after two updates, at most this fraction of the first (measured
+# 0.53).
+LEARNS = 0.75
 
 
 def trajectory(devices, grid=None, steps=3, **options):
-    """Losses of `steps` steps of the unet-tiny preset's model and data (no validation)."""
+    """Summary (`history`, `state`) of `steps` steps of the unet-tiny preset's model on one of
+    its batches, repeated (no validation)."""
     return preset_trajectory(devices, unet, "unet-tiny", grid, steps, **options)
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return trajectory(devices)
+    ref = trajectory(devices)
+    assert_learns(ref["history"], LEARNS)  # the same batch, two updates later
+    return ref
 
 
 @pytest.mark.parametrize("grid, options", [
@@ -25,9 +32,9 @@ def reference(devices):
     (dict(pipe=2, data=4), dict(microbatches=2, remat="full")),
 ], ids=["data2_row2_col2-offload", "pipe2_data4-remat"])
 def test_unet_trajectory_equals_single_device(reference, devices, grid, options):
-    losses = trajectory(devices, grid, **options)
-    assert losses[-1] != losses[0]
-    assert relative_difference(losses, reference) <= 1e-5
+    got = trajectory(devices, grid, **options)
+    assert_steps_match(got["history"], reference["history"])
+    assert_states_match(got["state"], reference["state"])
 
 
 def test_unet_shape_and_errors():

@@ -3,7 +3,6 @@ sequences) train through every mode of the trainer with their single-device traj
 2D/3D tensor, pipeline (GPipe, 1F1B), optimizer offload, remat none/full/offload/auto, CGX
 compression, bf16/fp16, checkpoints, several processes (`launch`, `mpirun --transport mpi`, the MPI
 pipeline); and the README's "Train your own model" example runs as printed."""
-import json
 import os
 import pathlib
 import re
@@ -18,28 +17,63 @@ from axonn_jax import ParallelConfig
 from axonn_jax.train import TrainOptions, train
 
 import user_models as um
-from conftest import relative_difference
+from conftest import (COMPRESSED, assert_learns, assert_states_match, assert_steps_match,
+                      comparable_state, field, metrics_file, relative_difference,
+                      state_tolerances)
 from test_distributed import REPO, _mpirun, child_env, cli, run  # noqa: F401
 
-STEPS = 3
-MODELS = {"vit": (um.vit, um.image_batches), "regressor": (um.regressor, um.sequence_batches),
-          "vit-take": (lambda: um.vit(take=True), um.image_batches)}
+# Models that compute another's loss, and that model.
+SAME_AS = {"vit-take": "vit"}
 
 
-def trajectory(devices, name, grid=None, steps=STEPS, **options):
-    """Losses of `steps` steps of model `name` on `grid` (and the run's summary)."""
+def trajectory(devices, name, grid=None, **options):
+    """`steps` steps of model `name` on `grid` (um.setup's data and options, overridden by
+    `options`): the summary's `history`, `state` (`comparable_state`) and `summary`."""
     grid = ParallelConfig(**(grid or {}))
-    make_model, make_data = MODELS[name]
-    summary = train(TrainOptions(steps=steps, batch_size=8, lr=1e-2, parallel=grid, **options),
-                    model=make_model(), data=make_data(8), devices=devices[:grid.num_devices])
-    return [r["loss"] for r in summary["history"]], summary
+    model, data, common = um.setup(name)
+    summary = train(TrainOptions(**{**common, **options}, parallel=grid), model=model, data=data,
+                    devices=devices[:grid.num_devices])
+    return {"name": name, "history": summary["history"], "summary": summary,
+            "state": comparable_state(summary["trainer"], summary["state"])}
+
+
+# Losses and gradient norms of fp32 runs, relative: the ViT at lr 1e-2 turns rounding differences
+# into Adam steps that show in its loss after two updates (measured up to 2.3e-5; the bound leaves
+# room for XLA:CPU's run-to-run variation, see conftest.FP32).
+RTOL = {"vit": 1e-4, "regressor": 1e-5}
+
+
+def assert_trains_like(got, ref, rtol=None, state=None):
+    """The same loss and gradient norm at every step (within `rtol`, default RTOL), the same final
+    state leaf by leaf (tolerances `state`, default: those of `got`'s dtype, `state_tolerances`)."""
+    rtol = rtol or RTOL[SAME_AS.get(got["name"], got["name"])]
+    diff = assert_steps_match(got["history"], ref["history"], rtol)
+    state = state or state_tolerances(got["summary"]["trainer"].options.precision.dtype)
+    assert_states_match(got["state"], ref["state"], **state)
+    return diff
+
+
+# The loss of the repeated batch after two updates, at most this fraction of the first (measured
+# 0.24 for the ViT, 0.32 for the regressor).
+LEARNS = {"vit": 0.5, "regressor": 0.6}
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    """Each model's single-device fp32 trajectory (`vit-take` computes `vit`'s loss)."""
-    found = {name: trajectory(devices, name)[0] for name in ("vit", "regressor")}
-    return {**found, "vit-take": found["vit"]}
+    """Each model's single-device trajectories (computed when first asked for), by dtype
+    (`vit-take` computes `vit`'s loss: its reference is `vit`'s)."""
+    cache = {}
+
+    def get(name, dtype="float32"):
+        name = SAME_AS.get(name, name)
+        if (name, dtype) not in cache:
+            cache[name, dtype] = ref = trajectory(devices, name, dtype=dtype)
+            assert_learns(ref["history"], LEARNS[name])  # the same batch, 2 updates later
+            if name == "vit":
+                assert min(r["grad_norm"] for r in ref["history"]) > 1.0  # clipping fires
+        return cache[name, dtype]
+
+    return get
 
 
 # (model, grid, options): every mode, alone and combined as the trainer combines them.
@@ -63,46 +97,56 @@ EXACT = [
                          ids=[f"{n}-{'x'.join(f'{k}{v}' for k, v in g.items())}-{'-'.join(o) or 'plain'}"
                               for n, g, o in EXACT])
 def test_trajectory_equals_single_device(reference, devices, name, grid, options):
-    losses, _ = trajectory(devices, name, grid, **options)
-    assert losses[-1] != losses[0]
-    assert relative_difference(losses, reference[name]) <= 1e-5
+    assert_trains_like(trajectory(devices, name, grid, **options), reference(name))
 
 
+# Losses and gradient norms within `bound` (measured: 1.7e-3 and 2.4e-3 at 8 bits; 7.0e-2 and
+# 3.2e-2 at 4 bits with stochastic rounding and no error feedback).
 @pytest.mark.parametrize("name, grid, options, bound", [
-    ("vit", dict(pipe=2, data=2, row=2), dict(microbatches=2, schedule="1f1b", compress_bits=8), 1e-3),
-    ("regressor", dict(data=8), dict(compress_bits=4, error_feedback=False), 3e-2),
+    ("vit", dict(pipe=2, data=2, row=2), dict(microbatches=2, schedule="1f1b", compress_bits=8), 5e-3),
+    ("regressor", dict(data=8), dict(compress_bits=4, error_feedback=False), 0.15),
 ])
 def test_compressed_trajectory_tracks_exact(reference, devices, name, grid, options, bound):
-    losses, summary = trajectory(devices, name, grid, **options)
-    assert 0 < relative_difference(losses, reference[name]) <= bound
+    got = trajectory(devices, name, grid, **options)
+    assert 0 < assert_trains_like(got, reference(name), bound, COMPRESSED)
     if options.get("error_feedback", True):  # each device's residual, split like its parameter
-        residual = jax.tree.leaves(summary["state"].reducer)
+        residual = jax.tree.leaves(field(got["summary"]["state"], "reducer"))
         assert residual and all(r.shape[0] == grid["data"] for r in residual)
 
 
-@pytest.mark.parametrize("name, dtype, options", [
-    ("vit", "bfloat16", dict(offload_optimizer=True)), ("regressor", "float16", {})])
-def test_mixed_precision_tensor_parallel_tracks_one_device(devices, name, dtype, options):
-    one, _ = trajectory(devices, name, dtype=dtype)
-    tp, summary = trajectory(devices, name, dict(data=2, row=2, col=2), dtype=dtype, **options)
-    assert relative_difference(tp, one) <= 5e-3  # below one bf16 ulp (2^-7)
-    assert summary["history"][-1]["skipped_steps"] == 0
+# (model, dtype, options, bound of the losses and gradient norms): bf16 within about two bf16 ulps
+# (2^-8 relative; measured 4.0e-3), fp16 within a few fp16 ulps (2^-11; measured 9.3e-4).
+MIXED = [("vit", "bfloat16", dict(offload_optimizer=True), 1e-2),
+         ("regressor", "float16", {}, 2e-3)]
 
 
-def test_activation_planner_and_resume(reference, devices, tmp_path):
-    """`remat='auto'` plans a user's blocks within the budget (the trajectory is unchanged), and a
-    stopped run resumes from its checkpoint with the same losses."""
-    _, summary = trajectory(devices, "vit", remat="auto", memory_budget_gb=0.1, steps=1)
-    plan = summary["trainer"].bound.plan
-    assert plan is not None and plan.predicted_peak <= 0.1e9
+@pytest.mark.parametrize("name, dtype, options, bound", MIXED, ids=[m[1] for m in MIXED])
+def test_mixed_precision_tensor_parallel_tracks_one_device(reference, devices, name, dtype,
+                                                           options, bound):
+    got = trajectory(devices, name, dict(data=2, row=2, col=2), dtype=dtype, **options)
+    assert_trains_like(got, reference(name, dtype), bound)
+    assert got["summary"]["history"][-1]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_planner_keeps_the_trajectory(reference, devices, dtype):
+    """`remat='auto'` plans a user's blocks within a budget below what keeping every activation
+    needs (measured: 1.09 MB fp32, 1.16 MB bf16; the plan offloads the first block), and trains as
+    one device does without remat (fp32, and bf16: the planner measures the block in the compute
+    dtype; the ViT's blocks return fp32, which the step casts back)."""
+    budget = 1e-3
+    got = trajectory(devices, "vit", remat="auto", memory_budget_gb=budget, dtype=dtype)
+    plan = got["summary"]["trainer"].bound.plan
+    assert plan.predicted_peak <= budget * 1e9 and set(plan.decisions) != {"keep"}, plan
+    assert_trains_like(got, reference("vit", dtype))
+
+
+def test_stopped_run_resumes_with_the_same_trajectory(reference, devices, tmp_path):
     common = dict(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
-    first, _ = trajectory(devices, "regressor", dict(data=4), stop_at=2, **common)
-    rest, _ = trajectory(devices, "regressor", dict(data=4), resume=True, **common)
-    assert relative_difference(first + rest, reference["regressor"]) <= 1e-5
-
-
-def _losses(path):
-    return [json.loads(line)["loss"] for line in pathlib.Path(path).read_text().splitlines()]
+    first = trajectory(devices, "regressor", dict(data=4), stop_at=2, **common)
+    rest = trajectory(devices, "regressor", dict(data=4), resume=True, **common)
+    assert_trains_like({**rest, "history": first["history"] + rest["history"]},
+                       reference("regressor"))
 
 
 SCRIPT = str(pathlib.Path(__file__).parent / "user_train.py")
@@ -126,7 +170,7 @@ def test_user_script_in_several_processes(reference, tmp_path, name, grid, trans
         assert mpirun, "mpirun not found next to this Python: install the `mpi` extra"
         extra = ["--microbatches", "2"] if "pipe" in grid else []
         run([mpirun, "-n", "2", sys.executable, *args, "--transport", "mpi", *extra])
-    assert relative_difference(_losses(metrics), reference[name]) <= 1e-5
+    assert_steps_match(metrics_file(metrics), reference(name)["history"], RTOL[name])
 
 
 def run_readme_code(section: str, tmp_path, check: str = "") -> str:
@@ -170,7 +214,7 @@ def test_pipeline_and_tensor_grid_on_exactly_its_simulated_devices(reference, tm
                           str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert relative_difference(_losses(metrics), reference["vit"]) <= 1e-5
+    assert_steps_match(metrics_file(metrics), reference("vit")["history"], RTOL["vit"])
 
 
 def test_sixteen_devices_four_axes_equal_one_device(reference, tmp_path):
@@ -184,7 +228,7 @@ def test_sixteen_devices_four_axes_equal_one_device(reference, tmp_path):
                           str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert relative_difference(_losses(metrics), reference["vit"]) <= 1e-5
+    assert_steps_match(metrics_file(metrics), reference("vit")["history"], RTOL["vit"])
 
 
 def test_readme_example_runs(tmp_path):

@@ -121,3 +121,24 @@ def sequence_batches(batch_size: int, seed: int = 0):
         x = x.astype(np.float32)
         return {"x": x, "y": np.tanh(x @ w).astype(np.float32)}
     return batch
+
+
+def repeated(batches, count: int = 1):
+    """`step -> batch` cycling over the first `count` batches of `batches`: a fixed dataset, on
+    which a loss measured on the same batch again must have fallen."""
+    return lambda step: batches(step % count)
+
+
+# What the tests (and tests/user_train.py, as a user's script) train: per model, the model, its
+# data (one batch, repeated) and the options. Warm-up off (every step a real update); the ViT's
+# gradient norms stay above 1 (clipping fires at every step), the regressor is not clipped.
+OPTIONS = dict(steps=3, batch_size=8, lr=1e-2, warmup_steps=0)
+SETUPS = {"vit": (vit, image_batches, dict(clip_norm=1.0)),
+          "regressor": (regressor, sequence_batches, dict(clip_norm=None)),
+          "vit-take": (lambda: vit(take=True), image_batches, dict(clip_norm=1.0))}
+
+
+def setup(name: str):
+    """(model, data, TrainOptions keywords) of model `name` (see SETUPS)."""
+    make_model, make_data, options = SETUPS[name]
+    return make_model(), repeated(make_data(OPTIONS["batch_size"])), {**OPTIONS, **options}

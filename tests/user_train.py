@@ -26,11 +26,10 @@ def main():
         axonn_jax.init_distributed()  # joins the job `axonn-jax launch` describes
     import user_models as um
 
-    model, data = {"vit": (um.vit(), um.image_batches(8)),
-                   "regressor": (um.regressor(), um.sequence_batches(8))}[args.model]
-    options = TrainOptions(steps=3, batch_size=8, lr=1e-2, parallel=axonn_jax.ParallelConfig.parse(
-        args.grid), transport=args.transport, microbatches=args.microbatches,
-        schedule="1f1b", metrics_out=args.metrics_out)
+    model, data, common = um.setup(args.model)
+    options = TrainOptions(**common, parallel=axonn_jax.ParallelConfig.parse(args.grid),
+                           transport=args.transport, microbatches=args.microbatches,
+                           schedule="1f1b", metrics_out=args.metrics_out)
     train(options, model=model, data=data)
 
 

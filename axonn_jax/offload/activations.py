@@ -180,7 +180,10 @@ def block_cost(block: Callable, params, x, offload_names: tuple[str, ...] | None
             else:
                 dev[d] += nbytes
         train = lambda p, h, ct, f=f: jax.vjp(f, p, h)[1](ct)
-        grad_flops[d] = matmul_flops(jax.make_jaxpr(train)(params, x, x).jaxpr)
+        # The cotangent of the block's output, whose dtype may differ from x's (the step casts
+        # the output back to x's dtype after the block).
+        ct = jax.eval_shape(f, params, x)
+        grad_flops[d] = matmul_flops(jax.make_jaxpr(train)(params, x, ct).jaxpr)
     for d in DECISIONS:
         extra[d] = max(0.0, grad_flops[d] - grad_flops["keep"])
     return BlockCost(dev, host, extra, matmul_flops(jax.make_jaxpr(block)(params, x).jaxpr))

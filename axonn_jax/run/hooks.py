@@ -328,13 +328,13 @@ class Profile(Hook):
 
 
 class ExportPretrained(Hook):
-    """At the end of a completed run, `write(params)` (e.g. a Hugging Face directory; called on
-    every process: gathering sharded parameters is collective)."""
+    """At the end of a completed run, `write(state)` (e.g. a Hugging Face directory of its
+    parameters; called on every process: gathering sharded parameters is collective)."""
 
     def __init__(self, write: Callable[[Any], None]):
         self.write = write
 
     def end(self, loop):
         if loop.completed:
-            self.write(loop.state.params)
+            self.write(loop.state)
             loop.console.print("exported the trained model")

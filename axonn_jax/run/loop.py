@@ -323,7 +323,7 @@ def _hooks(config: RunConfig, trainer: Trainer, eval_data, resume: bool, checkpo
         if r.transport == "mpi" and config.parallel.pipe > 1:
             raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
                                       "implemented yet (each process holds one stage's parameters)")
-        built.append(ExportPretrained(lambda params: _export(trainer, params)))
+        built.append(ExportPretrained(lambda state: _export(trainer, state)))
     return built, validation, sample
 
 
@@ -380,15 +380,27 @@ def _sampler(trainer: Trainer) -> Callable[[Any], str]:
     return sample
 
 
-def _export(trainer: Trainer, params) -> None:
-    """Write `params` to `--export-to` as a Hugging Face directory, with the `--init-from`
-    directory's tokenizer and generation files."""
+def _export(trainer: Trainer, state) -> None:
+    """Write the parameters of train `state` to `--export-to` as a Hugging Face directory, with
+    the `--init-from` directory's tokenizer and generation files. The parameters are those a
+    checkpoint holds: with `--offload-optimizer` the fp32 masters, not their compute-dtype copy."""
     o, preset = trainer.options, trainer.preset
     network = preset.network(DTYPES[o.precision.dtype], o.parallel)
     m = o.model
-    preset.family.to_pretrained(network, trainer.step.canonical_params(params), m.export_to)
+    params = jax.tree.map(_readable, trainer.step.canonical_state(state)["params"])
+    preset.family.to_pretrained(network, params, m.export_to)
     if m.init_from and jax.process_index() == 0:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      "generation_config.json", "tokenizer.model"):
             if (pathlib.Path(m.init_from) / name).is_file():
                 shutil.copyfile(pathlib.Path(m.init_from) / name, pathlib.Path(m.export_to) / name)
+
+
+def _readable(x):
+    """A host-resident array (offloaded masters) as one the export can index layer by layer:
+    host memory cannot be indexed by device programs."""
+    if memory_kind_of(x) in (None, DEVICE_MEMORY_KIND):
+        return x
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return jax.device_put(x, x.sharding.with_memory_kind(DEVICE_MEMORY_KIND))

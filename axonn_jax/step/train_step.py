@@ -494,8 +494,8 @@ class BoundStep:
         x = self.fns.activation
         local = jax.ShapeDtypeStruct((x.shape[0] // (grid.data * grid.depth), *x.shape[1:]),
                                      self.compute_dtype if o.dtype != "float32" else x.dtype)
-        param_dtype = self.compute_dtype if o.offload_optimizer else jnp.float32
-        one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(param_dtype), p),
+        dtype = self.compute_dtype  # the step casts the parameters to it before the blocks
+        one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(dtype), p),
                                    jax.eval_shape(self.fns.init, jax.random.key(0))["blocks"])
         return activations.block_cost(self.fns.block, one_layer, local, self.model.offload_names)
 

@@ -13,7 +13,8 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from axonn_jax import ParallelConfig
-from axonn_jax.run.checkpoint import Checkpointer, CheckpointMismatch, resplit_residual
+from axonn_jax.run.checkpoint import Checkpointer, CheckpointMismatch
+from axonn_jax.step.reducers import resplit_residual
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.run.trainer import build_trainer
 from axonn_jax.train import TrainOptions, train

@@ -95,10 +95,10 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
         len(jax.local_devices()) if config.run.transport == "mpi" else jax.device_count())
     if config.grid.data is None:
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
-    preset = None
+    preset, platform = None, (devices or jax.devices())[0].platform
     if model is None:
         # The model's own checks first: the preset must exist to build it.
-        opts.check(config, platform=(devices or jax.devices())[0].platform)
+        opts.check(config, platform=platform)
         preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
         if preset.data == "tokens":

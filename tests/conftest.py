@@ -80,6 +80,17 @@ def field(state, name: str, *default):
     return value
 
 
+def adam_state(opt_state):
+    """The one `optax.ScaleByAdamState` (count, mu, nu) inside an optimizer state."""
+    import jax
+    import optax
+
+    is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def records(history) -> list[dict]:
     """`[{'loss', 'grad_norm'}, ...]` of per-step metrics (a summary's `history`, the lines of a
     metrics.jsonl file as dicts, or the step's own metrics)."""

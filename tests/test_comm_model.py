@@ -7,6 +7,7 @@ import math
 import pytest
 
 from axonn_jax import ParallelConfig
+from axonn_jax.mesh import AXES
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.models.gpt import get_config
 from axonn_jax.analysis import comm_model as cm
@@ -196,7 +197,7 @@ def test_plan_cli_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3
     for row in rows:
-        assert set(row["grid"]) == {"data", "pipe", "depth", "row", "col"}
+        assert set(row["grid"]) == set(AXES)
         assert {"step_time_s", "memory_per_device_bytes", "comm_bytes_per_device"} <= set(row)
         assert set(row["comm_bytes_per_device"]) == set(cm.KINDS)
     rc = cli_main(["plan", "--devices", "8", "--batch", "8", "--grid", "data=3"])

@@ -6,8 +6,9 @@ from axonn_jax.config import check_divisible
 
 def test_axes_order_and_shape(devices):
     mesh = make_mesh(ParallelConfig(data=2, pipe=1, depth=1, row=2, col=2))
-    assert mesh.axis_names == ("data", "pipe", "depth", "row", "col") == AXES
-    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "depth": 1, "row": 2, "col": 2}
+    assert mesh.axis_names == ("data", "pipe", "expert", "context", "depth", "row", "col") == AXES
+    assert dict(mesh.shape) == {"data": 2, "pipe": 1, "expert": 1, "context": 1, "depth": 1,
+                                "row": 2, "col": 2}
     # Innermost axis changes fastest across device ids: tensor-parallel groups are contiguous.
     ids = [[d.id for d in row] for row in mesh.devices.reshape(-1, 2)]
     assert ids[0] == [0, 1]

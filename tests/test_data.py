@@ -3,6 +3,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax import ParallelConfig
+from axonn_jax.config import BATCH_AXES
 from axonn_jax.run import data as data_lib
 
 
@@ -43,7 +44,7 @@ def test_batches_are_placed_over_data(devices):
     assert np.array_equal(host["targets"], expected[:, 1:])
     batch = trainer.place(host)
     for name, leaf in batch.items():
-        assert leaf.shape == (16, 20) and leaf.sharding.spec == P(("data", "depth"))
+        assert leaf.shape == (16, 20) and leaf.sharding.spec == P(BATCH_AXES)
         assert {s.data.shape for s in leaf.addressable_shards} == {(2, 20)}
         assert np.array_equal(np.asarray(leaf), host[name])
 

@@ -84,18 +84,6 @@ def assert_checkpoint_matches(reference, directory):
                         comparable_state(trainer, reference["state"]))
 
 
-def test_sixteen_devices_four_axes_equal_one_device(devices, tmp_path):
-    """GPT on 16 simulated devices in a child process, data × pipe × depth × row all 2 (1F1B):
-    the single device's trajectory."""
-    one = train(TrainOptions(steps=STEPS, batch_size=8, seq_len=16, eval_batches=1,
-                             eval_every=1000, data_path=DATA), devices=devices[:1])
-    metrics = tmp_path / "m.jsonl"
-    run(cli("train", *RUN, "--devices", "16", "--dp", "2", "--pipe", "2", "--depth", "2", "--row",
-            "2", "--microbatches", "2", "--schedule", "1f1b", "--metrics-out", str(metrics),
-            "--run-dir", str(tmp_path / "run")), timeout=600)
-    assert relative_difference(losses(metrics), [r["loss"] for r in one["history"]]) <= 1e-5
-
-
 # Data, tensor (inside each process, data across) and pipeline grids (stages across processes):
 # every grid must reproduce the single-process trajectory.
 @pytest.mark.parametrize("nprocs, per_proc, grid", [

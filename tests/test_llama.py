@@ -214,7 +214,7 @@ def assert_trains_like(got, ref, rtol=1e-5, state=None, norm_rtol=None):
     """The same loss and gradient norm at every step, the same final state leaf by leaf (default
     tolerances: those of `got`'s dtype)."""
     diff = assert_steps_match(got["history"], ref["history"], rtol, norm_rtol)
-    state = state or state_tolerances(got["options"].dtype)
+    state = state or state_tolerances(got["options"].precision.dtype)
     assert_states_match(got["state"], ref["state"], **state)
     return diff
 

@@ -136,7 +136,7 @@ def test_report_overlays_runs(run_dir, tmp_path, capsys):
     other = shutil.copytree(run_dir, tmp_path / "other")
     assert cli_main(["report", str(run_dir), str(other), "--out", str(tmp_path / "out")]) == 0
     md = (tmp_path / "out" / "report.md").read_text()
-    assert md.count("| gpt-tiny | 8×1×1×1×1 | 3 |") == 2
+    assert md.count("| gpt-tiny | 8×1×1×1×1×1×1 | 3 |") == 2
     names = {"loss.png", "loss_vs_tokens.png", "throughput.png", "memory.png", "grad_norm.png"}
     assert {p.name for p in (tmp_path / "out").glob("*.png")} == names
     for name in names:

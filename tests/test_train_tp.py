@@ -74,7 +74,7 @@ def test_tensor_parallel_pipeline_stages(devices, data_parallel):
 
 @pytest.mark.parametrize("argv, message", [
     (["--row", "8"], "num_heads = 4 is not divisible by row=8"),
-    (["--depth", "8", "--batch-size", "4"], "--batch-size = 4 is not divisible by data=1 × depth=8"),
+    (["--depth", "8", "--batch-size", "4"], "--batch-size = 4 is not divisible by data=1 × expert=1 × depth=8"),
 ])
 def test_cli_tensor_parallel_bad_grid(argv, message, capsys):
     assert cli_main(["train", "--steps", "1", *argv]) == 2

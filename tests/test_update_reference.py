@@ -9,13 +9,13 @@ import math
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from axonn_jax.train import TrainOptions, build_trainer
 
 import user_models as um
-from conftest import assert_states_match, comparable_state, field, relative_difference
+from conftest import (adam_state, assert_states_match, comparable_state, field,
+                      relative_difference)
 
 STEPS, WARMUP, LR, WEIGHT_DECAY = 5, 2, 1e-2, 0.1
 B1, B2, EPS = 0.9, 0.95, 1e-8
@@ -47,14 +47,6 @@ def reference_step(params, mu, nu, grads, step: int, clip_norm):
         return p - lr * (adam + WEIGHT_DECAY * p)
 
     return jax.tree.map(update, params, mu, nu), mu, nu, norm
-
-
-def adam_state(opt_state) -> optax.ScaleByAdamState:
-    """The one Adam state (count, mu, nu) inside the update's optax state."""
-    is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)  # noqa: E731
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
-    assert len(found) == 1, found
-    return found[0]
 
 
 # (options, resync, tolerance). fp32: the reference runs its own trajectory. float16: the same fp16

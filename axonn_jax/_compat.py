@@ -256,3 +256,24 @@ def manual_axis_size(name: str) -> int:
     import jax
 
     return jax.sharding.get_abstract_mesh().shape[name] if name in manual_axes() else 1
+
+
+def register_cuda_plugin() -> bool:
+    """Register the CUDA PJRT plugin (`jax_plugins.xla_cuda12`) with JAX when its discovery at
+    start-up did not see it (it was not on sys.path then): True when JAX has a CUDA topology
+    factory afterwards. Only compile-only use needs this (`analysis.targets`); JAX's plugin
+    registry is private, so it is reached here."""
+    from jax._src import xla_bridge as xb
+
+    if "cuda" in xb._topology_factories:
+        return True
+    if "cuda" in xb._backends:  # a live CUDA backend, registered at start-up
+        return True
+    import importlib
+
+    try:
+        plugin = importlib.import_module("jax_plugins.xla_cuda12")
+    except ImportError:
+        return False
+    plugin.initialize()
+    return "cuda" in xb._topology_factories

@@ -20,6 +20,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import os
+import pathlib
+import sys
+
+from .._compat import register_cuda_plugin
 
 GPUS_PER_NODE = 8
 
@@ -60,6 +65,29 @@ share with the program."""
 CUDA_WHEELS = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12",
                "nvidia-cudnn-cu12")
 
+PLUGIN_DIR_VARIABLE = "AXONN_CUDA_PLUGIN_DIR"
+"""Where `scripts/install_compile_extra.sh` puts the CUDA plugin wheels on a machine without a GPU
+(default: `cuda-plugin` inside the virtual environment): outside site-packages, since a plugin
+there is imported by every `import jax` and, without a GPU, prints CUDA driver warnings on every
+process's stderr. `load_cuda_plugin` adds it to sys.path when compiling for H100."""
+
+
+def plugin_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get(PLUGIN_DIR_VARIABLE) or pathlib.Path(sys.prefix) / "cuda-plugin")
+
+
+def load_cuda_plugin() -> bool:
+    """Make the CUDA plugin importable (from `plugin_dir()` unless it is installed in
+    site-packages) and registered with JAX; True when JAX can then make CUDA topologies."""
+    import importlib.util
+
+    side = str(plugin_dir())
+    if importlib.util.find_spec("jax_cuda12_plugin") is None and os.path.isdir(side) \
+            and side not in sys.path:
+        sys.path.append(side)
+        importlib.invalidate_caches()
+    return register_cuda_plugin()
+
 
 def _version(package: str) -> tuple[int, ...] | None:
     try:
@@ -76,10 +104,11 @@ def cuda_compile_problem() -> str | None:
     import jax
     import jaxlib
 
+    load_cuda_plugin()  # so that a plugin in the side directory has its metadata found too
     missing = [w for w in CUDA_WHEELS if _version(w) is None]
     if missing:
-        return (f"compiling for H100 needs {', '.join(missing)} (pip install "
-                f"'axonn_jax[compile]', or `make test`)")
+        return (f"compiling for H100 needs {', '.join(missing)} (`bash "
+                f"scripts/install_compile_extra.sh .venv`, or `make test`)")
     plugin = importlib.metadata.version("jax-cuda12-plugin")
     if plugin != jaxlib.__version__:
         return f"jax-cuda12-plugin {plugin} does not match jaxlib {jaxlib.__version__}"

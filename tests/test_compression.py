@@ -12,6 +12,7 @@ from axonn_jax._compat import shard_map
 from axonn_jax.run.checkpoint import Checkpointer
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.run.data import Corpus
+from axonn_jax.step.state import TrainState
 from axonn_jax.parallel import compression as C
 from axonn_jax.analysis.hlo import collective_bytes, collectives, wire_bytes
 from axonn_jax.train import TrainOptions, train
@@ -225,10 +226,11 @@ def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):
     assert [r.shape for r in residual] == [(8, *p.shape) for p in params]
     assert all(r.sharding.spec[0] == "data" for r in residual)
     assert any(np.any(np.asarray(r)) for r in residual)
-    ckpt = Checkpointer(tmp_path / "ckpt", every=1)
-    ckpt.maybe_save(STEPS, state, force=True)
+    ckpt = Checkpointer(tmp_path / "ckpt", every=1)  # the generic checkpointer: any pytree
+    ckpt.maybe_save(STEPS, state.as_dict(), force=True)
     ckpt.close()
-    restored, spare = (Checkpointer(tmp_path / "ckpt").restore(state) for _ in range(2))
+    restored, spare = (TrainState.from_dict(Checkpointer(tmp_path / "ckpt").restore(
+        state.as_dict())) for _ in range(2))
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
         np.testing.assert_array_equal(a, b)

@@ -244,8 +244,8 @@ def test_zero_bubble_defers_the_weight_gradients(devices):
     x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
 
     def backward(p, x, g):
-        _, vjp = jax.vjp(fns.run_blocks, p, x)
-        g_p, g_x = vjp(g)
+        (_, aux), vjp = jax.vjp(fns.run_blocks, p, x)  # blocks give (x, aux)
+        g_p, g_x = vjp((g, jax.tree.map(jnp.zeros_like, aux)))
         return g_x, g_p
 
     split = split_backward(backward, (params, x, x), w_free=(True, False, False), num_b_outputs=1)

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEVICES ?= 8
 
-.PHONY: train test bench clean
+.PHONY: train test test-all bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,12 @@ $(VENV)/.test: $(VENV)/.core
 train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
+# CI: every capability, each on its representative grids (under 15 minutes on 2 cores).
 test: $(VENV)/.test
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 -m "not extended" tests
+
+# Also the extended tier (tests/extended.txt): every grid, schedule and process count (~35 minutes).
+test-all: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 clean:

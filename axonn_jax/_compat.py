@@ -276,4 +276,25 @@ def register_cuda_plugin() -> bool:
     except ImportError:
         return False
     plugin.initialize()
+    _adopt_cuda_versions()
     return "cuda" in xb._topology_factories
+
+
+def _adopt_cuda_versions() -> None:
+    """Give JAX the plugin's `_versions` module, which `import jax` looks for once and remembers
+    (None when the plugin was not importable then); cuDNN fused attention reads it to compile."""
+    import importlib
+    import sys
+
+    from jax._src import lib
+
+    if lib.cuda_versions is not None:
+        return
+    try:
+        lib.cuda_versions = importlib.import_module("jax_cuda12_plugin._versions")
+    except ImportError:
+        return
+    for name in ("jax._src.cudnn.fused_attention_stablehlo", "jax._src.lax.linalg"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "cuda_versions", False) is None:
+            module.cuda_versions = lib.cuda_versions

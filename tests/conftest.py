@@ -33,6 +33,21 @@ import pytest  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "extended: left out of `make test` (tests/extended.txt)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the node ids listed in tests/extended.txt `extended` (`make test` deselects them)."""
+    import pathlib
+
+    listed = {line.strip() for line in (pathlib.Path(__file__).parent / "extended.txt")
+              .read_text().splitlines() if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.extended)
+
+
 @pytest.fixture(scope="session")
 def devices():
     devs = jax.devices()

@@ -177,10 +177,10 @@ def test_mpirun_compressed_exchange(reference, tmp_path):
                                      str(metrics), "--dump-hlo", str(hlo))])
         found[bits] = (steps_of(metrics),
                        _mpi_wire_bytes((hlo / "train_step.hlo.txt").read_text(), 2))
-    # Losses and gradient norms, measured: 3.7e-4 and 1.1e-3 at 8 bits; 2.9e-2 and 0.34 at 4 bits
-    # with stochastic rounding and no feedback, whose noise adds to the gradients' norm (the
-    # exact exchange: 1e-5).
-    assert 0 < assert_steps_match(found[8][0], reference["history"], 1e-3, 5e-3)
+    # Losses and gradient norms, measured: 2.8e-3 and 1.1e-3 at 8 bits (buckets quantized in
+    # steps of range/255, error feedback); 2.9e-2 and 0.34 at 4 bits with stochastic rounding and
+    # no feedback, whose noise adds to the gradients' norm (the exact exchange: 1e-5).
+    assert 0 < assert_steps_match(found[8][0], reference["history"], 5e-3, 5e-3)
     assert_steps_match(found[4][0], reference["history"], 6e-2, 0.6)
     sent = found[4][1]
     assert sent["alltoall"] > 0 and sent["allgather"] > 0

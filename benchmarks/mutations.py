@@ -161,7 +161,7 @@ MUTATIONS = [
     Mutation(
         "export-compute-copy", "axonn_jax/run/loop.py",
         'params = jax.tree.map(_readable, trainer.step.canonical_state(state)["params"])',
-        'params = trainer.step.canonical_params(state["params"])',
+        'params = trainer.step.canonical_params(state.params)',
         ("tests/test_llama.py::test_fine_tunes_with_the_tokenizer_and_exports[bf16-offload]",),
         "with offload, the export writes the bf16 device copy, not the fp32 masters"),
     Mutation(

@@ -196,6 +196,18 @@ def test_simulating_devices_turns_off_the_starving_scheduler(monkeypatch):
     assert CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"].split()
 
 
+def assert_vit_script_trains_like_one_device(reference, tmp_path, env, devices, grid):
+    """tests/user_train.py's ViT on `grid` (1F1B, 2 microbatches) in a child process with `env`
+    simulating `devices` devices: the single device's trajectory."""
+    env["AXONN_LOCAL_DEVICES"] = str(devices)  # init_distributed simulates them
+    metrics = tmp_path / "m.jsonl"
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "user_train.py"), "vit", grid,
+                          "--microbatches", "2", "--metrics-out", str(metrics)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_steps_match(metrics_file(metrics), reference("vit")["history"], RTOL["vit"])
+
+
 def test_pipeline_and_tensor_grid_on_exactly_its_simulated_devices(reference, tmp_path):
     """A data × pipe × row grid on exactly 8 simulated devices, in a child process whose
     environment does not turn off XLA:CPU's concurrency-optimized scheduler: under it such runs
@@ -207,28 +219,13 @@ def test_pipeline_and_tensor_grid_on_exactly_its_simulated_devices(reference, tm
     env = child_env()
     name = CPU_SCHEDULER_FLAG.split("=")[0]
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if not f.startswith(name))
-    env["AXONN_LOCAL_DEVICES"] = "8"  # init_distributed simulates them
-    metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "user_train.py"), "vit",
-                          "data=2,pipe=2,row=2", "--microbatches", "2", "--metrics-out",
-                          str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_steps_match(metrics_file(metrics), reference("vit")["history"], RTOL["vit"])
+    assert_vit_script_trains_like_one_device(reference, tmp_path, env, 8, "data=2,pipe=2,row=2")
 
 
 def test_sixteen_devices_four_axes_equal_one_device(reference, tmp_path):
-    """A user's ViT on 16 simulated devices in a child process, data × pipe × depth × row all 2
-    (1F1B): the single device's trajectory."""
-    env = child_env()
-    env["AXONN_LOCAL_DEVICES"] = "16"
-    metrics = tmp_path / "m.jsonl"
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "user_train.py"), "vit",
-                          "data=2,pipe=2,depth=2,row=2", "--microbatches", "2", "--metrics-out",
-                          str(metrics)], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_steps_match(metrics_file(metrics), reference("vit")["history"], RTOL["vit"])
+    """A user's ViT on 16 simulated devices, data × pipe × depth × row all 2."""
+    assert_vit_script_trains_like_one_device(reference, tmp_path, child_env(), 16,
+                                             "data=2,pipe=2,depth=2,row=2")
 
 
 def test_readme_example_runs(tmp_path):

@@ -34,7 +34,7 @@ import optax
 from ..config import AXES, SCHEDULES, ParallelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-REMAT_CHOICES = ("none", "full", "offload", "auto")
+REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 TRANSPORTS = ("xla", "mpi")
 

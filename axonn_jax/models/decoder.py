@@ -67,4 +67,16 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
     boundary = step.tokens / step.microbatches / rows * d / g.col * step.compute_bytes
     head_reads = shape.vocab_size * d / (g.depth * g.row * g.col) if shape.tied else 0.0
     return from_parts([*tables, *shape.layers, *shape.replicated, *norms, CrossEntropy()], step,
-                      boundary=boundary, flops=flops, head_reads=head_reads)
+                      boundary=boundary, flops=flops, head_reads=head_reads,
+                      saved_features=saved_features(shape))
+
+
+def saved_features(shape: DecoderShape) -> float:
+    """Features per position of one block that `--remat selective` keeps: the outputs of the
+    block's dense layers but the last (whose output only joins the residual sum) and the attention
+    core's output (the input of `attn_out`), as the models name them (`ACTIVATION_NAMES`; checked
+    against `offload.activations.block_cost` in tests/test_comm_model.py)."""
+    dense = [layer for layer in shape.layers if layer.layers]  # the block's, the last is MLP down
+    others = [part for part in shape.replicated if getattr(part, "layers", 0)]
+    kept = sum(layer.fan_out * layer.count for layer in (*dense[:-1], *others))
+    return kept + sum(layer.fan_in for layer in dense if layer.name == "attn_out")

@@ -319,3 +319,23 @@ def test_memory_counts_the_compute_copies_and_the_logits():
     assert fp32 - logits == pytest.approx(2 * (bf16 - 4 * n - logits))
     # the compiled step held 83.4 GB: the planner no longer takes it for one that fits in 80
     assert cm.memory_per_device(work, grid)["total"] > 80e9
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_saved_features_are_what_selective_remat_keeps(name):
+    """The planner's `selective` bytes per block (`decoder.saved_features`) equal what
+    `--remat selective` keeps beyond the block's input, traced on the model's own block."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models import decoder, get
+    from axonn_jax.offload import activations
+
+    model = get(name)
+    config, stacked = model.config, model.build(jnp.float32)
+    x = jax.ShapeDtypeStruct((2, 16, config.d_model), jnp.float32)
+    params = jax.eval_shape(stacked.block.init, jax.random.key(0), x)["params"]
+    cost = activations.block_cost(lambda p, h: stacked.block.apply({"params": p}, h), params, x,
+                                  stacked.offload_names)
+    kept = cost.device_bytes["selective"] - cost.device_bytes["recompute"]
+    assert kept == decoder.saved_features(config.shape(P())) * 2 * 16 * 4

@@ -54,6 +54,11 @@ class Collective:
     """Parameter-sized (a weight gather, a weight-gradient reduction): the pipeline runs it in
     every microbatch's operation, so with `pipe > 1` it happens M times per step instead of once.
     Activation-sized collectives split with the tokens and add up to the same bytes either way."""
+    loop_invariant: bool = False
+    """Reads only parameters outside the blocks (a table's or the head's kernel gathered over
+    depth, a position table's lookup sum): XLA hoists it out of the microbatch loop, pipelined or
+    accumulated, so it runs once per step whatever `per_microbatch` and `stage_forward` say
+    (measured in tests/test_comm_model.py)."""
     rematerialized: bool = False
     """Run again in the backward when `--remat` recomputes the block (the batch-split layout's
     input gathers: the gathered input is not among the outputs a remat policy keeps)."""

@@ -93,15 +93,16 @@ def test_model_bytes_match_compiled_hlo(model, grid, microbatches, schedule, bit
 
 @pytest.mark.parametrize("remat, microbatches", [("full", 2), ("selective", 1)])
 def test_accumulation_and_remat_bytes_match_compiled_hlo(remat, microbatches, compiled_hlo):
-    """Without a pipeline, gradient accumulation repeats the weight gathers and weight-gradient
-    sums per microbatch; what `--remat` recomputes is not modelled (`comm_model.collectives`
-    says what the compiled step repeats): per kind within 8% (measured 3.6-6.8%)."""
+    """Without a pipeline, gradient accumulation repeats the blocks' weight gathers and
+    weight-gradient sums per microbatch, `--remat` the batch-split input gathers: per kind exact
+    but for `full`'s reduce-scatters, 6.5% above the model (`comm_model.collectives` says why)."""
     options = TrainOptions(model="gpt-tiny", batch_size=16, seq_len=32, remat=remat,
                            microbatches=microbatches, parallel=P(data=2, depth=2, row=2))
     work, by_kind = workload(options), wire_bytes(compiled_hlo(options))
     assert work.remat == remat
     for kind, want in cm.bytes_by_kind(work, options.parallel).items():
-        assert by_kind[kind] == pytest.approx(want, rel=0.08, abs=512), kind
+        slack = 0.08 if remat == "full" and kind == "reduce-scatter" else 0.01
+        assert by_kind[kind] == pytest.approx(want, rel=slack, abs=512), kind
 
 
 def assert_bytes_match(options, compiled_hlo):
@@ -157,21 +158,19 @@ def test_compiled_flops_against_model_flops(compiled_step):
         assert flops <= 1.02 * found[P(data=8)], grid
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline stages' tensor bytes: see the docstring")
 @pytest.mark.parametrize("grid", [P(data=2, pipe=2, row=2), P(data=2, pipe=2, depth=2)],
                          ids=["data2,pipe2,row2", "data2,pipe2,depth2"])
 def test_tensor_parallel_stage_bytes_match_compiled_hlo(grid, compiled_hlo):
     """Tensor-parallel collectives inside pipeline stages. The model counts what runs: M
     microbatches' forwards and backwards, each forward twice (the backward tick recomputes it) and
     each weight gather or gradient reduction once per microbatch. The compiled loop has a
-    conditional forward and backward in each of its T ticks, which the HLO count takes as always
-    taken: it equals the model's bytes × T / M.
-
-    Known to fail since stages on simulated CPU devices run both branches of their conditional
-    work (`pipeline._cond`, against XLA:CPU deadlocks): the compiled program holds 16-18% fewer
-    stage collective bytes than the model (the program compiled for H100, where the branches are
-    real conditionals, 35-38%); not yet explained, so the model's pipeline-stage tensor bytes are
-    unverified (README)."""
+    conditional forward and backward in each of its T ticks (on simulated CPU devices both
+    branches run, `pipeline._cond`), which the HLO count takes as always taken: it equals the
+    model's bytes × T / M. Collectives that read only parameters outside the blocks (the tables'
+    and the head's depth gathers, the position table's lookup sum) XLA hoists out of the loop:
+    the model counts them once per step (`Collective.loop_invariant`) and they are not in the
+    loop. (Before they were counted per microbatch, the loop held 16-18% fewer bytes than the
+    model: exactly those.)"""
     options = TrainOptions(model="gpt-tiny-deep", batch_size=16, seq_len=32, parallel=grid,
                            microbatches=2, schedule="1f1b")
     ticks = make_schedule("1f1b", grid.pipe, 2).num_ticks
@@ -181,7 +180,7 @@ def test_tensor_parallel_stage_bytes_match_compiled_hlo(grid, compiled_hlo):
             measured[c.kind] += c.wire_bytes
     predicted = {k: 0.0 for k in cm.KINDS}
     for c in cm.collectives(workload(options), grid):
-        if not set(c.axes) & {"data", "pipe"}:
+        if not set(c.axes) & {"data", "pipe"} and not c.loop_invariant:
             predicted[c.kind] += c.wire_bytes(grid) * ticks / 2
     assert any(predicted.values())
     for kind in ("all-gather", "all-reduce", "reduce-scatter"):

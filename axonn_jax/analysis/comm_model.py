@@ -142,9 +142,9 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     # The pipeline runs a stage's forward again in its backward tick; parameter-sized collectives
     # repeat per microbatch, pipelined or accumulated. Of what `--remat` recomputes, the compiled
     # step (tests/test_comm_model.py) repeats the batch-split input gathers, not the weight
-    # gathers over depth nor the output sums over row; `full` also some reduce-scatters (+15% of
-    # those over row at gpt-tiny's size, not counted). With accumulation XLA hoists the gathers
-    # of the parameters outside the blocks out of the loop (counted per microbatch: +9% there).
+    # gathers over depth nor the output sums over row; `full` also the output reduce-scatters of
+    # the layers whose output the block reuses (+15% of those over row at gpt-tiny's size, not
+    # counted). Collectives XLA hoists out of the microbatch loop count once (`loop_invariant`).
     if work.remat != "none":
         found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized else c
                  for c in found]
@@ -306,7 +306,7 @@ def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
     attention core's two matmuls) from the kept projections."""
     factor = (4 / 3 if grid.pipe > 1 else 1.0) + (1 / 3 if work.remat == "full" else 0.0)
     m = work.model
-    if work.remat in ("selective", "offload") and hasattr(m, "num_heads"):
+    if work.remat in ("selective", "offload") and hasattr(m, "d_model"):
         # 2·seq·d FLOPs per position per block (XLA's attention computes every score).
         scores = 2 * work.tokens * work.seq_len * m.d_model * m.num_layers
         factor += scores / work.flops()
@@ -416,6 +416,8 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
     candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]
     remats = list(remat_choices or PLANNED_REMAT)
+    if not remat_choices and not declared(work, ParallelConfig()).saved_features:
+        remats.remove("selective")  # a model that declares no selective bytes (a U-Net)
     results = []
     for g in candidates:
         default = ACCUMULATION if g.pipe == 1 else [g.pipe * k for k in (1, 2, 4, 8)]

@@ -180,7 +180,8 @@ def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2
     forward `forwards` times per microbatch (2 in a pipeline, whose backward tick recomputes it;
     one more with `--remat full`), parameter-sized collectives (weight gathers, weight-gradient
     sums) once per microbatch's operation (pipelined, or accumulated by `SpmdEngine`)."""
-    return [dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
+    return [c if c.loop_invariant else
+            dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
                                 * (microbatches if c.per_microbatch else 1)) for c in found]
 
 

@@ -376,7 +376,7 @@ class DenseLayer:
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
             # head's, laid out by GSPMD, all-reduced)
             Collective("all-gather", ("depth",), block * pb, count, stage_forward=stacked,
-                       per_microbatch=True),
+                       per_microbatch=True, loop_invariant=not stacked),
             Collective("all-reduce" if self.table else "reduce-scatter", ("depth",), block * pb,
                        count, per_microbatch=True),
         ]
@@ -524,7 +524,7 @@ class Table:
             lookups = step.tokens * self.features / g.col * cb
             out = [
                 Collective("all-gather", ("depth",), shard * pb, stage_forward=True,
-                           per_microbatch=True),
+                           per_microbatch=True, loop_invariant=True),
                 # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
                 # completes the embeddings
                 Collective("all-reduce", ("row",), lookups, stage_forward=True),
@@ -535,11 +535,12 @@ class Table:
                 out.append(Collective("all-gather", ("row",), lookups))  # gradient's rows
             return out
         return [
-            Collective("all-gather", ("depth",), shard * pb, stage_forward=True, per_microbatch=True),
+            Collective("all-gather", ("depth",), shard * pb, stage_forward=True, per_microbatch=True,
+                       loop_invariant=True),
             # the lookup sum, once per position; the gradient is first summed over the batch,
             # which depth splits
             Collective("all-reduce", ("row",), step.seq_len * self.features / g.col * cb,
-                       stage_forward=True, per_microbatch=True),
+                       stage_forward=True, per_microbatch=True, loop_invariant=True),
             Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
                        step.seq_len * self.features / g.col * pb, per_microbatch=True),
         ]

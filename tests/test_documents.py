@@ -173,3 +173,31 @@ def test_packed_loss_is_the_documents_losses(family, grid, devices):
     state = step.init_state(jax.random.key(0), batch, params)
     assert relative_difference(float(step.eval_loss(state.params, step.place_batch(batch))),
                                want) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- several processes
+
+def test_launch_reads_per_host_and_resumes_on_one_process(unbroken, mixture, tmp_path, devices):
+    """`axonn-jax launch` with 2 processes of one device each trains from the config's YAML (as
+    the run directory writes it): each process reads and tokenizes only its half of the rows
+    (process 0's documents are about half of the one-process run's), the global batches are the
+    same (the losses equal the in-process data=2 run's), and the job's step-2 checkpoint (the
+    data position gathered from both processes) resumes on one process with the same batches."""
+    from axonn_jax.run import config as config_lib
+    from test_distributed import cli, run
+
+    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    config_lib.write(tmp_path / "run.yaml", config_lib.effective_config(options(
+        mixture, checkpoint_dir=str(directory), checkpoint_every=2, metrics_out=str(metrics))))
+    run(cli("launch", "--nprocs", "2", "--devices-per-proc", "1", "--log-dir",
+            str(tmp_path / "logs"), "--", "train", "--config", str(tmp_path / "run.yaml")))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    reference = unbroken[0]["history"]
+    assert relative_difference([r["loss"] for r in records], losses(unbroken[0])) <= 1e-5
+    read = sum(r["data_documents"] for r in records)
+    assert 0 < read < 0.75 * sum(r["data_documents"] for r in reference)
+    assert "reading rows 0-3" in (tmp_path / "logs" / "proc0.log").read_text()
+    shutil.rmtree(directory / "4")
+    resumed = train(options(mixture, checkpoint_dir=str(directory), resume=True),
+                    devices=devices[:1])
+    assert relative_difference(losses(resumed), losses(unbroken[0])[2:]) <= 1e-5

@@ -201,3 +201,47 @@ def test_launch_reads_per_host_and_resumes_on_one_process(unbroken, mixture, tmp
     resumed = train(options(mixture, checkpoint_dir=str(directory), resume=True),
                     devices=devices[:1])
     assert relative_difference(losses(resumed), losses(unbroken[0])[2:]) <= 1e-5
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD = {"malformed.jsonl": '{"text": "a b c\n' * 12, "nofield.jsonl": '{"body": "a b c"}\n' * 12,
+       "long.jsonl": (json.dumps({"text": "word " * 40}) + "\n") * 12}
+SMALL_RUN = ["train", "--model", "gpt-tiny", "--steps", "1", "--batch-size", "8", "--seq-len",
+             "16", "--eval-batches", "1"]
+
+
+def test_cli_bad_sources_are_one_line_errors(mixture, tmp_path):
+    """Through the command line (a subprocess): a missing source and a weight <= 0 are reported
+    together, one line each, exit status 2, no traceback, before any work."""
+    from test_distributed import child_env, cli
+
+    result = subprocess.run(
+        cli(*SMALL_RUN, "--run-dir", str(tmp_path / "run"), "--data-source",
+            str(tmp_path / "missing.jsonl"), "--data-source", mixture[0]["path"] + ":0"),
+        env=child_env(), capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 2 and "missing.jsonl' does not exist" in lines[0]
+    assert "weight must be a number > 0, got 0.0" in lines[1]
+
+
+@pytest.mark.parametrize("name, extra, message", [
+    ("malformed.jsonl", [], "malformed.jsonl:1: malformed JSON"),
+    ("nofield.jsonl", [], "no field 'text' (its fields: 'body')"),
+    ("long.jsonl", ["--long-documents", "refuse"], "longer than a row of seq_len + 1 = 17"),
+])
+def test_bad_documents_are_one_line_errors_before_compiling(name, extra, message, tmp_path,
+                                                            capsys):
+    """A malformed record, a field that does not exist and a document longer than a row under
+    `long_documents: refuse`: one line naming the file and record, exit status 2, before the step
+    compiles (the first batch is read first)."""
+    from axonn_jax.run.cli import main as cli_main
+
+    path = tmp_path / name
+    path.write_text(BAD[name])
+    assert cli_main([*SMALL_RUN, "--run-dir", str(tmp_path / "run"), "--data-source", str(path),
+                     *extra]) == 2
+    out = capsys.readouterr()
+    assert message in out.err and len(out.err.strip().splitlines()) == 1, out.err
+    assert "compiled peak" not in out.out

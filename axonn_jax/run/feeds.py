@@ -154,7 +154,8 @@ def document_feeds(config, sharding, tokenizer=None, vocab_size: int | None = No
     (`data.sources`), each
     process reading the rows of the global batch that `sharding` (of a `(batch, seq_len)` leaf)
     puts on its devices. tokenizer: a `tokenizer.json` (None: byte-level tokens); vocab_size: ids
-    must be below it. Bad input (a missing file, a field that does not exist) raises here."""
+    must be below it. Bad input in the sources or in the first batch's documents (a missing file,
+    a malformed record, a field that does not exist, a refused long document) raises here."""
     from . import loader
 
     d = config.data
@@ -166,7 +167,9 @@ def document_feeds(config, sharding, tokenizer=None, vocab_size: int | None = No
                                            vocab_size=vocab_size, split=split)
 
     train = DocumentFeed(make("train"), sharding, d.batch_size, d.seq_len)
-    train.batches  # opens the sources now: their errors before the step is compiled
+    # The first batch now: bad input (a malformed record, a missing field, a refused long
+    # document) fails before the step compiles, not minutes later (a resume re-positions it).
+    train.batch(0)
     validation = DocumentFeed(make("val"), sharding, d.batch_size, d.seq_len) \
         if d.val_fraction > 0 else None
     return train, validation

@@ -144,27 +144,29 @@ def test_packed_loss_is_the_documents_losses(family, grid, devices):
     """Documents packed into rows (segment ids, positions, ignored targets between documents) give
     the losses of the documents computed alone, each in a row of its own: the library's
     cross-entropy is the mean over all `rows x seq_len` positions, an ignored target's term 0, so
-    the packed batch's sum of token losses is the documents' sum. Without the segment mask
-    (attention across documents) and the restarted positions it differs by far more than the
-    tolerance. With `grid`, the same batch on a data=2 x context=2 grid (the context-parallel
+    with as many rows on both sides (empty rows pad them) the two losses are equal. Without the
+    segment mask (attention across documents) and the restarted positions it differs by far more
+    than the tolerance. With `grid`, the same batch on a data=2 x context=2 grid (the context-parallel
     attention's segment mask) gives the same loss."""
     module, name = FAMILIES[family]
     model = module.stacked(dataclasses.replace(module.PRESETS[name], attention="xla"))
     docs = random_documents(15, seed=4)
     rows, held = packed_rows(docs, 4)
-    batch = packing.lm_batch(*rows)
-    assert max(len(h) for h in held) >= 2 and (batch["targets"] < 0).mean() > 0.05
+    used = [j for h in held for j in h]
+    # The packed rows and the documents alone, a row each, padded with empty rows to one even
+    # number of rows (the data axis splits it): the two means have one denominator.
+    size = len(used) + len(used) % 2
+    pad = lambda xs: packing.lm_batch(*(np.pad(x, ((0, size - len(x)), (0, 0))) for x in xs))  # noqa: E731
+    batch = pad(rows)
+    alone = pad([np.concatenate(x) for x in zip(*(packed_rows([docs[j]], 1)[0] for j in used))])
+    assert max(len(h) for h in held) >= 2 and (batch["targets"][:4] < 0).mean() > 0.05
     params = jax.jit(model.init)(jax.random.key(0), batch)
     loss = jax.jit(model.loss)
-    used = [j for h in held for j in h]
-    # Each document alone in a row of its own (one batch of len(used) rows: rows never meet).
-    alone = packing.lm_batch(*(np.concatenate(x) for x in zip(
-        *(packed_rows([docs[j]], 1)[0] for j in used))))
-    want = float(loss(params, alone)) * len(used) / len(held)
+    want = float(loss(params, alone))
     assert relative_difference(float(loss(params, batch)), want) <= 1e-5
     # Without the segment mask and restarted positions the documents see each other.
     unmasked = {**batch, "segment_ids": np.ones_like(batch["segment_ids"]),
-                "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), (len(held), SEQ))}
+                "positions": np.broadcast_to(np.arange(SEQ, dtype=np.int32), batch["inputs"].shape)}
     assert relative_difference(float(loss(params, unmasked)), want) > 1e-3
     if grid is None:
         return

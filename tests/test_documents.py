@@ -18,6 +18,7 @@ import pytest
 from axonn_jax import ParallelConfig, make_mesh, make_train_step
 from axonn_jax.models import gpt, llama
 from axonn_jax.run import packing
+from axonn_jax.run.checkpoint import CheckpointMismatch
 from axonn_jax.run.sources import Tokens
 from axonn_jax.train import TrainOptions, train
 
@@ -99,7 +100,8 @@ def test_resume_on_another_grid_reads_the_same_batches(unbroken, mixture, tmp_pa
 def test_damaged_data_position_falls_back_to_the_previous_step(unbroken, mixture, tmp_path,
                                                                devices):
     """A step whose data item is missing is damaged like any other: the restore falls back to
-    the previous step (with a note) and the run still reads the unbroken run's batches."""
+    the previous step (with a note) and the run still reads the unbroken run's batches. A data
+    position of other data is an error that leaves the steps as they are."""
     directory = tmp_path / "ckpt"
     shutil.copytree(unbroken[1], directory)
     shutil.rmtree(directory / "4" / "data")
@@ -108,6 +110,11 @@ def test_damaged_data_position_falls_back_to_the_previous_step(unbroken, mixture
     assert os.path.isdir(directory / "4.damaged")
     assert [r["step"] for r in resumed["history"]] == [3, 4]
     assert losses(resumed) == losses(unbroken[0])[2:]
+    # A data position of other data (here: another seed's shuffles) is an error, not damage.
+    with pytest.raises(CheckpointMismatch, match="data position is of other data"):
+        train(options(mixture, parallel=ParallelConfig(data=2), checkpoint_dir=str(directory),
+                      resume=True, seed=1), devices=devices[:2])
+    assert sorted(os.listdir(directory)) == ["2", "4", "4.damaged"]
 
 
 # ----------------------------------------------------------------------------- packed loss

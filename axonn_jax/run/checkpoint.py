@@ -1,18 +1,20 @@
 """Orbax checkpoints of the train state, saved cooperatively by all processes.
 
-A step directory holds two items, three with a stateful data feed: `state` (the train state as `TrainStep.canonical_state` gives it:
-layers in the model's order and the optimizer state of a run without offload, so that it restores
-on any grid, device count and process count, with or without `--offload-optimizer`) and `meta`
-(JSON: the step, the run's seed and a checksum of every leaf), and `data` (JSON: the position of a
-feed of documents, `run.feeds`, whose next batch is the one after the step). Saves are orbax's: atomic (written
-into a temporary directory that is renamed when complete) and asynchronous (the state is copied to
-host memory, then written in a background thread while training goes on).
+A step directory holds two items, three with a stateful data feed: `state` (the train state as
+`TrainStep.canonical_state` gives it: layers in the model's order and the optimizer state of a run
+without offload, so that it restores on any grid, device count and process count, with or without
+`--offload-optimizer`), `meta` (JSON: the step, the run's seed and a checksum of every leaf) and
+`data` (JSON: the position of a feed of documents, `run.feeds`, whose next batch is the one after
+the step). Saves are orbax's: atomic (written into a temporary directory that is renamed when
+complete) and asynchronous (the state is copied to host memory, then written in a background thread
+while training goes on).
 
 `restore` tries the newest step first and falls back to older ones when a step is damaged (files
 missing, truncated or overwritten, a garbage manifest, a checksum that differs, non-finite values),
 with a one-line note naming the step it skipped (renamed to `STEP.damaged`, so that a later save of
-the same step is possible); a step without the data position a stateful feed needs, or with one of
-other data, is damaged alike. A checkpoint of another model is an error, not a fallback.
+the same step is possible); a step without a readable data position where a stateful feed needs
+one is damaged alike. A checkpoint of another model, or a data position of other data (another
+mixture, seed, seq_len, global batch...), is an error, not a fallback.
 """
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ class Checkpointer:
     data-parallel size); such a field is read as saved and handed to its function (None: it starts
     from the template's values). `data`: the run's feed (`run.feeds`): when it is `stateful`, its
     `state()` is saved as the item `data` and restored with its `restore(state)` (a ValueError:
-    the step is damaged). `info`: JSON values
+    the step is damaged; a CheckpointMismatch: an error). `info`: JSON values
     saved beside the state (e.g. the seed, which with the step fixes the data position and every
     random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
     `maybe_save` returns once the state is copied to host memory (False: once it is written).
@@ -255,7 +257,7 @@ class Checkpointer:
 
     def _restore_data(self, step: int) -> None:
         """The data feed continues from the position saved with `step` (DamagedStep when the step
-        holds none, or one of other data)."""
+        holds none or a garbled one; the feed's CheckpointMismatch for one of other data)."""
         import orbax.checkpoint as ocp
 
         if self.data is None:
@@ -267,6 +269,8 @@ class Checkpointer:
             raise DamagedStep(f"no readable data position ({_short(e)})") from None
         try:
             self.data.restore(position)
+        except CheckpointMismatch:
+            raise
         except (ValueError, KeyError, TypeError) as e:
             raise DamagedStep(f"its data position does not fit this run's data: {_short(e)}") \
                 from None

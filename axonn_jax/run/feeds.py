@@ -24,6 +24,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from .checkpoint import CheckpointMismatch
+
 DOCUMENT_KEYS = ("inputs", "targets", "segment_ids", "positions")
 """The leaves of a batch of packed documents, each `(batch, seq_len)` int32 (`run.packing`)."""
 
@@ -77,8 +79,7 @@ class DocumentFeed:
     """Packed documents from `make()` (a fresh `run.loader.Batches` of this process's rows),
     assembled into global `(global_batch, seq_len)` arrays split by `sharding`
     (`loader.global_arrays`). The feed's position is the iterator's: `state()` gathers every
-    process's (`loader.gather_state`), `restore(state)` continues from it (raises
-    `loader.DataStateMismatch` for a state of other data)."""
+    process's (`loader.gather_state`), `restore(state)` continues from it."""
 
     stateful = True
 
@@ -140,7 +141,16 @@ class DocumentFeed:
         return loader.gather_state(self.batches)
 
     def restore(self, state) -> None:
-        self.batches.set_state(state)
+        """Continue from a gathered `state`: CheckpointMismatch when it belongs to other data (a
+        config change: an error, not damage); a ValueError for a garbled one."""
+        b = self.batches
+        if isinstance(state, dict) and "fingerprint" in state and \
+                (state["fingerprint"], state.get("streams")) != (b.fingerprint, b.streams):
+            raise CheckpointMismatch(
+                "--resume: the checkpoint's data position is of other data (the sources, weights, "
+                "fields, seed, seq_len, global batch or tokenizer differ), so its batches cannot "
+                "continue; resume with the run's data config or start a new run")
+        b.set_state(state)
         self._next, self._last = int(state["batches"]), None
 
     def close(self) -> None:

@@ -1,16 +1,20 @@
 """Orbax checkpoints of the train state, saved cooperatively by all processes.
 
-A step directory holds two items: `state` (the train state as `TrainStep.canonical_state` gives it:
-layers in the model's order and the optimizer state of a run without offload, so that it restores
-on any grid, device count and process count, with or without `--offload-optimizer`) and `meta`
-(JSON: the step, the run's seed and a checksum of every leaf). Saves are orbax's: atomic (written
-into a temporary directory that is renamed when complete) and asynchronous (the state is copied to
-host memory, then written in a background thread while training goes on).
+A step directory holds two items, three with a stateful data feed: `state` (the train state as
+`TrainStep.canonical_state` gives it: layers in the model's order and the optimizer state of a run
+without offload, so that it restores on any grid, device count and process count, with or without
+`--offload-optimizer`), `meta` (JSON: the step, the run's seed and a checksum of every leaf) and
+`data` (JSON: the position of a feed of documents, `run.feeds`, whose next batch is the one after
+the step). Saves are orbax's: atomic (written into a temporary directory that is renamed when
+complete) and asynchronous (the state is copied to host memory, then written in a background thread
+while training goes on).
 
 `restore` tries the newest step first and falls back to older ones when a step is damaged (files
 missing, truncated or overwritten, a garbage manifest, a checksum that differs, non-finite values),
 with a one-line note naming the step it skipped (renamed to `STEP.damaged`, so that a later save of
-the same step is possible); a checkpoint of another model is an error, not a fallback.
+the same step is possible); a step without a readable data position where a stateful feed needs
+one is damaged alike. A checkpoint of another model, or a data position of other data (another
+mixture, seed, seq_len, global batch...), is an error, not a fallback.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-STATE, META = "state", "meta"
+STATE, META, DATA = "state", "meta", "data"
 DAMAGED = ".damaged"
 
 
@@ -100,7 +104,9 @@ class Checkpointer:
     `reshard`: `{field: reshard(saved, target) -> (value | None, note)}` for fields whose saved
     shapes may differ from this run's (`TrainStep.reshard`: the reducer's residuals on another
     data-parallel size); such a field is read as saved and handed to its function (None: it starts
-    from the template's values). `info`: JSON values
+    from the template's values). `data`: the run's feed (`run.feeds`): when it is `stateful`, its
+    `state()` is saved as the item `data` and restored with its `restore(state)` (a ValueError:
+    the step is damaged; a CheckpointMismatch: an error). `info`: JSON values
     saved beside the state (e.g. the seed, which with the step fixes the data position and every
     random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
     `maybe_save` returns once the state is copied to host memory (False: once it is written).
@@ -110,7 +116,7 @@ class Checkpointer:
                  keep_every: int = 0, canonical=None, reshard: dict | None = None,
                  info: dict | None = None,
                  note: Callable[[str], None] | None = None, read_only: bool = False,
-                 asynchronous: bool = True):
+                 asynchronous: bool = True, data=None):
         import orbax.checkpoint as ocp
 
         self.directory = pathlib.Path(directory).absolute()
@@ -123,6 +129,7 @@ class Checkpointer:
         self._canonical = canonical or (lambda state, inverse=False: state)
         self.reshard = dict(reshard or {})
         self.info = dict(info or {})
+        self.data = data if getattr(data, "stateful", False) else None
         self.note = note or (lambda text: print(text, file=sys.stderr))
         _quiet_orbax()
         options = ocp.CheckpointManagerOptions(read_only=True) if read_only else \
@@ -130,9 +137,10 @@ class Checkpointer:
                                          create=True, enable_async_checkpointing=asynchronous)
         try:
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_names=(STATE, META),
+                self.directory, options=options, item_names=(STATE, META, DATA),
                 item_handlers={STATE: ocp.PyTreeCheckpointHandler(),
-                               META: ocp.JsonCheckpointHandler()})
+                               META: ocp.JsonCheckpointHandler(),
+                               DATA: ocp.JsonCheckpointHandler()})
         except OSError as e:
             raise ValueError(f"--checkpoint-dir {str(directory)!r}: {_short(e)}") from None
 
@@ -168,8 +176,10 @@ class Checkpointer:
                       + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
             return False
         meta = {**self.info, "step": int(step), "checksums": {k: s for k, (s, _) in sums.items()}}
-        return self._manager.save(step, args=ocp.args.Composite(
-            **{STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta)}), force=force)
+        items = {STATE: ocp.args.PyTreeSave(tree), META: ocp.args.JsonSave(meta)}
+        if self.data is not None:  # every process: gathering the position is a collective
+            items[DATA] = ocp.args.JsonSave(self.data.state())
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def restore(self, template):
         """The newest state that restores, placed like `template` (a pytree of arrays: the fresh
@@ -242,7 +252,28 @@ class Checkpointer:
         if missing:
             self.note(f"checkpoint step {step} holds no {', '.join(sorted(missing))}; "
                       "they start afresh")
+        self._restore_data(step)
         return _with_fields(self.canonical(restored, inverse=True), template, missing)
+
+    def _restore_data(self, step: int) -> None:
+        """The data feed continues from the position saved with `step` (DamagedStep when the step
+        holds none or a garbled one; the feed's CheckpointMismatch for one of other data)."""
+        import orbax.checkpoint as ocp
+
+        if self.data is None:
+            return
+        try:
+            position = self._manager.restore(step, args=ocp.args.Composite(
+                **{DATA: ocp.args.JsonRestore()}))[DATA]
+        except Exception as e:  # missing or unreadable: orbax raises many types
+            raise DamagedStep(f"no readable data position ({_short(e)})") from None
+        try:
+            self.data.restore(position)
+        except CheckpointMismatch:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise DamagedStep(f"its data position does not fit this run's data: {_short(e)}") \
+                from None
 
     def _restore_target(self, saved, target):
         """(what to read, fields to reshard, fields the checkpoint lacks): a field with a reshard

@@ -46,6 +46,8 @@ def _add(group, leaf: Leaf) -> None:
                               help=meta["help"] + _default_text(leaf))
     if leaf.kind is bool and not isinstance(leaf.default, str) and leaf.path != "checkpoint.resume":
         kw["action"] = "store_false" if meta["switch_off"] else "store_true"
+    elif leaf.kind is tuple:  # a list: the flag repeated
+        kw.update(action="append", metavar=meta["metavar"])
     elif leaf.path == "checkpoint.resume":
         kw.update(nargs="?", const=True, metavar=meta["metavar"])
     else:
@@ -58,7 +60,7 @@ def _add(group, leaf: Leaf) -> None:
 
 
 def _default_text(leaf: Leaf) -> str:
-    if leaf.kind is bool or leaf.default is None:
+    if leaf.kind is bool or leaf.default in (None, ()):
         return ""
     return f" (default: {leaf.default})"
 
@@ -101,6 +103,8 @@ def value_of(key: str, leaf: Leaf, value) -> Any:
     key otherwise. A switch-off flag's key (`no_error_feedback`) takes the flag's sense."""
     import yaml
 
+    if leaf.kind is tuple:
+        return _list_value(key, value)
     if isinstance(value, Text):
         if value in ("", "null", "~", "None", "none") and \
                 (leaf.default is None or leaf.path == "optimizer.clip_norm"):
@@ -135,6 +139,21 @@ def value_of(key: str, leaf: Leaf, value) -> Any:
     if choices is not None and value not in choices:
         raise ValueError(f"config key {key!r} must be one of {sorted(choices)}, got {value!r}")
     return value
+
+
+def _list_value(key: str, value) -> tuple:
+    """A list field's value: a YAML list, one item, or `--set` text (YAML: `[a.jsonl, b.parquet]`);
+    the field's dataclass types the items."""
+    import yaml
+
+    if isinstance(value, Text):
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"config key {key!r}: cannot parse {str(value)!r} as YAML") from None
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 def _index() -> dict[str, Leaf]:
@@ -235,7 +254,8 @@ def effective_config(config: RunConfig, exclude: tuple[str, ...] = ()) -> dict:
     out: dict[str, dict] = {}
     for name in SECTIONS:
         section = dataclasses.asdict(getattr(config, name))
-        kept = {k: v for k, v in section.items() if f"{name}.{k}" not in exclude}
+        kept = {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()
+                if f"{name}.{k}" not in exclude}
         if kept:
             out[name] = kept
     return out

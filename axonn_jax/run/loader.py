@@ -45,14 +45,13 @@ except ImportError as e:  # the `data` extra
     raise ImportError("document sources (data.sources) need grain: pip install 'axonn_jax[data]'") from e
 
 from . import packing, sources
+from .sources import LONG_DOCUMENTS, SOURCE_KEYS
 
 STATE_VERSION = 1
 SPLIT_SEED = 0x5EED
 """Seed of the fixed shuffle that picks each source's validation documents (never the run's seed:
 changing the run's seed must not move documents between the splits)."""
-LONG_DOCUMENTS = ("split", "refuse")
 CONFIG_KEYS = ("sources", "eos_id", "long_documents", "val_fraction", "seed", "workers", "prefetch")
-SOURCE_KEYS = ("path", "weight", "text_field", "ids_field")
 
 
 class DataStateMismatch(ValueError):

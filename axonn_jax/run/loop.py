@@ -6,7 +6,6 @@ The loop compiles the step, restores a checkpoint if asked, and runs the steps; 
 """
 from __future__ import annotations
 
-import itertools
 import math
 import pathlib
 import shutil
@@ -25,13 +24,14 @@ from ..step.reducers import compressed_wire_bytes, exact_wire_bytes
 from ..step.model import StackedModel
 from . import data as data_lib
 from . import rundir
+from .feeds import StepFeed, document_feeds
 from .hooks import (Checkpoints, DeviceMemory, ExportPretrained, HloDump, Hook, MetricsFile, Profile,
                     Progress, Sample, SaveWhenStopped, StepInfo, TensorBoard, Validation,
                     parse_step_range)
 from . import options
 from .options import RunConfig
 from .stopping import Diverged, StopRequest, process_agreement
-from .trainer import Trainer, build_trainer
+from .trainer import Trainer, build_trainer, lm_example
 
 
 def tree_bytes_per_device(tree, memory_kind: str | None = None) -> int:
@@ -67,25 +67,25 @@ def compression_ratio(params, bits: int, bucket_size: int) -> float:
 
 
 class Loop:
-    """Runs `trainer`'s step from `state` over `batches(step)` (global host batches) until
-    `end_step`, calling `hooks` (see `run.hooks`).
+    """Runs `trainer`'s step from `state` over the batches of `feed` (`run.feeds`) until
+    `end_step`, calling `hooks` (see `run.hooks`); each step's record holds the feed's metrics
+    (`data_wait_s`: the seconds the step waited for its batch, ...).
 
     stop: asked at every step boundary whether the job stops there (`run.stopping`); then
     `stopped` names the signal. A step whose loss or gradient norm is not finite raises `Diverged`
     before its state is kept; under float16 such steps are skipped by the step itself.
     """
 
-    def __init__(self, trainer: Trainer, state, batches: Callable[[int], Any], hooks: list[Hook],
+    def __init__(self, trainer: Trainer, state, feed, hooks: list[Hook],
                  console, end_step: int, stop: StopRequest | None = None):
-        self.trainer, self.state, self.batches, self.hooks = trainer, state, batches, hooks
+        self.trainer, self.state, self.feed, self.hooks = trainer, state, feed, hooks
         self.console, self.end_step, self.stop = console, end_step, stop
         self.is_main = trainer.is_main
         self.start_step = int(state.step)
         self.history: list[dict] = []
         self.completed = False
         self.stopped: str | None = None
-        first = trainer.place(batches(self.start_step))
-        self.compiled = trainer.step.lower(state, first).compile()
+        self.compiled = trainer.step.lower(state, feed.example(self.start_step)).compile()
         self.report = state_report(state, self.compiled)
         rows = jax.tree.leaves(trainer.example_batch)[0].shape[0]
         self.examples_per_step = rows
@@ -127,13 +127,14 @@ class Loop:
         return self.state
 
     def _step(self, step: int):
-        batch = self.trainer.place(self.batches(step))
+        batch = self.feed.batch(step)
         t0 = time.perf_counter()
         state, metrics = self.compiled(self.state, batch)
         metrics = {k: _plain(v) for k, v in metrics.items()}  # waits for the step
         dt = time.perf_counter() - t0
         record = {"step": step + 1, **metrics, "lr": float(self.trainer.lr_schedule(step)),
-                  "examples_per_s": self.examples_per_step / dt, "step_time_s": dt, **self.report}
+                  "examples_per_s": self.examples_per_step / dt, "step_time_s": dt,
+                  **self.feed.stats(), **self.report}
         if self.tokens_per_step:
             record["tokens_per_s"] = self.tokens_per_step / dt
         if self.peak_flops:
@@ -169,14 +170,10 @@ def _as_batches(data) -> Callable[[int], Any]:
     return batch
 
 
-def _evaluator(trainer: Trainer, batches, num_batches: int):
-    """`params -> mean loss` over the first `num_batches` evaluation batches."""
-    if callable(batches):
-        fixed = [batches(i) for i in range(num_batches)]
-    else:
-        fixed = list(itertools.islice(batches, num_batches))
-    placed = [trainer.place(b) for b in fixed]
-    return lambda params: float(np.mean([float(trainer.step.eval_loss(params, b)) for b in placed]))
+def _evaluator(trainer: Trainer, feed, num_batches: int):
+    """`params -> mean loss` over the first `num_batches` batches of the validation `feed`."""
+    return lambda params: float(np.mean([float(trainer.step.eval_loss(params, b))
+                                         for b in feed.first(num_batches)]))
 
 
 def _tokenizer(config: RunConfig):
@@ -208,9 +205,11 @@ def train(config: RunConfig, model: StackedModel | None = None, data=None, *, ev
 
     config: the run's config tree (`run.options`; `TrainOptions(**flat names)` builds one).
     model: None trains the model the config names on the corpus `data.path` (default: the Python
-    standard library's sources); or any `StackedModel`, with `data` a function `step -> batch` or
-    an iterable of batches (global batches: numpy pytrees with a leading batch axis of
-    `data.batch_size`) and optionally `eval_data` likewise (validation needs it).
+    standard library's sources) or on the documents of `data.sources` (packed, read per process,
+    their position saved with the checkpoints: `run.feeds`); or any `StackedModel`, with those
+    documents or with `data` a function `step -> batch` or an iterable of batches (global
+    batches: numpy pytrees with a leading batch axis of `data.batch_size`) and optionally
+    `eval_data` likewise (validation needs it).
     hooks: more hooks, run after the built-in ones. With `run.run_dir` the metrics, HLO dump,
     checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
     """
@@ -220,13 +219,14 @@ def train(config: RunConfig, model: StackedModel | None = None, data=None, *, ev
 
 def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices, console,
            hooks) -> dict[str, Any]:
-    from rich.console import Console
-
     config = rundir.with_run_dir(config)
     outputs = _run_dir_hooks(config)  # checked before the work starts
     r, c = config.run, config.checkpoint
     options.check(config, builtin_model=model is None)  # what needs no grid, before any work
-    corpus = None
+    if data is not None and config.data.sources:
+        raise ValueError("train: data and document sources (data.sources) both given; pass one")
+    corpus = vocab_size = None
+    documents = bool(config.data.sources)
     if model is None:
         if data is not None:
             raise ValueError("train: data without a model; the built-in models read data.path")
@@ -235,21 +235,42 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
             data, eval_data = (preset.config.batches(r.seed + offset, config.data.batch_size)
                                for offset in (0, 10_000))
         else:
-            data, eval_data, corpus = _language_model_data(config, preset.config.vocab_size)
-    elif data is None:
+            vocab_size = preset.config.vocab_size
+            if not documents:
+                data, eval_data, corpus = _language_model_data(config, vocab_size)
+    elif data is None and not documents:
         raise ValueError("train: a caller's model needs data (a function step -> batch or an "
-                         "iterable of batches)")
-    batches = _as_batches(data)
-    example = None if model is None else jax.tree.map(
+                         "iterable of batches) or document sources (data.sources)")
+    batches = None if documents else _as_batches(data)
+    example = None if model is None else lm_example(config) if documents else jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batches(0))
     trainer = build_trainer(config, devices, model=model, example_batch=example)
     config = trainer.options  # its grid resolved
+    if documents:
+        sharding = trainer.step.batch_shardings(trainer.example_batch)["inputs"]
+        feed, eval_feed = document_feeds(config, sharding, _tokenizer(config), vocab_size)
+    else:
+        feed = StepFeed(batches, trainer.place, "" if corpus is None else
+                        f"corpus {len(corpus.train):,} train / {len(corpus.val):,} validation tokens")
+        eval_feed = None if eval_data is None else StepFeed(_as_batches(eval_data), trainer.place)
+    try:
+        return _run(stop, config, trainer, feed, eval_feed, console, hooks, outputs)
+    finally:
+        feed.close()
+
+
+def _run(stop: StopRequest, config: RunConfig, trainer: Trainer, feed, eval_feed, console,
+         hooks, outputs) -> dict[str, Any]:
+    """Restore, build the hooks and run the loop of `train` (see there)."""
+    from rich.console import Console
+
+    r, c = config.run, config.checkpoint
     console = console or Console(quiet=not trainer.is_main)
     stop.agree = process_agreement(r.transport)
     state = trainer.init_state()
     checkpointer = trainer.make_checkpointer(
         c.dir, c.every, keep=c.keep, keep_every=c.keep_every, info={"seed": r.seed},
-        note=console.print) if c.dir else None
+        note=console.print, data=feed) if c.dir else None
     resume = c.resume
     if resume == "auto":
         resume = checkpointer.latest_step() is not None
@@ -266,13 +287,13 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
                       f"ends at step {end} ({last}); the run is already complete")
         return {"history": [], "val_history": [], "state": state, "trainer": trainer,
                 "stopped": None}
-    built, validation, sample = _hooks(config, trainer, eval_data, resume, checkpointer, outputs,
-                                       console)
-    loop = Loop(trainer, state, batches, built + list(hooks), console, end, stop)
+    built, validation, sample = _hooks(config, trainer, eval_feed, feed, resume, checkpointer,
+                                       outputs, console)
+    loop = Loop(trainer, state, feed, built + list(hooks), console, end, stop)
     if config.compression.bits:
         loop.report["compression_ratio"] = compression_ratio(
             state.params, config.compression.bits, config.compression.bucket)
-    _describe(loop, trainer, corpus, console)
+    _describe(loop, trainer, feed.describe(), console)
     state = loop.run()
     if loop.stopped:
         # A barrier: every process has saved before any exits (mpirun stops a whole job as soon
@@ -288,7 +309,7 @@ def _train(stop: StopRequest, config: RunConfig, model, data, eval_data, devices
     return summary
 
 
-def _hooks(config: RunConfig, trainer: Trainer, eval_data, resume: bool, checkpointer,
+def _hooks(config: RunConfig, trainer: Trainer, eval_feed, feed, resume: bool, checkpointer,
            outputs: list[Hook], console):
     """The loop's built-in hooks for the config (with the run directory's `outputs` after the
     metrics file), its validation hook and its sampling hook (None when not asked for)."""
@@ -297,9 +318,9 @@ def _hooks(config: RunConfig, trainer: Trainer, eval_data, resume: bool, checkpo
     built: list[Hook] = []
     if r.dump_hlo:
         built.append(HloDump(r.dump_hlo))
-    if eval_data is not None:
+    if eval_feed is not None:
         every = d.eval_every or max(1, r.steps // 10)
-        validation = Validation(_evaluator(trainer, eval_data, d.eval_batches), every, r.steps)
+        validation = Validation(_evaluator(trainer, eval_feed, d.eval_batches), every, r.steps)
         built.append(validation)
     built.append(DeviceMemory())
     if r.metrics_out:
@@ -309,7 +330,7 @@ def _hooks(config: RunConfig, trainer: Trainer, eval_data, resume: bool, checkpo
         built.append(Checkpoints(checkpointer))
     elif r.run_dir:  # a signal still saves the run
         built.append(SaveWhenStopped(lambda: trainer.make_checkpointer(
-            pathlib.Path(r.run_dir) / rundir.CHECKPOINTS, 0)))
+            pathlib.Path(r.run_dir) / rundir.CHECKPOINTS, 0, data=feed)))
     elif c.stop_at:
         console.print(f"warning: --stop-at {c.stop_at} without --checkpoint-dir: the "
                       "progress is not saved")
@@ -340,12 +361,11 @@ def _run_dir_hooks(config: RunConfig) -> list[Hook]:
         ([Profile(root / rundir.PROFILE, *steps)] if steps else [])
 
 
-def _describe(loop: Loop, trainer: Trainer, corpus, console) -> None:
+def _describe(loop: Loop, trainer: Trainer, data: str, console) -> None:
     o, r = trainer.options, loop.report
     grid = " ".join(f"{k}={v}" for k, v in o.parallel.as_dict().items())
     name = trainer.preset.name if trainer.preset else type(trainer.model.block).__name__ + " stack"
-    data = f"; corpus {len(corpus.train):,} train / {len(corpus.val):,} validation tokens" \
-        if corpus is not None else ""
+    data = f"; {data}" if data else ""
     console.print(
         f"[bold]{name}[/]: {r['num_params']:,} parameters on grid {grid}; train state "
         f"{r['state_bytes_device'] / 2**20:.1f} MiB/device on device, "

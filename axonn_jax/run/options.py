@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
+from . import sources
+from .sources import LONG_DOCUMENTS, SOURCE_KEYS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
@@ -150,14 +152,92 @@ class CompressionOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSource:
+    """One source of a mixture of documents (`data.sources`): `path` (a JSONL, Parquet,
+    ArrayRecord, text or token file, a directory or a glob of them: `run.sources`), its `weight`
+    (the share of documents drawn from it is weight / the sum of the weights) and the field of a
+    record that holds the text (`text_field`, default 'text') or token ids (`ids_field`). Values
+    are checked by `problems` (a weight <= 0, a missing file: one line each)."""
+
+    path: str
+    weight: Any = 1.0
+    text_field: str | None = None
+    ids_field: str | None = None
+
+    @classmethod
+    def of(cls, value) -> "DataSource":
+        """From `PATH[:WEIGHT]` (the flag's form), a mapping `{path, weight, text_field |
+        ids_field}` (YAML's) or a DataSource; ValueError (one line) for another shape."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            path, sep, weight = value.rpartition(":")
+            try:
+                return cls(path, float(weight)) if sep and path else cls(value)
+            except ValueError:  # a colon that is part of the path
+                return cls(value)
+        if not isinstance(value, dict) or not isinstance(value.get("path"), str):
+            raise ValueError(f"a data source is PATH[:WEIGHT] or {{path, weight, text_field | "
+                             f"ids_field}}, got {value!r}")
+        unknown = sorted(set(value) - set(SOURCE_KEYS))
+        if unknown:
+            raise ValueError(f"data source {value['path']!r}: unknown key {unknown[0]!r} "
+                             f"(known: {', '.join(SOURCE_KEYS)})")
+        return cls(**value)
+
+    def problems(self) -> list[str]:
+        """What is wrong with this source, one line each (the files' existence included)."""
+        found = []
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
+            found.append(f"data source {self.path!r}: weight must be a number > 0, got {w!r}")
+        if self.text_field is not None and self.ids_field is not None:
+            found.append(f"data source {self.path!r}: give text_field or ids_field, not both")
+        try:
+            sources.source_files(self.path)
+        except (ValueError, FileNotFoundError) as e:
+            found.append(str(e))
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
 class DataOptions:
     path: str | None = option(None, "text file, directory of text files, or .npy/.bin token "
                               "file (default: the Python standard library's sources)",
                               flag="--data", legacy="data_path", kind=str, metavar="PATH")
+    sources: tuple = option((), "train on documents (packed whole into sequences, read per "
+                            "host, resumed exactly) from this source: a JSONL, Parquet, "
+                            "ArrayRecord, text or token file, a directory or a glob; repeat for "
+                            "a weighted mixture (YAML: sources: [{path, weight, text_field | "
+                            "ids_field}]); replaces --data", flag="--data-source",
+                            legacy="data_sources", kind=tuple, metavar="PATH[:WEIGHT]")
+    eos_id: int | None = option(None, "documents: the end-of-document token (default: the "
+                                "tokenizer's; 0 for byte-level tokens)", kind=int)
+    long_documents: str = option("split", "documents: one longer than a sequence is split "
+                                 "over sequences, or refused", choices=LONG_DOCUMENTS)
+    val_fraction: float = option(0.01, "documents: the fraction of each source held out for "
+                                 "validation")
+    workers: int = option(0, "documents: Grain worker processes that read and tokenize them "
+                          "(0: a thread of this process)", flag="--data-workers")
+    prefetch: int = option(2, "documents: batches read ahead", flag="--data-prefetch")
     batch_size: int = option(16, "global batch (sequences)", aliases=("--batch",))
     seq_len: int = option(64, "tokens per sequence")
     eval_every: int = option(0, "validate every N steps (0: about ten validations per run)")
     eval_batches: int = option(4, "validation batches")
+
+    def __post_init__(self):
+        value = self.sources
+        listed = (value,) if isinstance(value, (str, dict, DataSource)) else tuple(value or ())
+        object.__setattr__(self, "sources", tuple(DataSource.of(s) for s in listed))
+
+    def loader_config(self, seed: int) -> dict:
+        """The `run.loader.DataConfig.from_dict` mapping of the document sources (`seed`: of
+        their shuffles)."""
+        return {"sources": [{k: v for k, v in dataclasses.asdict(s).items() if v is not None}
+                            for s in self.sources],
+                "eos_id": self.eos_id, "long_documents": self.long_documents,
+                "val_fraction": self.val_fraction, "seed": seed, "workers": self.workers,
+                "prefetch": self.prefetch}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +463,25 @@ def _field_problems(config: RunConfig) -> list[str]:
         from .hooks import parse_step_range
 
         _attempt(found, parse_step_range, r.profile_steps)
+    return found + _data_problems(config)
+
+
+def _data_problems(config: RunConfig) -> list[str]:
+    """The document sources' problems (a weight <= 0, a missing file, ...), one line each."""
+    d = config.data
+    if not d.sources:
+        return []
+    found = [line for s in d.sources for line in s.problems()]
+    if d.path is not None:
+        found.append("--data and --data-source name two corpora; give one")
+    if not 0 <= d.val_fraction < 1:
+        found.append(f"--val-fraction must be in [0, 1), got {d.val_fraction}")
+    for flag, value in (("--data-workers", d.workers), ("--data-prefetch", d.prefetch),
+                        ("--eos-id", d.eos_id)):
+        if value is not None and value < 0:
+            found.append(f"{flag} must be >= 0, got {value}")
+    if config.run.transport == "mpi":
+        found.append("--data-source with --transport mpi is not implemented yet (use --transport xla)")
     return found
 
 
@@ -467,7 +566,7 @@ def model_problems(config: RunConfig, grid: ParallelConfig | None,
     if preset.data == "images":
         for flag, used in (("--sample-tokens", config.model.sample_tokens),
                            ("--export-to", config.model.export_to),
-                           ("--data", config.data.path)):
+                           ("--data", config.data.path), ("--data-source", config.data.sources)):
             if used:
                 found.append(f"{flag} is for language models; {preset.name} trains on "
                              "procedurally drawn images")

@@ -35,6 +35,11 @@ import numpy as np
 
 from . import data as token_data
 
+SOURCE_KEYS = ("path", "weight", "text_field", "ids_field")
+"""The keys of one source of a mixture (`data.sources`: `run.loader`, `run.options`)."""
+LONG_DOCUMENTS = ("split", "refuse")
+"""What a document longer than a sequence gets: split over sequences, or refused."""
+
 FORMATS = ("jsonl", "parquet", "array_record", "text", "tokens")
 DEFAULT_TEXT_FIELD = "text"
 BYTE_EOS = 0

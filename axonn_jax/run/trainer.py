@@ -23,6 +23,7 @@ from ..step.train_step import TrainStep, make_train_step
 from . import options as opts
 from .checkpoint import Checkpointer, RankZeroCheckpointer
 from .distributed import ENV_NUM_PROCESSES
+from .feeds import DOCUMENT_KEYS
 from .options import RunConfig, make_optimizer, step_options
 
 
@@ -76,9 +77,11 @@ class Trainer:
 
 
 def lm_example(config: RunConfig):
-    """The shapes of a language-model batch of the config's size."""
+    """The shapes of a language-model batch of the config's size (of packed documents, with their
+    segment ids and positions, when it reads document sources)."""
     shape = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
-    return {"inputs": shape, "targets": shape}
+    keys = DOCUMENT_KEYS if config.data.sources else ("inputs", "targets")
+    return {k: shape for k in keys}
 
 
 def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None = None,

@@ -1,0 +1,185 @@
+"""Feeds: where the training loop takes its batches from, one interface for every kind of data.
+
+    feed.example(step) -> batch      what the step is compiled for (a batch or its placed shapes)
+    feed.batch(step) -> batch        the device batch of `step` (global arrays); asked twice, the
+                                     same batch; a stateful feed is asked in order
+    feed.first(n) -> [batch, ...]    the first n batches (validation: the same every time)
+    feed.stateful                    its position is not a function of the step: the checkpoint
+                                     keeps `state()` (every process calls it: a collective) and
+                                     gives it back to `restore(state)`
+    feed.stats() -> dict             the data metrics since the last call (`data_wait_s`, ...)
+    feed.describe() -> str           what it reads, for the run's first lines
+    feed.close()
+
+`StepFeed` wraps a function `step -> host batch` (the token stream's random windows, drawn
+images, a caller's data): stateless, placed by the step (`TrainStep.place_batch`). `DocumentFeed`
+reads packed documents from Grain (`run.loader`): each process reads and tokenizes only the rows
+its devices hold, and the global arrays are assembled from every process's rows.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from .checkpoint import CheckpointMismatch
+
+DOCUMENT_KEYS = ("inputs", "targets", "segment_ids", "positions")
+"""The leaves of a batch of packed documents, each `(batch, seq_len)` int32 (`run.packing`)."""
+
+
+class StepFeed:
+    """Batches that are a function of the step: `batches(step)` -> a global host batch, placed by
+    `place` (a batch's position is its step: nothing to save)."""
+
+    stateful = False
+
+    def __init__(self, batches: Callable[[int], Any], place: Callable[[Any], Any],
+                 description: str = ""):
+        self._batches, self._place, self.description = batches, place, description
+        self._wait: list[float] = []
+        self._first: dict[int, list] = {}
+
+    def example(self, step: int):
+        return self.batch(step)
+
+    def batch(self, step: int):
+        t0 = time.perf_counter()
+        batch = self._place(self._batches(step))
+        self._wait.append(time.perf_counter() - t0)
+        return batch
+
+    def first(self, n: int) -> list:
+        if n not in self._first:
+            self._first[n] = [self._place(self._batches(i)) for i in range(n)]
+        return self._first[n]
+
+    def stats(self) -> dict[str, float]:
+        """`data_wait_s`: the mean seconds `batch` took since the last call (making the host
+        batch and placing it)."""
+        wait, self._wait = self._wait, []
+        return {"data_wait_s": sum(wait) / len(wait)} if wait else {}
+
+    def describe(self) -> str:
+        return self.description
+
+    def state(self):
+        return None
+
+    def restore(self, state) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DocumentFeed:
+    """Packed documents from `make()` (a fresh `run.loader.Batches` of this process's rows),
+    assembled into global `(global_batch, seq_len)` arrays split by `sharding`
+    (`loader.global_arrays`). The feed's position is the iterator's: `state()` gathers every
+    process's (`loader.gather_state`), `restore(state)` continues from it."""
+
+    stateful = True
+
+    def __init__(self, make: Callable[[], Any], sharding, global_batch: int, seq_len: int):
+        self._make, self.sharding = make, sharding
+        self.global_batch, self.seq_len = global_batch, seq_len
+        self._batches = None
+        self._next = 0  # the step whose batch the iterator yields next
+        self._last: tuple[int, Any] | None = None
+        self._first: dict[int, list] = {}
+
+    @property
+    def batches(self):
+        """The iterator of this process's rows (made when first needed)."""
+        if self._batches is None:
+            self._batches = self._make()
+        return self._batches
+
+    def example(self, step: int):
+        shape = jax.ShapeDtypeStruct((self.global_batch, self.seq_len), jnp.int32,
+                                     sharding=self.sharding)
+        return {k: shape for k in DOCUMENT_KEYS}
+
+    def _global(self, local):
+        from . import loader
+
+        return loader.global_arrays(local, self.sharding, self.global_batch)
+
+    def batch(self, step: int):
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        if step != self._next:
+            raise ValueError(f"the documents are read in order: the feed is at step {self._next}, "
+                             f"step {step} was asked (restore the data position first)")
+        batch = self._global(next(self.batches))
+        self._next, self._last = step + 1, (step, batch)
+        return batch
+
+    def first(self, n: int) -> list:
+        if n not in self._first:
+            batches = self._make()
+            try:
+                self._first[n] = [self._global(next(batches)) for _ in range(n)]
+            finally:
+                batches.close()
+        return self._first[n]
+
+    def stats(self) -> dict[str, float]:
+        return self._batches.stats() if self._batches is not None else {}
+
+    def describe(self) -> str:
+        b = self.batches
+        return (f"documents packed into {b.streams} rows of {self.seq_len} tokens, this process "
+                f"reading rows {b.rows.start}-{b.rows.stop - 1}")
+
+    def state(self) -> dict:
+        from . import loader
+
+        return loader.gather_state(self.batches)
+
+    def restore(self, state) -> None:
+        """Continue from a gathered `state`: CheckpointMismatch when it belongs to other data (a
+        config change: an error, not damage); a ValueError for a garbled one."""
+        b = self.batches
+        if isinstance(state, dict) and "fingerprint" in state and \
+                (state["fingerprint"], state.get("streams")) != (b.fingerprint, b.streams):
+            raise CheckpointMismatch(
+                "--resume: the checkpoint's data position is of other data (the sources, weights, "
+                "fields, seed, seq_len, global batch or tokenizer differ), so its batches cannot "
+                "continue; resume with the run's data config or start a new run")
+        b.set_state(state)
+        self._next, self._last = int(state["batches"]), None
+
+    def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+
+
+def document_feeds(config, sharding, tokenizer=None, vocab_size: int | None = None
+                   ) -> tuple[DocumentFeed, DocumentFeed | None]:
+    """(training feed, validation feed (None: val_fraction 0)) of the config's document sources
+    (`data.sources`), each
+    process reading the rows of the global batch that `sharding` (of a `(batch, seq_len)` leaf)
+    puts on its devices. tokenizer: a `tokenizer.json` (None: byte-level tokens); vocab_size: ids
+    must be below it. Bad input in the sources or in the first batch's documents (a missing file,
+    a malformed record, a field that does not exist, a refused long document) raises here."""
+    from . import loader
+
+    d = config.data
+    data = loader.DataConfig.from_dict(d.loader_config(config.run.seed))
+    rows = loader.process_rows(sharding, d.batch_size, d.seq_len)
+
+    def make(split: str):
+        return lambda: loader.make_batches(data, d.seq_len, d.batch_size, tokenizer, rows=rows,
+                                           vocab_size=vocab_size, split=split)
+
+    train = DocumentFeed(make("train"), sharding, d.batch_size, d.seq_len)
+    # The first batch now: bad input (a malformed record, a missing field, a refused long
+    # document) fails before the step compiles, not minutes later (a resume re-positions it).
+    train.batch(0)
+    validation = DocumentFeed(make("val"), sharding, d.batch_size, d.seq_len) \
+        if d.val_fraction > 0 else None
+    return train, validation

@@ -26,6 +26,7 @@ from ..config import AXES, ParallelConfig, check_grid
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
+from ..step.batch_axes import batch_axes_collectives
 from ..step.reducers import exchange_collectives, scalar_collectives
 
 
@@ -87,6 +88,7 @@ class Workload:
     virtual_stages: int = 1  # interleaved-1f1b's chunks per stage
     compress_bits: int = 0
     offload_optimizer: bool = False
+    context_attention: str = "ring"  # the context axis's scheme (`parallel.context.SCHEMES`)
 
     @property
     def tokens(self) -> int:
@@ -99,7 +101,7 @@ class Workload:
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
-                         self.param_bytes)
+                         self.param_bytes, context_attention=self.context_attention)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -127,7 +129,8 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     d = declared(work, grid)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
              *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
-                                   param_bytes=work.param_bytes)]
+                                   param_bytes=work.param_bytes),
+             *batch_axes_collectives(d, work.step(grid))]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)

@@ -83,7 +83,8 @@ class GPTConfig:
                   DenseLayer("head", d, self.vocab_size, False, bias=False,
                              table=self.tie_embeddings))
         return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size,
-                                    self.max_seq_len, layers, tied=self.tie_embeddings)
+                                    self.max_seq_len, layers, tied=self.tie_embeddings,
+                                    kv_features=d)
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`)."""

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import psum, varying_axes
+from ..collectives import Collective, ParameterShard
 from ..parallel import experts as experts_lib
 
 SCORES = ("softmax", "sigmoid")
@@ -203,3 +204,67 @@ class MoE(nn.Module):
         return {"loss": c.aux_loss_weight * balance + c.z_loss_weight * z, "balance_loss": balance,
                 "z_loss": z, "expert_load": load, "load_imbalance": imbalance,
                 "dropped_tokens": dropped}
+
+
+# ----------------------------------------------------------------------------- communication model
+
+DENSE_RAGGED_DOT = True
+"""jaxlib 0.10.2 computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every
+local expert, masked: `benchmarks/results/moe.md`), so a dropless layer runs `num_experts ×`
+the routed experts' FLOPs; `MoELayers.executed_flops` counts what the compiled program runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayers:
+    """The MoE layers of one device's `layers` blocks as a model declares them
+    (`collectives.Part`): the token all-to-alls over `expert` and the routing statistics' sum
+    (`parallel.experts.collectives`), and the parameter shards: the router whole, the experts
+    split over `expert` and, as their partitioning metadata says, each expert's (in, out)
+    features over (`col`, `row`) (the down projection transposed). Shared experts are
+    tensor-parallel dense layers (`tp.tensor.DenseLayer`) the model declares beside this part."""
+
+    config: MoEConfig
+    d_model: int
+    layers: int
+
+    def _tokens(self, step) -> float:
+        """Tokens one layer call routes on one device (a microbatch's under a pipeline)."""
+        return step.tokens * step.grid.depth / (step.microbatches if step.grid.pipe > 1 else 1)
+
+    def collectives(self, step) -> list[Collective]:
+        c, g = self.config, step.grid
+        calls = self.layers * (step.microbatches if g.pipe > 1 else 1)
+        batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
+        shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
+                     dtype_bytes=step.compute_bytes, batch_axes=batch_axes)
+        args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
+        forward = experts_lib.collectives(*args, **shape, backward=False)
+        out = [Collective(k, axes, b, calls, stage_forward=True) for k, axes, b in forward]
+        backward = experts_lib.collectives(*args, **shape)
+        for item in forward:  # what the backward pass adds
+            backward.remove(item)
+        return out + [Collective(k, axes, b, calls) for k, axes, b in backward]
+
+    def parameters(self, step) -> list[ParameterShard]:
+        c, g, d = self.config, step.grid, self.d_model
+        experts = self.layers * c.num_experts / g.expert * d * c.d_ff / (g.row * g.col)
+        return [ParameterShard(self.layers * d * c.num_experts, 3, ()),
+                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
+                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
+                ParameterShard(experts, 4, (("expert",), ("row",), ("col",)))]
+
+    def metrics(self) -> int:
+        """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
+        expert load (num_experts), its imbalance, dropped tokens."""
+        return self.layers * (self.config.num_experts + 4)
+
+    def routed_flops(self, tokens: float) -> tuple[float, float]:
+        """Training FLOPs (forward + backward) of the routed experts' matmuls for `tokens`
+        tokens: (ideal: each token through its top_k experts; executed: what the compiled layer
+        runs, `num_experts ×` the ideal dropless under `DENSE_RAGGED_DOT`, `capacity_factor ×`
+        capacity-based)."""
+        c = self.config
+        ideal = 3 * 2 * 3 * self.d_model * c.d_ff * c.top_k * tokens * self.layers
+        if c.capacity_factor is not None:
+            return ideal, ideal * c.capacity_factor
+        return ideal, ideal * (c.num_experts if DENSE_RAGGED_DOT else 1)

@@ -17,7 +17,8 @@ def workload(config: RunConfig) -> cm.Workload:
                        schedule=config.pipeline.schedule,
                        virtual_stages=config.pipeline.virtual_stages,
                        compress_bits=config.compression.bits,
-                       offload_optimizer=config.memory.offload_optimizer)
+                       offload_optimizer=config.memory.offload_optimizer,
+                       context_attention=config.model.context_attention)
 
 
 def machine_for_backend() -> cm.Machine:

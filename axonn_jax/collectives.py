@@ -159,6 +159,15 @@ class ModelCommunication:
     executed_flops: float | None = None
     """Training FLOPs the compiled step runs when they differ from `flops` (a dropless mixture
     of experts under jaxlib's dense `ragged_dot`, `models.moe.DENSE_RAGGED_DOT`); None: `flops`."""
+    expert_flops: float = 0.0
+    """Of `executed_flops` (or `flops`), the routed experts' share: what expert imbalance
+    multiplies on the busiest device."""
+    working: float = 0.0
+    """Temporary bytes one block's parts hold while it runs, beyond the planner's estimate of a
+    transformer block (context attention's score tiles and gathered keys/values)."""
+    part_activations: float = 0.0
+    """Activation bytes per device that per-block parts keep for the backward beyond that
+    estimate, all the stage's layers together (a mixture of experts' dispatch buffers)."""
     metrics: float = 0.0
     """Float32 elements of the per-step metrics the blocks return (averaged over the batch axes)."""
     batch_token_bytes: float = 8.0

@@ -24,6 +24,7 @@ from ..collectives import (FP32, KINDS, Collective, ModelCommunication, Paramete
                            StepShape, ring_bytes)
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
+from ..parallel.context import check_sequence
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import batch_axes_collectives
@@ -89,6 +90,10 @@ class Workload:
     compress_bits: int = 0
     offload_optimizer: bool = False
     context_attention: str = "ring"  # the context axis's scheme (`parallel.context.SCHEMES`)
+    expert_imbalance: float = 1.0
+    """Tokens the busiest expert shard takes over the mean (the metrics' `load_imbalance`):
+    multiplies the routed experts' compute time and activation memory. 1.0: balanced routing
+    (the auxiliary loss's aim); measured values belong in `--expert-imbalance`."""
 
     @property
     def tokens(self) -> int:
@@ -97,6 +102,14 @@ class Workload:
     def flops(self) -> float:
         """Training FLOPs of the whole step (forward + backward, no recompute)."""
         return declared(self, ParallelConfig()).flops
+
+    def executed_flops(self, grid: ParallelConfig) -> float:
+        """Training FLOPs the compiled step runs (a dropless mixture of experts under jaxlib's
+        dense `ragged_dot` runs more than `flops`), the routed experts' share multiplied by
+        `expert_imbalance` (the busiest device's), as if every device ran the busiest one's."""
+        d = declared(self, grid)
+        executed = d.flops if d.executed_flops is None else d.executed_flops
+        return executed + (self.expert_imbalance - 1) * d.expert_flops
 
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
@@ -187,14 +200,16 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         return {"params": params, "grads": grads, "optimizer": optimizer,
                 "activations": activations, "total": params + grads + optimizer + activations}
     # Else a stack of transformer blocks (`d_model`, `num_heads`):
-    tokens = work.tokens / (g.data * g.depth) / work.microbatches
+    tokens = work.tokens / (g.data * g.expert * g.context * g.depth) / work.microbatches
     # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
     # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice (and,
     # in the batch-split layout, per row slice over col); the residual stream split over col
-    # (and its rows over row): the stage boundary's activation.
+    # (and its rows over row): the stage boundary's activation. Over `context` the attention
+    # keeps no probabilities (`parallel.context`): its temporaries are `d.working`, one layer's.
     rows = (g.row, g.col) if d.split else (1, 1)
-    per_block = (16 * tokens * m.d_model / (g.row * g.col)
-                 + 2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])) * work.compute_bytes
+    probabilities = 0 if g.context > 1 else \
+        2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])
+    per_block = (16 * tokens * m.d_model / (g.row * g.col) + probabilities) * work.compute_bytes
     act = d.boundary
     if g.pipe == 1:
         stash, layers = act, m.num_layers
@@ -209,7 +224,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         stash = sched.stash_slots * act + residuals
     # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`.
     logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
-    activations = per_block * layers + stash + logits + copies
+    parts = d.part_activations * work.expert_imbalance / work.microbatches
+    activations = per_block * layers + stash + logits + copies + d.working + parts
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "total": params + grads + optimizer + activations}
 
@@ -255,6 +271,9 @@ class Prediction:
     """Host memory one device's state takes (`offload_optimizer`: fp32 masters and moments)."""
     fits: bool = True
     """Whether `memory_per_device_bytes` fits the machine's device memory."""
+    expert_imbalance_s: float = 0.0
+    """Of `compute_s`, what the busiest expert shard adds over balanced routing
+    (`Workload.expert_imbalance`)."""
 
     def as_dict(self) -> dict:
         """Fields named as `axonn-jax compile --json` names the compiled figures."""
@@ -267,7 +286,17 @@ class Prediction:
                 "exposed_comm_by_axis": self.exposed_comm_by_axis,
                 "flops_per_device": self.flops_per_device,
                 "host_memory_per_device_bytes": self.host_memory_per_device_bytes,
-                "fits": self.fits}
+                "fits": self.fits, "expert_imbalance_s": self.expert_imbalance_s}
+
+
+def _overlaps_backward(c: Collective) -> bool:
+    """The gradient exchange over the batch axes (data's, and the sums over expert and context
+    of the parameters they do not split, `step.batch_axes`), hidden behind the backward pass up
+    to its compute time."""
+    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= set(BATCH_AXES_ALL))
+
+
+BATCH_AXES_ALL = ("data", "expert", "context")
 
 
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
@@ -284,14 +313,15 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     devices = grid.num_devices
     # The pipeline recomputes each stage's forward in its backward tick: 4 forwards' worth, not 3.
     recompute = 4 / 3 if grid.pipe > 1 else 1.0
-    compute = work.flops() / devices / rate * recompute
+    executed = work.executed_flops(grid)
+    compute = executed / devices / rate * recompute
     backward = compute * 2 / 3
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0
     for c in collectives(work, grid):
         t = _collective_time(c, grid, machine)
-        if c.axes == ("data",):
+        if _overlaps_backward(c):
             data_time += t
             continue
         if c.overlappable:
@@ -300,7 +330,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     exposed_data = max(0.0, data_time - backward)
     for c in collectives(work, grid):
-        if c.axes == ("data",) and data_time:
+        if _overlaps_backward(c) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
     if data_time:
         by_axis["data"] = exposed_data
@@ -313,9 +343,11 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
                       mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
-                      flops_per_device=work.flops() / devices * recompute,
+                      flops_per_device=executed / devices * recompute,
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
-                      fits=mem["total"] <= machine.device_memory)
+                      fits=mem["total"] <= machine.device_memory,
+                      expert_imbalance_s=(work.expert_imbalance - 1) * declared(work, grid)
+                      .expert_flops / devices / rate * recompute)
 
 
 def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
@@ -336,6 +368,24 @@ def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
                 yield (d, *rest)
 
 
+def searched_axes(work: Workload) -> tuple[str, ...]:
+    """The mesh axes a grid for `work` may split (in `AXES` order): `expert` only for a mixture
+    of experts (a model with `num_experts`), `context` only for a decoder whose attention runs
+    over it (`kv_features`: `parallel.context.ContextAttention`); the others always."""
+    model = work.model
+    allowed = {"expert": getattr(model, "num_experts", 1) > 1,
+               "context": getattr(model, "kv_features", 0) > 0 and work.seq_len > 1}
+    return tuple(a for a in AXES if allowed.get(a, True))
+
+
+def candidate_grids(work: Workload, num_devices: int) -> list[ParallelConfig]:
+    """Every grid of `num_devices` devices over `searched_axes(work)`: context is tried wherever
+    it is allowed and kept when it ranks best (long sequences need it for memory)."""
+    axes = searched_axes(work)
+    return [ParallelConfig(**dict(zip(axes, sizes)))
+            for sizes in _factorizations(num_devices, len(axes))]
+
+
 def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
     """Why `grid` cannot run `work` (a dimension that does not divide), or None: the trainer's own
     checks (`config.check_grid`, `GPTConfig.check_grid`)."""
@@ -343,6 +393,11 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
         check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
                    num_layers=work.model.num_layers)
         work.model.check_grid(grid)
+        for axis in ("expert", "context"):
+            if getattr(grid, axis) > 1 and axis not in searched_axes(work):
+                raise ValueError(f"{type(work.model).__name__} has no {axis} axis")
+        if grid.context > 1:
+            check_sequence(work.seq_len, grid.context)
         if grid.pipe > 1:
             check_schedule(work.schedule, grid.pipe, work.microbatches, work.virtual_stages)
             check_layers(work.model.num_layers, grid.pipe, work.virtual_stages)
@@ -364,7 +419,7 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
-    candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]
+    candidates = [grid] if grid else candidate_grids(work, num_devices)
     results = []
     for g in candidates:
         choices = [1] if g.pipe == 1 else list(microbatch_choices or (g.pipe * k for k in (1, 2, 4, 8)))

@@ -76,7 +76,10 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
     head_reads = shape.vocab_size * d / (g.depth * g.row * g.col) if shape.tied else 0.0
     # Keys and values: heads over row (whole where replicated, GSPMD's layout)
     kv = shape.kv_features if shape.replicated else shape.kv_features / g.row
-    context = ContextAttention(kv, stage, None if shape.replicated else "col")
+    context = ContextAttention(kv, stage, None if shape.replicated else "col",
+                               heads=shape.num_heads / g.row)
+    kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
     return from_parts([*tables, *shape.layers, *shape.replicated, *shape.parts, context, *norms,
                        CrossEntropy()], step, boundary=boundary, flops=flops,
-                      head_reads=head_reads, metrics=shape.metrics)
+                      head_reads=head_reads, metrics=shape.metrics,
+                      working=context.working_bytes(step), part_activations=kept)

@@ -93,10 +93,13 @@ class MixtralConfig(llama.LlamaConfig):
         the compiled experts run (`MoELayers.routed_flops`) beside the ideal ones."""
         shape = self.shape(step.grid)
         flops = self.flops_per_token(step.seq_len) * (step.batch * step.seq_len)
-        every_layer = MoELayers(self.moe, self.d_model, self.num_layers)
-        ideal, executed = every_layer.routed_flops(step.batch * step.seq_len)
+        ideal = MoELayers(self.moe, self.d_model, self.num_layers).ideal_flops(
+            step.batch * step.seq_len)
+        # As if every device ran what one device of the (most loaded) stage runs.
+        executed = shape.parts[0].executed_flops(step) * step.grid.num_devices
         found = decoder.communication(shape, step, flops)
-        return dataclasses.replace(found, executed_flops=flops - ideal + executed)
+        return dataclasses.replace(found, executed_flops=flops - ideal + executed,
+                                   expert_flops=executed)
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """ValueError naming the numbers unless attention splits over the tensor axes (as in

@@ -211,7 +211,8 @@ class MoE(nn.Module):
 DENSE_RAGGED_DOT = True
 """jaxlib 0.10.2 computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every
 local expert, masked: `benchmarks/results/moe.md`), so a dropless layer runs `num_experts ×`
-the routed experts' FLOPs; `MoELayers.executed_flops` counts what the compiled program runs."""
+the routed experts' FLOPs on one device; `MoELayers.executed_flops` counts what the compiled
+program runs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +244,25 @@ class MoELayers:
         backward = experts_lib.collectives(*args, **shape)
         for item in forward:  # what the backward pass adds
             backward.remove(item)
-        return out + [Collective(k, axes, b, calls) for k, axes, b in backward]
+        out += [Collective(k, axes, b, calls) for k, axes, b in backward]
+        return out + self._tensor_collectives(step, calls)
+
+    def _tensor_collectives(self, step, calls: int) -> list[Collective]:
+        """The experts' matmuls split over (`col`, `row`) as GSPMD lays them out on the rows a
+        device received (`parallel.experts.layout`): like AxoNN's dense layers in the replicated
+        layout, the gate and up projections' partial sums over `col` forward and their input
+        gradients over `row` backward, the down projection's the other way round. (Measured on
+        mixtral-tiny, expert=2, data=2, row=2: these are 85% of the experts' all-reduce bytes
+        over `row`; jaxlib 0.10's dense `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
+        c, g, cb = self.config, step.grid, step.compute_bytes
+        if g.row * g.col == 1:
+            return []
+        x = self._rows(step) * self.d_model / g.col * cb  # the rows' features over col
+        h = self._rows(step) * c.d_ff / g.row * cb  # their hidden features over row
+        return [Collective("all-reduce", ("col",), h, 2 * calls, stage_forward=True),
+                Collective("all-reduce", ("row",), x, 2 * calls),
+                Collective("all-reduce", ("row",), x, calls, stage_forward=True),
+                Collective("all-reduce", ("col",), h, calls)]
 
     def parameters(self, step) -> list[ParameterShard]:
         c, g, d = self.config, step.grid, self.d_model
@@ -253,18 +272,44 @@ class MoELayers:
                 ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
                 ParameterShard(experts, 4, (("expert",), ("row",), ("col",)))]
 
+    def activations(self, step) -> float:
+        """Bytes one device keeps for the backward of its layers' expert computation (one
+        (micro)batch): the send buffer, the rows received, the experts' outputs and the rows
+        returned (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and the gate, up
+        and gated hidden activations of the rows received (`d_ff` each). All the step's tokens:
+        the planner divides by the microbatches."""
+        c, g = self.config, step.grid
+        rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
+        features = 4 * self.d_model / g.col + 3 * c.d_ff / g.row  # GSPMD's split of the matmuls
+        return self.layers * rows * features * step.compute_bytes
+
     def metrics(self) -> int:
         """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
         expert load (num_experts), its imbalance, dropped tokens."""
         return self.layers * (self.config.num_experts + 4)
 
-    def routed_flops(self, tokens: float) -> tuple[float, float]:
-        """Training FLOPs (forward + backward) of the routed experts' matmuls for `tokens`
-        tokens: (ideal: each token through its top_k experts; executed: what the compiled layer
-        runs, `num_experts ×` the ideal dropless under `DENSE_RAGGED_DOT`, `capacity_factor ×`
-        capacity-based)."""
+    def _rows(self, step) -> int:
+        """Rows of the send (= receive) buffer of one layer call on one device
+        (`parallel.experts.layout`: padding included)."""
         c = self.config
-        ideal = 3 * 2 * 3 * self.d_model * c.d_ff * c.top_k * tokens * self.layers
-        if c.capacity_factor is not None:
-            return ideal, ideal * c.capacity_factor
-        return ideal, ideal * (c.num_experts if DENSE_RAGGED_DOT else 1)
+        groups, slots = experts_lib.layout(int(self._tokens(step)), c.top_k, c.num_experts,
+                                           step.grid.expert, c.capacity_factor, c.dispatch_factor)
+        return groups * slots
+
+    def ideal_flops(self, tokens: float) -> float:
+        """Training FLOPs (forward + backward) of these layers' routed experts for `tokens`
+        tokens, each through its top_k experts' three projections."""
+        c = self.config
+        return 3 * 2 * 3 * self.d_model * c.d_ff * c.top_k * tokens * self.layers
+
+    def executed_flops(self, step) -> float:
+        """Training FLOPs one device's routed experts run per step in the compiled program:
+        every received row of the padded buffer (`_rows`), through each of the device's local
+        experts under `DENSE_RAGGED_DOT` (dropless), through its expert's slots (capacity);
+        the matmuls split over the tensor axes."""
+        c, g = self.config, step.grid
+        calls = step.microbatches if g.pipe > 1 else 1
+        local = c.num_experts // g.expert if c.capacity_factor is None and DENSE_RAGGED_DOT \
+            else 1
+        per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)
+        return self.layers * calls * self._rows(step) * local * per_row

@@ -34,11 +34,15 @@ def given_grid(config: RunConfig) -> bool:
 
 
 def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
-           grid: ParallelConfig | None = None) -> list[cm.Prediction]:
+           grid: ParallelConfig | None = None, expert_imbalance: float = 1.0
+           ) -> list[cm.Prediction]:
     """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
     (only `grid` when given). Microbatches: the config's when it sets them, else the planner's
-    choice for each grid."""
-    work = workload(config)
+    choice for each grid. `expert_imbalance`: `cm.Workload.expert_imbalance`."""
+    if not expert_imbalance >= 1:
+        raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
+                           "expert shard's tokens over the mean)"])
+    work = dataclasses.replace(workload(config), expert_imbalance=expert_imbalance)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices)
 
@@ -68,6 +72,11 @@ def planned_grid(config: RunConfig, text: str | None = None) -> ParallelConfig |
     if reason := cm.infeasible_reason(workload(config), grid):
         raise ConfigError([f"grid {_grid_text(grid)} cannot run {config.model.name}: {reason}"])
     return grid
+
+
+def grid_text(grid: ParallelConfig) -> str:
+    """`data=2,context=4,row=4`: the axes of more than one device."""
+    return _grid_text(grid)
 
 
 def _grid_text(grid: ParallelConfig) -> str:

@@ -26,6 +26,27 @@ GRIDS = {
 # CI tier: mixtral-expert2-context2-data2 (both axes, one compile); the rest in tests/extended.txt.
 
 
+COMBINED = """HloModule m, num_partitions=4
+
+ENTRY %main (x: f32[4,8], y: bf16[4,8]) -> f32[4,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %y = bf16[4,8]{1,0} parameter(1)
+  %cps = ((f32[4,8]{1,0}, bf16[4,8]{1,0}), (f32[4,8]{1,0}, bf16[4,8]{1,0})) collective-permute-start(%x, %y), source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = (f32[4,8]{1,0}, bf16[4,8]{1,0}) collective-permute-done(%cps)
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%cpd), index=0
+}
+"""
+
+
+def test_combined_permutes_count_every_buffer():
+    """XLA:GPU combines the ring's key, value (and gradient) hops into one collective-permute
+    start over a tuple: all its buffers count (the H100 ring bytes read 0.4× the model before)."""
+    from axonn_jax.analysis.hlo import collectives
+
+    (found,) = collectives(COMBINED)
+    assert found.bytes == 4 * 8 * 4 + 4 * 8 * 2
+
+
 def compiled_text(options, devices) -> str:
     trainer = build_trainer(options, devices[:options.parallel.num_devices])
     state = trainer.init_state(abstract=True)

@@ -54,6 +54,9 @@ class Collective:
     """Parameter-sized (a weight gather, a weight-gradient reduction): the pipeline runs it in
     every microbatch's operation, so with `pipe > 1` it happens M times per step instead of once.
     Activation-sized collectives split with the tokens and add up to the same bytes either way."""
+    rematerialized: bool = False
+    """Run again in the backward when `--remat` recomputes the block (the batch-split layout's
+    input gathers: the gathered input is not among the outputs a remat policy keeps)."""
     group_size: int = 0
     """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
     0: all the devices of `axes`."""
@@ -147,7 +150,9 @@ class ModelCommunication:
     stashes), the layout its dense layers run in (`split`), the elements of the embedding's
     parameters its head reads (`head_reads`, `StackedModel.head_reads_embed`: the pipeline sums
     their gradient apart), the training FLOPs of the step, and the activation bytes the device
-    keeps (`activations`; None: the planner's estimate for a stack of transformer blocks)."""
+    keeps (`activations`; None: the planner's estimate for a stack of transformer blocks), and
+    the features per position of one block that `--remat selective` keeps (`saved_features`, the
+    outputs of its named matmuls; 0: not modelled)."""
 
     collectives: tuple[Collective, ...]
     parameters: tuple[ParameterShard, ...]
@@ -156,6 +161,7 @@ class ModelCommunication:
     split: bool = False
     head_reads: float = 0.0
     activations: float | None = None
+    saved_features: float = 0.0
     executed_flops: float | None = None
     """Training FLOPs the compiled step runs when they differ from `flops` (a dropless mixture
     of experts under jaxlib's dense `ragged_dot`, `models.moe.DENSE_RAGGED_DOT`); None: `flops`."""

@@ -55,6 +55,11 @@ CONFIGS = {
                            ["--model", "llama-tiny-mqa", *TOKENS, "--dp", "2", "--depth", "2",
                             "--row", "2", "--col", "2", "--dtype", "bfloat16", "--attention",
                             "cudnn"]),
+    "llama selective accumulation": (
+        "data, depth, row, col; bf16; cuDNN; remat selective; 2 accumulated microbatches",
+        ["--model", "llama-tiny", *TOKENS, "--dp", "2", "--depth", "2", "--row", "2", "--col",
+         "2", "--dtype", "bfloat16", "--attention", "cudnn", "--remat", "selective",
+         "--microbatches", "2"]),
     "unet": ("data, row, col; bf16", ["--model", "unet-tiny", "--batch-size", "16", "--dp", "4",
                                       "--row", "2", "--col", "2", "--dtype", "bfloat16"]),
     "resnet": ("data, pipe (1f1b); fp32", ["--model", "resnet-tiny", "--batch-size", "16",

@@ -14,7 +14,11 @@ Writes `gpu_<device>.md` and `.json` (device: the accelerator's kind, e.g. `h100
 (d) CGX quantize + dequantize throughput in GB/s of fp32 input, against the device's measured copy
     bandwidth;
 (e) overlap of tensor-parallel collectives with compute: needs several devices; recorded as skipped
-    on one.
+    on one;
+(f) step variants of one Llama (llama3.2-1b) on one device, each against the first in the same
+    run: attention `xla` against `cudnn` (fused flash attention), `--remat none` against
+    `selective` and `full` (attention `auto`: cuDNN on a GPU); a variant that cannot run here is
+    recorded with its reason.
 
 MFU = model FLOPs of the step (forward + backward, `GPTConfig.flops_per_token`) / step time / the
 nominal peak. `--tiny` shrinks every size so the whole suite runs in seconds on a CPU, so it is
@@ -47,11 +51,23 @@ class Sizes:
     search_batch: int = 4
     max_layers: int = 256
     cgx_elements: int = 1 << 28
+    variant_model: str = "llama3.2-1b"
+    variant_batch: int = 4
     repeats: int = 5
 
 
 TINY = Sizes(matmul=256, mfu_model="gpt-tiny", mfu_batch=4, seq_len=32, search_width=64,
-             search_heads=4, search_batch=4, max_layers=1, cgx_elements=1 << 16, repeats=2)
+             search_heads=4, search_batch=4, max_layers=1, cgx_elements=1 << 16,
+             variant_model="llama-tiny", variant_batch=2, repeats=2)
+
+VARIANTS = (  # name, model config overrides, train step options
+    ("xla attention, remat none", {"attention": "xla"}, {}),
+    ("cudnn attention, remat none", {"attention": "cudnn"}, {}),
+    # auto: cuDNN where it runs (a GPU in bf16), XLA elsewhere, so that the CPU smoke run covers
+    # the remat modes too
+    ("auto attention, remat selective", {"attention": "auto"}, {"remat": "selective"}),
+    ("auto attention, remat full", {"attention": "auto"}, {"remat": "full"}),
+)
 
 
 def timed(fn, repeats: int) -> float:
@@ -153,6 +169,47 @@ def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
             "flops": flops}
 
 
+def step_variants(s: Sizes, peak: float) -> list[dict]:
+    """(f): `VARIANTS` of one Llama's bf16 train step on one device: step time, MFU, peak bytes;
+    `error` (one line) for a variant that cannot run here (cuDNN on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from axonn_jax import ParallelConfig, make_mesh, make_train_step
+    from axonn_jax.models import attention, get
+    from axonn_jax.offload.activations import compiled_peak_bytes
+
+    preset = get(s.variant_model)
+    batch = lm_batch(preset.config, s.variant_batch, s.seq_len)
+    flops = preset.config.flops_per_token(s.seq_len) * s.variant_batch * s.seq_len
+    rows = []
+    for name, overrides, options in VARIANTS:
+        row = {"variant": name, "model": s.variant_model, "batch": s.variant_batch,
+               "seq_len": s.seq_len}
+        try:
+            attention.check(overrides.get("attention", "auto"), jnp.bfloat16,
+                            preset.config.head_dim)
+            model = preset.with_config(**overrides).build(jnp.bfloat16)
+            step = make_train_step(model, optax.adamw(1e-4), make_mesh(ParallelConfig(),
+                                   jax.devices()[:1]), dtype="bfloat16", **options)
+            state, placed = step.init_state(jax.random.key(0), batch), step.place_batch(batch)
+            compiled = step.lower(state, placed).compile()
+            holder = {"state": state}
+
+            def one():
+                holder["state"], metrics = compiled(holder["state"], placed)
+                return metrics
+
+            seconds = timed(one, s.repeats)
+            row.update(step_time_s=seconds, mfu=flops / seconds / peak,
+                       peak_bytes=compiled_peak_bytes(compiled))
+        except ValueError as e:  # a variant this device cannot run: its one-line reason
+            row["error"] = str(e).splitlines()[0]
+        rows.append(row)
+    return rows
+
+
 def largest_model(s: Sizes, peak: float) -> list[dict]:
     """(c): the deepest GPT at the search width that trains, per memory mode (doubling, then
     bisection on the layer count)."""
@@ -218,7 +275,8 @@ def main(argv=None) -> int:
               "mfu": mfu_comparison(s, peak), "largest_model": largest_model(s, peak),
               "cgx": cgx_throughput(s),
               "tp_overlap": {"skipped": f"needs several devices, {jax.device_count()} here"}
-              if jax.device_count() < 2 else {"skipped": "not measured yet"}}
+              if jax.device_count() < 2 else {"skipped": "not measured yet"},
+              "variants": step_variants(s, peak)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"gpu_{kind}.json").write_text(json.dumps(result, indent=1))
@@ -253,8 +311,19 @@ def markdown(r: dict) -> str:
     lines += ["", f"(d) CGX {c['bits']}-bit quantize + dequantize of {c['elements']:,} fp32 values: "
               f"{c['quantize_dequantize_gb_s']:.1f} GB/s of input; device copy bandwidth "
               f"{c['copy_bandwidth_gb_s']:.1f} GB/s", "",
-              f"(e) tensor-parallel overlap: {r['tp_overlap']['skipped']}", ""]
-    return "\n".join(lines)
+              f"(e) tensor-parallel overlap: {r['tp_overlap']['skipped']}", "",
+              "(f) step variants on one device (time relative to the first row)", "",
+              "| model | variant | batch × seq | step time s | × first | MFU | peak GB |",
+              "|---|---|---|---|---|---|---|"]
+    first = next((v["step_time_s"] for v in r["variants"] if "step_time_s" in v), None)
+    for v in r["variants"]:
+        head = f"| {v['model']} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
+        if "error" in v:
+            lines.append(head + f"not run: {v['error']} | | | |")
+        else:
+            lines.append(head + f"{v['step_time_s']:.4f} | {v['step_time_s'] / first:.2f} | "
+                         f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} |")
+    return "\n".join(lines + [""])
 
 
 if __name__ == "__main__":

@@ -55,3 +55,7 @@ def test_experts_split_over_the_expert_axis_and_imbalance_costs_time():
     assert base.expert_imbalance_s == 0 and skewed.expert_imbalance_s > 0
     assert skewed.compute_s - base.compute_s == pytest.approx(skewed.expert_imbalance_s)
     assert skewed.memory_per_device_bytes > base.memory_per_device_bytes
+    # A device holding every expert takes every token's choices: no cost.
+    whole = cm.predict(dataclasses.replace(work, microbatches=8, expert_imbalance=1.5),
+                       P(pipe=8, row=8), H100)
+    assert whole.expert_imbalance_s == 0

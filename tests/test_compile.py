@@ -125,3 +125,15 @@ def test_plain_cpu_runs_ignore_the_cuda_plugin(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "Unable to load CUDA" not in out.stderr
+
+
+@needs_cuda
+def test_loading_the_cuda_plugin_prints_no_traceback():
+    """A fresh process that loads the compile-only CUDA plugin and then starts JAX's backends
+    (what `axonn-jax compile --target h100` does) writes no traceback: JAX's plugin search once
+    found the late-registered plugin and logged a second registration's error."""
+    code = ("from axonn_jax.analysis import targets; import jax; "
+            "assert targets.load_cuda_plugin(); print(jax.device_count())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]

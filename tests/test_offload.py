@@ -162,15 +162,16 @@ def test_on_device_guard_skips_non_finite_updates():
 
 
 def test_layer_groups_keep_the_model_function(devices):
-    """Mixed per-layer decisions (offload, recompute, keep) change memory, not loss or gradients."""
-    config = gpt.GPTConfig(num_layers=3, d_model=32, num_heads=2, max_seq_len=16)
+    """Mixed per-layer decisions (offload, recompute, selective, keep) change memory, not loss or
+    gradients."""
+    config = gpt.GPTConfig(num_layers=4, d_model=32, num_heads=2, max_seq_len=16)
     model = gpt.stacked(config)
     tokens = jnp.asarray(TOKENS[:68].reshape(4, 17))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     fns = model.bind(batch)
     params = jax.jit(fns.init)(jax.random.key(0))
-    plan = activations.Plan(("offload", "recompute", "keep"))
-    assert plan.groups() == ((1, "offload"), (1, "recompute"), (1, "keep"))
+    plan = activations.Plan(activations.PLAN_ORDER)
+    assert plan.groups() == tuple((1, d) for d in activations.PLAN_ORDER)
 
     def loss_and_grads(groups):
         return jax.jit(jax.value_and_grad(lambda p: fns.loss(p, batch, groups)))(params)
@@ -199,9 +200,12 @@ def test_block_cost_measurements(block_cost):
     c = block_cost
     assert c.device_bytes["keep"] > 10 * c.device_bytes["recompute"] > 0
     assert c.device_bytes["offload"] == c.device_bytes["recompute"]  # the block input only
-    assert c.host_bytes["offload"] > 0 and c.host_bytes["keep"] == c.host_bytes["recompute"] == 0
-    assert 0 < c.extra_flops["offload"] < c.extra_flops["recompute"] <= c.forward_flops
-    assert c.extra_flops["keep"] == 0
+    # selective keeps on the device what offload moves to the host (the named matmul outputs).
+    assert c.device_bytes["selective"] - c.device_bytes["recompute"] == c.host_bytes["offload"] > 0
+    assert c.device_bytes["selective"] < c.device_bytes["keep"]
+    assert c.host_bytes["keep"] == c.host_bytes["recompute"] == c.host_bytes["selective"] == 0
+    assert 0 < c.extra_flops["offload"] == c.extra_flops["selective"] < c.extra_flops["recompute"]
+    assert c.extra_flops["recompute"] <= c.forward_flops and c.extra_flops["keep"] == 0
 
 
 def test_planner_moves_with_the_budget(block_cost):
@@ -216,9 +220,10 @@ def test_planner_moves_with_the_budget(block_cost):
     assert times == sorted(times)
     for p in plans:
         assert p.predicted_peak <= p.budget
-        # Offloaded blocks first, then recomputed, then kept.
-        order = [activations.DECISIONS.index(d) for d in p.decisions]
-        assert sorted(order, key=[1, 2, 0].index) == order
+        # Offloaded blocks first, then recomputed, selective and kept ones.
+        order = [activations.PLAN_ORDER.index(d) for d in p.decisions]
+        assert sorted(order) == order
+    assert any("selective" in p.decisions for p in plans)  # it pays between keep and recompute
 
 
 def test_planner_infeasible_budget_names_the_smallest(block_cost):

@@ -45,8 +45,9 @@ def test_tensor_parallel_trajectory_equals_data_parallel(devices):
     assert tp["state_bytes_device"] < 0.3 * ref["state_bytes_device"]
 
 
-@pytest.mark.parametrize("mode", [dict(offload_optimizer=True), dict(remat="offload")],
-                         ids=["offload-optimizer", "remat-offload"])
+@pytest.mark.parametrize("mode", [dict(offload_optimizer=True), dict(remat="offload"),
+                                  dict(remat="selective")],
+                         ids=["offload-optimizer", "remat-offload", "remat-selective"])
 def test_tensor_parallel_composes_with_memory_modes(mode, devices, data_parallel):
     got = train(TrainOptions(**SHORT, **mode, parallel=ParallelConfig(data=2, row=2, col=2)),
                 devices=devices)

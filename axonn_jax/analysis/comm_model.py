@@ -73,6 +73,11 @@ MACHINES: dict[str, Machine] = {
 }
 
 
+REMAT_POLICIES = ("none", "selective", "offload", "full")
+"""The `--remat` modes the planner models (`offload.activations`): `offload` keeps on the device
+what `full` keeps and recomputes what `selective` recomputes."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What one step computes: a model (a config with `communication(step)`, e.g. `GPTConfig`,
@@ -94,6 +99,9 @@ class Workload:
     """Tokens the busiest expert shard takes over the mean (the metrics' `load_imbalance`):
     multiplies the routed experts' compute time and activation memory. 1.0: balanced routing
     (the auxiliary loss's aim); measured values belong in `--expert-imbalance`."""
+    remat: str = "none"
+    """What each block keeps for its backward (`--remat`, uniform over the stack): one of
+    `REMAT_POLICIES`."""
 
     @property
     def tokens(self) -> int:
@@ -109,7 +117,12 @@ class Workload:
         `expert_imbalance` (the busiest device's), as if every device ran the busiest one's."""
         d = declared(self, grid)
         executed = d.flops if d.executed_flops is None else d.executed_flops
-        return executed + (self.expert_imbalance - 1) * d.expert_flops
+        return executed + (self.imbalance(grid) - 1) * d.expert_flops
+
+    def imbalance(self, grid: ParallelConfig) -> float:
+        """`expert_imbalance` where experts split over devices (`expert > 1`), else 1: a device
+        holding every expert takes every token's choices whatever their spread."""
+        return self.expert_imbalance if grid.expert > 1 else 1.0
 
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
@@ -147,8 +160,16 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)
-        found = stage_repeats(found, work.microbatches)
-    return found
+    # The pipeline runs a stage's forward again in its backward tick; parameter-sized collectives
+    # repeat per microbatch, pipelined or accumulated. Of what `--remat` recomputes, the compiled
+    # step (tests/test_comm_model.py) repeats the batch-split input gathers, not the weight
+    # gathers over depth nor the output sums over row; `full` also some reduce-scatters (+15% of
+    # those over row at gpt-tiny's size, not counted). With accumulation XLA hoists the gathers
+    # of the parameters outside the blocks out of the loop (counted per microbatch: +9% there).
+    if work.remat != "none":
+        found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized else c
+                 for c in found]
+    return stage_repeats(found, work.microbatches, 2 if grid.pipe > 1 else 1)
 
 
 def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
@@ -224,10 +245,24 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         stash = sched.stash_slots * act + residuals
     # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`.
     logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
-    parts = d.part_activations * work.expert_imbalance / work.microbatches
-    activations = per_block * layers + stash + logits + copies + d.working + parts
+    parts = d.part_activations * work.imbalance(grid) / work.microbatches
+    activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
+        + (per_block if work.remat != "none" else 0.0) + stash + logits + copies + d.working \
+        + parts
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "total": params + grads + optimizer + activations}
+
+
+def kept_per_block(work: Workload, declared: ModelCommunication, working_set: float,
+                   tokens: float) -> float:
+    """Bytes one block keeps for the backward under `work.remat`: its whole working set (`none`),
+    its input (`full`, `offload`: the rest is recomputed, resp. on the host), or its input and its
+    named matmul outputs (`selective`: `declared.saved_features` per position; the working set when
+    the model declares none). tokens: positions per device and microbatch over the tensor split."""
+    if work.remat == "none" or (work.remat == "selective" and not declared.saved_features):
+        return working_set
+    kept = declared.saved_features * tokens * work.compute_bytes if work.remat == "selective" else 0
+    return declared.boundary + kept
 
 
 def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> float:
@@ -274,10 +309,13 @@ class Prediction:
     expert_imbalance_s: float = 0.0
     """Of `compute_s`, what the busiest expert shard adds over balanced routing
     (`Workload.expert_imbalance`)."""
+    remat: str = "none"
+    """The `--remat` mode predicted (`Workload.remat`)."""
 
     def as_dict(self) -> dict:
         """Fields named as `axonn-jax compile --json` names the compiled figures."""
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
+                "remat": self.remat,
                 "step_time_s": self.step_time_s,
                 "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "bubble_s": self.bubble_s, "comm_bytes_per_device": self.comm_bytes_per_device,
@@ -299,6 +337,20 @@ def _overlaps_backward(c: Collective) -> bool:
 BATCH_AXES_ALL = ("data", "expert", "context")
 
 
+def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
+    """FLOPs the step runs over the model's training FLOPs (forward 1, backward 2): the pipeline
+    runs each stage's forward again in its backward tick (+1/3); `--remat full` each block's once
+    more (+1/3); `selective` and `offload` recompute the attention scores (`QKᵀ`, one of the
+    attention core's two matmuls) from the kept projections."""
+    factor = (4 / 3 if grid.pipe > 1 else 1.0) + (1 / 3 if work.remat == "full" else 0.0)
+    m = work.model
+    if work.remat in ("selective", "offload") and hasattr(m, "num_heads"):
+        # 2·seq·d FLOPs per position per block (XLA's attention computes every score).
+        scores = 2 * work.tokens * work.seq_len * m.d_model * m.num_layers
+        factor += scores / work.flops()
+    return factor
+
+
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
     """Predicted step time on `machine`: compute + exposed communication + pipeline bubble.
 
@@ -311,8 +363,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     """
     rate = machine.peak_flops * machine.efficiency
     devices = grid.num_devices
-    # The pipeline recomputes each stage's forward in its backward tick: 4 forwards' worth, not 3.
-    recompute = 4 / 3 if grid.pipe > 1 else 1.0
+    recompute = recompute_factor(work, grid)
     executed = work.executed_flops(grid)
     compute = executed / devices / rate * recompute
     backward = compute * 2 / 3
@@ -345,8 +396,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
                       flops_per_device=executed / devices * recompute,
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
-                      fits=mem["total"] <= machine.device_memory,
-                      expert_imbalance_s=(work.expert_imbalance - 1) * declared(work, grid)
+                      fits=mem["total"] <= machine.device_memory, remat=work.remat,
+                      expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
                       .expert_flops / devices / rate * recompute)
 
 
@@ -408,31 +459,40 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
     return None
 
 
+ACCUMULATION = (1, 2, 4, 8, 16, 32)
+"""Microbatches the planner tries without a pipeline (`SpmdEngine`'s gradient accumulation)."""
+PLANNED_REMAT = ("none", "selective", "full")
+"""The `--remat` modes the planner chooses among (`offload`'s host transfers are not timed)."""
+
+
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
-         microbatch_choices: Iterable[int] | None = None) -> list[Prediction]:
+         microbatch_choices: Iterable[int] | None = None,
+         remat_choices: Iterable[str] | None = None) -> list[Prediction]:
     """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
 
-    For each grid with pipe > 1 the number of microbatches is chosen among `microbatch_choices`
-    (default: pipe·{1, 2, 4, 8}) as the fastest that divides the batch and fits in memory.
-    Grids whose memory exceeds the device are dropped.
+    For each grid the number of microbatches (default: pipe·{1, 2, 4, 8} with a pipeline,
+    `ACCUMULATION` without) and the remat mode (default `PLANNED_REMAT`) are chosen as the
+    fastest pair that divides the batch and fits in memory (the least memory among equally fast
+    ones). Grids whose memory exceeds the device are dropped.
     """
     if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
     candidates = [grid] if grid else candidate_grids(work, num_devices)
+    remats = list(remat_choices or PLANNED_REMAT)
     results = []
     for g in candidates:
-        choices = [1] if g.pipe == 1 else list(microbatch_choices or (g.pipe * k for k in (1, 2, 4, 8)))
+        default = ACCUMULATION if g.pipe == 1 else [g.pipe * k for k in (1, 2, 4, 8)]
         best = None
-        for mb in choices:
+        for mb in list(microbatch_choices or default):
             w = dataclasses.replace(work, microbatches=mb)
             if infeasible_reason(w, g):
                 continue
-            p = predict(w, g, machine)
-            if p.memory_per_device_bytes > machine.device_memory:
-                continue
-            if best is None or p.step_time_s < best.step_time_s:
-                best = p
+            for remat in remats:
+                p = predict(dataclasses.replace(w, remat=remat), g, machine)
+                key = (p.step_time_s, p.memory_per_device_bytes)
+                if p.fits and (best is None or key < best[0]):
+                    best = (key, p)
         if best:
-            results.append(best)
+            results.append(best[1])
     return sorted(results, key=lambda p: p.step_time_s)

@@ -52,6 +52,7 @@ class CompileReport:
     lower_s: float
     model_flops_per_device: float | None = None
     predicted: dict | None = None
+    remat: str = "none"
 
     @property
     def fits(self) -> bool:
@@ -118,7 +119,8 @@ def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = N
     target = "h100" if device.platform == "gpu" else device.platform
     report = CompileReport(target, grid.num_devices, grid.as_dict(), step.options.microbatches,
                            mem["peak"], mem["host"], mem["breakdown"], capacity_bytes, kinds, axes,
-                           hlo.flops(text), t2 - t1, t1 - t0)
+                           hlo.flops(text), t2 - t1, t1 - t0,
+                           remat=remat if isinstance(remat := step.options.remat, str) else "plan")
     return report, compiled
 
 
@@ -153,20 +155,21 @@ def disagreements(report: CompileReport, tolerance: float = 0.10) -> list[str]:
 def compile_grids(build: Callable, grids: Iterable[tuple], *, capacity_bytes: float,
                   predict: Callable | None = None, model_flops: float | None = None,
                   dump_hlo: str | None = None) -> list[CompileReport]:
-    """Compile the step of each `(grid, microbatches)` of `grids`: `build(grid, microbatches) ->
-    (TrainStep, batch)` builds it on the target's devices; `predict(grid, microbatches)`: `plan`'s
-    `Prediction` for it (None: no prediction); `model_flops`: the model's ideal FLOPs of the whole
-    step (divided by the devices). `dump_hlo`: one module per grid, named by the grid."""
+    """Compile the step of each choice `(grid, microbatches, remat mode)` of `grids`:
+    `build(*choice) -> (TrainStep, batch)` builds it on the target's devices; `predict(*choice)`:
+    `plan`'s `Prediction` for it (None: no prediction); `model_flops`: the model's ideal FLOPs of
+    the whole step (divided by the devices). `dump_hlo`: one module per grid, named by the grid."""
     reports = []
-    for grid, microbatches in grids:
-        step, batch = build(grid, microbatches)
+    for choice in grids:
+        grid = choice[0]
+        step, batch = build(*choice)
         name = "train_step_" + "_".join(f"{k}{v}" for k, v in grid.as_dict().items())
         report, _ = compile_step(step, batch, capacity_bytes=capacity_bytes, dump_hlo=dump_hlo,
                                  name=name)
         if model_flops is not None:
             report.model_flops_per_device = model_flops / grid.num_devices
         if predict is not None:
-            report.predicted = predicted(predict(grid, microbatches))
+            report.predicted = predicted(predict(*choice))
         reports.append(report)
     return reports
 
@@ -176,7 +179,7 @@ def table(reports: list[CompileReport]) -> list[list[str]]:
     def gb(x):
         return f"{x / 1e9:.2f}"
 
-    rows = [["grid", "M", "memory GB", "host GB", "comm GB", "TFLOPs", "× ideal", "compile s",
+    rows = [["grid", "M", "remat", "memory GB", "host GB", "comm GB", "TFLOPs", "× ideal", "compile s",
              "fits"]]
     for r in reports:
         p = r.predicted or {}
@@ -185,7 +188,7 @@ def table(reports: list[CompileReport]) -> list[list[str]]:
         comm_text = gb(comm) + (f" [{gb(sum(p['comm_bytes_per_device'].values()))}]" if p else "")
         ideal = f"{r.flops_per_device / r.model_flops_per_device:.2f}" \
             if r.model_flops_per_device else "-"
-        rows.append(["×".join(str(v) for v in r.grid.values()), str(r.microbatches),
+        rows.append(["×".join(str(v) for v in r.grid.values()), str(r.microbatches), r.remat,
                      pair(r.memory_per_device_bytes, "memory_per_device_bytes"),
                      pair(r.host_memory_per_device_bytes, "host_memory_per_device_bytes"),
                      comm_text, pair(r.flops_per_device, "flops_per_device",

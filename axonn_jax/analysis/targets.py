@@ -81,6 +81,12 @@ def load_cuda_plugin() -> bool:
     site-packages) and registered with JAX; True when JAX can then make CUDA topologies."""
     import importlib.util
 
+    import jax
+
+    # JAX looks for plugins once, when its backends start: start them before the side directory
+    # is on sys.path, or that search finds the plugin registered below and registers it again
+    # (a logged "PJRT_Api already exists" traceback on stderr).
+    jax.devices()
     side = str(plugin_dir())
     if importlib.util.find_spec("jax_cuda12_plugin") is None and os.path.isdir(side) \
             and side not in sys.path:

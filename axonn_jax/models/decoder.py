@@ -81,5 +81,17 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
     kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
     return from_parts([*tables, *shape.layers, *shape.replicated, *shape.parts, context, *norms,
                        CrossEntropy()], step, boundary=boundary, flops=flops,
-                      head_reads=head_reads, metrics=shape.metrics,
-                      working=context.working_bytes(step), part_activations=kept)
+                      head_reads=head_reads, saved_features=saved_features(shape),
+                      metrics=shape.metrics, working=context.working_bytes(step),
+                      part_activations=kept)
+
+
+def saved_features(shape: DecoderShape) -> float:
+    """Features per position of one block that `--remat selective` keeps: the outputs of the
+    block's dense layers but the last (whose output only joins the residual sum) and the attention
+    core's output (the input of `attn_out`), as the models name them (`ACTIVATION_NAMES`; checked
+    against `offload.activations.block_cost` in tests/test_comm_model.py)."""
+    dense = [layer for layer in shape.layers if layer.layers]  # the block's, the last is MLP down
+    others = [part for part in shape.replicated if getattr(part, "layers", 0)]
+    kept = sum(layer.fan_out * layer.count for layer in (*dense[:-1], *others))
+    return kept + sum(layer.fan_in for layer in dense if layer.name == "attn_out")

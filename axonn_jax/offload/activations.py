@@ -6,6 +6,9 @@ Decisions, per block of a model's stack:
   outputs of its matmuls without batch dimensions and of its tensor-parallel dense layers) are moved
   to `pinned_host` in the forward and fetched back for the backward; what they leave out
   (softmax, GELU, sums, norm statistics) is recomputed from them.
+- `selective`: the same named intermediates stay on the device (MaxText's hand-written remat
+  policies, chosen here per block): the backward reads the matmul outputs and recomputes only what
+  is cheap from them (norms, activation functions, softmax and the attention scores).
 - `recompute`: only the block input stays (on the device); the block's forward runs again in the
   backward (`nothing_saveable`).
 
@@ -14,7 +17,8 @@ Decisions, per block of a model's stack:
 (counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device
 spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
 blocks take each decision; offloaded blocks come first (their activations are needed last in the
-backward, so fetching them back has the most time to overlap), then recomputed, then kept ones.
+backward, so fetching them back has the most time to overlap), then recomputed, selective and kept
+ones.
 It picks the counts with the least predicted extra step time whose predicted peak fits the budget:
 
     predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
@@ -36,30 +40,38 @@ import numpy as np
 
 from ..tp.tensor import TP_DENSE_NAME
 
-DECISIONS = ("keep", "offload", "recompute")
-REMAT_MODES = ("none", "full", "offload", "auto")
+DECISIONS = ("keep", "selective", "offload", "recompute")
+REMAT_MODES = ("none", "full", "selective", "offload", "auto")
+_UNIFORM = {"full": "recompute", "selective": "selective", "offload": "offload"}
+"""The decision every block takes under a uniform `--remat` mode."""
 
 
 def policy(decision: str, offload_names: tuple[str, ...] | None = None):
     """The `jax.checkpoint` policy of a decision (None for `keep`: no checkpoint at all).
-    offload_names: what `offload` moves to the host (see the module docstring)."""
+    offload_names: what `offload` moves to the host and `selective` keeps (see the module
+    docstring); None: the tensor-parallel dense layers' outputs and matmuls without batch
+    dimensions."""
     cp = jax.checkpoint_policies
     if decision == "keep":
         return None
     if decision == "recompute":
         return cp.nothing_saveable
-    if decision != "offload":
+    if decision not in DECISIONS:
         raise ValueError(f"unknown activation decision {decision!r}; expected one of {DECISIONS}")
-    names = cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], offload_src="device", offload_dst="pinned_host",
-        names_which_can_be_offloaded=list(offload_names or (TP_DENSE_NAME,)))
+    names = list(offload_names or (TP_DENSE_NAME,))
+    if decision == "selective":
+        named, dots = cp.save_only_these_names(*names), cp.dots_with_no_batch_dims_saveable
+    else:
+        named = cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], offload_src="device", offload_dst="pinned_host",
+            names_which_can_be_offloaded=names)
+        dots = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
     if offload_names is not None:
-        return names
-    dots = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
-    recompute = names(None)  # what a policy answers for an operation it does not keep
+        return named
+    recompute = named(None)  # what a policy answers for an operation it does not keep
 
     def names_or_dots(prim, *args, **params):
-        decided = names(prim, *args, **params)
+        decided = named(prim, *args, **params)
         return dots(prim, *args, **params) if decided is recompute else decided
 
     return names_or_dots
@@ -234,6 +246,18 @@ def extra_time(cost: BlockCost, decision: str, spec: DeviceSpec) -> float:
     return t + max(0.0, move - compute) + max(0.0, move - 2 * compute)
 
 
+PLAN_ORDER = ("offload", "recompute", "selective", "keep")
+"""The order of a plan's blocks, first layer first (see the module docstring)."""
+
+
+def _compositions(total: int, parts: int) -> np.ndarray:
+    """Every row of `parts` non-negative integers summing to `total`: `(rows, parts)` int64."""
+    grids = np.meshgrid(*[np.arange(total + 1)] * (parts - 1), indexing="ij")
+    rows = np.stack([g.ravel() for g in grids], axis=1)
+    rows = rows[rows.sum(axis=1) <= total]
+    return np.concatenate([rows, total - rows.sum(axis=1, keepdims=True)], axis=1)
+
+
 def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: DeviceSpec) -> Plan:
     """The fastest plan whose predicted peak fits `budget` bytes.
 
@@ -241,28 +265,24 @@ def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: De
     feasible budget when none fits.
     """
     per = {d: cost.device_bytes[d] - cost.device_bytes["recompute"] for d in DECISIONS}
-    best = None
-    for n_off in range(num_layers + 1):
-        for n_rc in range(num_layers + 1 - n_off):
-            n_keep = num_layers - n_off - n_rc
-            peak = base_peak + n_keep * per["keep"] + n_off * per["offload"] + n_rc * per["recompute"]
-            t = sum(n * extra_time(cost, d, spec)
-                    for n, d in ((n_off, "offload"), (n_rc, "recompute"), (n_keep, "keep")))
-            key = (t, peak)
-            if peak <= budget and (best is None or key < best[0]):
-                best = (key, ("offload",) * n_off + ("recompute",) * n_rc + ("keep",) * n_keep)
-    if best is None:
+    counts = _compositions(num_layers, len(PLAN_ORDER))
+    peaks = base_peak + counts @ np.array([per[d] for d in PLAN_ORDER], np.float64)
+    times = counts @ np.array([extra_time(cost, d, spec) for d in PLAN_ORDER])
+    fits = np.flatnonzero(peaks <= budget)
+    if not fits.size:
         smallest = base_peak + num_layers * min(per.values())
         raise ValueError(
             f"--memory-budget {budget / 1e9:.4g} GB is infeasible: the smallest feasible budget for "
             f"this model, batch and grid is {smallest / 1e9:.4g} GB ({smallest:,} bytes per device, "
             f"every block {min(per, key=per.get)})")
-    (t, peak), decisions = best
-    return Plan(decisions, int(peak), t, budget)
+    best = fits[np.lexsort((peaks[fits], times[fits]))[0]]  # the least time, then the least peak
+    decisions = sum(((d,) * int(n) for n, d in zip(counts[best], PLAN_ORDER)), ())
+    return Plan(decisions, int(peaks[best]), float(times[best]), budget)
 
 
 def uniform_plan(remat, num_layers: int) -> Plan | None:
-    """The plan of `remat` = `none` (None), `full`, `offload`, or a `Plan` (returned as it is)."""
+    """The plan of `remat` = `none` (None), `full`, `selective`, `offload`, or a `Plan` (returned as
+    it is)."""
     if isinstance(remat, Plan):
         if len(remat.decisions) != num_layers:
             raise ValueError(f"activation plan of {len(remat.decisions)} layers for a model of "
@@ -270,7 +290,7 @@ def uniform_plan(remat, num_layers: int) -> Plan | None:
         return remat
     if remat == "none":
         return None
-    return Plan(("recompute" if remat == "full" else "offload",) * num_layers)
+    return Plan((_UNIFORM[remat],) * num_layers)
 
 
 def check_options(remat, memory_budget_gb: float | None) -> None:

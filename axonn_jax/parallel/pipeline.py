@@ -174,11 +174,13 @@ def pipeline_collectives(schedule: Schedule, message_bytes: float,
                        2 * schedule.message_ticks)]
 
 
-def stage_repeats(found: list[Collective], microbatches: int) -> list[Collective]:
-    """A step's collectives (`found`, counted once per step) as the pipeline engine runs them:
-    a stage's forward twice per microbatch (the backward tick recomputes it), parameter-sized
-    collectives (weight gathers, weight-gradient sums) once per microbatch's operation."""
-    return [dataclasses.replace(c, count=c.count * (2 if c.stage_forward else 1)
+def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2
+                  ) -> list[Collective]:
+    """A step's collectives (`found`, counted once per step) as the engines run them: a stage's
+    forward `forwards` times per microbatch (2 in a pipeline, whose backward tick recomputes it;
+    one more with `--remat full`), parameter-sized collectives (weight gathers, weight-gradient
+    sums) once per microbatch's operation (pipelined, or accumulated by `SpmdEngine`)."""
+    return [dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
                                 * (microbatches if c.per_microbatch else 1)) for c in found]
 
 

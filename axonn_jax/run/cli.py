@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from .config import add_config_args, add_tree_args
+from ..config import AXES
 from .options import ConfigError
 
 JOB_KEYS = ("run.run_dir", "checkpoint.resume", "checkpoint.stop_at")
@@ -32,10 +33,11 @@ def _train(args) -> int:
     platform = jax.devices()[0].platform
     opts.check(config, platform=platform)  # what needs no grid, before the planner runs
     if config.grid.auto:
-        grid, microbatches = auto_grid(config, num_devices)
+        grid, microbatches, remat = auto_grid(config, num_devices)
         text = ",".join(f"{k}={v}" for k, v in grid.as_dict().items())
-        print(f"--auto-grid: {text}, {microbatches} microbatch(es)", file=sys.stderr)
-        config = opts.with_grid(config, grid, microbatches)
+        print(f"--auto-grid: {text}, {microbatches} microbatch(es), --remat {remat}",
+              file=sys.stderr)
+        config = opts.with_grid(config, grid, microbatches, remat)
     else:
         config = opts.with_grid(config, opts.resolve_grid(config, num_devices))
     if config.run.transport == "xla":  # every problem before the run directory is made
@@ -179,8 +181,9 @@ def _plan(args) -> int:
 
 
 def _compile_reports(config, grids, target, predict=None, dump_hlo=None):
-    """`analysis.compiled` reports of the config's step on each `(grid, microbatches)`, compiled
-    for `target` (`analysis.targets.Target`) with `predict(grid, microbatches)`'s figures."""
+    """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`,
+    compiled for `target` (`analysis.targets.Target`) with `predict(grid, microbatches, remat)`'s
+    figures."""
     import jax
 
     from ..analysis import comm_model as cm, compiled as cc
@@ -192,8 +195,8 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None):
     opts.check(config, platform=devices[0].platform)
     work = workload(config)
 
-    def build(grid, microbatches):
-        trainer = build_trainer(opts.with_grid(config, grid, microbatches), devices)
+    def build(grid, microbatches, remat):
+        trainer = build_trainer(opts.with_grid(config, grid, microbatches, remat), devices)
         return trainer.step, trainer.local_example()
 
     return cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes, predict=predict,
@@ -208,9 +211,9 @@ def _verify(config, shown, args) -> int:
 
     from ..analysis import compiled as cc, targets
 
-    by_grid = {(p.grid, p.microbatches): p for p in shown[:args.verify]}
+    by_grid = {(p.grid, p.microbatches, p.remat): p for p in shown[:args.verify]}
     reports = _compile_reports(config, list(by_grid), targets.target("h100"),
-                               lambda g, m: by_grid[(g, m)])
+                               lambda *choice: by_grid[choice])
     order = sorted(range(len(reports)), key=lambda i: not reports[i].fits)
     if args.json:
         print(json.dumps([{**shown[i].as_dict(), "compiled": reports[i].as_dict(),
@@ -220,7 +223,8 @@ def _verify(config, shown, args) -> int:
     for rank, i in enumerate(order, 1):
         r = reports[i]
         grid = "×".join(str(v) for v in r.grid.values())
-        print(f"{rank}. {grid} (plan's #{i + 1}, {r.microbatches} microbatches): compiled "
+        print(f"{rank}. {grid} (plan's #{i + 1}, {r.microbatches} microbatches, --remat "
+              f"{r.remat}): compiled "
               f"{r.memory_per_device_bytes / 1e9:.1f} GB per device "
               f"({'fits' if r.fits else 'does NOT fit'}), plan "
               f"{r.predicted['memory_per_device_bytes'] / 1e9:.1f} GB")
@@ -237,18 +241,18 @@ def _plan_table(shown, title: str) -> None:
 
     imbalance = any(p.expert_imbalance_s for p in shown)
     table = Table(title=title)
-    for col in ("rank", "grid", "M", "step s", "MFU", "compute s",
-                *(["of which imbalance s"] if imbalance else []),
+    for col in ("rank", "grid", "M", "remat", "step s", "MFU", "compute s",
+                *(["imbalance s"] if imbalance else []),
                 "exposed comm s", "bubble s", "memory GB", "comm GB/device"):
         table.add_column(col, justify="right")
     for i, p in enumerate(shown, 1):
-        table.add_row(str(i), grid_text(p.grid), str(p.microbatches),
+        table.add_row(str(i), grid_text(p.grid), str(p.microbatches), p.remat,
                       f"{p.step_time_s:.3f}", f"{p.mfu:.1%}", f"{p.compute_s:.3f}",
                       *([f"{p.expert_imbalance_s:.3f}"] if imbalance else []),
                       f"{sum(p.exposed_comm_s.values()):.3f}", f"{p.bubble_s:.3f}",
                       f"{p.memory_per_device_bytes / 1e9:.1f}",
                       f"{sum(p.comm_bytes_per_device.values()) / 1e9:.2f}")
-    Console(width=150).print(table)
+    Console(width=170 if imbalance else 150).print(table)
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -355,12 +359,15 @@ def _compile(args) -> int:
     if args.top:
         if not modelled:
             raise ConfigError([f"--top: the planner does not model {config.model.name}"])
-        grids = [(p.grid, p.microbatches) for p in cm.plan(work, n, machine)[:args.top]]
+        grids = [(p.grid, p.microbatches, p.remat) for p in cm.plan(work, n, machine)[:args.top]]
     else:
-        grids = [(opts.resolve_grid(config, n), config.pipeline.microbatches)]
+        grids = [(opts.resolve_grid(config, n), config.pipeline.microbatches, config.memory.remat)]
 
-    predict = (lambda g, m: cm.predict(dataclasses.replace(work, microbatches=m), g, machine)) \
-        if modelled else None
+    def predict(grid, microbatches, remat):
+        w = dataclasses.replace(work, microbatches=microbatches, remat=remat)
+        return cm.predict(w, grid, machine)
+
+    predict = predict if modelled else None
     reports = _compile_reports(config, grids, target, predict, config.run.dump_hlo)
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=1))

@@ -34,7 +34,7 @@ import optax
 from ..config import AXES, SCHEDULES, ParallelConfig
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-REMAT_CHOICES = ("none", "full", "offload", "auto")
+REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 TRANSPORTS = ("xla", "mpi")
 
@@ -538,13 +538,16 @@ def resolve_grid(config: RunConfig, num_devices: int) -> ParallelConfig:
     return ParallelConfig(**{**g.sizes(), "data": data})
 
 
-def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None = None
-              ) -> RunConfig:
-    """`config` with its grid set to `grid` (and the planner off), e.g. the grid that ran."""
+def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None = None,
+              remat: str | None = None) -> RunConfig:
+    """`config` with its grid set to `grid` (and the planner off), e.g. the grid that ran, and
+    the microbatches and remat mode given (None: the config's)."""
     values: dict[str, Any] = {f"grid.{a}": getattr(grid, a) for a in AXES}
     values["grid.auto"] = False
     if microbatches is not None:
         values["pipeline.microbatches"] = microbatches
+    if remat is not None:
+        values["memory.remat"] = remat
     return config.replace(**values)
 
 

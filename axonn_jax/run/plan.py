@@ -18,7 +18,14 @@ def workload(config: RunConfig) -> cm.Workload:
                        virtual_stages=config.pipeline.virtual_stages,
                        compress_bits=config.compression.bits,
                        offload_optimizer=config.memory.offload_optimizer,
-                       context_attention=config.model.context_attention)
+                       context_attention=config.model.context_attention,
+                       remat=_modelled_remat(config.memory.remat))
+
+
+def _modelled_remat(remat: str) -> str:
+    """The remat mode the planner counts for `--remat`: `auto` (a per-block plan within a budget,
+    made when the step is built) as `none`, an upper bound of its memory."""
+    return remat if remat in cm.REMAT_POLICIES else "none"
 
 
 def machine_for_backend() -> cm.Machine:
@@ -37,23 +44,29 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
            grid: ParallelConfig | None = None, expert_imbalance: float = 1.0
            ) -> list[cm.Prediction]:
     """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
-    (only `grid` when given). Microbatches: the config's when it sets them, else the planner's
-    choice for each grid. `expert_imbalance`: `cm.Workload.expert_imbalance`."""
+    (only `grid` when given). Microbatches and the remat mode: the config's when it sets them (a
+    mode the planner models), else the planner's choice for each grid. `expert_imbalance`:
+    `cm.Workload.expert_imbalance`."""
     if not expert_imbalance >= 1:
         raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
                            "expert shard's tokens over the mean)"])
     work = dataclasses.replace(workload(config), expert_imbalance=expert_imbalance)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
-    return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices)
+    remat = config.memory.remat
+    remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None
+    return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices,
+                   remat_choices=remats)
 
 
-def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int]:
+def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int, str]:
     """The planner's fastest grid for the config on `num_devices` devices of this backend, among
-    the grids the trainer runs. Returns (grid, microbatches)."""
+    the grids the trainer runs. Returns (grid, microbatches, remat mode): the config's `--remat
+    auto` stays (it plans per block once the grid is known)."""
+    auto = config.memory.remat == "auto"
     for p in ranked(config, num_devices, machine_for_backend()):
         # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
-        if not (p.grid.pipe > 1 and config.memory.remat == "auto"):
-            return p.grid, p.microbatches
+        if not (p.grid.pipe > 1 and auto):
+            return p.grid, p.microbatches, "auto" if auto else p.remat
     raise ConfigError([f"--auto-grid: no grid of {num_devices} devices runs "
                        f"{config.model.name} with --batch-size {config.data.batch_size}"])
 

@@ -355,7 +355,8 @@ class DenseLayer:
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
                 # reduce-scattered onto the rows over the input axis
-                Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=stacked),
+                Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=stacked,
+                           rematerialized=stacked),
                 Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked),
                 # backward: dy's rows gathered over the input axis, the input gradient
                 # reduce-scattered over the output axis (the weight gradient reads x's rows kept

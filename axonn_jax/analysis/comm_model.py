@@ -1,13 +1,17 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
-For a model and a grid `data × pipe × depth × row × col` it counts, per device and per step, the
-bytes of every collective the axonn_jax train step issues, as the parts of the step declare them
-(`axonn_jax.collectives`): the model's layers (its config's `communication(step)`: tensor-parallel
-dense, convolution and embedding layers, norms, the loss), the gradient exchange over data
-(`step.reducers`, exact or compressed), the loss and gradient-norm scalars, the pipeline's
-messages and gradient sums (`parallel.pipeline`). The sum agrees with the compiled step's HLO per
-collective kind and mesh axes within 5% — mostly to the byte — on the grids of
-tests/test_comm_model.py (`axonn_jax.analysis.hlo.wire_bytes`'s convention). It turns them into
+For a model and a grid `data × pipe × expert × context × depth × row × col` it counts, per
+device and per step, the bytes of every collective the axonn_jax train step issues, as the parts
+of the step declare them (`axonn_jax.collectives`): the model's layers (its config's
+`communication(step)`: tensor-parallel dense, convolution and embedding layers, norms, the loss,
+context-parallel attention's key/value traffic `parallel.context.ContextAttention`, a mixture of
+experts' token all-to-alls `models.moe.MoELayers`), the gradient exchange over data
+(`step.reducers`, exact or compressed), the sums over expert and context of the parameters they do
+not split and the context layout's batch gather (`step.batch_axes`), the loss and gradient-norm
+scalars, the pipeline's messages and gradient sums (`parallel.pipeline`). The sum agrees with the
+compiled step's HLO per collective kind and mesh axes within 5% — mostly to the byte — on the
+grids of tests/test_comm_model.py and tests/test_axes_model.py
+(`axonn_jax.analysis.hlo.wire_bytes`'s convention). It turns them into
 time with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms,
 the faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline
 bubble. The planner ranks every grid that fits in memory by that predicted step time.

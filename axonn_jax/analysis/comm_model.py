@@ -472,7 +472,9 @@ PLANNED_REMAT = ("none", "selective", "full")
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
          microbatch_choices: Iterable[int] | None = None,
          remat_choices: Iterable[str] | None = None) -> list[Prediction]:
-    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
+    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time
+    (a context grid only where the same grid with data in its place does not run or fit:
+    `_data_instead`).
 
     For each grid the number of microbatches (default: pipe·{1, 2, 4, 8} with a pipeline,
     `ACCUMULATION` without) and the remat mode (default `PLANNED_REMAT`) are chosen as the
@@ -484,8 +486,10 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
     candidates = [grid] if grid else candidate_grids(work, num_devices)
     remats = list(remat_choices or PLANNED_REMAT)
-    results = []
-    for g in candidates:
+    results, fitting = [], set()
+    for g in sorted(candidates, key=lambda g: g.context):
+        if _data_instead(g) in fitting:
+            continue
         default = ACCUMULATION if g.pipe == 1 else [g.pipe * k for k in (1, 2, 4, 8)]
         best = None
         for mb in list(microbatch_choices or default):
@@ -499,4 +503,16 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                     best = (key, p)
         if best:
             results.append(best[1])
+            fitting.add(g)
     return sorted(results, key=lambda p: p.step_time_s)
+
+
+def _data_instead(grid: ParallelConfig) -> ParallelConfig | None:
+    """For a grid that splits the sequence, the same grid splitting the batch over those devices
+    instead (None otherwise). The same tokens per device, the same gradient sum (over data·context
+    either way), no key/value traffic and no more memory but the attention's probabilities: where
+    it runs and fits, the context grid cannot be faster, and the planner skips it (context is
+    kept where memory or the batch needs it)."""
+    if grid.context == 1:
+        return None
+    return dataclasses.replace(grid, data=grid.data * grid.context, context=1)

@@ -100,8 +100,9 @@ class ParameterShard:
 class StepShape:
     """One train step as the parts count it: the grid, the global batch of `batch` rows
     (sequences, or images with `seq_len` 1) of `seq_len` positions, `microbatches`, the bytes of
-    a compute value and of a parameter, and whether the tensor-parallel layers keep the batch
-    split (`split`, `tp.tensor.split_batch`: the model decides, it knows its layers)."""
+    a compute value and of a parameter, whether the tensor-parallel layers keep the batch
+    split (`split`, `tp.tensor.split_batch`: the model decides, it knows its layers), and the
+    context axis's attention scheme (`context_attention`, `parallel.context.SCHEMES`)."""
 
     grid: ParallelConfig
     batch: int
@@ -110,21 +111,26 @@ class StepShape:
     compute_bytes: int = 2
     param_bytes: int = 4
     split: bool = False
+    context_attention: str = "ring"
 
     @property
     def rows(self) -> float:
-        """Rows one device's tensor-parallel group works on per step (the batch over data·depth)."""
-        return self.batch / (self.grid.data * self.grid.depth)
+        """Rows one device's tensor-parallel group works on per step (the batch over
+        data·expert·depth; `context` splits each row's positions instead)."""
+        return self.batch / (self.grid.data * self.grid.expert * self.grid.depth)
 
     @property
     def tokens(self) -> float:
-        """Positions one device's tensor-parallel group works on per step."""
-        return self.batch * self.seq_len / (self.grid.data * self.grid.depth)
+        """Positions one device's tensor-parallel group works on per step (the batch over
+        data·expert·depth, the sequence over context)."""
+        return self.rows * self.seq_len / self.grid.context
 
     @property
     def layer_rows(self) -> float:
-        """Rows one layer call sees on a data shard: its microbatch under a pipeline."""
-        return self.batch / (self.grid.data * (self.microbatches if self.grid.pipe > 1 else 1))
+        """Rows one layer call sees on a data (and expert) shard: its microbatch under a
+        pipeline."""
+        return self.batch / (self.grid.data * self.grid.expert
+                             * (self.microbatches if self.grid.pipe > 1 else 1))
 
     def stage_layers(self, num_layers: int) -> int:
         """Blocks of a stack of `num_layers` one pipeline stage holds."""
@@ -161,6 +167,23 @@ class ModelCommunication:
     head_reads: float = 0.0
     activations: float | None = None
     saved_features: float = 0.0
+    executed_flops: float | None = None
+    """Training FLOPs the compiled step runs when they differ from `flops` (a dropless mixture
+    of experts under jaxlib's dense `ragged_dot`, `models.moe.DENSE_RAGGED_DOT`); None: `flops`."""
+    expert_flops: float = 0.0
+    """Of `executed_flops` (or `flops`), the routed experts' share: what expert imbalance
+    multiplies on the busiest device."""
+    working: float = 0.0
+    """Temporary bytes one block's parts hold while it runs, beyond the planner's estimate of a
+    transformer block (context attention's score tiles and gathered keys/values)."""
+    part_activations: float = 0.0
+    """Activation bytes per device that per-block parts keep for the backward beyond that
+    estimate, all the stage's layers together (a mixture of experts' dispatch buffers)."""
+    metrics: float = 0.0
+    """Float32 elements of the per-step metrics the blocks return (averaged over the batch axes)."""
+    batch_token_bytes: float = 8.0
+    """Bytes of one position of the batch pytree (token ids and targets, int32): what the
+    context axis's load-balancing gather moves (`step.batch_axes`)."""
 
 
 def from_parts(parts: Iterable[Part], step: StepShape, **fields) -> ModelCommunication:

@@ -1,13 +1,17 @@
 """AxoNN's communication model: bytes, time and memory of one training step on a given grid.
 
-For a model and a grid `data × pipe × depth × row × col` it counts, per device and per step, the
-bytes of every collective the axonn_jax train step issues, as the parts of the step declare them
-(`axonn_jax.collectives`): the model's layers (its config's `communication(step)`: tensor-parallel
-dense, convolution and embedding layers, norms, the loss), the gradient exchange over data
-(`step.reducers`, exact or compressed), the loss and gradient-norm scalars, the pipeline's
-messages and gradient sums (`parallel.pipeline`). The sum agrees with the compiled step's HLO per
-collective kind and mesh axes within 5% — mostly to the byte — on the grids of
-tests/test_comm_model.py (`axonn_jax.analysis.hlo.wire_bytes`'s convention). It turns them into
+For a model and a grid `data × pipe × expert × context × depth × row × col` it counts, per
+device and per step, the bytes of every collective the axonn_jax train step issues, as the parts
+of the step declare them (`axonn_jax.collectives`): the model's layers (its config's
+`communication(step)`: tensor-parallel dense, convolution and embedding layers, norms, the loss,
+context-parallel attention's key/value traffic `parallel.context.ContextAttention`, a mixture of
+experts' token all-to-alls `models.moe.MoELayers`), the gradient exchange over data
+(`step.reducers`, exact or compressed), the sums over expert and context of the parameters they do
+not split and the context layout's batch gather (`step.batch_axes`), the loss and gradient-norm
+scalars, the pipeline's messages and gradient sums (`parallel.pipeline`). The sum agrees with the
+compiled step's HLO per collective kind and mesh axes within 5% — mostly to the byte — on the
+grids of tests/test_comm_model.py and tests/test_axes_model.py
+(`axonn_jax.analysis.hlo.wire_bytes`'s convention). It turns them into
 time with a latency–bandwidth model of intra-node and inter-node links (ring and tree algorithms,
 the faster one chosen as NCCL does), and adds compute, exposed communication and the pipeline
 bubble. The planner ranks every grid that fits in memory by that predicted step time.
@@ -24,8 +28,10 @@ from ..collectives import (FP32, KINDS, Collective, ModelCommunication, Paramete
                            StepShape, ring_bytes)
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
+from ..parallel.context import check_sequence
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
+from ..step.batch_axes import batch_axes_collectives
 from ..step.reducers import exchange_collectives, scalar_collectives
 
 
@@ -92,6 +98,11 @@ class Workload:
     virtual_stages: int = 1  # interleaved-1f1b's chunks per stage
     compress_bits: int = 0
     offload_optimizer: bool = False
+    context_attention: str = "ring"  # the context axis's scheme (`parallel.context.SCHEMES`)
+    expert_imbalance: float = 1.0
+    """Tokens the busiest expert shard takes over the mean (the metrics' `load_imbalance`):
+    multiplies the routed experts' compute time and activation memory. 1.0: balanced routing
+    (the auxiliary loss's aim); measured values belong in `--expert-imbalance`."""
     remat: str = "none"
     """What each block keeps for its backward (`--remat`, uniform over the stack): one of
     `REMAT_POLICIES`."""
@@ -104,10 +115,23 @@ class Workload:
         """Training FLOPs of the whole step (forward + backward, no recompute)."""
         return declared(self, ParallelConfig()).flops
 
+    def executed_flops(self, grid: ParallelConfig) -> float:
+        """Training FLOPs the compiled step runs (a dropless mixture of experts under jaxlib's
+        dense `ragged_dot` runs more than `flops`), the routed experts' share multiplied by
+        `expert_imbalance` (the busiest device's), as if every device ran the busiest one's."""
+        d = declared(self, grid)
+        executed = d.flops if d.executed_flops is None else d.executed_flops
+        return executed + (self.imbalance(grid) - 1) * d.expert_flops
+
+    def imbalance(self, grid: ParallelConfig) -> float:
+        """`expert_imbalance` where experts split over devices (`expert > 1`), else 1: a device
+        holding every expert takes every token's choices whatever their spread."""
+        return self.expert_imbalance if grid.expert > 1 else 1.0
+
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
-                         self.param_bytes)
+                         self.param_bytes, context_attention=self.context_attention)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -135,7 +159,8 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     d = declared(work, grid)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
              *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
-                                   param_bytes=work.param_bytes)]
+                                   param_bytes=work.param_bytes),
+             *batch_axes_collectives(d, work.step(grid))]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)
@@ -200,14 +225,16 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         return {"params": params, "grads": grads, "optimizer": optimizer,
                 "activations": activations, "total": params + grads + optimizer + activations}
     # Else a stack of transformer blocks (`d_model`, `num_heads`):
-    tokens = work.tokens / (g.data * g.depth) / work.microbatches
+    tokens = work.tokens / (g.data * g.expert * g.context * g.depth) / work.microbatches
     # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
     # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice (and,
     # in the batch-split layout, per row slice over col); the residual stream split over col
-    # (and its rows over row): the stage boundary's activation.
+    # (and its rows over row): the stage boundary's activation. Over `context` the attention
+    # keeps no probabilities (`parallel.context`): its temporaries are `d.working`, one layer's.
     rows = (g.row, g.col) if d.split else (1, 1)
-    per_block = (16 * tokens * m.d_model / (g.row * g.col)
-                 + 2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])) * work.compute_bytes
+    probabilities = 0 if g.context > 1 else \
+        2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])
+    per_block = (16 * tokens * m.d_model / (g.row * g.col) + probabilities) * work.compute_bytes
     act = d.boundary
     if g.pipe == 1:
         stash, layers = act, m.num_layers
@@ -222,8 +249,10 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         stash = sched.stash_slots * act + residuals
     # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`.
     logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
+    parts = d.part_activations * work.imbalance(grid) / work.microbatches
     activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
-        + (per_block if work.remat != "none" else 0.0) + stash + logits + copies
+        + (per_block if work.remat != "none" else 0.0) + stash + logits + copies + d.working \
+        + parts
     return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
             "total": params + grads + optimizer + activations}
 
@@ -281,6 +310,9 @@ class Prediction:
     """Host memory one device's state takes (`offload_optimizer`: fp32 masters and moments)."""
     fits: bool = True
     """Whether `memory_per_device_bytes` fits the machine's device memory."""
+    expert_imbalance_s: float = 0.0
+    """Of `compute_s`, what the busiest expert shard adds over balanced routing
+    (`Workload.expert_imbalance`)."""
     remat: str = "none"
     """The `--remat` mode predicted (`Workload.remat`)."""
 
@@ -296,7 +328,17 @@ class Prediction:
                 "exposed_comm_by_axis": self.exposed_comm_by_axis,
                 "flops_per_device": self.flops_per_device,
                 "host_memory_per_device_bytes": self.host_memory_per_device_bytes,
-                "fits": self.fits}
+                "fits": self.fits, "expert_imbalance_s": self.expert_imbalance_s}
+
+
+def _overlaps_backward(c: Collective) -> bool:
+    """The gradient exchange over the batch axes (data's, and the sums over expert and context
+    of the parameters they do not split, `step.batch_axes`), hidden behind the backward pass up
+    to its compute time."""
+    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= set(BATCH_AXES_ALL))
+
+
+BATCH_AXES_ALL = ("data", "expert", "context")
 
 
 def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
@@ -326,14 +368,15 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     rate = machine.peak_flops * machine.efficiency
     devices = grid.num_devices
     recompute = recompute_factor(work, grid)
-    compute = work.flops() / devices / rate * recompute
+    executed = work.executed_flops(grid)
+    compute = executed / devices / rate * recompute
     backward = compute * 2 / 3
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0
     for c in collectives(work, grid):
         t = _collective_time(c, grid, machine)
-        if c.axes == ("data",):
+        if _overlaps_backward(c):
             data_time += t
             continue
         if c.overlappable:
@@ -342,7 +385,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     exposed_data = max(0.0, data_time - backward)
     for c in collectives(work, grid):
-        if c.axes == ("data",) and data_time:
+        if _overlaps_backward(c) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
     if data_time:
         by_axis["data"] = exposed_data
@@ -355,9 +398,11 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
                       mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
-                      flops_per_device=work.flops() / devices * recompute,
+                      flops_per_device=executed / devices * recompute,
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
-                      fits=mem["total"] <= machine.device_memory, remat=work.remat)
+                      fits=mem["total"] <= machine.device_memory, remat=work.remat,
+                      expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
+                      .expert_flops / devices / rate * recompute)
 
 
 def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
@@ -378,6 +423,24 @@ def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
                 yield (d, *rest)
 
 
+def searched_axes(work: Workload) -> tuple[str, ...]:
+    """The mesh axes a grid for `work` may split (in `AXES` order): `expert` only for a mixture
+    of experts (a model with `num_experts`), `context` only for a decoder whose attention runs
+    over it (`kv_features`: `parallel.context.ContextAttention`); the others always."""
+    model = work.model
+    allowed = {"expert": getattr(model, "num_experts", 1) > 1,
+               "context": getattr(model, "kv_features", 0) > 0 and work.seq_len > 1}
+    return tuple(a for a in AXES if allowed.get(a, True))
+
+
+def candidate_grids(work: Workload, num_devices: int) -> list[ParallelConfig]:
+    """Every grid of `num_devices` devices over `searched_axes(work)`: context is tried wherever
+    it is allowed and kept when it ranks best (long sequences need it for memory)."""
+    axes = searched_axes(work)
+    return [ParallelConfig(**dict(zip(axes, sizes)))
+            for sizes in _factorizations(num_devices, len(axes))]
+
+
 def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
     """Why `grid` cannot run `work` (a dimension that does not divide), or None: the trainer's own
     checks (`config.check_grid`, `GPTConfig.check_grid`)."""
@@ -385,6 +448,11 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
         check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
                    num_layers=work.model.num_layers)
         work.model.check_grid(grid)
+        for axis in ("expert", "context"):
+            if getattr(grid, axis) > 1 and axis not in searched_axes(work):
+                raise ValueError(f"{type(work.model).__name__} has no {axis} axis")
+        if grid.context > 1:
+            check_sequence(work.seq_len, grid.context)
         if grid.pipe > 1:
             check_schedule(work.schedule, grid.pipe, work.microbatches, work.virtual_stages)
             check_layers(work.model.num_layers, grid.pipe, work.virtual_stages)
@@ -404,7 +472,9 @@ PLANNED_REMAT = ("none", "selective", "full")
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
          microbatch_choices: Iterable[int] | None = None,
          remat_choices: Iterable[str] | None = None) -> list[Prediction]:
-    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
+    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time
+    (a context grid only where the same grid with data in its place does not run or fit:
+    `_data_instead`).
 
     For each grid the number of microbatches (default: pipe·{1, 2, 4, 8} with a pipeline,
     `ACCUMULATION` without) and the remat mode (default `PLANNED_REMAT`) are chosen as the
@@ -414,12 +484,14 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
                          f"communication (`communication(step)`), not {type(work.model).__name__}")
-    candidates = [grid] if grid else [ParallelConfig(*s) for s in _factorizations(num_devices, 5)]
+    candidates = [grid] if grid else candidate_grids(work, num_devices)
     remats = list(remat_choices or PLANNED_REMAT)
     if not remat_choices and not declared(work, ParallelConfig()).saved_features:
         remats.remove("selective")  # a model that declares no selective bytes (a U-Net)
-    results = []
-    for g in candidates:
+    results, fitting = [], set()
+    for g in sorted(candidates, key=lambda g: g.context):
+        if _data_instead(g) in fitting:
+            continue
         default = ACCUMULATION if g.pipe == 1 else [g.pipe * k for k in (1, 2, 4, 8)]
         best = None
         for mb in list(microbatch_choices or default):
@@ -433,4 +505,16 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                     best = (key, p)
         if best:
             results.append(best[1])
+            fitting.add(g)
     return sorted(results, key=lambda p: p.step_time_s)
+
+
+def _data_instead(grid: ParallelConfig) -> ParallelConfig | None:
+    """For a grid that splits the sequence, the same grid splitting the batch over those devices
+    instead (None otherwise). The same tokens per device, the same gradient sum (over data·context
+    either way), no key/value traffic and no more memory but the attention's probabilities: where
+    it runs and fits, the context grid cannot be faster, and the planner skips it (context is
+    kept where memory or the batch needs it)."""
+    if grid.context == 1:
+        return None
+    return dataclasses.replace(grid, data=grid.data * grid.context, context=1)

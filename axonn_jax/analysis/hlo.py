@@ -78,6 +78,15 @@ def _array_bytes(shape_text: str) -> list[int]:
     return out
 
 
+def _leading_tuple_arrays(shape_text: str) -> int:
+    """Arrays in the first element of a tuple shape `((a, b), (a, b), ...)` when that element is
+    itself a tuple, else 0."""
+    if not shape_text.startswith("(("):
+        return 0
+    end = shape_text.index(")", 1)
+    return len(_array_bytes(shape_text[1:end + 1]))
+
+
 def _iota(spec: str) -> list[int]:
     """The device ids of an iota list `[d0,d1,...]T(p0,p1,...)` (the transpose optional), flat."""
     m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", spec.strip())
@@ -182,8 +191,13 @@ def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int)
     group = len(members)
     sizes = _array_bytes(shape)
     if opcode.endswith("-start") and kind != "all-reduce":
-        # (operands..., results..., [contexts]): keep the results
-        sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
+        # (operands..., results..., [contexts]): keep the results; XLA:GPU's combined starts
+        # hold tuples, `((operands), (results), ...)`
+        operands = _leading_tuple_arrays(shape)
+        if operands:
+            sizes = sizes[operands:2 * operands]
+        else:
+            sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
     nbytes = sum(sizes) * (group if kind == "reduce-scatter" else 1)
     return Collective(kind, name, nbytes, group, 1, members) if group > 1 and nbytes else None
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..collectives import FP32, Collective, ModelCommunication, StepShape, from_parts
+from ..parallel.context import ContextAttention
 from ..tp.layers import Norms
 from ..tp.tensor import DenseLayer, Table, split_batch
 
@@ -34,6 +35,13 @@ class DecoderShape:
     """Vectors per norm: LayerNorm's scale and bias, RMSNorm's scale."""
     tied: bool = False
     """The output head multiplies by the token table (GSPMD lays out that matmul)."""
+    kv_features: int = 0
+    """Key (= value) features of one token (kv_heads · head_dim): what context-parallel
+    attention moves over `context` (`parallel.context.ContextAttention`)."""
+    parts: tuple = ()
+    """Other per-block parts (`collectives.Part`), e.g. a mixture of experts (`models.moe`)."""
+    metrics: float = 0.0
+    """Float32 elements of the metrics the blocks return per step (per-layer aux outputs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +74,16 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
     rows = g.row if split else 1  # the residual stream's rows split over row
     boundary = step.tokens / step.microbatches / rows * d / g.col * step.compute_bytes
     head_reads = shape.vocab_size * d / (g.depth * g.row * g.col) if shape.tied else 0.0
-    return from_parts([*tables, *shape.layers, *shape.replicated, *norms, CrossEntropy()], step,
-                      boundary=boundary, flops=flops, head_reads=head_reads,
-                      saved_features=saved_features(shape))
+    # Keys and values: heads over row (whole where replicated, GSPMD's layout)
+    kv = shape.kv_features if shape.replicated else shape.kv_features / g.row
+    context = ContextAttention(kv, stage, None if shape.replicated else "col",
+                               heads=shape.num_heads / g.row)
+    kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
+    return from_parts([*tables, *shape.layers, *shape.replicated, *shape.parts, context, *norms,
+                       CrossEntropy()], step, boundary=boundary, flops=flops,
+                      head_reads=head_reads, saved_features=saved_features(shape),
+                      metrics=shape.metrics, working=context.working_bytes(step),
+                      part_activations=kept)
 
 
 def saved_features(shape: DecoderShape) -> float:

@@ -59,6 +59,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def kv_features(self) -> int:
+        """Key (= value) features of a token: what context-parallel attention moves."""
+        return self.d_model
+
     def num_params(self) -> int:
         """Parameter count (embeddings, blocks, final norm and the output head unless tied)."""
         d, f, v = self.d_model, self.d_ff, self.vocab_size
@@ -83,7 +88,8 @@ class GPTConfig:
                   DenseLayer("head", d, self.vocab_size, False, bias=False,
                              table=self.tie_embeddings))
         return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size,
-                                    self.max_seq_len, layers, tied=self.tie_embeddings)
+                                    self.max_seq_len, layers, tied=self.tie_embeddings,
+                                    kv_features=self.kv_features)
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`)."""

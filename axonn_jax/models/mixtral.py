@@ -31,10 +31,12 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ..collectives import ModelCommunication, StepShape
 from ..config import ParallelConfig, check_divisible
 from ..step.model import StackedModel
-from . import attention, hf, llama
-from .moe import MoE, MoEConfig
+from ..tp.tensor import DenseLayer
+from . import attention, decoder, hf, llama
+from .moe import MoE, MoEConfig, MoELayers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,32 @@ class MixtralConfig(llama.LlamaConfig):
         (top_k routed, the shared ones, the router), attention scores included."""
         extra = self.moe.active_params(self.d_model) - 3 * self.d_model * self.d_ff
         return super().flops_per_token(seq_len) + 3 * 2 * self.num_layers * extra
+
+    def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
+        """The communicating parts on `grid` (`models.decoder`): Llama's attention, norms and
+        head; instead of its MLP the MoE layers (`models.moe.MoELayers`) and the shared experts'
+        tensor-parallel gate/up and down projections."""
+        base = super().shape(grid)
+        n, d, f = self.num_layers // grid.pipe, self.d_model, self.num_shared_experts * self.d_ff
+        shared = (DenseLayer("shared_in", d, f, False, 2, n, bias=False, gathers=1),
+                  DenseLayer("shared_down", f, d, True, 1, n, bias=False)) if f else ()
+        dense = tuple(x for x in base.layers if x.name not in ("mlp_in", "mlp_down"))
+        moe = MoELayers(self.moe, d, n)
+        return dataclasses.replace(base, layers=dense + shared, parts=(moe,),
+                                   metrics=moe.metrics())
+
+    def communication(self, step: StepShape) -> ModelCommunication:
+        """What one train step communicates (`collectives.ModelCommunication`), with the FLOPs
+        the compiled experts run (`MoELayers.routed_flops`) beside the ideal ones."""
+        shape = self.shape(step.grid)
+        flops = self.flops_per_token(step.seq_len) * (step.batch * step.seq_len)
+        ideal = MoELayers(self.moe, self.d_model, self.num_layers).ideal_flops(
+            step.batch * step.seq_len)
+        # As if every device ran what one device of the (most loaded) stage runs.
+        executed = shape.parts[0].executed_flops(step) * step.grid.num_devices
+        found = decoder.communication(shape, step, flops)
+        return dataclasses.replace(found, executed_flops=flops - ideal + executed,
+                                   expert_flops=executed)
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """ValueError naming the numbers unless attention splits over the tensor axes (as in

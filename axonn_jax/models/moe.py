@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import psum, varying_axes
+from ..collectives import Collective, ParameterShard
 from ..parallel import experts as experts_lib
 
 SCORES = ("softmax", "sigmoid")
@@ -203,3 +204,112 @@ class MoE(nn.Module):
         return {"loss": c.aux_loss_weight * balance + c.z_loss_weight * z, "balance_loss": balance,
                 "z_loss": z, "expert_load": load, "load_imbalance": imbalance,
                 "dropped_tokens": dropped}
+
+
+# ----------------------------------------------------------------------------- communication model
+
+DENSE_RAGGED_DOT = True
+"""jaxlib 0.10.2 computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every
+local expert, masked: `benchmarks/results/moe.md`), so a dropless layer runs `num_experts ×`
+the routed experts' FLOPs on one device; `MoELayers.executed_flops` counts what the compiled
+program runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELayers:
+    """The MoE layers of one device's `layers` blocks as a model declares them
+    (`collectives.Part`): the token all-to-alls over `expert` and the routing statistics' sum
+    (`parallel.experts.collectives`), and the parameter shards: the router whole, the experts
+    split over `expert` and, as their partitioning metadata says, each expert's (in, out)
+    features over (`col`, `row`) (the down projection transposed). Shared experts are
+    tensor-parallel dense layers (`tp.tensor.DenseLayer`) the model declares beside this part."""
+
+    config: MoEConfig
+    d_model: int
+    layers: int
+
+    def _tokens(self, step) -> float:
+        """Tokens one layer call routes on one device (a microbatch's under a pipeline)."""
+        return step.tokens * step.grid.depth / (step.microbatches if step.grid.pipe > 1 else 1)
+
+    def collectives(self, step) -> list[Collective]:
+        c, g = self.config, step.grid
+        calls = self.layers * (step.microbatches if g.pipe > 1 else 1)
+        batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
+        shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
+                     dtype_bytes=step.compute_bytes, batch_axes=batch_axes)
+        args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
+        forward = experts_lib.collectives(*args, **shape, backward=False)
+        out = [Collective(k, axes, b, calls, stage_forward=True) for k, axes, b in forward]
+        backward = experts_lib.collectives(*args, **shape)
+        for item in forward:  # what the backward pass adds
+            backward.remove(item)
+        out += [Collective(k, axes, b, calls) for k, axes, b in backward]
+        return out + self._tensor_collectives(step, calls)
+
+    def _tensor_collectives(self, step, calls: int) -> list[Collective]:
+        """The experts' matmuls split over (`col`, `row`) as GSPMD lays them out on the rows a
+        device received (`parallel.experts.layout`): like AxoNN's dense layers in the replicated
+        layout, the gate and up projections' partial sums over `col` forward and their input
+        gradients over `row` backward, the down projection's the other way round. (Measured on
+        mixtral-tiny, expert=2, data=2, row=2: these are 85% of the experts' all-reduce bytes
+        over `row`; jaxlib 0.10's dense `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
+        c, g, cb = self.config, step.grid, step.compute_bytes
+        if g.row * g.col == 1:
+            return []
+        x = self._rows(step) * self.d_model / g.col * cb  # the rows' features over col
+        h = self._rows(step) * c.d_ff / g.row * cb  # their hidden features over row
+        return [Collective("all-reduce", ("col",), h, 2 * calls, stage_forward=True),
+                Collective("all-reduce", ("row",), x, 2 * calls),
+                Collective("all-reduce", ("row",), x, calls, stage_forward=True),
+                Collective("all-reduce", ("col",), h, calls)]
+
+    def parameters(self, step) -> list[ParameterShard]:
+        c, g, d = self.config, step.grid, self.d_model
+        experts = self.layers * c.num_experts / g.expert * d * c.d_ff / (g.row * g.col)
+        return [ParameterShard(self.layers * d * c.num_experts, 3, ()),
+                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
+                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
+                ParameterShard(experts, 4, (("expert",), ("row",), ("col",)))]
+
+    def activations(self, step) -> float:
+        """Bytes one device keeps for the backward of its layers' expert computation (one
+        (micro)batch): the send buffer, the rows received, the experts' outputs and the rows
+        returned (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and the gate, up
+        and gated hidden activations of the rows received (`d_ff` each). All the step's tokens:
+        the planner divides by the microbatches."""
+        c, g = self.config, step.grid
+        rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
+        features = 4 * self.d_model / g.col + 3 * c.d_ff / g.row  # GSPMD's split of the matmuls
+        return self.layers * rows * features * step.compute_bytes
+
+    def metrics(self) -> int:
+        """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
+        expert load (num_experts), its imbalance, dropped tokens."""
+        return self.layers * (self.config.num_experts + 4)
+
+    def _rows(self, step) -> int:
+        """Rows of the send (= receive) buffer of one layer call on one device
+        (`parallel.experts.layout`: padding included)."""
+        c = self.config
+        groups, slots = experts_lib.layout(int(self._tokens(step)), c.top_k, c.num_experts,
+                                           step.grid.expert, c.capacity_factor, c.dispatch_factor)
+        return groups * slots
+
+    def ideal_flops(self, tokens: float) -> float:
+        """Training FLOPs (forward + backward) of these layers' routed experts for `tokens`
+        tokens, each through its top_k experts' three projections."""
+        c = self.config
+        return 3 * 2 * 3 * self.d_model * c.d_ff * c.top_k * tokens * self.layers
+
+    def executed_flops(self, step) -> float:
+        """Training FLOPs one device's routed experts run per step in the compiled program:
+        every received row of the padded buffer (`_rows`), through each of the device's local
+        experts under `DENSE_RAGGED_DOT` (dropless), through its expert's slots (capacity);
+        the matmuls split over the tensor axes."""
+        c, g = self.config, step.grid
+        calls = step.microbatches if g.pipe > 1 else 1
+        local = c.num_experts // g.expert if c.capacity_factor is None and DENSE_RAGGED_DOT \
+            else 1
+        per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)
+        return self.layers * calls * self._rows(step) * local * per_row

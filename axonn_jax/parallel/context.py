@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..collectives import Collective
+
 SCHEMES = ("ring", "allgather")
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite -inf: masked scores
 _TINY = 1e-30  # a row's sum of probabilities is >= 1 unless the block hides the whole row
@@ -575,3 +577,59 @@ def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
     rows, t, heads, head_dim = q_shape
     block = 2 * (t // 2) ** 2 * head_dim * rows * heads
     return (2 * size + 1) * block * (2 + (5 if backward else 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextAttention:
+    """`attention`'s collectives over the `context` axis in each of the `layers` blocks one device
+    holds, as a model declares them (`collectives.Part`): `kv_features` key (= value) features
+    per device (the key/value heads one device of the tensor axes holds, times `head_dim`),
+    `rows_over`: the mesh axis that splits the attention's rows besides depth in the batch-split
+    layout (`col`, a normal layer's input axis; None when the rows stay whole). Forward hops or
+    gathers are a stage's forward (a pipeline recomputes them); the scheme is the step's
+    `context_attention`. No parameters. `heads`: query heads per device (for `working_bytes`)."""
+
+    kv_features: float
+    layers: int
+    rows_over: str | None = "col"
+    heads: float = 1.0
+    query_tile: int = 512
+
+    def _rows(self, step) -> float:
+        g = step.grid
+        return step.rows / (getattr(g, self.rows_over) if step.split and self.rows_over else 1)
+
+    def working_bytes(self, step) -> float:
+        """Temporary bytes one call holds on one device (one layer runs at a time; nothing of
+        size seq² is kept for the backward, only the output and its log-sum-exp): the fp32
+        scores and probabilities of one step's 3 blocks (`query_tile` queries × a chunk of `c`
+        keys per query head and row); ring: the key/value block in flight beside the one held
+        and, backward, their fp32 gradient accumulators; allgather: every device's keys and
+        values and, backward, their fp32 gradients."""
+        g = step.grid
+        if g.context == 1:
+            return 0.0
+        rows, c = self._rows(step), step.seq_len / (2 * g.context)
+        scores = 2 * 3 * rows * self.heads * min(self.query_tile, c) * c * 4
+        kv = 2 * rows * 2 * c * self.kv_features  # this device's keys and values (elements)
+        held = 2 if step.context_attention == "ring" else g.context
+        return scores + held * kv * (step.compute_bytes + 4)
+
+    def collectives(self, step) -> list[Collective]:
+        g = step.grid
+        if g.context == 1:
+            return []
+        kv_shape = (1, self._rows(step) * step.seq_len / g.context, 1, self.kv_features)  # only its product and rows·seq matter
+        dtype = jnp.float32 if step.compute_bytes == 4 else jnp.bfloat16
+        forward = dict((k, b) for k, _, b in collectives(step.context_attention, kv_shape, dtype,
+                                                          g.context, backward=False))
+        out = [Collective(k, ("context",), b, self.layers, stage_forward=True)
+               for k, b in forward.items()]
+        for kind, _, b in collectives(step.context_attention, kv_shape, dtype, g.context):
+            if b - forward.get(kind, 0):
+                out.append(Collective(kind, ("context",), b - forward.get(kind, 0), self.layers))
+                forward.pop(kind, None)
+        return out
+
+    def parameters(self, step) -> list:
+        return []

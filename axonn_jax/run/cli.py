@@ -121,6 +121,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     machine.add_argument("--device-memory", type=float, metavar="GB")
     machine.add_argument("--peak-tflops", type=float, metavar="T")
     machine.add_argument("--efficiency", type=float, help="fraction of peak the matmuls reach")
+    machine.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
+                         help="mixtures of experts: tokens of the busiest expert shard over the "
+                              "mean (the metrics' load_imbalance); multiplies the experts' time "
+                              "and memory (default 1.0: balanced)")
     shown = p.add_argument_group("output (plan)")
     shown.add_argument("--grid", default=None,
                        help="only this grid, e.g. data=8,pipe=2,row=2,col=2 (or give the grid "
@@ -153,7 +157,7 @@ def _plan(args) -> int:
                          device_memory=args.device_memory and args.device_memory * 1e9,
                          peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
     grid = planned_grid(config, args.grid)
-    ranking = ranked(config, config.grid.devices, machine, grid)
+    ranking = ranked(config, config.grid.devices, machine, grid, args.expert_imbalance)
     if not ranking:
         raise ConfigError([f"no grid of {config.grid.devices} devices fits {config.model.name} in "
                            f"{machine.device_memory / 1e9:.0f} GB per device"])
@@ -233,17 +237,22 @@ def _plan_table(shown, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .plan import grid_text
+
+    imbalance = any(p.expert_imbalance_s for p in shown)
     table = Table(title=title)
-    for col in ("rank", "×".join(AXES), "M", "remat", "step s", "MFU", "compute s",
+    for col in ("rank", "grid", "M", "remat", "step s", "MFU", "compute s",
+                *(["imbalance s"] if imbalance else []),
                 "exposed comm s", "bubble s", "memory GB", "comm GB/device"):
         table.add_column(col, justify="right")
     for i, p in enumerate(shown, 1):
-        table.add_row(str(i), "×".join(map(str, p.grid.shape)), str(p.microbatches), p.remat,
+        table.add_row(str(i), grid_text(p.grid), str(p.microbatches), p.remat,
                       f"{p.step_time_s:.3f}", f"{p.mfu:.1%}", f"{p.compute_s:.3f}",
+                      *([f"{p.expert_imbalance_s:.3f}"] if imbalance else []),
                       f"{sum(p.exposed_comm_s.values()):.3f}", f"{p.bubble_s:.3f}",
                       f"{p.memory_per_device_bytes / 1e9:.1f}",
                       f"{sum(p.comm_bytes_per_device.values()) / 1e9:.2f}")
-    Console(width=150).print(table)
+    Console(width=170 if imbalance else 150).print(table)
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ def workload(config: RunConfig) -> cm.Workload:
                        virtual_stages=config.pipeline.virtual_stages,
                        compress_bits=config.compression.bits,
                        offload_optimizer=config.memory.offload_optimizer,
+                       context_attention=config.model.context_attention,
                        remat=_modelled_remat(config.memory.remat))
 
 
@@ -40,11 +41,16 @@ def given_grid(config: RunConfig) -> bool:
 
 
 def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
-           grid: ParallelConfig | None = None) -> list[cm.Prediction]:
+           grid: ParallelConfig | None = None, expert_imbalance: float = 1.0
+           ) -> list[cm.Prediction]:
     """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
     (only `grid` when given). Microbatches and the remat mode: the config's when it sets them (a
-    mode the planner models), else the planner's choice for each grid."""
-    work = workload(config)
+    mode the planner models), else the planner's choice for each grid. `expert_imbalance`:
+    `cm.Workload.expert_imbalance`."""
+    if not expert_imbalance >= 1:
+        raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
+                           "expert shard's tokens over the mean)"])
+    work = dataclasses.replace(workload(config), expert_imbalance=expert_imbalance)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None
@@ -79,6 +85,11 @@ def planned_grid(config: RunConfig, text: str | None = None) -> ParallelConfig |
     if reason := cm.infeasible_reason(workload(config), grid):
         raise ConfigError([f"grid {_grid_text(grid)} cannot run {config.model.name}: {reason}"])
     return grid
+
+
+def grid_text(grid: ParallelConfig) -> str:
+    """`data=2,context=4,row=4`: the axes of more than one device."""
+    return _grid_text(grid)
 
 
 def _grid_text(grid: ParallelConfig) -> str:

@@ -105,8 +105,11 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
         preset = opts.preset_of(config)
         dtype = DTYPES[config.precision.dtype]
         if preset.data == "tokens":
+            # Over context the kernels are XLA einsums: `auto` means them there, not cuDNN.
+            choice = "xla" if config.parallel.context > 1 and config.model.attention == "auto" \
+                else config.model.attention
             preset = preset.with_config(
-                attention=attention.resolve(config.model.attention, dtype,
+                attention=attention.resolve(choice, dtype,
                                             getattr(preset.config, "head_dim", None), platform),
                 context_attention=config.model.context_attention)
         model = preset.build(dtype, config.parallel)

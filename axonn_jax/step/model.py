@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ..parallel import context as context_lib
 from ..tp.parallelize import parallelize
 
 PARTS = ("embed", "blocks", "head")
@@ -50,6 +51,18 @@ def _abstract(tree):
 
 def _zeros(tree):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def _refuse_flax_attention_over_context(next_fun, args, kwargs, context):
+    """A linen interceptor: Flax's attention modules inside a step whose sequences are split
+    over `context` would attend within each device's chunk only; refuse them (ValueError)."""
+    if isinstance(context.module, nn.MultiHeadDotProductAttention) and \
+            context.method_name == "__call__" and context_lib.axis_size("context") > 1:
+        raise ValueError(
+            f"{type(context.module).__name__} ('{context.module.name}') would attend within each "
+            f"device's chunk of the sequence over --context {context_lib.axis_size('context')}; "
+            "call axonn_jax.models.attention.causal_attention(q, k, v) in the block instead")
+    return next_fun(*args, **kwargs)
 
 
 class _LinenPart:
@@ -67,7 +80,8 @@ class _LinenPart:
         return nn.unbox(variables.get("params", {}))
 
     def apply(self, params, *args, **kwargs):
-        return self.module.apply({"params": params}, *args, **kwargs)
+        with nn.intercept_methods(_refuse_flax_attention_over_context):
+            return self.module.apply({"params": params}, *args, **kwargs)
 
     def parallelize(self, mesh, *args, **kwargs):
         """(the tensor-parallel part, PartitionSpecs of its parameters over the tensor axes)."""

@@ -1,0 +1,142 @@
+"""The overlap table: how much of each collective's time the compiled H100 schedule hides.
+
+    JAX_PLATFORMS=cpu python benchmarks/overlap.py [--variant NAME ...] [--out benchmarks/results]
+
+Compiles the project's train step for 8 abstract H100s (no GPU: `analysis.targets`) for a 1.9B
+Llama (`llama-1.9b`: hidden 4096, 8 layers; sequence 4096, global batch 16, bf16, cuDNN attention,
+full recompute) on the grids of issue 25, and replays each schedule (`analysis.overlap`): per mesh
+axis and collective kind, the wire bytes, the share of them with matmul compute scheduled between
+start and done, and the share of the communication time hidden. Each variant is a set of step
+options / XLA flags (`VARIANTS`); the table puts them side by side ("before → after").
+Writes overlap.md and overlap.json (merged with the variants already there).
+
+One row is `axonn-jax compile --target h100 --devices 8 --model llama-1.9b --seq-len 4096
+--batch-size 16 --dtype bfloat16 --attention cudnn --remat full <grid> --overlap-report`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+CASES = {  # name: (grid flags, microbatches, schedule)
+    "data=8": ({"data": 8}, 1, "1f1b"),
+    "data=2,pipe=2,row=2 1F1B": ({"data": 2, "pipe": 2, "row": 2}, 4, "1f1b"),
+    "data=2,pipe=2,row=2 ZB-H1": ({"data": 2, "pipe": 2, "row": 2}, 4, "zb-h1"),
+    "data=2,row=2,col=2": ({"data": 2, "row": 2, "col": 2}, 1, "1f1b"),
+    "depth=2,row=2,col=2": ({"data": 1, "depth": 2, "row": 2, "col": 2}, 1, "1f1b"),
+}
+
+VARIANTS = {
+    # XLA's defaults, the library's own flags off.
+    "baseline": {"xla": "default"},
+    # The library's GPU flag set (`analysis.targets.gpu_compiler_options`).
+    "flags": {"xla": "library"},
+}
+
+
+def compile_case(name: str, variant: str) -> dict:
+    from axonn_jax.analysis import comm_model as cm, compiled as cc, targets
+    from axonn_jax.config import ParallelConfig
+    from axonn_jax.run import options as opts
+    from axonn_jax.run.trainer import build_trainer
+
+    sizes, microbatches, schedule = CASES[name]
+    grid = ParallelConfig(**sizes)
+    settings = VARIANTS[variant]
+    config = opts.TrainOptions(model="llama-1.9b", batch_size=16, seq_len=4096,
+                               dtype="bfloat16", attention="cudnn", remat="full",
+                               parallel=grid, microbatches=microbatches, schedule=schedule,
+                               xla_flags=settings["xla"])
+    devices = targets.h100_devices(grid.num_devices)
+    trainer = build_trainer(config, devices)
+    report, _ = cc.compile_step(trainer.step, trainer.local_example(),
+                                capacity_bytes=targets.H100_CAPACITY_BYTES,
+                                machine=cm.MACHINES["h100-dgx"])
+    return {"case": name, "variant": variant, "memory_gb": report.memory_per_device_bytes / 1e9,
+            "compile_s": report.compile_s, **report.overlap}
+
+
+def markdown(results: list[dict]) -> str:
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
+    by = {(r["case"], r["variant"]): r for r in results}
+    lines = ["# Overlap in the compiled H100 schedule", "",
+             "8 abstract H100 SXM (one DGX node), the project's train step for a 1.9B Llama "
+             "(`llama-1.9b`: hidden 4096, 8 layers, sequence 4096, global batch 16, bf16, cuDNN "
+             "attention, full recompute), compiled without a GPU and its schedule replayed "
+             "(`axonn_jax.analysis.overlap`: one compute stream at the H100's published rates, "
+             "one communication stream at NVLink's). **with compute**: share of the collective "
+             "bytes whose start…done window holds matmul compute; **hidden**: share of the "
+             "communication time not waited for. Variants: " +
+             "; ".join(f"`{v}` ({VARIANTS[v]})" for v in variants) + ".", "",
+             "Reproduce: `JAX_PLATFORMS=cpu python benchmarks/overlap.py --variant "
+             + " --variant ".join(variants) + "`.", ""]
+    head = "| grid | collectives | GB | " + " | ".join(
+        f"with compute ({v}) | hidden ({v})" for v in variants) + " |"
+    lines += [head, "|" + "---|" * (3 + 2 * len(variants))]
+    for case in CASES:
+        rows = [by[(case, v)] for v in variants if (case, v) in by]
+        if not rows:
+            continue
+        keys = list(dict.fromkeys(k for r in rows for k in r["by_axes"]))
+        for key in [*keys, "all"]:
+            cells = []
+            gb = None
+            for v in variants:
+                r = by.get((case, v))
+                row = None if r is None else (r["total"] if key == "all" else r["by_axes"].get(key))
+                if row is None:
+                    cells += ["-", "-"]
+                    continue
+                gb = gb or row["bytes"] / 1e9
+                cells += [f"{row['with_compute']:.0%}", f"{row['hidden']:.0%}"]
+            label = f"**{case}**" if key == "all" else case
+            lines.append(f"| {label} | {key} | {gb or 0:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "Step time of the replayed schedule (ms): matmul kernels / other kernels / "
+              "waits for communication / total.", "",
+              "| grid | " + " | ".join(variants) + " |", "|" + "---|" * (1 + len(variants))]
+    for case in CASES:
+        cells = []
+        for v in variants:
+            r = by.get((case, v))
+            cells.append("-" if r is None else
+                         f"{r['matmul_s'] * 1e3:.0f} / {r['other_s'] * 1e3:.0f} / "
+                         f"{r['exposed_comm_s'] * 1e3:.1f} / {r['step_s'] * 1e3:.0f}")
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", choices=sorted(VARIANTS))
+    p.add_argument("--case", action="append", choices=sorted(CASES))
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from axonn_jax.mesh import use_cpu_platform
+
+    use_cpu_platform()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "overlap.json"
+    results = json.loads(path.read_text()) if path.exists() else []
+    for variant in args.variant or ["baseline"]:
+        for case in args.case or list(CASES):
+            t0 = time.perf_counter()
+            r = compile_case(case, variant)
+            print(f"{variant:>10} {case:>28}: hidden {r['total']['hidden']:.0%}, with compute "
+                  f"{r['total']['with_compute']:.0%} ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr)
+            results = [x for x in results if (x["case"], x["variant"]) != (case, variant)]
+            results.append(r)
+            path.write_text(json.dumps(results, indent=1))
+    (out / "overlap.md").write_text(markdown(results))
+    print(f"wrote {path} and {out / 'overlap.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The overlap report (`analysis.overlap`): the replay of a scheduled module on hand-written HLO
+whose answer is known from the machine's rates, and on the step compiled for abstract H100s."""
+import pytest
+
+from axonn_jax.analysis import comm_model as cm, overlap
+
+H100 = cm.MACHINES["h100-dgx"]
+MESH = {"data": 2, "row": 8}
+
+DOT = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_dot (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %d = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+STRAIGHT = "HloModule s, is_scheduled=true, num_partitions=16\n" + DOT + """
+ENTRY %main (x: bf16[1024,1024], y: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %y = bf16[1024,1024]{1,0} parameter(1)
+  %ags = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[2,8]<=[16], dimensions={0}
+  %f = bf16[1024,1024]{1,0} fusion(%x, %y), kind=kCustom, calls=%fused_dot
+  %agd = bf16[8192,1024]{1,0} all-gather-done(%ags)
+  %ar = bf16[1024,1024]{1,0} all-reduce(%f), channel_id=2, replica_groups={{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}, to_apply=%add
+  ROOT %r = bf16[1024,1024]{1,0} add(%ar, %x)
+}
+"""
+
+PIPELINED = "HloModule p, is_scheduled=true, num_partitions=16\n" + DOT + """
+%body (p: (s32[], bf16[1024,1024], bf16[1024,1024])) -> (s32[], bf16[1024,1024], bf16[1024,1024]) {
+  %p = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %prev = bf16[1024,1024]{1,0} get-tuple-element(%p), index=2
+  %f = bf16[1024,1024]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %done = bf16[1024,1024]{1,0} all-reduce-done(%prev)
+  %next = bf16[1024,1024]{1,0} all-reduce-start(%f), channel_id=1, replica_groups=[2,8]<=[16], to_apply=%add
+  ROOT %t = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%i, %done, %next)
+}
+
+%cond (p: (s32[], bf16[1024,1024], bf16[1024,1024])) -> pred[] {
+  %p = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%idle (q: bf16[1024,1024]) -> bf16[1024,1024] {
+  ROOT %q = bf16[1024,1024]{1,0} parameter(0)
+}
+
+%send (q: bf16[1024,1024]) -> bf16[1024,1024] {
+  %q = bf16[1024,1024]{1,0} parameter(0)
+  %cps = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, u32[], u32[]) collective-permute-start(%q), channel_id=3, source_target_pairs={{0,8},{8,0}}
+  ROOT %cpd = bf16[1024,1024]{1,0} collective-permute-done(%cps)
+}
+
+ENTRY %main (x: bf16[1024,1024], k: s32[]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %init = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%c0, %x, %x)
+  %loop = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %y = bf16[1024,1024]{1,0} get-tuple-element(%loop), index=1
+  ROOT %z = bf16[1024,1024]{1,0} conditional(%k, %y, %y), branch_computations={%idle, %send}
+}
+"""
+
+DOT_S = overlap.instruction_seconds(2 * 1024**3, 2 * 1024**3, 3 * 2 * 1024**2, "bf16", H100)
+MB2 = 2 * 1024**2
+
+
+def test_a_window_with_a_matmul_hides_up_to_its_time():
+    s = overlap.report(STRAIGHT, MESH, H100)
+    found = {o.name: o for o in s.overlaps}
+    ag, ar = found["ags"], found["ar"]
+    assert ag.axes == ("row",) and ag.asynchronous and ag.with_compute
+    assert ag.window_matmul_flops == 2 * 1024**3
+    assert ag.comm_s == pytest.approx(cm.link_time("all-gather", 8 * MB2, 8, False, H100))
+    assert ag.window_s == pytest.approx(DOT_S)
+    assert ag.exposed_s == pytest.approx(max(0.0, ag.comm_s - DOT_S))
+    # synchronous, across the two nodes (data): exposed whole, at the NICs' speed
+    assert ar.axes == ("data",) and not ar.asynchronous and not ar.with_compute
+    assert ar.comm_s == pytest.approx(cm.link_time("all-reduce", MB2, 2, True, H100))
+    assert ar.exposed_s == pytest.approx(ar.comm_s)
+    assert s.exposed_s == pytest.approx(ag.exposed_s + ar.exposed_s)
+    assert s.matmul_s == pytest.approx(DOT_S)
+    table = overlap.summary(s.overlaps)
+    assert table["all-gather over row"]["with_compute"] == 1.0
+    assert table["all-reduce over data"]["hidden"] == 0.0
+
+
+def test_a_pipelined_collective_hides_behind_the_next_iteration():
+    """A start at the end of a loop body whose done is in the next iteration (carried through the
+    loop tuple) has the next iteration's matmul to hide behind; the last one's done is after the
+    loop. Of a conditional's branches the one with collectives counts (`hlo`'s convention)."""
+    s = overlap.report(PIPELINED, MESH, H100)
+    found = {o.name: o for o in s.overlaps}
+    ar, cp = found["next"], found["cps"]
+    assert ar.executions == 4 and ar.asynchronous
+    comm = cm.link_time("all-reduce", MB2, 8, False, H100)
+    steady = max(0.0, comm - DOT_S)
+    assert ar.exposed_s == pytest.approx((3 * steady + comm) / 4)
+    assert ar.window_matmul_flops == pytest.approx(3 / 4 * 2 * 1024**3)
+    assert cp.executions == 1 and cp.axes == ("data",)
+    assert s.step_s == pytest.approx(4 * DOT_S + 3 * steady + comm + cp.comm_s)

@@ -7,11 +7,12 @@ Llama (`llama-1.9b`: hidden 4096, 8 layers; sequence 4096, global batch 16, bf16
 full recompute) on the grids of issue 25, and replays each schedule (`analysis.overlap`): per mesh
 axis and collective kind, the wire bytes, the share of them with matmul compute scheduled between
 start and done, and the share of the communication time hidden. Each variant is a set of step
-options / XLA flags (`VARIANTS`); the table puts them side by side ("before → after").
+`--xla-options` choice (`VARIANTS`); the table puts them side by side ("before → after").
 Writes overlap.md and overlap.json (merged with the variants already there).
 
 One row is `axonn-jax compile --target h100 --devices 8 --model llama-1.9b --seq-len 4096
---batch-size 16 --dtype bfloat16 --attention cudnn --remat full <grid> --overlap-report`.
+--batch-size 16 --dtype bfloat16 --attention cudnn --remat full <grid> --xla-options <variant>
+--overlap-report`.
 """
 from __future__ import annotations
 
@@ -22,42 +23,41 @@ import pathlib
 import sys
 import time
 
-CASES = {  # name: (grid flags, microbatches, schedule)
-    "data=8": ({"data": 8}, 1, "1f1b"),
-    "data=2,pipe=2,row=2 1F1B": ({"data": 2, "pipe": 2, "row": 2}, 4, "1f1b"),
-    "data=2,pipe=2,row=2 ZB-H1": ({"data": 2, "pipe": 2, "row": 2}, 4, "zb-h1"),
-    "data=2,row=2,col=2": ({"data": 2, "row": 2, "col": 2}, 1, "1f1b"),
-    "depth=2,row=2,col=2": ({"data": 1, "depth": 2, "row": 2, "col": 2}, 1, "1f1b"),
+CASES = {  # name: compile flags of the grid (batch 16, seq 4096)
+    "data=8": ["--dp", "8"],
+    "data=2,pipe=2,row=2 1F1B": ["--dp", "2", "--pipe", "2", "--row", "2", "--microbatches", "4",
+                                 "--schedule", "1f1b"],
+    "data=2,pipe=2,row=2 ZB-H1": ["--dp", "2", "--pipe", "2", "--row", "2", "--microbatches", "4",
+                                  "--schedule", "zb-h1"],
+    "data=2,row=2,col=2": ["--dp", "2", "--row", "2", "--col", "2"],
+    "depth=2,row=2,col=2": ["--dp", "1", "--depth", "2", "--row", "2", "--col", "2"],
 }
 
-VARIANTS = {
-    # XLA's defaults, the library's own flags off.
-    "baseline": {"xla": "default"},
-    # The library's GPU flag set (`analysis.targets.gpu_compiler_options`).
-    "flags": {"xla": "library"},
+VARIANTS = {  # name: `--xla-options` (step/xla_options.py)
+    "xla": "xla",  # XLA's defaults: before
+    "library": "library",  # the library's GPU options: after
 }
+
+MODEL = ["--target", "h100", "--devices", "8", "--model", "llama-1.9b", "--batch-size", "16",
+         "--seq-len", "4096", "--dtype", "bfloat16", "--attention", "cudnn", "--remat", "full"]
 
 
 def compile_case(name: str, variant: str) -> dict:
-    from axonn_jax.analysis import comm_model as cm, compiled as cc, targets
-    from axonn_jax.config import ParallelConfig
-    from axonn_jax.run import options as opts
-    from axonn_jax.run.trainer import build_trainer
+    """`axonn-jax compile ... --overlap-report --json` of one case and variant: its report."""
+    import contextlib
+    import io
 
-    sizes, microbatches, schedule = CASES[name]
-    grid = ParallelConfig(**sizes)
-    settings = VARIANTS[variant]
-    config = opts.TrainOptions(model="llama-1.9b", batch_size=16, seq_len=4096,
-                               dtype="bfloat16", attention="cudnn", remat="full",
-                               parallel=grid, microbatches=microbatches, schedule=schedule,
-                               xla_flags=settings["xla"])
-    devices = targets.h100_devices(grid.num_devices)
-    trainer = build_trainer(config, devices)
-    report, _ = cc.compile_step(trainer.step, trainer.local_example(),
-                                capacity_bytes=targets.H100_CAPACITY_BYTES,
-                                machine=cm.MACHINES["h100-dgx"])
-    return {"case": name, "variant": variant, "memory_gb": report.memory_per_device_bytes / 1e9,
-            "compile_s": report.compile_s, **report.overlap}
+    from axonn_jax.run.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(["compile", *MODEL, *CASES[name], "--xla-options", VARIANTS[variant],
+                         "--overlap-report", "--json"])
+    if code:
+        raise SystemExit(f"compile of {name} ({variant}) failed: exit code {code}")
+    (report,) = json.loads(out.getvalue())
+    return {"case": name, "variant": variant, "memory_gb": report["memory_per_device_bytes"] / 1e9,
+            "compile_s": report["compile_s"], **report["overlap"]}
 
 
 def markdown(results: list[dict]) -> str:
@@ -109,6 +109,28 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SHARE_CASES = {  # hidden_shares.SHARES: mode -> [(case, axes taken from it)]
+    "spmd": [("data=8", ("data",)), ("data=2,row=2,col=2", ("row", "col")),
+             ("depth=2,row=2,col=2", ("depth",))],
+    "1f1b": [("data=2,pipe=2,row=2 1F1B", ("data", "pipe", "row"))],
+    "zb-h1": [("data=2,pipe=2,row=2 ZB-H1", ("data", "pipe", "row"))],
+}
+
+
+def shares(results: list[dict], variant: str = "library") -> dict[str, dict[str, float]]:
+    """`axonn_jax.analysis.hidden_shares.SHARES` from the measured `variant`."""
+    from axonn_jax.analysis.hidden_shares import axis_shares
+
+    by = {(r["case"], r["variant"]): r for r in results}
+    out: dict[str, dict[str, float]] = {}
+    for mode, picks in SHARE_CASES.items():
+        for case, axes in picks:
+            if (case, variant) in by:
+                measured = axis_shares(by[(case, variant)]["by_axes"])
+                out.setdefault(mode, {}).update({a: measured[a] for a in axes if a in measured})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", action="append", choices=sorted(VARIANTS))
@@ -123,7 +145,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "overlap.json"
     results = json.loads(path.read_text()) if path.exists() else []
-    for variant in args.variant or ["baseline"]:
+    for variant in args.variant or list(VARIANTS):
         for case in args.case or list(CASES):
             t0 = time.perf_counter()
             r = compile_case(case, variant)
@@ -134,6 +156,7 @@ def main(argv=None) -> int:
             results.append(r)
             path.write_text(json.dumps(results, indent=1))
     (out / "overlap.md").write_text(markdown(results))
+    print(f"hidden_shares.SHARES = {shares(results)}")
     print(f"wrote {path} and {out / 'overlap.md'}")
     return 0
 

@@ -109,3 +109,38 @@ def test_a_pipelined_collective_hides_behind_the_next_iteration():
     assert ar.window_matmul_flops == pytest.approx(3 / 4 * 2 * 1024**3)
     assert cp.executions == 1 and cp.axes == ("data",)
     assert s.step_s == pytest.approx(4 * DOT_S + 3 * steady + comm + cp.comm_s)
+
+
+def test_hidden_shares_per_axis_and_mode():
+    """A collective over several axes hides the least of theirs; a pipeline mode falls back to
+    the spmd figure of an axis it did not measure; an axis never measured hides nothing."""
+    from axonn_jax.analysis import hidden_shares as hs
+
+    spmd, zb = hs.SHARES["spmd"], hs.SHARES["zb-h1"]
+    assert hs.hidden_share(("row",), "zb-h1") == zb["row"] != spmd["row"]
+    assert hs.hidden_share(("col",), "zb-h1") == spmd["col"]
+    assert hs.hidden_share(("data", "col"), "spmd") == min(spmd["data"], spmd["col"])
+    assert hs.hidden_share(("expert",)) == 0.0 and hs.hidden_share(()) == 0.0
+    rows = {"all-reduce over data": {"comm_s": 4.0, "exposed_s": 1.0},
+            "all-gather over row": {"comm_s": 1.0, "exposed_s": 1.0},
+            "reduce-scatter over row": {"comm_s": 1.0, "exposed_s": 0.0},
+            "all-reduce over data+row": {"comm_s": 9.0, "exposed_s": 9.0}}
+    assert hs.axis_shares(rows) == {"data": 0.75, "row": 0.5}
+
+
+def test_plan_exposes_what_the_schedule_cannot_hide(monkeypatch):
+    """`predict`'s exposed data-parallel time is the exchange's time less the measured hidden
+    share (the backward pass is far longer here), and falls as the share rises."""
+    from axonn_jax import ParallelConfig
+    from axonn_jax.analysis import hidden_shares as hs
+    from axonn_jax.models.gpt import get_config
+
+    work = cm.Workload(get_config("gpt-1.3b"), batch=4096, seq_len=1024)
+    grid = ParallelConfig(data=16)
+    data_s = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(work, grid)
+                 if c.axes == ("data",))
+    for share in (0.0, 0.5):
+        monkeypatch.setitem(hs.SHARES, "spmd", {"data": share})
+        p = cm.predict(work, grid, H100)
+        assert p.compute_s * 2 / 3 > data_s * share
+        assert p.exposed_comm_by_axis["data"] == pytest.approx(data_s * (1 - share))

@@ -27,6 +27,7 @@ from ..models.unet import conv_layouts  # noqa: F401  (a public name of this mod
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.reducers import exchange_collectives, scalar_collectives
+from . import hidden_shares
 
 
 def counts(model) -> bool:
@@ -313,10 +314,11 @@ class Prediction:
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
     """Predicted step time on `machine`: compute + exposed communication + pipeline bubble.
 
-    Exposed communication: tensor-parallel collectives sit on the critical path, except the
-    backward input-gradient all-reduce, hidden up to the weight-gradient matmul it overlaps; the
-    data-parallel gradient exchange overlaps the backward pass (hidden up to its compute time);
-    pipeline messages are exposed. The bubble adds the schedule's published idle time per unit of
+    Exposed communication: each collective's time less what the compiled H100 schedule hides of
+    its axes' communication (`hidden_shares`: measured, with its source), and never more than the
+    compute it can hide behind: a tensor-parallel collective that declares the matmul it overlaps
+    (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient exchange up to
+    the backward pass. The bubble adds the schedule's published idle time per unit of
     work ((P−1)/M for 1F1B; V times less interleaved; zb-h1's at the engine's costs: forward 1,
     input gradient 2 (with the recomputed forward), weight gradient 1).
     """
@@ -326,6 +328,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     recompute = 4 / 3 if grid.pipe > 1 else 1.0
     compute = work.flops() / devices / rate * recompute
     backward = compute * 2 / 3
+    mode = work.schedule if grid.pipe > 1 else "spmd"
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0
@@ -334,11 +337,13 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         if c.axes == ("data",):
             data_time += t
             continue
+        hidden = t * hidden_shares.hidden_share(c.axes, mode)
         if c.overlappable:
-            t = max(0.0, t - c.count * c.overlappable / rate)
-        exposed[c.kind] += t
-        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
-    exposed_data = max(0.0, data_time - backward)
+            hidden = min(hidden, c.count * c.overlappable / rate)
+        exposed[c.kind] += t - hidden
+        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t - hidden
+    exposed_data = data_time - min(data_time * hidden_shares.hidden_share(("data",), mode),
+                                   backward)
     for c in collectives(work, grid):
         if c.axes == ("data",) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time

@@ -144,3 +144,22 @@ def test_plan_exposes_what_the_schedule_cannot_hide(monkeypatch):
         p = cm.predict(work, grid, H100)
         assert p.compute_s * 2 / 3 > data_s * share
         assert p.exposed_comm_by_axis["data"] == pytest.approx(data_s * (1 - share))
+
+
+def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
+    import jax
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax.analysis import targets
+    from axonn_jax.step import xla_options as xo
+
+    cpu = make_mesh(ParallelConfig(data=2), jax.devices("cpu")[:2])
+    assert xo.compiler_options(cpu) is None
+    with pytest.raises(ValueError, match="xla_options must be one of"):
+        xo.compiler_options(cpu, "fast")
+    if targets.cuda_compile_problem() is None:
+        h100 = targets.h100_devices(8)
+        gpu = make_mesh(ParallelConfig(data=2, depth=2, row=2), h100)
+        assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
+        assert xo.compiler_options(gpu, "xla") is None
+        assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None

@@ -35,7 +35,11 @@ CASES = {  # name: compile flags of the grid (batch 16, seq 4096)
 
 VARIANTS = {  # name: `--xla-options` (step/xla_options.py)
     "xla": "xla",  # XLA's defaults: before
-    "library": "library",  # the library's GPU options: after
+    "library": "library",  # the library's GPU options (measured at 4b862ac, before `after`)
+    # The library's options and the step's data-parallel gradients summed layer by layer in the
+    # backward (`SpmdEngine.layer_reduce`); only data=8 and data=2,row=2,col=2 change (the
+    # pipeline engine and grids without a data axis do not reduce per layer).
+    "after": "library",
 }
 
 MODEL = ["--target", "h100", "--devices", "8", "--model", "llama-1.9b", "--batch-size", "16",
@@ -73,7 +77,8 @@ def markdown(results: list[dict]) -> str:
              "communication time not waited for. Variants: " +
              "; ".join(f"`{v}` ({VARIANTS[v]})" for v in variants) + ".", "",
              "Reproduce: `JAX_PLATFORMS=cpu python benchmarks/overlap.py --variant "
-             + " --variant ".join(variants) + "`.", ""]
+             + " --variant ".join(variants) + "`. The XLA options measured one by one, the "
+             "step's changes and `plan` before/after: `overlap_notes.md`.", ""]
     head = "| grid | collectives | GB | " + " | ".join(
         f"with compute ({v}) | hidden ({v})" for v in variants) + " |"
     lines += [head, "|" + "---|" * (3 + 2 * len(variants))]
@@ -117,15 +122,16 @@ SHARE_CASES = {  # hidden_shares.SHARES: mode -> [(case, axes taken from it)]
 }
 
 
-def shares(results: list[dict], variant: str = "library") -> dict[str, dict[str, float]]:
-    """`axonn_jax.analysis.hidden_shares.SHARES` from the measured `variant`."""
+def shares(results: list[dict], variants=("after", "library")) -> dict[str, dict[str, float]]:
+    """`axonn_jax.analysis.hidden_shares.SHARES` from the first of `variants` measured per case."""
     from axonn_jax.analysis.hidden_shares import axis_shares
 
     by = {(r["case"], r["variant"]): r for r in results}
     out: dict[str, dict[str, float]] = {}
     for mode, picks in SHARE_CASES.items():
         for case, axes in picks:
-            if (case, variant) in by:
+            variant = next((v for v in variants if (case, v) in by), None)
+            if variant is not None:
                 measured = axis_shares(by[(case, variant)]["by_axes"])
                 out.setdefault(mode, {}).update({a: measured[a] for a in axes if a in measured})
     return out

@@ -163,3 +163,23 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
         assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
         assert xo.compiler_options(gpu, "xla") is None
         assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
+
+
+def test_data_parallel_gradients_are_reduced_inside_the_backward_scan(devices):
+    """`SpmdEngine.layer_reduce`: the exact data-parallel all-reduce of the blocks' gradients is
+    issued in the backward scan's body, layer by layer (what lets the schedule hide it:
+    benchmarks/results/overlap.md), not once after the loop; trajectories: tests/test_train.py."""
+    import re
+
+    from axonn_jax import ParallelConfig
+    from axonn_jax.analysis import compiled as cc, hlo
+    from axonn_jax.train import TrainOptions, build_trainer
+
+    trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=4, seq_len=16, steps=1,
+                                         parallel=ParallelConfig(data=2)), devices[:2])
+    _, compiled = cc.compile_step(trainer.step, trainer.local_example(), capacity_bytes=1e12)
+    text = compiled.as_text()
+    comps, _ = hlo._computations(text)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    assert any(" all-reduce(" in line or "all-reduce-start(" in line
+               for b in bodies for line in comps[b])

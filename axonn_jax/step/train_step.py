@@ -481,7 +481,10 @@ class BoundStep:
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
         alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
-        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches)
+        # The exact reduction over `data` issued layer by layer in the backward (not CGX's).
+        exact = not (o.compress_bits and self.parts.process_reducer is None)
+        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
+                          layer_reduce=exact and axes == ("data",))
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers

@@ -59,7 +59,8 @@ def test_h100_report_of_a_4d_llama(tmp_path, capsys):
                      "--batch-size", "16", "--seq-len", "64", "--dtype", "bfloat16", "--dp", "2",
                      "--pipe", "2", "--row", "2", "--col", "2", "--microbatches", "2",
                      "--schedule", "1f1b", "--attention", "cudnn", "--offload-optimizer",
-                     "--compress-bits", "8", "--dump-hlo", str(tmp_path), "--json"])
+                     "--compress-bits", "8", "--dump-hlo", str(tmp_path), "--json",
+                     "--overlap-report"])
     assert code == 0
     (report,) = json.loads(capsys.readouterr().out)
     (module,) = tmp_path.glob("train_step_*.txt")
@@ -80,6 +81,12 @@ def test_h100_report_of_a_4d_llama(tmp_path, capsys):
     assert report["predicted"]["host_memory_per_device_bytes"] > 0
     assert report["flops_per_device"] > report["model_flops_per_device"]  # fused attention counted
     assert report["compile_s"] > 0
+    # The schedule replayed: every collective of the module, bytes as `hlo` counts them.
+    overlap = report["overlap"]
+    assert {k: r["bytes"] for k, r in overlap["by_axes"].items()} == \
+        pytest.approx(report["comm_bytes_by_axes"])
+    assert 0 <= overlap["total"]["hidden"] <= 1 and overlap["matmul_s"] > 0
+    assert overlap["step_s"] >= overlap["matmul_s"] + overlap["other_s"]
 
 
 def test_cpu_target_beyond_this_process(tmp_path):

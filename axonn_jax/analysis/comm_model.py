@@ -33,12 +33,29 @@ from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import batch_axes_collectives
 from ..step.reducers import exchange_collectives, scalar_collectives
+from . import hidden_shares
 
 
 def counts(model) -> bool:
     """Whether the planner counts `model` (a model config): its config declares its parts'
     communication (`communication(step)`)."""
     return callable(getattr(model, "communication", None))
+
+
+# Published H100 SXM figures the H100 machines below are made of. [A] NVIDIA H100 Tensor Core GPU
+# Architecture whitepaper (2022) and H100 SXM datasheet: dense BF16 989.4 TFLOPS, TF32 494.7,
+# FP8 1978.9, FP32 (vector) 66.9; HBM3 3.35 TB/s; NVLink 4 900 GB/s per GPU (450 GB/s each
+# direction). [B] NVIDIA DGX H100 user guide: eight 400 Gb/s ConnectX-7 ports for the compute
+# fabric, one per GPU (50 GB/s each direction). [C] S. Bekman, "Machine Learning Engineering Open
+# Book", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"
+# (mamf-finder.py, torch 2.7.0+cu126): H100 SXM BF16 794.5 TFLOPS (80.3% of peak), FP8 e4m3
+# 1402.6 TFLOPS (70.9%) — the best a large matmul reaches, which is what an H100 runs a
+# transformer's GEMMs at, at best.
+H100_BF16_PEAK = 989.4e12  # [A]
+H100_BF16_MATMUL = 794.5e12  # [C]
+H100_FP8_MATMUL = 1402.6e12  # [C]
+H100_VECTOR_FLOPS = 66.9e12  # [A]
+H100_HBM_BW = 3.35e12  # [A]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,29 +68,49 @@ class Machine:
     inter_bw: float
     intra_latency: float = 5e-6
     inter_latency: float = 10e-6
-    peak_flops: float = 989e12
+    peak_flops: float = H100_BF16_PEAK
+    """Dense 16-bit tensor-core peak (what MFU divides by)."""
     device_memory: float = 80e9
     host_bw: float = 50e9
-    efficiency: float = 0.6
-    """Fraction of peak the matmuls reach; compute time = FLOPs / (peak · efficiency)."""
+    efficiency: float = H100_BF16_MATMUL / H100_BF16_PEAK
+    """Fraction of `peak_flops` a large 16-bit matmul reaches (measured: [C] for H100)."""
+    hbm_bw: float = H100_HBM_BW
+    vector_flops: float = H100_VECTOR_FLOPS
+    """FLOPs/s of elementwise work (FP32 vector units)."""
+    fp8_speedup: float = H100_FP8_MATMUL / H100_BF16_MATMUL
+    """FP8 matmuls' rate over 16-bit ones (measured, [C]); 1 where the device has no FP8."""
+    f32_speedup: float = 0.5
+    """FP32 matmuls' rate over 16-bit ones: TF32 tensor cores, half the BF16 peak on H100 ([A];
+    XLA's default precision on NVIDIA GPUs), at the same fraction of peak."""
+
+    def matmul_rate(self, dtype: str = "bf16") -> float:
+        """FLOPs/s of a large matmul whose result is `dtype` (an HLO dtype: `bf16`, `f16`, `f32`,
+        `f8e4m3fn`, ...)."""
+        rate = self.peak_flops * self.efficiency
+        if dtype.startswith("f8"):
+            return rate * self.fp8_speedup
+        return rate * (self.f32_speedup if dtype in ("f32", "f64") else 1.0)
 
 
 MACHINES: dict[str, Machine] = {
     # Nodes of 4 H100s on NVLink 4 (450 GB/s per direction), one 200 Gb/s NIC per GPU.
     "h100-4": Machine("4× H100 SXM per node, NVLink, 200 Gb/s NIC per GPU", 4, 450e9, 25e9),
-    # A DGX H100: 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
+    # A DGX H100 ([A], [B]): 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
     "h100-dgx": Machine("8× H100 SXM per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9),
     # Perlmutter-like: 4 A100-40GB per node, NVLink 3, 4 × 200 Gb/s Slingshot per node.
     "a100-4": Machine("4× A100 40GB per node, NVLink 3, 200 Gb/s per GPU", 4, 300e9, 25e9,
-                      peak_flops=312e12, device_memory=40e9, host_bw=25e9),
+                      peak_flops=312e12, device_memory=40e9, host_bw=25e9, efficiency=0.6,
+                      hbm_bw=1.555e12, vector_flops=19.5e12, fp8_speedup=1.0),
     # A consumer node: 8 RTX 3090s talking over PCIe 4 through the host, 10 GbE between nodes.
     "consumer-pcie": Machine("8× RTX 3090 per node, PCIe 4 only, 10 GbE between nodes", 8, 12e9,
                              1.25e9 / 8, intra_latency=10e-6, inter_latency=30e-6,
-                             peak_flops=71e12, device_memory=24e9, host_bw=12e9),
+                             peak_flops=71e12, device_memory=24e9, host_bw=12e9, efficiency=0.6,
+                             hbm_bw=0.936e12, vector_flops=35.6e12, fp8_speedup=1.0),
     # Simulated devices of one host (`--xla_force_host_platform_device_count`): every "link" is a
     # memory copy on the same CPU, and the devices share its cores.
     "cpu": Machine("simulated CPU devices of one host", 1024, 5e9, 5e9, intra_latency=20e-6,
-                   inter_latency=20e-6, peak_flops=20e9, device_memory=8e9, efficiency=0.5),
+                   inter_latency=20e-6, peak_flops=20e9, device_memory=8e9, efficiency=0.5,
+                   hbm_bw=20e9, vector_flops=20e9, fp8_speedup=1.0, f32_speedup=1.0),
 }
 
 
@@ -269,6 +306,21 @@ def kept_per_block(work: Workload, declared: ModelCommunication, working_set: fl
     return declared.boundary + kept
 
 
+def link_time(kind: str, size: float, group: int, inter: bool, machine: Machine) -> float:
+    """Seconds one collective takes: `kind` over `group` devices on a buffer of `size` bytes (the
+    full buffer, `axonn_jax.collectives`' convention), across nodes (`inter`) or within one, by
+    the ring algorithm (all-reduce: or the double binary tree, the faster, as NCCL picks)."""
+    if group <= 1:
+        return 0.0
+    bw = machine.inter_bw if inter else machine.intra_bw
+    lat = machine.inter_latency if inter else machine.intra_latency
+    ring = ring_bytes(kind, size, group) / bw + (2 * (group - 1) if kind == "all-reduce"
+                                                 else group - 1) * lat
+    if kind == "all-reduce":  # double binary tree: 2·S per device, 2·log2(g) latency steps
+        ring = min(ring, 2 * size / bw + 2 * math.ceil(math.log2(group)) * lat)
+    return ring
+
+
 def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> float:
     g = c.group(grid)
     if g <= 1 or c.count == 0:
@@ -277,15 +329,7 @@ def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> f
     # an axis is the product of the sizes of the axes inside it (mesh order, col fastest).
     inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
     outer_span = inner * math.prod(getattr(grid, a) for a in c.axes)
-    inter = outer_span > machine.devices_per_node
-    bw = machine.inter_bw if inter else machine.intra_bw
-    lat = machine.inter_latency if inter else machine.intra_latency
-    wire = ring_bytes(c.kind, c.size, g)
-    ring = wire / bw + (2 * (g - 1) if c.kind == "all-reduce" else g - 1) * lat
-    if c.kind == "all-reduce":  # double binary tree: 2·S per device, 2·log2(g) latency steps
-        tree = 2 * c.size / bw + 2 * math.ceil(math.log2(g)) * lat
-        ring = min(ring, tree)
-    return c.count * ring
+    return c.count * link_time(c.kind, c.size, g, outer_span > machine.devices_per_node, machine)
 
 
 @dataclasses.dataclass
@@ -358,10 +402,11 @@ def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
     """Predicted step time on `machine`: compute + exposed communication + pipeline bubble.
 
-    Exposed communication: tensor-parallel collectives sit on the critical path, except the
-    backward input-gradient all-reduce, hidden up to the weight-gradient matmul it overlaps; the
-    data-parallel gradient exchange overlaps the backward pass (hidden up to its compute time);
-    pipeline messages are exposed. The bubble adds the schedule's published idle time per unit of
+    Exposed communication: each collective's time less what the compiled H100 schedule hides of
+    its axes' communication (`hidden_shares`: measured, with its source), and never more than the
+    compute it can hide behind: a tensor-parallel collective that declares the matmul it overlaps
+    (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient exchange up to
+    the backward pass. The bubble adds the schedule's published idle time per unit of
     work ((P−1)/M for 1F1B; V times less interleaved; zb-h1's at the engine's costs: forward 1,
     input gradient 2 (with the recomputed forward), weight gradient 1).
     """
@@ -371,6 +416,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     executed = work.executed_flops(grid)
     compute = executed / devices / rate * recompute
     backward = compute * 2 / 3
+    mode = work.schedule if grid.pipe > 1 else "spmd"
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0
@@ -379,11 +425,13 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         if _overlaps_backward(c):
             data_time += t
             continue
+        hidden = t * hidden_shares.hidden_share(c.axes, mode)
         if c.overlappable:
-            t = max(0.0, t - c.count * c.overlappable / rate)
-        exposed[c.kind] += t
-        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
-    exposed_data = max(0.0, data_time - backward)
+            hidden = min(hidden, c.count * c.overlappable / rate)
+        exposed[c.kind] += t - hidden
+        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t - hidden
+    exposed_data = data_time - min(data_time * hidden_shares.hidden_share(("data",), mode),
+                                   backward)
     for c in collectives(work, grid):
         if _overlaps_backward(c) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time

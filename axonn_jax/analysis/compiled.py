@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 from ..mesh import config_of
 from ..offload.activations import compiled_peak_bytes
-from . import hlo
+from . import hlo, overlap as overlap_lib
 
 FIELDS = ("memory_per_device_bytes", "host_memory_per_device_bytes", "comm_bytes_per_device",
           "flops_per_device", "fits")
@@ -52,6 +52,8 @@ class CompileReport:
     lower_s: float
     model_flops_per_device: float | None = None
     predicted: dict | None = None
+    overlap: dict | None = None
+    """The schedule replayed (`analysis.overlap.Schedule.as_dict`): what hides each collective."""
     remat: str = "none"
 
     @property
@@ -96,10 +98,11 @@ def communication(text: str, mesh_shape: dict[str, int]) -> tuple[dict, dict]:
 
 
 def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = None,
-                 name: str = "train_step") -> tuple[CompileReport, Any]:
+                 name: str = "train_step", machine=None) -> tuple[CompileReport, Any]:
     """Compile `step` (a `TrainStep`) for batches like `batch` (this process's share: arrays or
     ShapeDtypeStructs) on its mesh, from abstract state; returns (report, compiled program).
-    `dump_hlo`: a directory for the compiled module's text (`NAME.txt`)."""
+    `dump_hlo`: a directory for the compiled module's text (`NAME.txt`); `machine`: replay the
+    schedule on it (`analysis.overlap`, the report's `overlap`)."""
     bound = step.bind(batch)
     state, abstract = bound.abstract_state(), bound.abstract_batch()
     t0 = time.perf_counter()
@@ -121,6 +124,8 @@ def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = N
                            mem["peak"], mem["host"], mem["breakdown"], capacity_bytes, kinds, axes,
                            hlo.flops(text), t2 - t1, t1 - t0,
                            remat=remat if isinstance(remat := step.options.remat, str) else "plan")
+    if machine is not None:
+        report.overlap = overlap_lib.report(text, grid.as_dict(), machine).as_dict()
     return report, compiled
 
 
@@ -154,18 +159,19 @@ def disagreements(report: CompileReport, tolerance: float = 0.10) -> list[str]:
 
 def compile_grids(build: Callable, grids: Iterable[tuple], *, capacity_bytes: float,
                   predict: Callable | None = None, model_flops: float | None = None,
-                  dump_hlo: str | None = None) -> list[CompileReport]:
+                  dump_hlo: str | None = None, machine=None) -> list[CompileReport]:
     """Compile the step of each choice `(grid, microbatches, remat mode)` of `grids`:
     `build(*choice) -> (TrainStep, batch)` builds it on the target's devices; `predict(*choice)`:
     `plan`'s `Prediction` for it (None: no prediction); `model_flops`: the model's ideal FLOPs of
-    the whole step (divided by the devices). `dump_hlo`: one module per grid, named by the grid."""
+    the whole step (divided by the devices). `dump_hlo`: one module per grid, named by the grid;
+    `machine`: replay each schedule on it (`compile_step`)."""
     reports = []
     for choice in grids:
         grid = choice[0]
         step, batch = build(*choice)
         name = "train_step_" + "_".join(f"{k}{v}" for k, v in grid.as_dict().items())
         report, _ = compile_step(step, batch, capacity_bytes=capacity_bytes, dump_hlo=dump_hlo,
-                                 name=name)
+                                 name=name, machine=machine)
         if model_flops is not None:
             report.model_flops_per_device = model_flops / grid.num_devices
         if predict is not None:
@@ -194,4 +200,17 @@ def table(reports: list[CompileReport]) -> list[list[str]]:
                      comm_text, pair(r.flops_per_device, "flops_per_device",
                                      lambda x: f"{x / 1e12:.2f}"),
                      ideal, f"{r.compile_s:.1f}", "yes" if r.fits else "NO"])
+    return rows
+
+
+def overlap_table(report: CompileReport) -> list[list[str]]:
+    """Rows (header first) of a compiled step's overlap (`report.overlap`): per collective kind and
+    mesh axes, the wire bytes, the share of them with matmul compute scheduled between start and
+    done, the communication time and the share of it the schedule hides; then the whole step."""
+    o = report.overlap
+    rows = [["collectives", "GB", "with compute", "comm ms", "exposed ms", "hidden"]]
+    for key, r in [*o["by_axes"].items(), ("all", o["total"])]:
+        rows.append([key, f"{r['bytes'] / 1e9:.2f}", f"{r['with_compute']:.0%}",
+                     f"{r['comm_s'] * 1e3:.2f}", f"{r['exposed_s'] * 1e3:.2f}",
+                     f"{r['hidden']:.0%}"])
     return rows

@@ -231,15 +231,11 @@ def collectives(hlo_text: str) -> list[Collective]:
                 body, trips = _loop(name, rest, "collectives")
                 found += scaled(walk(body, inner), trips)
             elif opcode == "conditional":
-                m = _BRANCHES.search(rest)
-                names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
-                    [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
-                branches = [walk(b, inner) for b in names]
+                branches = [walk(b, inner) for b in branch_names(rest)]
                 found += max(branches, key=lambda b: sum(c.wire_bytes for c in b), default=[])
             elif opcode in ("call", "fusion", "async-start"):
-                for key, callee in _CALLEE.findall(rest):
-                    if key in ("calls", "to_apply"):
-                        found += walk(callee, inner)
+                for callee in called(rest):
+                    found += walk(callee, inner)
         memo[comp] = found
         return found
 
@@ -318,56 +314,81 @@ def flops(hlo_text: str) -> float:
     modules = [m for m in re.split(r"(?m)^(?=HloModule )", hlo_text) if m.strip()]
     if len(modules) > 1:
         return sum(flops(m) for m in modules)
-    comps, entry = _computations(hlo_text)
-    memo: dict[str, float] = {}
+    counter = FlopCounter(hlo_text)
+    return counter.computation(counter.entry)
 
-    def walk(comp: str, stack: tuple[str, ...] = ()) -> float:
-        if comp in memo:
-            return memo[comp]
-        if comp in stack or comp not in comps:
+
+def branch_names(rest: str) -> list[str]:
+    """The branch computations of a `conditional` (`rest`: its text after the opcode)."""
+    m = _BRANCHES.search(rest)
+    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
+        [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
+
+
+def called(rest: str) -> list[str]:
+    """The computations a `call`, `fusion` or `async-start` runs (`calls=`, `to_apply=`)."""
+    return [callee for key, callee in _CALLEE.findall(rest) if key in ("calls", "to_apply")]
+
+
+class FlopCounter:
+    """`flops`' count per computation and per instruction of one compiled module:
+    `computation(name)` (loops and calls included, memoized) and `instruction(shapes, name, shape,
+    opcode, rest)` (`shapes`: `{name: shape text}` of the instructions before it in its
+    computation). `matmuls_only`: count only matmuls (dots, grouped dots, cuDNN's fused
+    attention), the FLOPs that run on tensor cores."""
+
+    def __init__(self, hlo_text: str, matmuls_only: bool = False):
+        self.comps, self.entry = _computations(hlo_text)
+        self.matmuls_only = matmuls_only
+        self._memo: dict[str, float] = {}
+        self._stack: set[str] = set()
+
+    def computation(self, comp: str) -> float:
+        if comp in self._memo:
+            return self._memo[comp]
+        if comp in self._stack or comp not in self.comps:
             return 0.0
+        self._stack.add(comp)
         shapes: dict[str, str] = {}
         total = 0.0
-        inner = stack + (comp,)
-        for line in comps[comp]:
+        for line in self.comps[comp]:
             instr = _INSTR.match(line)
-            if not instr:
-                continue
-            name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
-            shapes[name] = shape
-            if opcode == "dot":
-                lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-                dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
-                lhs_array = _ARRAY.search(shapes.get(lhs, ""))
-                k = 1
-                if dims and lhs_array:
-                    lhs_dims = lhs_array.group(2).split(",")
-                    k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
-                total += 2.0 * _elements(shape) * k
-            elif opcode == "ragged-dot":
-                total += _ragged_dot_flops(rest, shapes)
-            elif opcode in _ELEMENTWISE:
-                total += _elements(shape)
-            elif opcode == "reduce":
-                operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-                total += _elements(shapes.get(operand, "")) - _elements(shape)
-            elif opcode == "custom-call" and "__cudnn$fmha" in rest:
-                total += _fused_attention_flops(rest)
-            elif opcode == "while":
-                body, trips = _loop(name, rest, "FLOPs")
-                total += walk(body, inner) * trips
-            elif opcode == "conditional":
-                m = _BRANCHES.search(rest)
-                names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
-                    [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
-                total += max((walk(b, inner) for b in names), default=0.0)
-            elif opcode in ("call", "fusion", "async-start"):
-                total += sum(walk(callee, inner) for key, callee in _CALLEE.findall(rest)
-                             if key in ("calls", "to_apply"))
-        memo[comp] = total
+            if instr:
+                name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
+                shapes[name] = shape
+                total += self.instruction(shapes, name, shape, opcode, rest)
+        self._stack.discard(comp)
+        self._memo[comp] = total
         return total
 
-    return walk(entry)
+    def instruction(self, shapes: dict[str, str], name: str, shape: str, opcode: str,
+                    rest: str) -> float:
+        if opcode == "dot":
+            lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+            dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
+            lhs_array = _ARRAY.search(shapes.get(lhs, ""))
+            k = 1
+            if dims and lhs_array:
+                lhs_dims = lhs_array.group(2).split(",")
+                k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
+            return 2.0 * _elements(shape) * k
+        if opcode == "ragged-dot":
+            return _ragged_dot_flops(rest, shapes)
+        if opcode in _ELEMENTWISE and not self.matmuls_only:
+            return float(_elements(shape))
+        if opcode == "reduce" and not self.matmuls_only:
+            operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+            return float(_elements(shapes.get(operand, "")) - _elements(shape))
+        if opcode == "custom-call" and "__cudnn$fmha" in rest:
+            return _fused_attention_flops(rest)
+        if opcode == "while":
+            body, trips = _loop(name, rest, "FLOPs")
+            return self.computation(body) * trips
+        if opcode == "conditional":
+            return max((self.computation(b) for b in branch_names(rest)), default=0.0)
+        if opcode in ("call", "fusion", "async-start"):
+            return sum(self.computation(c) for c in called(rest))
+        return 0.0
 
 
 def _fused_attention_flops(rest: str) -> float:

@@ -225,6 +225,9 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-tiny-mqa": LlamaConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=1, d_ff=128,
                                   max_seq_len=128, tie_embeddings=True),
     "llama2-7b": LlamaConfig(32, 4096, 32, 11008, vocab_size=32000, max_seq_len=4096),
+    # Llama-2-7B's blocks, 8 of them (1.9B parameters): big enough that its compiled H100 schedule
+    # is the real one, small enough to compile on a laptop (benchmarks/overlap.py).
+    "llama-1.9b": LlamaConfig(8, 4096, 32, 11008, vocab_size=32000, max_seq_len=4096),
     "llama2-13b": LlamaConfig(40, 5120, 40, 13824, vocab_size=32000, max_seq_len=4096),
     "llama2-70b": LlamaConfig(80, 8192, 64, 28672, num_kv_heads=8, vocab_size=32000,
                               max_seq_len=4096),

@@ -180,10 +180,10 @@ def _plan(args) -> int:
     return 0
 
 
-def _compile_reports(config, grids, target, predict=None, dump_hlo=None):
+def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine=None):
     """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`,
     compiled for `target` (`analysis.targets.Target`) with `predict(grid, microbatches, remat)`'s
-    figures."""
+    figures; `machine`: replay each schedule on it (the reports' `overlap`)."""
     import jax
 
     from ..analysis import comm_model as cm, compiled as cc
@@ -201,7 +201,7 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None):
 
     return cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes, predict=predict,
                             model_flops=work.flops() if cm.counts(work.model) else None,
-                            dump_hlo=dump_hlo)
+                            dump_hlo=dump_hlo, machine=machine)
 
 
 def _verify(config, shown, args) -> int:
@@ -336,6 +336,11 @@ def _add_compile_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--top", type=int, default=0, metavar="K",
                    help="compile the planner's K best grids instead of the config's")
     c.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    c.add_argument("--overlap-report", action="store_true",
+                   help="replay the H100 schedule: for every asynchronous collective, the compute "
+                        "between its start and its done; per mesh axis and kind, the share of "
+                        "bytes with compute to hide behind and of time hidden (in --json: "
+                        "`overlap`)")
 
 
 def _compile(args) -> int:
@@ -352,6 +357,8 @@ def _compile(args) -> int:
 
     config = args.run_config
     target = targets.target(args.target)
+    if args.overlap_report and args.target != "h100":
+        raise ValueError("--overlap-report replays the GPU schedule: use --target h100")
     opts.check(config, platform="gpu" if args.target == "h100" else "cpu")
     n = config.grid.devices or jax.device_count()
     work, machine = workload(config), cm.MACHINES["h100-dgx"]
@@ -368,12 +375,18 @@ def _compile(args) -> int:
         return cm.predict(w, grid, machine)
 
     predict = predict if modelled else None
-    reports = _compile_reports(config, grids, target, predict, config.run.dump_hlo)
+    reports = _compile_reports(config, grids, target, predict, config.run.dump_hlo,
+                               machine if args.overlap_report else None)
     if args.json:
         print(json.dumps([r.as_dict() for r in reports], indent=1))
     else:
         for row in cc.table(reports):
             print("  ".join(f"{c:>16}" for c in row))
+        for r in reports if args.overlap_report else ():
+            grid = ",".join(f"{k}={v}" for k, v in r.grid.items() if v > 1) or "one device"
+            print(f"\noverlap of {grid} (schedule replayed on {machine.name}):")
+            for row in cc.overlap_table(r):
+                print(f"{row[0]:>34}" + "".join(f"{c:>14}" for c in row[1:]))
     verdicts = [v for r in reports if (v := r.verdict())]
     for v in verdicts:
         print(f"axonn-jax compile: {v}", file=sys.stderr)

@@ -10,7 +10,7 @@
       compression  CGX-compressed data-parallel gradients
       data         the corpus, batch and sequence, validation
       checkpoint   where and when to save, resuming, stopping
-      run          steps, seed, outputs, transport
+      run          steps, seed, outputs, transport, xla_options
 
 `axonn-jax train`, `plan`, `compile` and `bench` read the same tree (`run.config` makes their flags
 and YAML keys from it), so one config file plans, compiles and trains the same run. A field's flag
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
+from ..step import xla_options
 from . import sources
 from .sources import LONG_DOCUMENTS, SOURCE_KEYS
 
@@ -39,6 +40,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 TRANSPORTS = ("xla", "mpi")
+XLA_OPTION_CHOICES = xla_options.CHOICES
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None,
@@ -273,6 +275,9 @@ class RunOutputs:
                                        "RUN_DIR/profile", kind=str, metavar="A:B")
     transport: str = option("xla", "how processes exchange gradients and pipeline messages",
                             choices=TRANSPORTS)
+    xla_options: str = option("library", "XLA options of the step on GPUs: the library's "
+                              "overlap options (step/xla_options.py) or XLA's defaults",
+                              choices=XLA_OPTION_CHOICES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -669,4 +674,4 @@ def step_options(config: RunConfig) -> dict:
                 offload_optimizer=m.offload_optimizer, remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, dtype=config.precision.dtype,
-                clip_norm=config.optimizer.clip_norm)
+                clip_norm=config.optimizer.clip_norm, xla_options=config.run.xla_options)

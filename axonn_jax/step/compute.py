@@ -12,8 +12,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from .._compat import ensure_varying
 from .gathers import unbatched_gathers
-from .model import ModelFunctions
+from .model import ModelFunctions, scan_layers
 
 
 def cast_floating(tree, dtype):
@@ -50,6 +51,11 @@ class ComputeFunctions:
     fns: ModelFunctions
     dtype: Any
     groups: tuple | None = None
+    vary_layers: tuple[str, ...] = ()
+    """Manual axes each layer's parameters are made varying over inside the scan (the stack
+    arrives invariant): autodiff then sums each layer's gradients over them inside the backward
+    scan, as soon as they exist, where the latency-hiding scheduler overlaps the all-reduce with
+    the next layers' backward (`SpmdEngine.layer_reduce`)."""
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
@@ -60,6 +66,13 @@ class ComputeFunctions:
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None):
         groups = self.groups if groups is None else groups
+        if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
+            def block(p, h, **side):
+                return self.fns.block(cast_floating(ensure_varying(p, self.vary_layers),
+                                                    self.dtype), h, **side)
+
+            return unbatched_gathers(lambda s, x, b: scan_layers(
+                block, s, x, groups, self.fns.model.side(b)))(stacked, x, batch)
         return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
             cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 

@@ -49,18 +49,28 @@ class SpmdEngine:
     compute: ComputeFunctions
     manual_axes: frozenset[str]
     microbatches: int = 1
+    layer_reduce: bool = False
+    """The blocks' gradients summed over the manual axes layer by layer inside the backward scan
+    (`ComputeFunctions.vary_layers`; they come out invariant, already summed): for an exact
+    reducer over one microbatch, where the reduction is the same sum issued earlier."""
 
     metric_spec = P()
     """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
 
     def loss_and_grads(self, params, batch, scale):
         axes = tuple(sorted(self.manual_axes))
-        # Varying over the manual axes: each shard keeps its own gradients until the reduction.
-        params = ensure_varying(params, axes)
         m = self.microbatches
+        compute = self.compute
+        if self.layer_reduce and m == 1 and axes:
+            compute = dataclasses.replace(compute, vary_layers=axes)
+            params = {**ensure_varying({k: v for k, v in params.items() if k != "blocks"}, axes),
+                      "blocks": params["blocks"]}
+        else:
+            # Varying over the manual axes: each shard keeps its own gradients until the reduction.
+            params = ensure_varying(params, axes)
 
         def scaled(p, b, weight):
-            loss, metrics = self.compute.loss_and_metrics(p, b)
+            loss, metrics = compute.loss_and_metrics(p, b)
             return loss * weight, (loss, metrics)
 
         grad_fn = jax.value_and_grad(scaled, has_aux=True)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import pmean
+from .._compat import manual_axis_size, pmean, varying_axes
 from ..collectives import FP32, Collective
 from ..parallel import compression
 
@@ -68,10 +68,20 @@ class GradientReducer(NamedTuple):
 
 
 def exact_mean(axis: str = "data") -> GradientReducer:
-    """The mean over the mesh axis `axis` (an all-reduce); no state."""
+    """The mean over the mesh axis `axis` (an all-reduce); no state. A gradient already summed
+    over `axis` (invariant over it: the engine reduced it layer by layer) is only divided."""
     return GradientReducer(init=lambda params: None,
-                           reduce=lambda grads, state, key: (pmean(grads, axis), state),
+                           reduce=lambda grads, state, key: (_mean_of_sums(grads, axis), state),
                            mean=lambda tree: pmean(tree, axis))
+
+
+def _mean_of_sums(grads, axis: str):
+    def one(g):
+        if axis in varying_axes(g):
+            return pmean(g, axis)
+        return g / manual_axis_size(axis)
+
+    return jax.tree.map(one, grads)
 
 
 def resplit_residual(residual, shards: int):

@@ -35,7 +35,7 @@ from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import context as context_lib, pipeline as pipeline_lib
-from . import hosted
+from . import hosted, xla_options
 from .compute import ComputeFunctions
 from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
 from .model import ModelFunctions, StackedModel
@@ -59,6 +59,7 @@ class StepOptions:
     error_feedback: bool = True
     dtype: str = "float32"
     clip_norm: float | None = None
+    xla_options: str = "library"
 
 
 _NOT_YET = "is not implemented yet"
@@ -112,6 +113,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
         forward (masters stay fp32); float16 scales the loss; mixed precision skips non-finite steps.
       clip_norm: clip the gradients' global norm (None: no clipping).
+      xla_options: `library` (on GPUs, the overlap options of `step.xla_options`) | `xla`
+        (XLA's defaults).
     reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
       the local `data` devices exactly. engine: a host-driven gradient engine (the MPI pipeline),
       `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
@@ -478,7 +481,10 @@ class BoundStep:
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
         alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
-        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches)
+        # The exact reduction over `data` issued layer by layer in the backward (not CGX's).
+        exact = not (o.compress_bits and self.parts.process_reducer is None)
+        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
+                          layer_reduce=exact and axes == ("data",))
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers
@@ -694,7 +700,9 @@ class BoundStep:
             return hosted.engine_programs(self)
         if self.parts.process_reducer is not None:
             return hosted.process_programs(self)
-        return jax.jit(self._train_step_fn(self.engine), donate_argnums=0), jax.jit(self._eval)
+        options = xla_options.compiler_options(self.parts.mesh, self.parts.options.xla_options)
+        return (jax.jit(self._train_step_fn(self.engine), donate_argnums=0,
+                        compiler_options=options), jax.jit(self._eval))
 
     def step(self, state, batch):
         return self.programs[0](state, batch)

@@ -1,0 +1,50 @@
+"""What the compiled H100 schedule hides of each mesh axis's communication: measured, with its source.
+
+`plan`'s time model (`comm_model.predict`) takes the exposed share of each collective from here
+instead of assuming it: the share of a collective's time that the train step's schedule, compiled
+for 8 abstract H100s with the library's XLA options (`step.xla_options`), hides behind compute —
+the replay of `analysis.overlap` ("hidden"), summed over the collectives that cross one mesh axis.
+Source: `benchmarks/overlap.py` (`--variant after`, else `library`: `shares`), the 1.9B Llama of issue 25 (hidden 4096,
+8 layers, sequence 4096, global batch 16, bf16, cuDNN attention, full recompute); the table with
+its per-kind rows is `benchmarks/results/overlap.md`. Re-measure (and paste `axis_shares`'s output
+here) when the step or the XLA options change.
+
+Per mode: `spmd` (no pipeline: data from `data=8`, depth from `depth=2,row=2,col=2`, row and col
+from `data=2,row=2,col=2`) and each pipeline schedule measured (`1f1b`, `zb-h1`:
+`data=2,pipe=2,row=2`, 4 microbatches); an axis a mode's case does not cross takes the `spmd`
+figure; a collective over several axes takes the smallest of theirs; an axis never measured
+(`expert`, `context`) hides nothing.
+"""
+from __future__ import annotations
+
+SOURCE = ("benchmarks/results/overlap.md: the step's schedule compiled for 8 abstract H100s "
+          "(llama-1.9b, seq 4096, bf16, --xla-options library), replayed by analysis.overlap")
+
+SHARES: dict[str, dict[str, float]] = {
+    "spmd": {"data": 0.861, "depth": 0.881, "row": 0.35, "col": 0.601},
+    "1f1b": {"data": 0.145, "pipe": 0.99, "row": 0.496},
+    "zb-h1": {"data": 0.145, "pipe": 0.99, "row": 0.613},
+}
+"""`{mode: {axis: hidden share of its communication time}}` (`axis_shares` of the measurement)."""
+
+
+def hidden_share(axes: tuple[str, ...], mode: str = "spmd") -> float:
+    """The share of a collective's time over `axes` the compiled schedule hides in `mode`
+    (`spmd` or a pipeline schedule; one not measured falls back to `spmd`)."""
+    if not axes:
+        return 0.0
+    measured = {**SHARES.get("spmd", {}), **SHARES.get(mode, {})}
+    return min(measured.get(a, 0.0) for a in axes)
+
+
+def axis_shares(by_axes: dict[str, dict]) -> dict[str, float]:
+    """`{axis: hidden share}` of one overlap report's `by_axes` rows (`analysis.overlap.summary`):
+    per single mesh axis, 1 − exposed / communication time over its collectives."""
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    for key, row in by_axes.items():
+        axes = key.split(" over ")[1].split("+")
+        if len(axes) == 1 and axes[0] != "none":
+            comm[axes[0]] = comm.get(axes[0], 0.0) + row["comm_s"]
+            exposed[axes[0]] = exposed.get(axes[0], 0.0) + row["exposed_s"]
+    return {a: round(max(0.0, 1 - exposed[a] / comm[a]), 3) for a in comm if comm[a] > 0}

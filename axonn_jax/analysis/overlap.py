@@ -1,0 +1,419 @@
+"""How much of a compiled step's communication the schedule can hide: read from the scheduled module.
+
+A compiled GPU module is scheduled (`is_scheduled=true`): each computation lists its instructions
+in the order they run, and XLA's latency-hiding scheduler splits every collective it makes
+asynchronous into a `*-start` and a `*-done` (or an `async-start` / `async-done` around it) and
+moves compute in between. `report(text, mesh_shape, machine)` finds every such pair and measures,
+per execution:
+
+- the compute scheduled between start and done: its FLOPs, of which matmul FLOPs (dots, grouped
+  dots, cuDNN fused attention), and its time at the machine's rates (`instruction_seconds`: the
+  larger of the FLOPs at the matmul or vector rate and the bytes at HBM bandwidth);
+- the collective's own time on its links (`comm_model.link_time`: ring or tree over NVLink within
+  a node, over the NICs across nodes, as its replica group lies on the devices);
+- the time it leaves exposed, from a replay of the schedule (`_Replay`): one compute stream runs
+  the instructions in order, one communication stream runs the collectives in the order they
+  start, and a `done` waits for its collective. Loop bodies replay twice (the first iteration,
+  then the steady state, whose pipelined collectives (a start whose done is in the next
+  iteration, through the loop's carried tuple) are matched by tuple index).
+
+`summary(overlaps)` adds them up per (collective kind, mesh axes): bytes, the share of bytes whose
+window holds matmul compute ("with compute"), and the share of the communication time the schedule
+hides ("hidden"). Synchronous collectives have no window and are exposed whole. All figures are per
+device and per step, with loop bodies counted once per iteration (`analysis.hlo`'s convention).
+
+The estimate is as good as its rates (the machine's published figures, `comm_model.MACHINES`) and
+its one-stream model of communication; what it cannot be wrong about is the schedule itself: what
+XLA placed between a start and its done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from . import hlo
+from .comm_model import Machine, link_time
+
+_ASYNC_KINDS = {f"{k}-start": k for k in hlo.KINDS}
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "add-dependency", "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done",
+         "send", "recv", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
+         "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "async-done",
+         "async-update"}
+_DTYPE = re.compile(r"\b(bf16|f16|f32|f64|f8e4m3fn|f8e5m2|f8e4m3|f8e5m2fnuz|f8e4m3fnuz)\[")
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """One asynchronous (or synchronous) collective of the module and what hides it, per
+    execution; `executions`: how often it runs per step (loop trips multiplied)."""
+
+    kind: str
+    name: str
+    axes: tuple[str, ...]
+    executions: int
+    wire_bytes: float
+    comm_s: float
+    window_flops: float
+    window_matmul_flops: float
+    window_s: float
+    exposed_s: float
+    asynchronous: bool
+    backward: bool
+
+    @property
+    def with_compute(self) -> bool:
+        """Matmul compute is scheduled between its start and its done."""
+        return self.window_matmul_flops > 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+    operands: tuple[str, ...]
+
+
+def _parse(lines: list[str]) -> list[_Instr]:
+    out = []
+    for line in lines:
+        m = hlo._INSTR.match(line)
+        if m:
+            operand_text = m.group(5).split("),", 1)[0]
+            out.append(_Instr(m.group(2), m.group(3), m.group(4), m.group(5),
+                              tuple(re.findall(r"%([\w.\-]+)", operand_text))))
+    return out
+
+
+def _bytes(shape: str) -> float:
+    return float(sum(hlo._array_bytes(shape)))
+
+
+class _Costs:
+    """FLOPs, matmul FLOPs, HBM bytes and seconds of instructions (`Machine` rates)."""
+
+    def __init__(self, text: str, machine: Machine):
+        self.counter = hlo.FlopCounter(text)
+        self.matmuls = hlo.FlopCounter(text, matmuls_only=True)
+        self.comps = {name: _parse(lines) for name, lines in self.counter.comps.items()}
+        self.machine = machine
+        self._opcodes: dict[str, set[str]] = {}
+        self._wire: dict[str, float] = {}
+
+    def wire_bytes(self, comp: str, num_devices: int) -> float:
+        """Wire bytes of the collectives of `comp` and what it calls (loops per trip)."""
+        if comp not in self._wire:
+            self._wire[comp] = 0.0
+            total = 0.0
+            for i in self.comps.get(comp, ()):
+                c = hlo._collective(i.name, i.shape, i.opcode, i.rest, num_devices)
+                if c:
+                    total += c.wire_bytes
+                elif i.opcode == "while":
+                    body, trips = hlo._loop(i.name, i.rest, "collectives")
+                    total += trips * self.wire_bytes(body, num_devices)
+                elif i.opcode == "conditional":
+                    total += max((self.wire_bytes(b, num_devices)
+                                  for b in hlo.branch_names(i.rest)), default=0.0)
+                elif i.opcode in ("call", "async-start"):
+                    total += sum(self.wire_bytes(c, num_devices) for c in hlo.called(i.rest))
+            self._wire[comp] = total
+        return self._wire[comp]
+
+    def heaviest(self, branches: list[str], num_devices: int) -> str | None:
+        """The branch `analysis.hlo` counts (the most wire bytes; then the most FLOPs)."""
+        return max(branches, default=None, key=lambda b: (self.wire_bytes(b, num_devices),
+                                                          self.counter.computation(b)))
+
+    def opcodes(self, comp: str) -> set[str]:
+        if comp not in self._opcodes:
+            self._opcodes[comp] = {i.opcode for i in self.comps.get(comp, ())}
+        return self._opcodes[comp]
+
+    def memory_bytes(self, instr: _Instr, shapes: dict[str, str]) -> float:
+        """HBM bytes a kernel reads and writes: its operands and result; a fused dynamic slice
+        reads only its slice, a fused dynamic-update-slice writes only its update (in place)."""
+        operands = [_bytes(shapes.get(o, "")) for o in instr.operands]
+        result = _bytes(instr.shape)
+        inner = set().union(*(self.opcodes(c) for c in hlo.called(instr.rest))) \
+            if instr.opcode == "fusion" else {instr.opcode}
+        if "dynamic-update-slice" in inner and operands:
+            return 2.0 * (sum(operands) - max(operands))
+        if "dynamic-slice" in inner:
+            return 2.0 * result + sum(b for b in operands if b <= result)
+        return sum(operands) + result
+
+    def seconds(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float, float]:
+        """(FLOPs, matmul FLOPs, seconds) of one kernel (not a loop, call or collective)."""
+        if instr.opcode in _FREE:
+            return 0.0, 0.0, 0.0
+        flops = self.counter.instruction(shapes, instr.name, instr.shape, instr.opcode, instr.rest)
+        matmul = self.matmuls.instruction(shapes, instr.name, instr.shape, instr.opcode,
+                                          instr.rest)
+        return flops, matmul, instruction_seconds(
+            flops, matmul, self.memory_bytes(instr, shapes),
+            _operand_dtype([shapes.get(o, "") for o in instr.operands]), self.machine)
+
+
+def _operand_dtype(shapes: list[str]) -> str:
+    """The narrowest floating dtype among a kernel's operands: what its matmuls run in (a bf16
+    matmul accumulating into an f32 result runs at the bf16 rate)."""
+    found = [m.group(1) for s in shapes for m in _DTYPE.finditer(s)]
+    return min(found, key=lambda d: hlo._DTYPE_BYTES.get(d, 4), default="f32")
+
+
+def instruction_seconds(flops: float, matmul_flops: float, memory_bytes: float, dtype: str,
+                        machine: Machine) -> float:
+    """A kernel's time on `machine`: its matmul FLOPs at the matmul rate of its result's `dtype`
+    (`Machine.matmul_rate`) plus its other FLOPs at the vector rate, or its HBM traffic at the
+    memory bandwidth, whichever is longer (a roofline)."""
+    compute = matmul_flops / machine.matmul_rate(dtype) + \
+        max(flops - matmul_flops, 0.0) / machine.vector_flops
+    return max(compute, memory_bytes / machine.hbm_bw)
+
+
+@dataclasses.dataclass
+class _Flight:
+    """A collective in flight: its record's key and when it ends; the compute since its start."""
+
+    key: str
+    end: float
+    flops: float = 0.0
+    matmul: float = 0.0
+    compute_s: float = 0.0
+
+
+class _Replay:
+    """Replays a scheduled module on one compute stream and one communication stream."""
+
+    def __init__(self, text: str, mesh_shape: dict[str, int], machine: Machine):
+        m = re.search(r"num_partitions=(\d+)", text)
+        self.num_devices = int(m.group(1)) if m else 1
+        self.costs = _Costs(text, machine)
+        self.mesh_shape, self.machine = mesh_shape, machine
+        self.entry = self.costs.counter.entry
+        self.found: dict[str, dict] = {}  # key -> accumulated record
+        self.comm_free = 0.0
+        self.seconds = {"matmul": 0.0, "other": 0.0}  # compute time by kind of kernel
+
+    # ------------------------------------------------------------------ collectives
+
+    def _collective(self, comp: str, instr: _Instr) -> hlo.Collective | None:
+        if instr.opcode == "async-start":
+            for callee in hlo.called(instr.rest):
+                for inner in self.costs.comps.get(callee, ()):
+                    c = hlo._collective(inner.name, inner.shape, inner.opcode, inner.rest,
+                                        self.num_devices)
+                    if c:
+                        return c
+            return None
+        return hlo._collective(instr.name, instr.shape, instr.opcode, instr.rest,
+                               self.num_devices)
+
+    def _record(self, comp: str, instr: _Instr, c: hlo.Collective, asynchronous: bool) -> str:
+        key = f"{comp}/{instr.name}"
+        if key not in self.found:
+            nodes = {d // self.machine.devices_per_node for d in c.group}
+            per_node = self.machine.devices_per_node
+            inter = len(nodes) > 1 and self.num_devices > per_node
+            self.found[key] = dict(
+                kind=c.kind, name=instr.name,
+                axes=hlo.group_axes(c.group, self.mesh_shape), wire_bytes=c.wire_bytes,
+                comm_s=link_time(c.kind, c.bytes, c.group_size, inter, self.machine),
+                asynchronous=asynchronous, backward="transpose(" in instr.rest,
+                weight=0.0, flops=0.0, matmul=0.0, window_s=0.0, exposed=0.0)
+        return key
+
+    def _start(self, key: str, t: float) -> _Flight:
+        begin = max(t, self.comm_free)
+        self.comm_free = begin + self.found[key]["comm_s"]
+        return _Flight(key, self.comm_free)
+
+    def _finish(self, flight: _Flight, t: float, weight: float) -> float:
+        rec = self.found[flight.key]
+        rec["weight"] += weight
+        rec["flops"] += weight * flight.flops
+        rec["matmul"] += weight * flight.matmul
+        rec["window_s"] += weight * flight.compute_s
+        rec["exposed"] += weight * max(0.0, flight.end - t)
+        return max(t, flight.end)
+
+    # ------------------------------------------------------------------ replay
+
+    def run(self, comp: str, t: float, weight: float, carried: dict | None = None,
+            carry_out: dict | None = None) -> float:
+        """Replay computation `comp` from time `t`; returns its end. `weight`: how many times
+        this replay stands for (loop trips); `carried`: collectives in flight from the previous
+        iteration by the index of the loop tuple that carries them; `carry_out`: filled with this
+        iteration's collectives still in flight at the end, by that index."""
+        instrs = self.costs.comps.get(comp, [])
+        shapes: dict[str, str] = {}
+        flights: dict[str, _Flight] = {}
+        tuple_index: dict[str, int] = {}  # get-tuple-element of the loop parameter -> index
+        param = next((i.name for i in instrs if i.opcode == "parameter"), None)
+        for instr in instrs:
+            shapes[instr.name] = instr.shape
+            op = instr.opcode
+            if op == "get-tuple-element" and instr.operands[:1] == (param,):
+                tuple_index[instr.name] = int(re.search(r"index=(\d+)", instr.rest).group(1))
+            if op in _ASYNC_KINDS or op == "async-start":
+                c = self._collective(comp, instr)
+                if c is not None:
+                    flights[instr.name] = self._start(self._record(comp, instr, c, True), t)
+                continue
+            if op.endswith("-done") and instr.operands:
+                source = instr.operands[0]
+                flight = flights.pop(source, None)
+                if flight is None and carried and source in tuple_index:
+                    flight = carried.pop(tuple_index[source], None)
+                if flight is not None:
+                    t = self._finish(flight, t, weight)
+                continue
+            if op in hlo.KINDS:  # synchronous: the compute stream waits for it whole
+                c = self._collective(comp, instr)
+                if c is not None:
+                    t = self._finish(self._start(self._record(comp, instr, c, False), t), t,
+                                     weight)
+                continue
+            t0 = t
+            flops = matmul = 0.0
+            if op == "while":
+                body, trips = hlo._loop(instr.name, instr.rest, "time")
+                t = self._loop(body, trips, t, weight)
+                flops = self.costs.counter.instruction(shapes, instr.name, instr.shape, op,
+                                                       instr.rest)
+                matmul = self.costs.matmuls.instruction(shapes, instr.name, instr.shape, op,
+                                                        instr.rest)
+            elif op == "conditional":
+                branch = self.costs.heaviest(hlo.branch_names(instr.rest), self.num_devices)
+                t = self.run(branch, t, weight) if branch else t
+                flops = self.costs.counter.instruction(shapes, instr.name, instr.shape, op,
+                                                       instr.rest)
+                matmul = self.costs.matmuls.instruction(shapes, instr.name, instr.shape, op,
+                                                        instr.rest)
+            elif op == "call":
+                for callee in hlo.called(instr.rest):
+                    t = self.run(callee, t, weight)
+            else:
+                flops, matmul, seconds = self.costs.seconds(instr, shapes)
+                t += seconds
+                self.seconds["matmul" if matmul else "other"] += weight * seconds
+            for flight in flights.values():
+                flight.flops += flops
+                flight.matmul += matmul
+                flight.compute_s += t - t0
+            if carried:
+                for flight in carried.values():
+                    flight.flops += flops
+                    flight.matmul += matmul
+                    flight.compute_s += t - t0
+        if carry_out is not None:  # starts whose done is in the next iteration
+            root = next((i for i in reversed(instrs) if i.opcode == "tuple"), None)
+            if root is not None:
+                for k, operand in enumerate(root.operands):
+                    if operand in flights:
+                        carry_out[k] = flights.pop(operand)
+        for flight in flights.values():  # never waited for here: done outside, count it now
+            self._finish(flight, t, weight)
+        if carried:
+            for flight in carried.values():
+                self._finish(flight, t, weight)
+        return t
+
+    def _loop(self, body: str, trips: int, t: float, weight: float) -> float:
+        """A while loop: the first iteration, then the steady state for the other trips."""
+        carry: dict = {}
+        t = self.run(body, t, weight, None, carry)
+        if trips > 1:
+            nxt: dict = {}
+            t_steady = self.run(body, t, weight * (trips - 1), carry, nxt)
+            per_trip = t_steady - t
+            if self.comm_free > t:  # the stream as the last iteration leaves it
+                self.comm_free += per_trip * (trips - 2)
+            t += per_trip * (trips - 1)
+            for flight in nxt.values():  # the last iteration's, issued (trips − 2) trips later
+                flight.end += per_trip * (trips - 2)
+                self._finish(flight, t, weight)
+        else:
+            for flight in carry.values():
+                self._finish(flight, t, weight)
+        return t
+
+
+@dataclasses.dataclass
+class Schedule:
+    """A compiled step's schedule, replayed: every collective with what hides it, and the step's
+    time per device (seconds) in its parts: kernels with matmuls, the other kernels
+    (memory-bound: norms, softmax, elementwise, copies), and the waits for communication."""
+
+    overlaps: list[Overlap]
+    step_s: float
+    matmul_s: float
+    other_s: float
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(o.exposed_s * o.executions for o in self.overlaps)
+
+    def as_dict(self) -> dict:
+        """The JSON of `axonn-jax compile --overlap-report`: the step's parts and `summary`."""
+        return {"step_s": self.step_s, "matmul_s": self.matmul_s, "other_s": self.other_s,
+                "exposed_comm_s": self.exposed_s, "total": totals(self.overlaps),
+                "by_axes": summary(self.overlaps)}
+
+
+def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
+    """The schedule of the compiled module `text` replayed on `machine` (`Schedule`).
+    `mesh_shape`: `{axis: size}` in mesh order (`ParallelConfig.as_dict()`)."""
+    replay = _Replay(text, mesh_shape, machine)
+    seconds = replay.run(replay.entry, 0.0, 1.0)
+    out = []
+    for rec in replay.found.values():
+        n = rec["weight"] or 1.0
+        out.append(Overlap(rec["kind"], rec["name"], rec["axes"], round(rec["weight"]),
+                           rec["wire_bytes"], rec["comm_s"], rec["flops"] / n, rec["matmul"] / n,
+                           rec["window_s"] / n, rec["exposed"] / n, rec["asynchronous"],
+                           rec["backward"]))
+    return Schedule(out, seconds, replay.seconds["matmul"], replay.seconds["other"])
+
+
+def summary(overlaps: list[Overlap]) -> dict[str, dict]:
+    """`{"kind over axes": figures}` per step: `bytes` (wire), `with_compute` (share of the bytes
+    whose window holds matmul compute), `comm_s`, `exposed_s`, `hidden` (share of the
+    communication time the schedule hides), `collectives` (executions)."""
+    out: dict[str, dict] = {}
+    for o in overlaps:
+        key = f"{o.kind} over {'+'.join(o.axes) or 'none'}"
+        row = out.setdefault(key, dict(bytes=0.0, bytes_with_compute=0.0, comm_s=0.0,
+                                       exposed_s=0.0, collectives=0))
+        row["bytes"] += o.wire_bytes * o.executions
+        row["bytes_with_compute"] += o.wire_bytes * o.executions * o.with_compute
+        row["comm_s"] += o.comm_s * o.executions
+        row["exposed_s"] += o.exposed_s * o.executions
+        row["collectives"] += o.executions
+    for row in out.values():
+        row["with_compute"] = row.pop("bytes_with_compute") / row["bytes"] if row["bytes"] else 0.0
+        row["hidden"] = _hidden(row["exposed_s"], row["comm_s"])
+    return dict(sorted(out.items()))
+
+
+def totals(overlaps: list[Overlap]) -> dict:
+    """The whole step's figures of `summary` (one row)."""
+    rows = summary(overlaps).values()
+    b = sum(r["bytes"] for r in rows)
+    comm = sum(r["comm_s"] for r in rows)
+    exposed = sum(r["exposed_s"] for r in rows)
+    return {"bytes": b, "with_compute": sum(r["bytes"] * r["with_compute"] for r in rows) / b
+            if b else 0.0, "comm_s": comm, "exposed_s": exposed,
+            "hidden": _hidden(exposed, comm)}
+
+
+def _hidden(exposed: float, comm: float) -> float:
+    """The share of `comm` seconds not waited for (0 when the waits, queueing behind other
+    collectives included, add up to more)."""
+    return max(0.0, 1.0 - exposed / comm) if comm else 1.0

@@ -1,0 +1,49 @@
+"""The XLA options the library compiles a train step with on GPUs: those that govern overlap.
+
+XLA:GPU hides a collective behind computation when its latency-hiding scheduler moves work between
+the collective's `start` and its `done`. Inside a loop (the scan over layers, the pipeline's ticks)
+there is often nothing independent of the collective in the same iteration; the collective
+pipeliner then moves it across the iteration boundary (an all-gather one iteration early: the next
+layer's weights prefetched during this layer; a reduce-scatter or all-reduce one iteration late:
+this layer's gradients reduced during the previous layer's backward). `GPU_OPTIONS` are the options
+`benchmarks/overlap.py` measured to raise the share of collective bytes with compute between start
+and done in the compiled H100 module (`analysis.overlap`; figures in
+`benchmarks/results/overlap.md`); every option there is kept because its measurement showed a gain.
+
+`compiler_options(mesh, choice)` is what `jax.jit(..., compiler_options=...)` gets: `GPU_OPTIONS`
+for a mesh of GPUs without a pipeline under `choice="library"`, nothing for other platforms or under `choice="xla"`
+(XLA's own defaults, the "before" of the measurement). Options in the `XLA_FLAGS` environment
+variable still apply; the ones here override them for the step's program only.
+"""
+from __future__ import annotations
+
+from .._compat import mesh_platform
+
+CHOICES = ("library", "xla")
+
+GPU_OPTIONS: dict[str, bool | int] = {
+    # The collective pipeliner for all-gathers and all-reduces in loops: on depth=2,row=2,col=2 the
+    # depth weight all-gathers get compute in their window for 46% of their bytes (39% without)
+    # and 97% of their time hidden (75%); on data=2,row=2,col=2 the row all-gathers 32% (16%).
+    # With a pipeline (ZB-H1) it adds 1.1 GB of row reduce-scatter bytes per step and lengthens
+    # the replayed step by 7%: not set when the mesh has `pipe` > 1 (`compiler_options`).
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+}
+"""XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Measured and
+left out (no change to the schedule of any case, or a loss): the latency-hiding scheduler (on
+by default in jaxlib 0.10), the pipelined reduce-scatter (no change beyond the two above), while-
+loop double buffering (no change; +1.6 GB on depth=2,row=2,col=2)."""
+
+
+def check_choice(choice: str) -> None:
+    if choice not in CHOICES:
+        raise ValueError(f"xla_options must be one of {', '.join(CHOICES)}, got {choice!r}")
+
+
+def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | None:
+    """The options to compile a step on `mesh` with (None: XLA's defaults)."""
+    check_choice(choice)
+    if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
+        return None
+    return dict(GPU_OPTIONS)

@@ -1,0 +1,185 @@
+"""The overlap report (`analysis.overlap`): the replay of a scheduled module on hand-written HLO
+whose answer is known from the machine's rates, and on the step compiled for abstract H100s."""
+import pytest
+
+from axonn_jax.analysis import comm_model as cm, overlap
+
+H100 = cm.MACHINES["h100-dgx"]
+MESH = {"data": 2, "row": 8}
+
+DOT = """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_dot (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %d = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+STRAIGHT = "HloModule s, is_scheduled=true, num_partitions=16\n" + DOT + """
+ENTRY %main (x: bf16[1024,1024], y: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %y = bf16[1024,1024]{1,0} parameter(1)
+  %ags = (bf16[1024,1024]{1,0}, bf16[8192,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[2,8]<=[16], dimensions={0}
+  %f = bf16[1024,1024]{1,0} fusion(%x, %y), kind=kCustom, calls=%fused_dot
+  %agd = bf16[8192,1024]{1,0} all-gather-done(%ags)
+  %ar = bf16[1024,1024]{1,0} all-reduce(%f), channel_id=2, replica_groups={{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}, to_apply=%add
+  ROOT %r = bf16[1024,1024]{1,0} add(%ar, %x)
+}
+"""
+
+PIPELINED = "HloModule p, is_scheduled=true, num_partitions=16\n" + DOT + """
+%body (p: (s32[], bf16[1024,1024], bf16[1024,1024])) -> (s32[], bf16[1024,1024], bf16[1024,1024]) {
+  %p = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = bf16[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %prev = bf16[1024,1024]{1,0} get-tuple-element(%p), index=2
+  %f = bf16[1024,1024]{1,0} fusion(%w, %w), kind=kCustom, calls=%fused_dot
+  %done = bf16[1024,1024]{1,0} all-reduce-done(%prev)
+  %next = bf16[1024,1024]{1,0} all-reduce-start(%f), channel_id=1, replica_groups=[2,8]<=[16], to_apply=%add
+  ROOT %t = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%i, %done, %next)
+}
+
+%cond (p: (s32[], bf16[1024,1024], bf16[1024,1024])) -> pred[] {
+  %p = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%idle (q: bf16[1024,1024]) -> bf16[1024,1024] {
+  ROOT %q = bf16[1024,1024]{1,0} parameter(0)
+}
+
+%send (q: bf16[1024,1024]) -> bf16[1024,1024] {
+  %q = bf16[1024,1024]{1,0} parameter(0)
+  %cps = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}, u32[], u32[]) collective-permute-start(%q), channel_id=3, source_target_pairs={{0,8},{8,0}}
+  ROOT %cpd = bf16[1024,1024]{1,0} collective-permute-done(%cps)
+}
+
+ENTRY %main (x: bf16[1024,1024], k: s32[]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %k = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %init = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) tuple(%c0, %x, %x)
+  %loop = (s32[], bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %y = bf16[1024,1024]{1,0} get-tuple-element(%loop), index=1
+  ROOT %z = bf16[1024,1024]{1,0} conditional(%k, %y, %y), branch_computations={%idle, %send}
+}
+"""
+
+DOT_S = overlap.instruction_seconds(2 * 1024**3, 2 * 1024**3, 3 * 2 * 1024**2, "bf16", H100)
+MB2 = 2 * 1024**2
+
+
+def test_a_window_with_a_matmul_hides_up_to_its_time():
+    s = overlap.report(STRAIGHT, MESH, H100)
+    found = {o.name: o for o in s.overlaps}
+    ag, ar = found["ags"], found["ar"]
+    assert ag.axes == ("row",) and ag.asynchronous and ag.with_compute
+    assert ag.window_matmul_flops == 2 * 1024**3
+    assert ag.comm_s == pytest.approx(cm.link_time("all-gather", 8 * MB2, 8, False, H100))
+    assert ag.window_s == pytest.approx(DOT_S)
+    assert ag.exposed_s == pytest.approx(max(0.0, ag.comm_s - DOT_S))
+    # synchronous, across the two nodes (data): exposed whole, at the NICs' speed
+    assert ar.axes == ("data",) and not ar.asynchronous and not ar.with_compute
+    assert ar.comm_s == pytest.approx(cm.link_time("all-reduce", MB2, 2, True, H100))
+    assert ar.exposed_s == pytest.approx(ar.comm_s)
+    assert s.exposed_s == pytest.approx(ag.exposed_s + ar.exposed_s)
+    assert s.matmul_s == pytest.approx(DOT_S)
+    table = overlap.summary(s.overlaps)
+    assert table["all-gather over row"]["with_compute"] == 1.0
+    assert table["all-reduce over data"]["hidden"] == 0.0
+
+
+def test_a_pipelined_collective_hides_behind_the_next_iteration():
+    """A start at the end of a loop body whose done is in the next iteration (carried through the
+    loop tuple) has the next iteration's matmul to hide behind; the last one's done is after the
+    loop. Of a conditional's branches the one with collectives counts (`hlo`'s convention)."""
+    s = overlap.report(PIPELINED, MESH, H100)
+    found = {o.name: o for o in s.overlaps}
+    ar, cp = found["next"], found["cps"]
+    assert ar.executions == 4 and ar.asynchronous
+    comm = cm.link_time("all-reduce", MB2, 8, False, H100)
+    steady = max(0.0, comm - DOT_S)
+    assert ar.exposed_s == pytest.approx((3 * steady + comm) / 4)
+    assert ar.window_matmul_flops == pytest.approx(3 / 4 * 2 * 1024**3)
+    assert cp.executions == 1 and cp.axes == ("data",)
+    assert s.step_s == pytest.approx(4 * DOT_S + 3 * steady + comm + cp.comm_s)
+
+
+def test_hidden_shares_per_axis_and_mode():
+    """A collective over several axes hides the least of theirs; a pipeline mode falls back to
+    the spmd figure of an axis it did not measure; an axis never measured hides nothing."""
+    from axonn_jax.analysis import hidden_shares as hs
+
+    spmd, zb = hs.SHARES["spmd"], hs.SHARES["zb-h1"]
+    assert hs.hidden_share(("row",), "zb-h1") == zb["row"] != spmd["row"]
+    assert hs.hidden_share(("col",), "zb-h1") == spmd["col"]
+    assert hs.hidden_share(("data", "col"), "spmd") == min(spmd["data"], spmd["col"])
+    assert hs.hidden_share(("expert",)) == 0.0 and hs.hidden_share(()) == 0.0
+    rows = {"all-reduce over data": {"comm_s": 4.0, "exposed_s": 1.0},
+            "all-gather over row": {"comm_s": 1.0, "exposed_s": 1.0},
+            "reduce-scatter over row": {"comm_s": 1.0, "exposed_s": 0.0},
+            "all-reduce over data+row": {"comm_s": 9.0, "exposed_s": 9.0}}
+    assert hs.axis_shares(rows) == {"data": 0.75, "row": 0.5}
+
+
+def test_plan_exposes_what_the_schedule_cannot_hide(monkeypatch):
+    """`predict`'s exposed data-parallel time is the exchange's time less the measured hidden
+    share (the backward pass is far longer here), and falls as the share rises."""
+    from axonn_jax import ParallelConfig
+    from axonn_jax.analysis import hidden_shares as hs
+    from axonn_jax.models.gpt import get_config
+
+    work = cm.Workload(get_config("gpt-1.3b"), batch=4096, seq_len=1024)
+    grid = ParallelConfig(data=16)
+    data_s = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(work, grid)
+                 if c.axes == ("data",))
+    for share in (0.0, 0.5):
+        monkeypatch.setitem(hs.SHARES, "spmd", {"data": share})
+        p = cm.predict(work, grid, H100)
+        assert p.compute_s * 2 / 3 > data_s * share
+        assert p.exposed_comm_by_axis["data"] == pytest.approx(data_s * (1 - share))
+
+
+def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
+    import jax
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax.analysis import targets
+    from axonn_jax.step import xla_options as xo
+
+    cpu = make_mesh(ParallelConfig(data=2), jax.devices("cpu")[:2])
+    assert xo.compiler_options(cpu) is None
+    with pytest.raises(ValueError, match="xla_options must be one of"):
+        xo.compiler_options(cpu, "fast")
+    if targets.cuda_compile_problem() is None:
+        h100 = targets.h100_devices(8)
+        gpu = make_mesh(ParallelConfig(data=2, depth=2, row=2), h100)
+        assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
+        assert xo.compiler_options(gpu, "xla") is None
+        assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
+
+
+def test_data_parallel_gradients_are_reduced_inside_the_backward_scan(devices):
+    """`SpmdEngine.layer_reduce`: the exact data-parallel all-reduce of the blocks' gradients is
+    issued in the backward scan's body, layer by layer (what lets the schedule hide it:
+    benchmarks/results/overlap.md), not once after the loop; trajectories: tests/test_train.py."""
+    import re
+
+    from axonn_jax import ParallelConfig
+    from axonn_jax.analysis import compiled as cc, hlo
+    from axonn_jax.train import TrainOptions, build_trainer
+
+    trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=4, seq_len=16, steps=1,
+                                         parallel=ParallelConfig(data=2)), devices[:2])
+    _, compiled = cc.compile_step(trainer.step, trainer.local_example(), capacity_bytes=1e12)
+    text = compiled.as_text()
+    comps, _ = hlo._computations(text)
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
+    assert any(" all-reduce(" in line or "all-reduce-start(" in line
+               for b in bodies for line in comps[b])

@@ -12,9 +12,10 @@ torchao's float8 training (tensorwise dynamic scaling, its default) and Transfor
 `Float8CurrentScaling`.
 
 The quantized operands are what crosses the wire (all-gathers of rows and of `depth` kernel shards
-move float8, half bf16's bytes), and each dot reads `dequantize(q, dtype, scale)` of them: on GPU
-XLA's GEMM rewriter folds that pattern into a cuBLASLt FP8 GEMM with the scales as its alpha; on CPU
-it is the same arithmetic, computed in the compute dtype.
+move float8, half bf16's bytes), and each GEMM reads them as float8 with float32 accumulation, the
+two scales applied to its result (`dot`). Written so rather than as a dot of dequantized operands:
+compiled for H100, XLA fuses such a dequantization into a bf16 GEMM (measured), while a dot of
+float8 operands stays an FP8 GEMM.
 
 `fp8_matmuls()` is a context manager, read when a layer is traced: the train step traces its
 forward inside it with `--fp8`; user code may do the same around a `parallelize`d model.
@@ -77,6 +78,11 @@ def quantize(x, q_dtype, s):
     return fp8_ops.quantize(x, q_dtype, s, x.dtype)
 
 
-def dequantize(q, dtype, s):
-    """`q` as `dtype` times the scale `s`: the operand pattern the GPU GEMM rewriter fuses."""
-    return fp8_ops.dequantize(q, dtype, s)
+def dot(a, b, dimension_numbers, dtype):
+    """The GEMM of two quantized operands `a = (q_a, s_a)`, `b = (q_b, s_b)`: float8 operands,
+    float32 accumulation (`preferred_element_type`), the product of the scales applied to the
+    float32 result, returned as `dtype`. XLA compiles it to an FP8 GEMM on Hopper (a Triton or
+    cuBLASLt kernel reading float8); XLA:CPU computes the same products exactly in float32."""
+    (qa, sa), (qb, sb) = a, b
+    y = jax.lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
+    return (y * (sa * sb)).astype(dtype)

@@ -261,55 +261,55 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         return (y + b[0] if b else y), x
 
     rows = tuple(range(ndim - 1))
+    dims = {"forward": contract, "dx": (((ndim - 1,), (w_out,)), ((), ())),
+            "dw": ((rows, rows), ((), ()))}  # dw: (dy_rows, x) when out_in, else (x, dy_rows)
 
-    def weight_and_bias_grads(x, dy_rows, dy):
-        """dw from the gathered rows of x and dy, scattered over `depth`; db from dy."""
-        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), ((rows, rows), ((), ())))
+    def scatter_grads(dw, dy):
+        """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
         dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
+        if not has_bias:
+            return (dw,)
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
-        return (dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth"))[
-            :2 if has_bias else 1]
+        return dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
     def local_backward(x, w, dy):  # x: the gathered rows of the forward
         dy_rows = gather_rows(dy, fin)
-        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))),
-                      fout)
-        return dx, *weight_and_bias_grads(x, dy_rows, dy)
+        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), dims["dx"]), fout)
+        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), dims["dw"])
+        return dx, *scatter_grads(dw, dy)
 
     # the forward keeps x's gathered rows: batch over `depth` only
     kept_spec = batch_spec(ndim, None, fin) if split else x_spec
     if fp8_axes is not None:
-        local_forward, local_backward = _fp8_dense(gather_rows, sum_rows, weight_and_bias_grads,
-                                                   contract, w_out, ndim, fin, fout,
-                                                   (*TP_AXES, *fp8_axes))
+        local_forward, local_backward = _fp8_dense(gather_rows, sum_rows, scatter_grads, dims,
+                                                   out_in, fin, fout, (*TP_AXES, *fp8_axes))
         kept_spec = (kept_spec, P(), P())  # x's quantized rows, x's and the kernel's scales
     specs = (x_spec, w_spec, b_spec, y_spec, kept_spec)
     return _layer(mesh, local_forward, local_backward, specs, has_bias)
 
 
-def _fp8_dense(gather_rows, sum_rows, weight_and_bias_grads, contract, w_out, ndim, fin, fout,
-               axes):
+def _fp8_dense(gather_rows, sum_rows, scatter_grads, dims, out_in, fin, fout, axes):
     """`_dense_fn`'s local forward and backward with FP8 GEMMs (`tp.fp8`): x and the kernel
     quantized to e4m3, dy to e5m2, each with its global current scale (amax over `axes`); the
-    quantized rows and kernel shards are what the all-gathers move, and the forward keeps x's
-    quantized rows (float8) with the two scales for the backward. The bias gradient sums dy as
-    it came."""
+    quantized rows and kernel shards are what the all-gathers move, each GEMM reads float8
+    operands (`fp8.dot`), and the forward keeps x's quantized rows (float8) with the two scales
+    for the backward. The bias gradient sums dy as it came."""
 
     def local_forward(x, w, *b):
         sx, sw = fp8.scale(x, fp8.FORWARD, axes), fp8.scale(w, fp8.FORWARD, axes)
         qx = gather_rows(fp8.quantize(x, fp8.FORWARD, sx), fout)
         qw = _gather_depth(fp8.quantize(w, fp8.FORWARD, sw))
-        y = sum_rows(jax.lax.dot_general(fp8.dequantize(qx, x.dtype, sx),
-                                         fp8.dequantize(qw, x.dtype, sw), contract), fin)
+        y = sum_rows(fp8.dot((qx, sx), (qw, sw), dims["forward"], x.dtype), fin)
         return (y + b[0] if b else y), (qx, sx, sw)
 
     def local_backward(kept, w, dy):
         qx, sx, sw = kept
         sdy = fp8.scale(dy, fp8.BACKWARD, axes)
-        dy_rows = fp8.dequantize(gather_rows(fp8.quantize(dy, fp8.BACKWARD, sdy), fin), dy.dtype, sdy)
-        w_full = fp8.dequantize(_gather_depth(fp8.quantize(w, fp8.FORWARD, sw)), dy.dtype, sw)
-        dx = sum_rows(jax.lax.dot_general(dy_rows, w_full, (((ndim - 1,), (w_out,)), ((), ()))), fout)
-        return dx, *weight_and_bias_grads(fp8.dequantize(qx, dy.dtype, sx), dy_rows, dy)
+        dy_rows = (gather_rows(fp8.quantize(dy, fp8.BACKWARD, sdy), fin), sdy)
+        w_full = (_gather_depth(fp8.quantize(w, fp8.FORWARD, sw)), sw)
+        dx = sum_rows(fp8.dot(dy_rows, w_full, dims["dx"], dy.dtype), fout)
+        dw = fp8.dot(*((dy_rows, (qx, sx)) if out_in else ((qx, sx), dy_rows)), dims["dw"], w.dtype)
+        return dx, *scatter_grads(dw, dy)
 
     return local_forward, local_backward
 

@@ -34,7 +34,7 @@ def _dense_grads(mesh, x, w, b, transpose=False):
 
 def test_fp8_dense_is_its_definition_on_every_grid(devices):
     """One device's fp8 layer is e4m3(x) @ e4m3(w) forward and e5m2(dy) against them backward,
-    each with its tensor's amax scale (numpy reference); row2×col2 (both layouts) and
+    each with its tensor's amax scale (numpy reference); row2×col2 (transposed) and
     depth2×row2×col2 give the same to fp32 rounding: every device quantizes with the global amax."""
     k = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(k[0], (16, 8, 32)), 0.1 * jax.random.normal(k[1], (32, 64))
@@ -50,8 +50,7 @@ def test_fp8_dense_is_its_definition_on_every_grid(devices):
     np.testing.assert_allclose(dw, np.einsum("bsi,bso->io", qx, dy), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(db, np.cos(y).sum((0, 1)), rtol=1e-4)  # the bias sees dy as it is
     assert abs(float(np.sum(np.sin(np.asarray(x) @ np.asarray(w) + np.asarray(b)))) - loss) > 1e-2
-    for grid, transpose in [(dict(row=2, col=2), False), (dict(row=2, col=2), True),
-                            (dict(depth=2, row=2, col=2), False)]:
+    for grid, transpose in [(dict(row=2, col=2), True), (dict(depth=2, row=2, col=2), False)]:
         mesh = make_mesh(ParallelConfig(**grid), devices[:int(np.prod(list(grid.values())))])
         got = _dense_grads(mesh, x, w, b, transpose)
         np.testing.assert_allclose(got[0], loss, rtol=1e-5)

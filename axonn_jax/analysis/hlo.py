@@ -444,3 +444,21 @@ def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> boo
                 seen.add(op)
                 todo.append(op)
     return False
+
+
+_GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*|triton_gemm\S*)_computation \((.*)\) -> ", re.M)
+_F8_CUBLAS = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
+
+
+def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
+    """The element types of the two matrix operands of every GEMM of a compiled GPU module (each
+    fusion XLA made of a dot once, a loop body's once): the Triton GEMM fusions' first two
+    parameters, and `("f8", "f8")` for each cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`, which a
+    module compiled with autotuning on a GPU may choose instead). E.g. `('f8e4m3fn', 'f8e4m3fn')`:
+    an FP8 GEMM; `('f8e5m2', 'bf16')`: one operand upcast before the GEMM."""
+    found = []
+    for _, params in _GEMM_FUSION.findall(hlo_text):
+        types = re.findall(r":\s*([a-z0-9]+)\[", params)
+        if len(types) >= 2:
+            found.append((types[0], types[1]))
+    return found + [("f8", "f8")] * len(_F8_CUBLAS.findall(hlo_text))

@@ -118,6 +118,9 @@ class PipelineOptions:
 class PrecisionOptions:
     dtype: str = option("float32", "compute dtype; fp32 master weights (float16: dynamic loss "
                         "scaling)", choices=DTYPE_NAMES)
+    fp8: bool = option(False, "FP8 GEMMs in every dense layer (e4m3 forward, e5m2 gradients, "
+                       "per-tensor current scaling); the rest computes in --dtype (bfloat16 "
+                       "advised)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -674,4 +677,5 @@ def step_options(config: RunConfig) -> dict:
                 offload_optimizer=m.offload_optimizer, remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, dtype=config.precision.dtype,
-                clip_norm=config.optimizer.clip_norm, xla_options=config.run.xla_options)
+                fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,
+                xla_options=config.run.xla_options)

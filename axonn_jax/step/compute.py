@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import ensure_varying
+from ..tp.fp8 import fp8_matmuls
 from .gathers import unbatched_gathers
 from .model import ModelFunctions, scan_layers
 
@@ -37,7 +38,8 @@ def aux_metrics(aux: dict) -> dict:
 class ComputeFunctions:
     """`fns` in `dtype` with the block groups `groups` (`((count, wrap), ...)`: how
     `step.model.scan_layers` wraps runs of layers, e.g. in `jax.checkpoint` with a policy; None
-    keeps every layer as it is).
+    keeps every layer as it is); `fp8`: the tensor-parallel dense layers run FP8 GEMMs (`tp.fp8`;
+    `fns` bound with `fp8`).
 
         embed(params['embed'], batch) -> x            x: (rows, ...) in `dtype`
         blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
@@ -56,29 +58,33 @@ class ComputeFunctions:
     arrives invariant): autodiff then sums each layer's gradients over them inside the backward
     scan, as soon as they exist, where the latency-hiding scheduler overlaps the all-reduce with
     the next layers' backward (`SpmdEngine.layer_reduce`)."""
+    fp8: bool = False
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
 
     def embed(self, params, batch):
-        return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
-                                 .astype(self.dtype))(params, batch)
+        with fp8_matmuls(self.fp8):
+            return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
+                                     .astype(self.dtype))(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None):
         groups = self.groups if groups is None else groups
-        if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
-            def block(p, h, **side):
-                return self.fns.block(cast_floating(ensure_varying(p, self.vary_layers),
-                                                    self.dtype), h, **side)
+        with fp8_matmuls(self.fp8):
+            if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
+                def block(p, h, **side):
+                    return self.fns.block(cast_floating(ensure_varying(p, self.vary_layers),
+                                                        self.dtype), h, **side)
 
-            return unbatched_gathers(lambda s, x, b: scan_layers(
-                block, s, x, groups, self.fns.model.side(b)))(stacked, x, batch)
-        return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
-            cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
+                return unbatched_gathers(lambda s, x, b: scan_layers(
+                    block, s, x, groups, self.fns.model.side(b)))(stacked, x, batch)
+            return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
+                cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 
     def head(self, head_params, y, batch):
-        return unbatched_gathers(lambda p, y, b: self.fns.head(cast_floating(p, self.dtype), y, b)
-                                 .astype(jnp.float32))(head_params, y, batch)
+        with fp8_matmuls(self.fp8):
+            return unbatched_gathers(lambda p, y, b: self.fns.head(
+                cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 
     def loss_and_metrics(self, params, batch):
         """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics)."""

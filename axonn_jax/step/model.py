@@ -238,10 +238,11 @@ class StackedModel:
         """The mean loss of `batch`: head(blocks(embed(batch)), batch), on one device."""
         return ModelFunctions.of(self, _abstract(batch)).loss(params, batch)
 
-    def bind(self, example_batch, mesh=None) -> "ModelFunctions":
+    def bind(self, example_batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
         """The model's functions for batches shaped like `example_batch`, tensor-parallel over
-        `mesh`'s `depth, row, col` axes when they hold more than one device."""
-        return ModelFunctions.of(self, _abstract(example_batch), mesh)
+        `mesh`'s `depth, row, col` axes when they hold more than one device, or when `fp8` (the
+        FP8 GEMMs are the tensor-parallel kernel's, `tp.fp8`: run under `fp8_matmuls`)."""
+        return ModelFunctions.of(self, _abstract(example_batch), mesh, fp8)
 
 
 def split_aux(out) -> tuple[Any, dict]:
@@ -317,7 +318,7 @@ class ModelFunctions:
     init: Callable  # key -> params (the plain modules: identical values on every grid)
 
     @classmethod
-    def of(cls, model: StackedModel, batch, mesh=None) -> "ModelFunctions":
+    def of(cls, model: StackedModel, batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
         embed, block, head = model._parts
         init_parts = (embed, block, head)
         e_abs = jax.eval_shape(embed.init, jax.random.key(0), batch)
@@ -325,8 +326,11 @@ class ModelFunctions:
         side = model.side(batch)  # ShapeDtypeStructs
         head_extra = (e_abs,) if model.head_reads_embed else ()
         specs = None
-        tensor = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col")) \
-            and mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1
+        has_axes = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col"))
+        if fp8 and not has_axes:
+            raise ValueError("fp8 runs the dense layers' tensor-parallel kernel: it needs a mesh "
+                             "with axes depth, row, col (make_mesh)")
+        tensor = has_axes and (fp8 or mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1)
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
                 embed.parallelize(mesh, batch), block.parallelize(mesh, x, **side),

@@ -58,6 +58,7 @@ class StepOptions:
     compress_bucket: int = 1024
     error_feedback: bool = True
     dtype: str = "float32"
+    fp8: bool = False
     clip_norm: float | None = None
     xla_options: str = "library"
 
@@ -112,6 +113,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`.
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
         forward (masters stay fp32); float16 scales the loss; mixed precision skips non-finite steps.
+      fp8: the dense layers' GEMMs in FP8 (e4m3 forward, e5m2 gradients, per-tensor current
+        scaling: `axonn_jax.tp.fp8`), everything else in `dtype`; no state to carry.
       clip_norm: clip the gradients' global norm (None: no clipping).
       xla_options: `library` (on GPUs, the overlap options of `step.xla_options`) | `xla`
         (XLA's defaults).
@@ -454,7 +457,7 @@ class BoundStep:
                    num_layers=parts.model.num_layers)
         if grid.context > 1:
             check_sequences(batch, grid.context)
-        self.fns: ModelFunctions = parts.model.bind(batch, mesh)
+        self.fns: ModelFunctions = parts.model.bind(batch, mesh, o.fp8)
         self.compute_dtype = DTYPES[o.dtype]
         self.scaler = loss_scaler(o.dtype)
         self.specs = self._param_specs()
@@ -471,7 +474,7 @@ class BoundStep:
     def compute_with(self, plan: activations.Plan | None) -> ComputeFunctions:
         """The model's functions in the compute dtype, its blocks run with `plan`."""
         groups = plan.layer_groups(self.model.offload_names) if plan else None
-        return ComputeFunctions(self.fns, self.compute_dtype, groups)
+        return ComputeFunctions(self.fns, self.compute_dtype, groups, self.parts.options.fp8)
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid

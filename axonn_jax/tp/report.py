@@ -51,6 +51,8 @@ class SplitReport:
     """Every parameter of a parallelized model and how it is split (`str()` gives a table)."""
 
     params: tuple[ParamSplit, ...]
+    tensor_devices: int = 0
+    """depth × row × col of the mesh (1: nothing can be split; 0: not known)."""
 
     @property
     def replicated(self) -> tuple[ParamSplit, ...]:
@@ -107,7 +109,8 @@ def build(entries, sizes) -> SplitReport:
     """A report from `(path, shape, dtype, spec, note)` tuples; `sizes`: `{mesh axis: size}`."""
     return SplitReport(tuple(ParamSplit(path, tuple(shape), str(np.dtype(dtype)), spec,
                                         parts_of(spec, sizes), note)
-                             for path, shape, dtype, spec, note in entries))
+                             for path, shape, dtype, spec, note in entries),
+                       int(np.prod([sizes.get(a, 1) for a in ("depth", "row", "col")])))
 
 
 def act(report: SplitReport, report_to, max_replicated: int | None, what: str = "parallelize"):
@@ -121,10 +124,12 @@ def act(report: SplitReport, report_to, max_replicated: int | None, what: str = 
                 "would stay whole on every device: " + ", ".join(
                     f"'{p.path}' {p.shape} ({p.note or 'no tensor-parallel layer used it'})"
                     for p in big))
-    for p in report.replicated:
+    # a one-device tensor grid (fp8 runs the tensor-parallel kernels there) splits nothing: no notes
+    whole = report.replicated if report.tensor_devices != 1 else ()
+    for p in whole:
         if p.note and p.note != RULE_NOTE:
             logger.warning("%s: '%s' %s stays whole on every device: %s", what, p.path, p.shape, p.note)
-    unknown = [p for p in report.replicated if not p.note and len(p.shape) >= 2]
+    unknown = [p for p in whole if not p.note and len(p.shape) >= 2]
     if unknown:
         logger.warning(
             "%s: %d weight(s) that no tensor-parallel layer used stay whole on every device "

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 from ..collectives import Collective, ParameterShard, StepShape
+from . import fp8
 
 TP_AXES = ("depth", "row", "col")
 TP_DENSE_NAME = "tp_dense"
@@ -136,8 +137,9 @@ def _layer(mesh, local_forward, local_backward, specs, has_bias: bool):
     """A jitted `layer(x, w, b) -> y` with a custom VJP, both directions in their own shard_map
     over the tensor axes, on one device's blocks: `local_forward(x, w[, b]) -> (y, kept)`, where
     `kept` is what the backward needs of `x` (x itself, or its rows gathered for the matmul, so
-    that the backward need not gather them again), and `local_backward(kept, w, dy) -> (dx, dw[,
-    db])`. `specs`: the PartitionSpecs of (x, w, b, y, kept). Without a bias, `b` is a placeholder
+    that the backward need not gather them again; a tuple whose first entry is those rows), and
+    `local_backward(kept, w, dy) -> (dx, dw[, db])`. `specs`: the PartitionSpecs of (x, w, b, y,
+    kept). Without a bias, `b` is a placeholder
     that gets no gradient."""
     x_spec, w_spec, b_spec, y_spec, kept_spec = specs
 
@@ -145,13 +147,14 @@ def _layer(mesh, local_forward, local_backward, specs, has_bias: bool):
         args, in_specs = ((x, w, b), (x_spec, w_spec, b_spec)) if has_bias else \
             ((x, w), (x_spec, w_spec))
         y, kept = _sm(local_forward, mesh, in_specs, (y_spec, kept_spec))(*args)
-        return _varying_like(y, *args), (_varying_like(kept, x), w, b)
+        return _varying_like(y, *args), (jax.tree.map(lambda k: _varying_like(k, x), kept), w, b)
 
     def backward(res, dy):
         kept, w, b = res
         out_specs = (x_spec, w_spec, b_spec) if has_bias else (x_spec, w_spec)
         grads = _sm(local_backward, mesh, (kept_spec, w_spec, y_spec), out_specs)(kept, w, dy)
-        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (kept, w, b)))
+        like_x = jax.tree.leaves(kept)[0]  # kept may be x's quantized rows and their scales
+        grads = tuple(_varying_like(g, p) for g, p in zip(grads, (like_x, w, b)))
         return grads if has_bias else (*grads, None)
 
     layer = jax.custom_vjp(lambda x, w, b: forward(x, w, b)[0])
@@ -236,7 +239,7 @@ def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
 
 @functools.lru_cache(maxsize=LAYER_CACHE)
 def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False,
-              split: bool = False):
+              split: bool = False, fp8_axes: tuple[str, ...] | None = None):
     fin, fout = feature_axes(transpose)
     # split: x's batch also over fout, y's over fin; else both replicated over the other axis
     x_spec = batch_spec(ndim, fout if split else None, fin)
@@ -257,21 +260,58 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         y = sum_rows(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
         return (y + b[0] if b else y), x
 
-    def local_backward(x, w, dy):  # x: the gathered rows of the forward
-        rows = tuple(range(ndim - 1))
-        dy_rows = gather_rows(dy, fin)
-        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), (((ndim - 1,), (w_out,)), ((), ()))),
-                      fout)
-        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), ((rows, rows), ((), ())))
+    rows = tuple(range(ndim - 1))
+    dims = {"forward": contract, "dx": (((ndim - 1,), (w_out,)), ((), ())),
+            "dw": ((rows, rows), ((), ()))}  # dw: (dy_rows, x) when out_in, else (x, dy_rows)
+
+    def scatter_grads(dw, dy):
+        """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
         dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
         if not has_bias:
-            return dx, dw
+            return (dw,)
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
-        return dx, dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
+        return dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
+
+    def local_backward(x, w, dy):  # x: the gathered rows of the forward
+        dy_rows = gather_rows(dy, fin)
+        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), dims["dx"]), fout)
+        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), dims["dw"])
+        return dx, *scatter_grads(dw, dy)
 
     # the forward keeps x's gathered rows: batch over `depth` only
-    specs = (x_spec, w_spec, b_spec, y_spec, batch_spec(ndim, None, fin) if split else x_spec)
+    kept_spec = batch_spec(ndim, None, fin) if split else x_spec
+    if fp8_axes is not None:
+        local_forward, local_backward = _fp8_dense(gather_rows, sum_rows, scatter_grads, dims,
+                                                   out_in, fin, fout, (*TP_AXES, *fp8_axes))
+        kept_spec = (kept_spec, P(), P())  # x's quantized rows, x's and the kernel's scales
+    specs = (x_spec, w_spec, b_spec, y_spec, kept_spec)
     return _layer(mesh, local_forward, local_backward, specs, has_bias)
+
+
+def _fp8_dense(gather_rows, sum_rows, scatter_grads, dims, out_in, fin, fout, axes):
+    """`_dense_fn`'s local forward and backward with FP8 GEMMs (`tp.fp8`): x and the kernel
+    quantized to e4m3, dy to e5m2, each with its global current scale (amax over `axes`); the
+    quantized rows and kernel shards are what the all-gathers move, each GEMM reads float8
+    operands (`fp8.dot`), and the forward keeps x's quantized rows (float8) with the two scales
+    for the backward. The bias gradient sums dy as it came."""
+
+    def local_forward(x, w, *b):
+        sx, sw = fp8.scale(x, fp8.FORWARD, axes), fp8.scale(w, fp8.FORWARD, axes)
+        qx = gather_rows(fp8.quantize(x, fp8.FORWARD, sx), fout)
+        qw = _gather_depth(fp8.quantize(w, fp8.FORWARD, sw))
+        y = sum_rows(fp8.dot((qx, sx), (qw, sw), dims["forward"], x.dtype), fin)
+        return (y + b[0] if b else y), (qx, sx, sw)
+
+    def local_backward(kept, w, dy):
+        qx, sx, sw = kept
+        sdy = fp8.scale(dy, fp8.BACKWARD, axes)
+        dy_rows = (gather_rows(fp8.quantize(dy, fp8.BACKWARD, sdy), fin), sdy)
+        w_full = (_gather_depth(fp8.quantize(w, fp8.FORWARD, sw)), sw)
+        dx = sum_rows(fp8.dot(dy_rows, w_full, dims["dx"], dy.dtype), fout)
+        dw = fp8.dot(*((dy_rows, (qx, sx)) if out_in else ((qx, sx), dy_rows)), dims["dw"], w.dtype)
+        return dx, *scatter_grads(dw, dy)
+
+    return local_forward, local_backward
 
 
 def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
@@ -287,8 +327,9 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
     _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
+    fp8_axes = fp8.amax_axes(x, kernel) if fp8.fp8_enabled() else None
     fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in),
-                   split_batch(x.shape, mesh, transpose))
+                   split_batch(x.shape, mesh, transpose), fp8_axes)
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)

@@ -81,7 +81,23 @@ GSPMD = {  # name: (mesh shape of n devices, axis names), as analysis.step_bench
 }
 
 NOTES: dict[str, str] = {}
-"""Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO)."""
+"""Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
+beyond the causes that `CAUSES` gives for every row."""
+
+CAUSES = [
+    "**FLOPs** (every pipeline row): the compiled stage program runs a forward and a backward "
+    "on every tick of the schedule, the bubble's ticks included (the HLO's FLOPs count the tick "
+    "loop's body × its trip count, M + P − 1 ticks for M microbatches), and cuDNN's attention "
+    "forward runs again inside the backward (the nested shard_map recomputes it); `plan` counts "
+    "the model's 6·N·tokens. Not a cost the GPU pays in full (a bubble tick's work is masked), "
+    "so `plan` is left as it is.",
+    "**all-reduce** (pipeline rows with data > 1): XLA's GPU pipeline merges the data-parallel "
+    "all-reduce of the embedding's and head's gradients with their sum over the stages into one "
+    "all-reduce over data × pipe (compiled `all-reduce over data+pipe` = the embedding and head "
+    "parameters of a device × 4 bytes × 2(g − 1)/g, g = data · pipe; Llama-3-8B/64: 8.27 GB, "
+    "exactly); `plan` counts the two all-reduces separately, as the CPU program runs them (where "
+    "`tests/test_comm_model.py` checks it to 5%). The compiled total is therefore lower.",
+]
 
 GSPMD_CHILD = """
 import json, sys, time
@@ -246,7 +262,8 @@ def markdown(results: dict) -> str:
         "of the same model and update) compiled the same way, ZeRO-3 over all devices and "
         "ZeRO-3 × Megatron TP 8: wire bytes and peak memory per device.", "",
         *lines, "", "## Where the compiler and `plan` differ by more than 10%", "",
-        *(gaps or ["none"]), "", "## Batch and sequence sources", "",
+        *(gaps or ["none"]), "", "Causes common to the rows (read from the compiled HLO):", "",
+        *(f"- {c}" for c in CAUSES), "", "## Batch and sequence sources", "",
         *(f"- {s}" for s in sources), "", "## Commands", "",
         *(f"- {name}: `{res['command']}`" for name, res in results.items()), ""])
 

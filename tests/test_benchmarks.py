@@ -78,3 +78,11 @@ def test_bench_defaults_scale_to_any_device_count():
     usable, dropped = step_bench.gspmd_layouts_for(256, 16)
     assert set(dropped) == {"gspmd dp", "gspmd fsdp"} and "256 devices" in dropped["gspmd dp"]
     assert set(usable) == set(step_bench.GSPMD_LAYOUTS) - set(dropped)
+
+    def check(grid):  # a model whose 1600 features split 2 ways but not 256
+        if 1600 % grid.row:
+            raise ValueError(f"1600 is not divisible by row = {grid.row}")
+
+    usable, dropped = step_bench.gspmd_layouts_for(256, 256, check)
+    assert usable == ("gspmd dp", "gspmd fsdp")  # tp = 256 and 128 do not split 1600
+    assert "row = 256" in dropped["gspmd megatron tp"] and "row = 128" in dropped["gspmd dp=2 x tp"]

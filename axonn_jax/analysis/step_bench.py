@@ -54,20 +54,33 @@ GSPMD_LAYOUTS = {  # name: (mesh shape as a function of n devices, axis names)
 }
 
 
-def gspmd_layouts_for(n: int, batch_rows: int, layouts=GSPMD_LAYOUTS) -> tuple[tuple, dict]:
+def gspmd_layouts_for(n: int, batch_rows: int, check_grid=None,
+                      layouts=GSPMD_LAYOUTS) -> tuple[tuple, dict]:
     """(names of the `layouts` that fit `n` devices and a batch of `batch_rows`, {name: why not}
-    for the others): the mesh must hold the `n` devices and its batch axes split the batch."""
+    for the others): the mesh must hold the `n` devices, its batch axes split the batch and
+    `check_grid(ParallelConfig(row=tp))` (the model's) accept its Megatron axis."""
     usable, dropped = [], {}
     for name, (shape_of, axes) in layouts.items():
         shape = shape_of(n)
-        rows = math.prod(s for s, a in zip(shape, axes) if a in ("dp", "fsdp"))
+        sizes = dict(zip(axes, shape))
+        rows = math.prod(s for a, s in sizes.items() if a in ("dp", "fsdp"))
         if math.prod(shape) != n or min(shape) < 1:
             dropped[name] = f"mesh {shape} does not hold {n} devices"
         elif batch_rows % rows:
             dropped[name] = f"batch {batch_rows} does not split over {rows} devices"
+        elif (why := _tp_problem(check_grid, sizes.get("tp", 1))):
+            dropped[name] = why
         else:
             usable.append(name)
     return tuple(usable), dropped
+
+
+def _tp_problem(check_grid, tp: int) -> str | None:
+    try:
+        check_grid and tp > 1 and check_grid(ParallelConfig(row=tp))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def scaled_grids(texts, n: int, batch_rows: int, check=None) -> list[ParallelConfig]:

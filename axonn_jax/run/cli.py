@@ -305,7 +305,7 @@ def _bench_steps(args) -> int:
         if not grids:
             raise ConfigError([f"no grid of {n} devices runs {config.model.name} with "
                                f"--batch-size {b}: give --grid"])
-    baselines, dropped = step_bench.gspmd_layouts_for(n, b)
+    baselines, dropped = step_bench.gspmd_layouts_for(n, b, preset.check_grid)
     for name, why in dropped.items():
         print(f"axonn-jax bench: {name} left out: {why}", file=sys.stderr)
     if preset.data == "images":

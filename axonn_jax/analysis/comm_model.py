@@ -178,24 +178,25 @@ def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
                          split: bool = False) -> float:
     """Bytes one transformer block's backward keeps from its forward on one device (no
     recompute), for `tokens` of a (micro)batch, `split`: the dense layers' batch-split layout
-    (`tp.tensor.split_batch`: rows over row for the residual stream, over col for the rest).
-    Read off the memory-usage reports of compiled H100 steps (`--dump-hlo` with XLA's dump
-    flags; bf16, cuDNN attention) of Llama-3-8B on data 8 × pipe 8 and Llama-3-405B on
-    pipe 2 × depth 16 × row 8, per layer:
+    (`tp.tensor.split_batch`, rows over col). Read off the memory-usage reports of compiled H100
+    steps (`--dump-hlo` with XLA's dump flags; bf16, cuDNN attention) of Llama-3-8B on
+    data 8 × pipe 8 and Llama-3-405B on pipe 2 × depth 16 × row 8 and on pipe 2 × depth 2 ×
+    row 8 × col 8, per layer:
 
-    - 6 activations of the residual stream's width in fp32 (the norms compute in fp32) and 2 in
-      the compute dtype, split like the stream: features over col, rows over row when split —
-      whole on a grid without col (405B: six f32[63, 1, 4096, 16384], 94.5 GiB, on row 8);
-    - 6 of the MLP's hidden width (`d_ff`) in the compute dtype, features over row;
+    - 6 activations of the residual stream's width in fp32 (the norms compute in fp32),
+      features over col, rows over row when split; and 3 in the compute dtype whose rows stay
+      whole (405B, col 8: three bf16[63, 8·4096, 16384/8]);
+    - 6 of the MLP's hidden width (`d_ff`) in the compute dtype, features over row, rows over
+      col when split but for one (405B: bf16[63, 8·4096, 53248/8], 25.6 GiB);
     - 4 of the attention heads' width (queries, keys, values, output), heads over row;
     - unfused attention (fp32, or `--attention xla`): the probabilities, 2 per head and key;
       cuDNN's fused kernel keeps only per-row statistics.
     """
     m, g, cb = work.model, grid, work.compute_bytes
     d_ff = getattr(m, "d_ff", 4 * m.d_model)
-    stream = tokens / (g.row if split else 1) * m.d_model / g.col * (6 * FP32 + 2 * cb)
+    stream = tokens * m.d_model / g.col * (6 * FP32 / (g.row if split else 1) + 3 * cb)
     inner = tokens / (g.col if split else 1) / g.row
-    out = stream + inner * (6 * d_ff + 4 * m.d_model) * cb
+    out = stream + inner * (5 * d_ff + 4 * m.d_model) * cb + tokens / g.row * d_ff * cb
     if not fused_attention(work):
         out += 2 * inner * work.seq_len * m.num_heads * cb
     return out

@@ -85,7 +85,10 @@ NOTES: dict[str, str] = {
         "`--attention xla` is given: `auto` resolves to cuDNN for bf16 on a GPU mesh, which "
         "`compile` then refuses inside context parallelism ('--attention cudnn does not run "
         "inside context parallelism'); `auto` should pick the XLA core there (left to the "
-        "context/expert work of issues 26/27, as are `plan`'s context and expert terms).",
+        "context/expert work of issues 26/27, as are `plan`'s context and expert terms). `plan` "
+        "does not divide the tokens by context yet and counts the unfused 131,072² "
+        "probabilities whole (72 TB); the compiled step keeps 120 GB of temporaries (4 × 8,192 "
+        "tokens a device, no recompute): this grid needs `--remat full` or pipe stages.",
     "mixtral-8x7b/64 expert8":
         "`plan` does not model the expert axis yet (issues 26/27: the all-to-all, the experts' "
         "shards, the tokens over expert); its figures here are those of a dense grid. The "

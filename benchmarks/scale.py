@@ -265,6 +265,8 @@ def markdown(results: dict) -> str:
             "collective GB per kind, compiled vs plan (compiled/plan)", "FLOPs / ideal (plan)", "compile s",
             *GSPMD]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += [f"| {name} | not run yet (`--rows {name}`) |" + " |" * (len(head) - 2)
+              for name in ROWS if name not in results]
     for name, res in results.items():
         g = [_gspmd_cell(x) for x in res.get("gspmd", [])] or ["not run"] * len(GSPMD)
         if not res.get("compiled"):

@@ -100,7 +100,10 @@ NOTES: dict[str, str] = {
         "figure holds only the U-Net's attention and dense layers. Bytes: `plan` leaves out "
         "GSPMD's re-layouts of the down and up paths and the GroupNorms (README, U-Net); the "
         "compiled step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, "
-        "all-reduces 19.5 GB over row and 6.2 GB over col. Memory agrees (0.94).",
+        "all-reduces 19.5 GB over row and 6.2 GB over col. Memory agrees (0.94). The GSPMD "
+        "baselines do not compile for the abstract H100 here: XLA:GPU's Triton GEMM tiling "
+        "('Couldn't find output tile sizes') rejects the attention output projection's dot "
+        "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
     "llama3-8b/1024":
         "no pipeline; `plan` is above the compiler (memory 1.21×, reduce-scatter over row 22.6 vs "
         "13.1 GB, over depth 4.0 vs 1.5, all-gather over depth 7.5 vs 3.8; all-gather over row "
@@ -191,7 +194,8 @@ def _child(args: list[str], timeout: float) -> tuple[object | None, str | None, 
     if out.returncode < 0:
         return None, f"killed by signal {-out.returncode} (out of memory?)", wall
     lines = [ln for ln in out.stderr.splitlines() if ln.strip() and not ln.startswith((" ", "W", "I0"))]
-    return None, (lines or ["?"])[-1][:300], wall
+    errors = [ln for ln in lines if "Error:" in ln or "error:" in ln]
+    return None, (errors or lines or ["?"])[-1][:300], wall
 
 
 def run_row(name: str, row: Row, parts: set, timeout: float, old: dict | None = None) -> dict:

@@ -15,15 +15,18 @@ H100 = cm.MACHINES["h100-dgx"]
 
 
 def test_long_sequences_plan_a_context_grid():
-    """Llama-3.1-8B, one 131,072-token sequence on 16 H100s: a grid without `context` keeps
-    every head's seq² probabilities and fits nowhere; the planner's pick splits the sequence
-    and fits 80 GB, its activations about 1/context of the same grid's without the split."""
+    """Llama-3.1-8B, one 131,072-token sequence on 16 H100s: with XLA's attention a grid without
+    `context` keeps every head's seq² probabilities and fits nowhere; with cuDNN's fused kernel
+    (the default in bf16) such grids fit, and the planner's pick still splits the sequence; every
+    pick fits 80 GB, its activations about 1/context of the same grid's without the split."""
     work = cm.Workload(llama.PRESETS["llama3.1-8b"], 1, 131072)
     ranked = cm.plan(work, 16, H100)
-    assert ranked and all(p.grid.context > 1 for p in ranked)
+    assert ranked and ranked[0].grid.context > 1
+    unfused = dataclasses.replace(work, model=dataclasses.replace(work.model, attention="xla"))
+    assert all(p.grid.context > 1 for p in cm.plan(unfused, 16, H100))
     assert all(p.memory_per_device_bytes <= H100.device_memory for p in ranked)
     assert "context" in cm.searched_axes(work) and "expert" not in cm.searched_axes(work)
-    split, whole = (cm.memory_per_device(work, P(context=c, row=4, col=16 // (4 * c)))
+    split, whole = (cm.memory_per_device(unfused, P(context=c, row=4, col=16 // (4 * c)))
                     for c in (4, 1))
     # The 16 activations of a block over 4× fewer tokens (probabilities gone besides).
     assert split["activations"] < whole["activations"] / 4

@@ -69,3 +69,24 @@ def test_compile_only_allocates_nothing(devices, monkeypatch):
                             repeats=0, baselines=("gspmd fsdp",), log=lambda *_: None)
     assert [r["loss"] for r in report["rows"]] == [None, None]
     assert all(r["peak_bytes"] > 0 and r["wire_bytes"] > 0 for r in report["rows"])
+
+
+def test_bench_defaults_scale_to_any_device_count():
+    """`bench --model M --devices 256`: the 8-device default grids scaled by `data` to the devices
+    (dropped when the batch does not split over them), and only the GSPMD layouts whose batch
+    axes split the batch (a 16-row batch cannot go over 256 data-parallel devices)."""
+    grids = step_bench.scaled_grids(("data=8", "data=2,row=2,col=2", "row=4,col=2"), 256, 256)
+    assert grids == [ParallelConfig(data=256), ParallelConfig(data=64, row=2, col=2),
+                     ParallelConfig(data=32, row=4, col=2)]
+    assert step_bench.scaled_grids(("data=8", "row=4,col=2"), 256, 16) == []
+    usable, dropped = step_bench.gspmd_layouts_for(256, 16)
+    assert set(dropped) == {"gspmd dp", "gspmd fsdp"} and "256 devices" in dropped["gspmd dp"]
+    assert set(usable) == set(step_bench.GSPMD_LAYOUTS) - set(dropped)
+
+    def check(grid):  # a model whose 1600 features split 2 ways but not 256
+        if 1600 % grid.row:
+            raise ValueError(f"1600 is not divisible by row = {grid.row}")
+
+    usable, dropped = step_bench.gspmd_layouts_for(256, 256, check)
+    assert usable == ("gspmd dp", "gspmd fsdp")  # tp = 256 and 128 do not split 1600
+    assert "row = 256" in dropped["gspmd megatron tp"] and "row = 128" in dropped["gspmd dp=2 x tp"]

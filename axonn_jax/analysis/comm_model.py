@@ -245,12 +245,51 @@ def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
     return sum(p.elements for p in declared(work, grid).parameters)
 
 
+def fused_attention(work: Workload) -> bool:
+    """Whether the step's attention keeps no probabilities (cuDNN's fused kernel): `--attention
+    cudnn`, or `auto` in 16 bits, which picks cuDNN on a GPU (`models.attention.resolve`)."""
+    choice = getattr(work.model, "attention", "auto")
+    return choice == "cudnn" or (choice == "auto" and work.compute_bytes < FP32)
+
+
+def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
+                         split: bool = False) -> float:
+    """Bytes one transformer block's backward keeps from its forward on one device (no
+    recompute), for `tokens` of a (micro)batch, `split`: the dense layers' batch-split layout
+    (`tp.tensor.split_batch`, rows over col). Read off the memory-usage reports of compiled H100
+    steps (`--dump-hlo` with XLA's dump flags; bf16, cuDNN attention) of Llama-3-8B on
+    data 8 × pipe 8 and Llama-3-405B on pipe 2 × depth 16 × row 8 and on pipe 2 × depth 2 ×
+    row 8 × col 8, per layer:
+
+    - 6 activations of the residual stream's width in fp32 (the norms compute in fp32),
+      features over col, rows over row when split; and 3 in the compute dtype whose rows stay
+      whole (405B, col 8: three bf16[63, 8·4096, 16384/8]);
+    - 6 of the MLP's hidden width (`d_ff`) in the compute dtype, features over row, rows over
+      col when split but for one (405B: bf16[63, 8·4096, 53248/8], 25.6 GiB);
+    - 4 of the attention heads' width (queries, keys, values, output), heads over row;
+    - unfused attention (fp32, or `--attention xla`): the probabilities, 2 per head and key;
+      cuDNN's fused kernel keeps only per-row statistics, and so does the context-parallel
+      attention (`parallel.context`, whose temporaries the model declares as `working`).
+    """
+    m, g, cb = work.model, grid, work.compute_bytes
+    d_ff = getattr(m, "d_ff", 4 * m.d_model)
+    stream = tokens * m.d_model / g.col * (6 * FP32 / (g.row if split else 1) + 3 * cb)
+    inner = tokens / (g.col if split else 1) / g.row
+    out = stream + inner * (5 * d_ff + 4 * m.d_model) * cb + tokens / g.row * d_ff * cb
+    if not fused_attention(work) and g.context == 1:  # context attention keeps none either
+        out += 2 * inner * work.seq_len * m.num_heads * cb
+    return out
+
+
 def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     """Bytes one device holds at peak: parameters, gradients, optimizer state and activations."""
     m, g, d = work.model, grid, declared(work, grid)
     n = sum(p.elements for p in d.parameters)
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
     grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
+    if g.pipe > 1:  # every stage's gradient of the embedding and head, summed over pipe in fp32
+        # beside the accumulator (compiled H100 step of Llama-3-8B on data 8 × pipe 8)
+        grads += sum(p.elements for p in d.parameters if p.outside_blocks) * FP32
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
     # fp32 parameters computed with in 16 bits: the forward's cast of every parameter and its
     # gradient in the compute dtype before it is added in fp32 (the compiled H100 step of
@@ -263,15 +302,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
                 "activations": activations, "total": params + grads + optimizer + activations}
     # Else a stack of transformer blocks (`d_model`, `num_heads`):
     tokens = work.tokens / (g.data * g.expert * g.context * g.depth) / work.microbatches
-    # Working set of one block's forward+backward (stage-level recompute keeps only stage inputs):
-    # ~16 activations of (tokens × d/tp) plus the attention probabilities per head slice (and,
-    # in the batch-split layout, per row slice over col); the residual stream split over col
-    # (and its rows over row): the stage boundary's activation. Over `context` the attention
-    # keeps no probabilities (`parallel.context`): its temporaries are `d.working`, one layer's.
     rows = (g.row, g.col) if d.split else (1, 1)
-    probabilities = 0 if g.context > 1 else \
-        2 * tokens * work.seq_len * m.num_heads / (g.row * rows[1])
-    per_block = (16 * tokens * m.d_model / (g.row * g.col) + probabilities) * work.compute_bytes
+    per_block = block_residual_bytes(work, grid, tokens, d.split)
     act = d.boundary
     if g.pipe == 1:
         stash, layers = act, m.num_layers
@@ -511,8 +543,10 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
     return None
 
 
-ACCUMULATION = (1, 2, 4, 8, 16, 32)
-"""Microbatches the planner tries without a pipeline (`SpmdEngine`'s gradient accumulation)."""
+MICROBATCH_FACTORS = (1, 2, 4, 8, 16, 32)
+"""Microbatches `plan` tries: without a pipeline these (gradient accumulation), with one pipe ×
+these, up to 32 per stage, so that a large model's stage of many layers (Llama-3-405B on pipe 2:
+63) finds a microbatch whose activations fit."""
 PLANNED_REMAT = ("none", "selective", "full")
 """The `--remat` modes the planner chooses among (`offload`'s host transfers are not timed)."""
 
@@ -524,10 +558,10 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     (a context grid only where the same grid with data in its place does not run or fit:
     `_data_instead`).
 
-    For each grid the number of microbatches (default: pipe·{1, 2, 4, 8} with a pipeline,
-    `ACCUMULATION` without) and the remat mode (default `PLANNED_REMAT`) are chosen as the
-    fastest pair that divides the batch and fits in memory (the least memory among equally fast
-    ones). Grids whose memory exceeds the device are dropped.
+    For each grid the number of microbatches (default: `MICROBATCH_FACTORS`, times pipe with a
+    pipeline) and the remat mode (default `PLANNED_REMAT`) are chosen as the fastest pair that
+    divides the batch and fits in memory (the least memory among equally fast ones). Grids whose
+    memory exceeds the device are dropped.
     """
     if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
@@ -540,7 +574,7 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     for g in sorted(candidates, key=lambda g: g.context):
         if _data_instead(g) in fitting:
             continue
-        default = ACCUMULATION if g.pipe == 1 else [g.pipe * k for k in (1, 2, 4, 8)]
+        default = [g.pipe * k for k in MICROBATCH_FACTORS]
         best = None
         for mb in list(microbatch_choices or default):
             w = dataclasses.replace(work, microbatches=mb)

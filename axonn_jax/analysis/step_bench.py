@@ -21,7 +21,9 @@ time, reported as a ratio to the fastest GSPMD baseline measured in the same run
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import pathlib
 import statistics
 import time
@@ -50,6 +52,55 @@ GSPMD_LAYOUTS = {  # name: (mesh shape as a function of n devices, axis names)
     "gspmd dp=2 x tp": (lambda n: (2, n // 2), ("dp", "tp")),
     "gspmd fsdp=2 x tp": (lambda n: (2, n // 2), ("fsdp", "tp")),
 }
+
+
+def gspmd_layouts_for(n: int, batch_rows: int, check_grid=None,
+                      layouts=GSPMD_LAYOUTS) -> tuple[tuple, dict]:
+    """(names of the `layouts` that fit `n` devices and a batch of `batch_rows`, {name: why not}
+    for the others): the mesh must hold the `n` devices, its batch axes split the batch and
+    `check_grid(ParallelConfig(row=tp))` (the model's) accept its Megatron axis."""
+    usable, dropped = [], {}
+    for name, (shape_of, axes) in layouts.items():
+        shape = shape_of(n)
+        sizes = dict(zip(axes, shape))
+        rows = math.prod(s for a, s in sizes.items() if a in ("dp", "fsdp"))
+        if math.prod(shape) != n or min(shape) < 1:
+            dropped[name] = f"mesh {shape} does not hold {n} devices"
+        elif batch_rows % rows:
+            dropped[name] = f"batch {batch_rows} does not split over {rows} devices"
+        elif (why := _tp_problem(check_grid, sizes.get("tp", 1))):
+            dropped[name] = why
+        else:
+            usable.append(name)
+    return tuple(usable), dropped
+
+
+def _tp_problem(check_grid, tp: int) -> str | None:
+    try:
+        check_grid and tp > 1 and check_grid(ParallelConfig(row=tp))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def scaled_grids(texts, n: int, batch_rows: int, check=None) -> list[ParallelConfig]:
+    """The grids `texts` (`data=..,row=..`) with `data` scaled so that each holds `n` devices,
+    keeping those whose batch shards split `batch_rows` and that `check(grid)` accepts."""
+    out = []
+    for text in texts:
+        g = ParallelConfig.parse(text)
+        rest = g.num_devices // g.data
+        if n % rest:
+            continue
+        g = dataclasses.replace(g, data=n // rest)
+        if batch_rows % (g.batch_shards * g.depth):
+            continue
+        try:
+            check and check(g)
+        except ValueError:
+            continue
+        out.append(g)
+    return out
 
 
 def _abstract(tree):
@@ -243,4 +294,4 @@ def write(report: dict, out_dir: str, stem: str, title: str) -> list[pathlib.Pat
     return paths
 
 
-__all__ = ["GSPMD_LAYOUTS", "axonn_step", "gspmd_step", "markdown", "measure", "plot", "run", "write"]
+__all__ = ["GSPMD_LAYOUTS", "axonn_step", "gspmd_layouts_for", "gspmd_step", "scaled_grids", "markdown", "measure", "plot", "run", "write"]

@@ -304,15 +304,23 @@ def _bench_steps(args) -> int:
     config = args.run_config
     preset = preset_of(config)
     n = jax.device_count()
-    grids = [ParallelConfig.parse(g) for g in (args.grids or BENCH_GRIDS)]
-    for g in grids:
-        g.validate(n)
-        preset.check_grid(g)
-    if args.grids is None:  # the planner's pick for these devices comes first
-        best = ranked(config.replace(**{"precision.dtype": "float32"}), n,
-                      machine_for_backend())[0].grid
-        grids = [best] + [g for g in grids if g != best]
     b, t = config.data.batch_size, config.data.seq_len
+    if args.grids:
+        grids = [ParallelConfig.parse(g) for g in args.grids]
+        for g in grids:
+            g.validate(n)
+            preset.check_grid(g)
+    else:  # the planner's pick for these devices first, then BENCH_GRIDS scaled to them
+        ranking = ranked(config.replace(**{"precision.dtype": "float32"}), n, machine_for_backend())
+        grids = [ranking[0].grid] if ranking else []
+        grids += [g for g in step_bench.scaled_grids(BENCH_GRIDS, n, b, preset.check_grid)
+                  if g not in grids]
+        if not grids:
+            raise ConfigError([f"no grid of {n} devices runs {config.model.name} with "
+                               f"--batch-size {b}: give --grid"])
+    baselines, dropped = step_bench.gspmd_layouts_for(n, b, preset.check_grid)
+    for name, why in dropped.items():
+        print(f"axonn-jax bench: {name} left out: {why}", file=sys.stderr)
     if preset.data == "images":
         batch = preset.config.batches(0, b)(0)
         title = f"Whole train steps: {config.model.name}, batch {b} images"
@@ -322,7 +330,7 @@ def _bench_steps(args) -> int:
         batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
         title = f"Whole train steps: {config.model.name}, batch {b}×{t}"
     report = step_bench.run(preset.build(np.float32), batch, grids=grids, repeats=args.repeats,
-                            microbatches=config.pipeline.microbatches)
+                            microbatches=config.pipeline.microbatches, baselines=baselines)
     paths = step_bench.write(report, args.out, args.name or f"steps_{config.model.name}", title)
     print(paths[1].read_text())
     print("wrote " + ", ".join(map(str, paths)))

@@ -11,7 +11,10 @@ from .options import ConfigError, RunConfig, preset_of, resolve_grid
 
 def workload(config: RunConfig) -> cm.Workload:
     """The step the config trains, as the planner counts it."""
-    return cm.Workload(preset_of(config).config, config.data.batch_size, config.data.seq_len,
+    model = preset_of(config).config
+    if hasattr(model, "attention"):  # which attention core runs decides what it keeps
+        model = dataclasses.replace(model, attention=config.model.attention)
+    return cm.Workload(model, config.data.batch_size, config.data.seq_len,
                        compute_bytes=4 if config.precision.dtype == "float32" else 2,
                        microbatches=config.pipeline.microbatches,
                        schedule=config.pipeline.schedule,

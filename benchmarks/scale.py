@@ -67,9 +67,11 @@ def _published() -> dict:
         rows[f"gpt-20b/{n}"] = Row("gpt-20b", n, 1536, 2048, GPT_SOURCE)
         rows[f"unet-28b/{n}"] = Row("unet-28b", n, 2048, 0, UNET_SOURCE)
     rows["llama3.1-8b/64 context16"] = Row("llama3.1-8b", 64, 4, 131072, LONG_SOURCE,
-                                           ("--context", "16", "--row", "4", "--attention", "xla"))
+                                           ("--context", "16", "--row", "4", "--attention", "xla",
+                                            "--remat", "full"))
     rows["mixtral-8x7b/64 expert8"] = Row("mixtral-8x7b", 64, 64, 4096, MIXTRAL_SOURCE,
-                                          ("--expert", "8", "--row", "8"))
+                                          ("--expert", "8", "--row", "8", "--microbatches", "8",
+                                           "--remat", "full"))
     return rows
 
 
@@ -82,18 +84,21 @@ GSPMD = {  # name: (mesh shape of n devices, axis names), as analysis.step_bench
 
 NOTES: dict[str, str] = {
     "llama3.1-8b/64 context16":
-        "`--attention xla` is given: `auto` resolves to cuDNN for bf16 on a GPU mesh, which "
-        "`compile` then refuses inside context parallelism ('--attention cudnn does not run "
-        "inside context parallelism'); `auto` should pick the XLA core there (left to the "
-        "context/expert work of issues 26/27, as are `plan`'s context and expert terms). `plan` "
-        "does not divide the tokens by context yet and counts the unfused 131,072² "
-        "probabilities whole (72 TB); the compiled step keeps 120 GB of temporaries (4 × 8,192 "
-        "tokens a device, no recompute): this grid needs `--remat full` or pipe stages.",
+        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). FLOPs: "
+        "`plan` counts every 131,072² score, the ring kernel skips the blocks the causal mask "
+        "hides (0.65× of them run). Collective-permutes (the ring) 1.23× `plan`: `--remat full` "
+        "runs the ring's forward again in the backward, which the model does not count for the "
+        "context kernels; the reduce-scatters 0.72×: not traced. (`--attention xla` is given as "
+        "when this row was first compiled; `auto` now also resolves to the XLA core over context.)",
     "mixtral-8x7b/64 expert8":
-        "`plan` does not model the expert axis yet (issues 26/27: the all-to-all, the experts' "
-        "shards, the tokens over expert); its figures here are those of a dense grid. The "
-        "compiled step (64 × 4,096 tokens at once, no microbatches) needs 683 GB per device: the "
-        "grid must take pipe or microbatches; re-run with `--rows` once `plan` counts experts.",
+        "All-to-all bytes equal `plan`'s (the forward exchange counted again under `--remat`). "
+        "Memory: `plan` predicts 4.6× the compiled peak (the MoE layers' kept activations, "
+        "`MoELayers.activations`, are counted for all microbatches at once: not traced further); "
+        "the all-gathers and reduce-scatters `plan` expects of the experts' matmuls over `row` "
+        "(GSPMD's layout, approximated) do not appear: the compiled step moves the expert "
+        "weights' gradients with all-reduces (769 vs 724 GB). FLOPs 9× the ideal: jaxlib 0.10 "
+        "computes `ragged_dot` densely (every token through all 8 experts, "
+        "`benchmarks/results/moe.md`).",
     "unet-28b/256":
         "FLOPs: `analysis.hlo.flops` counts no convolution (neither the `convolution` op nor "
         "cuDNN's `__cudnn$conv*` calls that the H100 program makes of them), so the compiled "
@@ -291,6 +296,12 @@ def markdown(results: dict) -> str:
             for name, res in results.items() if res.get("disagreements")]
     return "\n".join([
         "# The scale table: plan's grid compiled for abstract H100s", "",
+        "Planner version: the dense rows' grids are `plan`'s picks before it chose gradient "
+        "accumulation and the remat mode and took its time model from the measured H100 overlap "
+        "(`benchmarks/results/overlap.md`), so today's `plan` may rank another grid first; the "
+        "memory `plan` predicts for a row's grid is unchanged by those, its bytes can only have "
+        "moved toward the compiled ones (collectives XLA hoists out of the microbatch loop now "
+        "count once). The context and expert rows were compiled with the merged planner.", "",
         "`python benchmarks/scale.py` (re-run rows: `--rows NAME ...`). Every row is compiled for "
         "abstract H100 SXM GPUs in nodes of 8 (`analysis.targets`, deviceless: nothing runs or "
         "is allocated); no row needed the CPU fallback. bf16 compute, fp32 master parameters, "

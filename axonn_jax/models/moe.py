@@ -240,7 +240,9 @@ class MoELayers:
                      dtype_bytes=step.compute_bytes, batch_axes=batch_axes)
         args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
         forward = experts_lib.collectives(*args, **shape, backward=False)
-        out = [Collective(k, axes, b, calls, stage_forward=True) for k, axes, b in forward]
+        # No remat policy keeps the layer's outputs: `--remat` runs its forward exchange again.
+        out = [Collective(k, axes, b, calls, stage_forward=True, rematerialized=True)
+               for k, axes, b in forward]
         backward = experts_lib.collectives(*args, **shape)
         for item in forward:  # what the backward pass adds
             backward.remove(item)

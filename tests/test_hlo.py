@@ -176,3 +176,36 @@ def test_flops_follow_cost_analysis_and_multiply_loops():
 def _cost_flops(compiled) -> float:
     cost = compiled.cost_analysis()
     return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+_FUSED_COMPARE = """
+%fused_compare (q: s32[]) -> pred[] {
+  %q = s32[] parameter(0)
+  %bound = s32[] constant(5)
+  ROOT %lt = pred[] compare(%q, %bound), direction=LT
+}
+"""
+_COUNTING_COND = """%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %iv = s32[] get-tuple-element(%p), index=0
+  ROOT %c = pred[] fusion(%iv), kind=kLoop, calls=%fused_compare
+}"""
+_CONSTANT_COND = """%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}"""
+
+
+def test_trip_count_derived_from_the_loop_condition():
+    """A loop XLA rewrote without recording its trip count (the accumulation loop of a large
+    step, its body sunk): the count comes from the condition's compare with a constant (through a
+    fusion) and the induction variable's constant start (through a copy)."""
+    counted = (HLO.replace(_CONSTANT_COND, _FUSED_COMPARE + _COUNTING_COND)
+               .replace("  %init = (s32[], f32[4,8]{1,0}) tuple(%c0, %x)",
+                        "  %c2 = s32[] constant(2)\n  %c0 = s32[] copy(%c2)\n"
+                        "  %init = (s32[], f32[4,8]{1,0}) tuple(%c0, %x)")
+               .replace('"known_trip_count":{"n":"3"}',
+                        '"known_induction_variable":{"tuple_index":"0"}'))
+    assert _COUNTING_COND in counted and "copy(%c2)" in counted
+    found = {c.name: c for c in collectives(counted)}
+    assert found["ag"].executions == 3  # 5 - 2

@@ -180,7 +180,45 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
             comps[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    for lines in comps.values():
+        for i, line in enumerate(lines):
+            if " while(" in line and not _TRIP.search(line):
+                lines[i] = _with_derived_trip(line, lines, comps)
     return comps, entry
+
+
+def _with_derived_trip(line: str, lines: list[str], comps: dict[str, list[str]]) -> str:
+    """The `while` instruction `line` with the trip count XLA did not record (a loop its passes
+    rewrote, e.g. sunk into a fusion) added as `known_trip_count`, when its condition compares
+    the induction variable (`known_induction_variable`) with a constant, starting from a constant
+    in the loop's initial tuple; `line` unchanged otherwise (then `_loop` refuses to count)."""
+    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', line)
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
+    init = re.search(r"\bwhile\(%?([\w.\-]+)\)", line)
+    if not (index and cond and init):
+        return line
+    text = "\n".join(comps.get(cond.group(1), []))
+    for callee in re.findall(r"\bcalls=%?([\w.\-]+)", text):
+        text += "\n" + "\n".join(comps.get(callee, []))
+    bounds = re.findall(r"\bconstant\((-?\d+)\)", text)
+    direction = re.findall(r"\bdirection=(LT|LE)\b", text)
+    tuple_line = next((ln for ln in lines if re.match(rf"\s*%?{re.escape(init.group(1))} = ", ln)),
+                      "")
+    operands = re.search(r"\btuple\(([^)]*)\)", tuple_line)
+    if len(bounds) != 1 or len(direction) != 1 or not operands:
+        return line
+    name = operands.group(1).split(",")[int(index.group(1))].strip().lstrip("%")
+    for _ in range(4):  # through the copies XLA puts in front of a loop's initial value
+        start_line = next((ln for ln in lines if re.match(rf"\s*%?{re.escape(name)} = ", ln)), "")
+        copied = re.search(r"\bcopy\(%?([\w.\-]+)\)", start_line)
+        if not copied:
+            break
+        name = copied.group(1)
+    start = re.search(r"\bconstant\((-?\d+)\)", start_line)
+    if not start:
+        return line
+    trips = int(bounds[0]) - int(start.group(1)) + (direction[0] == "LE")
+    return line + f' /*derived*/ "known_trip_count":{{"n":"{trips}"}}'
 
 
 def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int):

@@ -45,7 +45,7 @@ except ImportError as e:  # the `data` extra
     raise ImportError("document sources (data.sources) need grain: pip install 'axonn_jax[data]'") from e
 
 from . import packing, sources
-from .sources import LONG_DOCUMENTS, SOURCE_KEYS
+from .sources import LONG_DOCUMENTS
 
 STATE_VERSION = 1
 SPLIT_SEED = 0x5EED
@@ -86,14 +86,7 @@ class SourceConfig:
     def from_dict(cls, spec: dict | str) -> "SourceConfig":
         if isinstance(spec, str):
             return cls(spec)
-        if not isinstance(spec, dict) or "path" not in spec:
-            raise ValueError(f"a data source is a path or {{path, weight, text_field | ids_field}}, "
-                             f"got {spec!r}")
-        unknown = sorted(set(spec) - set(SOURCE_KEYS))
-        if unknown:
-            raise ValueError(f"data source {spec['path']!r}: unknown key {unknown[0]!r} (known: "
-                             f"{', '.join(SOURCE_KEYS)})")
-        return cls(**spec)
+        return cls(**sources.source_fields(spec))
 
     @property
     def field(self) -> sources.Field:

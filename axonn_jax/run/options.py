@@ -34,7 +34,7 @@ import optax
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..step import xla_options
 from . import sources
-from .sources import LONG_DOCUMENTS, SOURCE_KEYS
+from .sources import LONG_DOCUMENTS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
@@ -181,14 +181,7 @@ class DataSource:
                 return cls(path, float(weight)) if sep and path else cls(value)
             except ValueError:  # a colon that is part of the path
                 return cls(value)
-        if not isinstance(value, dict) or not isinstance(value.get("path"), str):
-            raise ValueError(f"a data source is PATH[:WEIGHT] or {{path, weight, text_field | "
-                             f"ids_field}}, got {value!r}")
-        unknown = sorted(set(value) - set(SOURCE_KEYS))
-        if unknown:
-            raise ValueError(f"data source {value['path']!r}: unknown key {unknown[0]!r} "
-                             f"(known: {', '.join(SOURCE_KEYS)})")
-        return cls(**value)
+        return cls(**sources.source_fields(value))
 
     def problems(self) -> list[str]:
         """What is wrong with this source, one line each (the files' existence included)."""

@@ -37,6 +37,22 @@ from . import data as token_data
 
 SOURCE_KEYS = ("path", "weight", "text_field", "ids_field")
 """The keys of one source of a mixture (`data.sources`: `run.loader`, `run.options`)."""
+
+
+def source_fields(spec) -> dict:
+    """The fields of one data source given as a mapping (`{path, weight, text_field | ids_field}`,
+    YAML's form): `spec` itself, or ValueError (one line) without a string `path` or with a key
+    not in `SOURCE_KEYS`."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+        raise ValueError(f"a data source is PATH[:WEIGHT] or {{path, weight, text_field | "
+                         f"ids_field}}, got {spec!r}")
+    unknown = sorted(set(spec) - set(SOURCE_KEYS))
+    if unknown:
+        raise ValueError(f"data source {spec['path']!r}: unknown key {unknown[0]!r} "
+                         f"(known: {', '.join(SOURCE_KEYS)})")
+    return spec
+
+
 LONG_DOCUMENTS = ("split", "refuse")
 """What a document longer than a sequence gets: split over sequences, or refused."""
 

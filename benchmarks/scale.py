@@ -110,13 +110,21 @@ NOTES: dict[str, str] = {
         "('Couldn't find output tile sizes') rejects the attention output projection's dot "
         "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
     "llama3-8b/1024":
-        "no pipeline; `plan` is above the compiler (memory 1.21×, reduce-scatter over row 22.6 vs "
-        "13.1 GB, over depth 4.0 vs 1.5, all-gather over depth 7.5 vs 3.8; all-gather over row "
-        "and the data all-reduce equal). On the safe side; not traced further in the HLO yet.",
+        "Depth bytes (this and every data × depth row): the compiled H100 step gathers the "
+        "weights and reduce-scatters their gradients over depth in bf16, `plan` counts them in "
+        "the fp32 parameter bytes: all-gather and reduce-scatter 0.50× exactly on the rows "
+        "without row/col (llama3-8b/1024, gpt-20b/256, gpt-20b/1024). Memory 0.93×: the safe "
+        "side.",
     "llama3-405b/1024":
-        "the bytes over depth split differently (all-gather 2.36 vs 4.57 TB, reduce-scatter 3.42 "
-        "vs 1.54 TB) but their sum agrees within 5% (5.78 vs 6.10 TB): XLA turns part of the "
-        "backward's weight all-gathers over depth into reduce-scatters. Not traced further.",
+        "Depth bytes in bf16 against `plan`'s fp32 (see llama3-8b/1024), with row × col beside "
+        "them (0.80×, 0.91×). Memory 0.90×: the safe side.",
+    "gpt-20b/64":
+        "`plan` picks depth 64 alone: the step then has no shard_map (no manual axis), so cuDNN "
+        "attention is partitioned by JAX's custom partitioner, whose callback is registered only "
+        "with a backend that starts with CUDA; compiling for H100 from this CPU process fails. "
+        "(`models.attention.fully_manual` avoids it inside a shard_map; outside one it would "
+        "need the step traced under the mesh, which `jax.set_mesh` refuses inside `jax.jit`.) "
+        "`--attention xla` compiles. Not fixed.",
 }
 """Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
 beyond the causes that `CAUSES` gives for every row."""
@@ -296,12 +304,8 @@ def markdown(results: dict) -> str:
             for name, res in results.items() if res.get("disagreements")]
     return "\n".join([
         "# The scale table: plan's grid compiled for abstract H100s", "",
-        "Planner version: the dense rows' grids are `plan`'s picks before it chose gradient "
-        "accumulation and the remat mode and took its time model from the measured H100 overlap "
-        "(`benchmarks/results/overlap.md`), so today's `plan` may rank another grid first; the "
-        "memory `plan` predicts for a row's grid is unchanged by those, its bytes can only have "
-        "moved toward the compiled ones (collectives XLA hoists out of the microbatch loop now "
-        "count once). The context and expert rows were compiled with the merged planner.", "",
+        "Every row compiled with today's `plan` (its grid, microbatches and remat mode: the "
+        "compiled report's `remat` in scale.json).", "",
         "`python benchmarks/scale.py` (re-run rows: `--rows NAME ...`). Every row is compiled for "
         "abstract H100 SXM GPUs in nodes of 8 (`analysis.targets`, deviceless: nothing runs or "
         "is allocated); no row needed the CPU fallback. bf16 compute, fp32 master parameters, "

@@ -191,8 +191,7 @@ TRAIN = dict(model="gpt-tiny", steps=STEPS, batch_size=16, seq_len=32, eval_batc
 @pytest.fixture(scope="module")
 def runs(devices, tmp_path_factory):
     out = {}
-    for name, extra in (("exact", {}), ("4bit", dict(compress_bits=4)),
-                        ("2bit", dict(compress_bits=2))):
+    for name, extra in (("exact", {}), ("4bit", dict(compress_bits=4))):
         hlo = tmp_path_factory.mktemp(name)
         out[name] = train(TrainOptions(**TRAIN, **extra, dump_hlo=str(hlo)), devices=devices)
         out[name]["hlo"] = (hlo / "train_step.hlo.txt").read_text()
@@ -213,10 +212,11 @@ def test_4bit_training_matches_uncompressed_validation_loss(runs):
     assert abs(compressed - exact) <= 0.02 * exact, (compressed, exact)
 
 
-def test_2bit_with_error_feedback_still_trains(runs):
-    val = runs["2bit"]["val_history"]
+def test_2bit_with_error_feedback_still_trains(devices):
+    run = train(TrainOptions(**TRAIN, compress_bits=2), devices=devices)
+    val = run["val_history"]
     assert val[-1][1] < val[0][1] - 2.0, val
-    assert np.all(np.isfinite([r["loss"] for r in runs["2bit"]["history"]]))
+    assert np.all(np.isfinite([r["loss"] for r in run["history"]]))
 
 
 def test_error_feedback_state_is_per_data_shard_and_resumes(runs, tmp_path):

@@ -112,6 +112,16 @@ class StepShape:
     param_bytes: int = 4
     split: bool = False
     context_attention: str = "ring"
+    weight_bytes: int | None = None
+    """Bytes of one kernel element as `depth` gathers it and reduce-scatters its gradient, where
+    the compiler changes it (4: XLA:CPU runs 16-bit collectives in f32); None: `compute_bytes`."""
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of one kernel element in the depth gathers and gradient reduce-scatters: the
+        compute dtype's (the step casts the parameters before the forward, and XLA:GPU keeps
+        16-bit collectives 16-bit), unless `weight_bytes` says otherwise."""
+        return self.weight_bytes or self.compute_bytes
 
     @property
     def rows(self) -> float:

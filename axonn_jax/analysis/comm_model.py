@@ -143,6 +143,9 @@ class Workload:
     remat: str = "none"
     """What each block keeps for its backward (`--remat`, uniform over the stack): one of
     `REMAT_POLICIES`."""
+    weight_bytes: int | None = None
+    """Bytes of a kernel element in the depth gathers and reduce-scatters where the compiler
+    changes the compute dtype's (`StepShape.weight_bytes`: 4 for XLA:CPU); None: GPUs'."""
 
     @property
     def tokens(self) -> int:
@@ -168,7 +171,8 @@ class Workload:
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
-                         self.param_bytes, context_attention=self.context_attention)
+                         self.param_bytes, context_attention=self.context_attention,
+                         weight_bytes=self.weight_bytes)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:

@@ -29,6 +29,13 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # the replayed step by 7%: not set when the mesh has `pipe` > 1 (`compiler_options`).
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
+    # Each weight's gradient reduce-scattered over depth on its own, as soon as its matmul is
+    # done, instead of the layer's seven combined into one that waits for the last of them (the
+    # combiner's default): on Llama-3-70B over 256 H100s (data 4 × depth 16 × row 2 × col 2, full
+    # recompute) the depth reduce-scatters' exposed time falls from 0.64 to 0.43 s and the
+    # replayed step from 15.22 to 15.04 s, same memory; on the 1.9B grids no change beyond 0.3 ms
+    # (`benchmarks/results/overlap_notes.md`).
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Measured and
 left out (no change to the schedule of any case, or a loss): the latency-hiding scheduler (on

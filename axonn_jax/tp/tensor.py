@@ -383,6 +383,7 @@ class DenseLayer:
         """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
         depth, activations' features over one axis and (`step.split`) their rows over the other."""
         g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        wb = step.gathered_bytes
         stacked = self.layers > 0
         count = self.count * self.layers if stacked else self.count
         fin, fout = feature_axes(self.transpose)
@@ -416,15 +417,15 @@ class DenseLayer:
         out += [
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
             # head's, laid out by GSPMD, all-reduced)
-            Collective("all-gather", ("depth",), block * pb, count, stage_forward=stacked,
+            Collective("all-gather", ("depth",), block * wb, count, stage_forward=stacked,
                        per_microbatch=True, loop_invariant=not stacked),
-            Collective("all-reduce" if self.table else "reduce-scatter", ("depth",), block * pb,
+            Collective("all-reduce" if self.table else "reduce-scatter", ("depth",), block * wb,
                        count, per_microbatch=True),
         ]
         if stacked:
             # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
             # head's forward and backward share one computation, where XLA reuses the gather.
-            out.append(Collective("all-gather", ("depth",), block * pb, count, per_microbatch=True))
+            out.append(Collective("all-gather", ("depth",), block * wb, count, per_microbatch=True))
         if self.bias:
             # the bias is replicated over depth (and, split, the input axis), whose devices saw
             # different tokens
@@ -560,23 +561,23 @@ class Table:
 
     def collectives(self, step: StepShape) -> list[Collective]:
         g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
-        shard = self.rows * self.features / (g.row * g.col)
+        shard = self.rows * self.features / (g.row * g.col) * step.gathered_bytes
         if self.batched:
             lookups = step.tokens * self.features / g.col * cb
             out = [
-                Collective("all-gather", ("depth",), shard * pb, stage_forward=True,
+                Collective("all-gather", ("depth",), shard, stage_forward=True,
                            per_microbatch=True, loop_invariant=True),
                 # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
                 # completes the embeddings
                 Collective("all-reduce", ("row",), lookups, stage_forward=True),
                 # the table's gradient scattered back over depth
-                Collective("reduce-scatter", ("depth",), shard * pb, per_microbatch=True),
+                Collective("reduce-scatter", ("depth",), shard, per_microbatch=True),
             ]
             if step.split:  # the lookup's output is replicated over row: GSPMD gathers its
                 out.append(Collective("all-gather", ("row",), lookups))  # gradient's rows
             return out
         return [
-            Collective("all-gather", ("depth",), shard * pb, stage_forward=True, per_microbatch=True,
+            Collective("all-gather", ("depth",), shard, stage_forward=True, per_microbatch=True,
                        loop_invariant=True),
             # the lookup sum, once per position; the gradient is first summed over the batch,
             # which depth splits
@@ -729,14 +730,15 @@ class ConvLayer:
         nin, nout = getattr(g, fin), getattr(g, fout)
         block = self.window * self.cin * self.cout / (nin * nout)
         rows_out, rows_in = step.rows * self.pixels, step.rows * self.in_pixels
+        wb = step.gathered_bytes
         return [
-            Collective("all-gather", ("depth",), block * pb, n * (2 if self.stacked else 1),
+            Collective("all-gather", ("depth",), block * wb, n * (2 if self.stacked else 1),
                        per_microbatch=True),
             Collective("all-reduce", (fin,), rows_out * self.cout / nout * cb, n,
                        stage_forward=self.stacked),
             Collective("all-reduce", (fout,), rows_in * self.cin / nin * cb, n,
                        overlappable=2 * rows_out * block),
-            Collective("reduce-scatter", ("depth",), block * pb, n, per_microbatch=True),
+            Collective("reduce-scatter", ("depth",), block * wb, n, per_microbatch=True),
             Collective("all-reduce", ("depth",), self.cout / nout * pb, n, per_microbatch=True),
         ]
 

@@ -123,6 +123,22 @@ def current_mesh(default):
     return default if abstract.empty else abstract
 
 
+def tracing_in(mesh):
+    """A context manager under which code traced inside `jax.jit` sees `mesh` (a `Mesh`) as the
+    context's abstract mesh, as it does inside a shard_map over it; a no-op where a mesh is
+    already in context. For steps that run their model on global arrays without a shard_map,
+    so that what reads the context mesh (the platform, `models.attention.fully_manual`) reads
+    the step's on every grid. (`jax.set_mesh` is refused inside `jax.jit`; an abstract mesh with
+    automatic axes only names the mesh: JAX's sharding propagation is unchanged.)"""
+    import contextlib
+
+    import jax
+
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def varying_axes(x) -> frozenset[str]:
     """The manual mesh axes over which `x` varies inside a shard_map (empty outside one)."""
     import jax

@@ -148,8 +148,8 @@ def fully_manual(core, q, k, v):
     where every axis is manual: one mechanism for every grid. The nested specs are those
     `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
     the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
-    these specs). With no mesh in context (a single device), or every axis manual, `core(q, k, v)`
-    as it is."""
+    these specs). With no mesh in context (a model called outside a step), or every axis manual,
+    `core(q, k, v)` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.are_all_axes_manual:
         return core(q, k, v)

@@ -123,6 +123,25 @@ def current_mesh(default):
     return default if abstract.empty else abstract
 
 
+def tracing_in(mesh):
+    """A context manager under which code traced inside `jax.jit` sees `mesh` (a `Mesh`) as the
+    context's abstract mesh, as it does inside a shard_map over it; a no-op where a mesh is
+    already in context. For steps that run their model on global arrays without a shard_map
+    (`data` = 1 beside tensor axes), so that whatever reads the context mesh (`mesh_platform`,
+    `current_mesh`, `models.attention.fully_manual`; a user's model through them or through
+    `jax.sharding.get_abstract_mesh`) finds the step's mesh on every grid: JAX's own context,
+    not a second one of ours that only our code would read. (`jax.set_mesh` is refused inside
+    `jax.jit`. An abstract mesh of automatic axes only names the mesh: the fp32 CPU step compiles
+    to the same HLO with and without it on depth, depth·row·col and row·col grids.)"""
+    import contextlib
+
+    import jax
+
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def varying_axes(x) -> frozenset[str]:
     """The manual mesh axes over which `x` varies inside a shard_map (empty outside one)."""
     import jax

@@ -118,16 +118,19 @@ def _xla_core(q, k, v):
 @pytest.mark.parametrize("grid, kv_heads", [
     (dict(data=2, row=2, col=2), 2),  # heads split over row, batch over col
     (dict(data=2, depth=2, row=2), 1),  # batch over depth; query heads share one key/value head
-], ids=["row-col-gqa", "depth-row-mqa"])
+    (dict(depth=2, row=2, col=2), 2),  # no batch shard_map: the step traces under its mesh
+], ids=["row-col-gqa", "depth-row-mqa", "no-shard-map-depth-row-col"])
 def test_fully_manual_core_equals_the_core(devices, grid, kv_heads):
-    """The nested fully manual shard_map that cuDNN's attention runs in inside the train step's
-    shard_map (manual over `data`, automatic over the tensor axes), differentiated through a scan
-    over two layers (where JAX 0.10's own residuals of a nested shard_map fail to lower): outputs
-    and gradients equal the core's. Here with XLA's core: the mechanism is the same for cuDNN's."""
+    """The fully manual shard_map that cuDNN's attention runs in inside the train step's
+    shard_map (manual over `data`, automatic over the tensor axes), or at the top of a step with
+    none (`data` = 1: traced under the step's mesh, `_compat.tracing_in`), differentiated through
+    a scan over two layers (where JAX 0.10's own residuals of a nested shard_map fail to lower):
+    outputs and gradients equal the core's. Here with XLA's core: the mechanism is the same for
+    cuDNN's (whose JAX partitioner does not exist for abstract H100s: test_compile_h100)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from axonn_jax import ParallelConfig, make_mesh
-    from axonn_jax._compat import shard_map
+    from axonn_jax._compat import shard_map, tracing_in
 
     mesh = make_mesh(ParallelConfig(**grid), devices)
     rng = np.random.default_rng(kv_heads)
@@ -147,32 +150,46 @@ def test_fully_manual_core_equals_the_core(devices, grid, kv_heads):
             value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(*a)
             return value[None], grads
 
+        def top(*a):  # the step of a grid with no batch shard_map
+            with tracing_in(mesh):
+                return jax.value_and_grad(loss, argnums=(0, 1, 2))(*a)
+
+        if "data" not in grid:
+            return jax.jit(top)
         return jax.jit(shard_map(local, mesh=mesh, in_specs=(P("data"),) * 3,
                                  out_specs=(P("data"), (P("data"),) * 3), axis_names={"data"}))
 
     ours = lambda q, k, v: attention.fully_manual(_xla_core, q, k, v)  # noqa: E731
-    placed = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (q, k, v)]
-    assert "shard_map" in str(jax.make_jaxpr(step(ours))(*placed)).split("shard_map", 1)[1]
-    _close(step(ours)(*placed), step(_xla_core)(*placed), 1e-5)
+    batch = "data" if "data" in grid else "depth"
+    placed = [jax.device_put(a, NamedSharding(mesh, P(batch))) for a in (q, k, v)]
+    traced = [step(attend).trace(*placed) for attend in (ours, _xla_core)]
+    shard_maps = [str(t.jaxpr).count("shard_map[") for t in traced]
+    assert shard_maps[1] == ("data" in grid)  # the step's own shard_map, or none
+    assert shard_maps[0] > shard_maps[1]  # attention in its own
+    _close(*(t.lower().compile()(*placed) for t in traced), 1e-5)
 
 
 def test_platform_is_the_meshs(devices):
-    """Code that depends on the platform asks the mesh it runs on (inside the step's shard_map),
-    not this process: a program compiled here for abstract GPUs is a GPU program."""
+    """Code that depends on the platform asks the mesh it runs on (inside the step's shard_map, or
+    the step's mesh where it has none), not this process: a program compiled here for abstract GPUs is a GPU program."""
     from jax.sharding import PartitionSpec as P
 
     from axonn_jax import ParallelConfig, make_mesh
-    from axonn_jax._compat import mesh_platform, shard_map
+    from axonn_jax._compat import manual_axes, mesh_platform, shard_map, tracing_in
 
     mesh = make_mesh(ParallelConfig(data=2), devices[:2])
     assert mesh_platform(mesh) == mesh_platform(mesh.abstract_mesh) == "cpu"
     assert mesh_platform() is None  # no mesh in context
     seen = []
 
-    def local(x):
-        seen.append((mesh_platform(), attention.resolve("auto", jnp.bfloat16, 64)))
+    def local(x):  # tracing_in: a no-op inside a shard_map (its axes stay manual); the mesh of
+        with tracing_in(mesh):  # a step without one (data 1 beside tensor axes)
+            seen.append((mesh_platform(), attention.resolve("auto", jnp.bfloat16, 64),
+                         manual_axes()))
         return x
 
     jax.jit(shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
                       axis_names={"data"})).trace(jnp.zeros(2))
-    assert seen == [("cpu", "xla")]
+    jax.jit(local).trace(jnp.zeros(2))
+    assert seen == [("cpu", "xla", ("data",)), ("cpu", "xla", ())]
+    assert mesh_platform() is None  # left as it was

@@ -1,6 +1,7 @@
 """More modes of the train step compiled for 16 abstract H100s (`analysis.targets`), each checked
 in its compiled module: activations offloaded to host memory, cuDNN attention with grouped-query
-heads inside a zero-bubble pipeline with depth, and a user's `StackedModel` whose head gathers
+heads inside a zero-bubble pipeline with depth and on a grid with no batch shard_map (data 1,
+depth × row × col), and a user's `StackedModel` whose head gathers
 with `take_along_axis` on data × pipe × depth × row (`benchmarks/compile_modes.py` compiles every
 mode; tests/test_compile.py the report itself)."""
 import json
@@ -30,6 +31,10 @@ H100_MODES = {  # more modes on 16 abstract H100s (benchmarks/compile_modes.py c
          "cudnn"],
         lambda text, axes: _cudnn_calls(text) > 0 and axes[("collective-permute", ("pipe",))] > 0
         and axes[("all-gather", ("depth",))] > 0),
+    "llama-3d-cudnn-no-batch-shard-map": (  # data 1: the step runs without a shard_map
+        ["--model", "llama-tiny", "--dp", "1", "--depth", "4", "--row", "2", "--col", "2",
+         "--dtype", "bfloat16", "--attention", "cudnn"],
+        lambda text, axes: _cudnn_calls(text) > 0 and axes[("all-gather", ("depth",))] > 0),
 }
 
 

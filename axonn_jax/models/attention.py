@@ -139,15 +139,19 @@ def _cudnn(q, k, v):
 
 
 def fully_manual(core, q, k, v):
-    """`core(q, k, v)` (an attention core: cuDNN's), inside a partially manual shard_map run in a
-    nested shard_map manual over the mesh's other axes too. JAX partitions the cuDNN call with a
-    custom partitioner that refuses manual shardings (the train step's shard_map is manual over
-    `data` or `pipe`), and lowers it as it is where every axis is manual. The nested specs are
-    those `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
+    """`core(q, k, v)` (an attention core: cuDNN's) run in a shard_map manual over every axis of
+    the mesh in context that is not manual yet: nested inside the train step's shard_map (manual
+    over `data` or `pipe`), or at the top of a step that has none (`data` = 1 beside tensor axes;
+    the step traces its model under its mesh, `_compat.tracing_in`). JAX partitions the cuDNN
+    call with a custom partitioner that refuses manual shardings and that exists only where a
+    CUDA backend does (not for abstract H100s compiled from a CPU host), and lowers it as it is
+    where every axis is manual: one mechanism for every grid. The nested specs are those
+    `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
     the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
-    these specs). Elsewhere (no shard_map, or every axis manual) `core(q, k, v)` as it is."""
+    these specs). With no mesh in context (a model called outside a step), or every axis manual,
+    `core(q, k, v)` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.manual_axes or mesh.are_all_axes_manual:
+    if mesh.empty or mesh.are_all_axes_manual:
         return core(q, k, v)
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape))

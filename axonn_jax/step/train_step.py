@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import ensure_varying, pmean, psum, shard_map
+from .._compat import ensure_varying, pmean, psum, shard_map, tracing_in
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
@@ -605,7 +605,8 @@ class BoundStep:
         the batch axes); `engine`: another engine than the step's (the planner's measurements)."""
         engine = engine or self.engine
         if not engine.manual_axes:
-            loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
+            with tracing_in(self.parts.mesh):  # the mesh a shard_map would have put in context
+                loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             return loss, grads, red_state, metrics
         manual = engine.manual_axes
         p_specs = _manual_specs(self.specs, manual)
@@ -685,7 +686,8 @@ class BoundStep:
         grid = self.parts.grid
         manual = frozenset(batch_manual_axes(grid))
         if manual == {"data"} and grid.data == 1 and grid.pipe == 1:
-            return self.loss_fn(params, batch)
+            with tracing_in(self.parts.mesh):
+                return self.loss_fn(params, batch)
 
         def local(p, b):
             loss = self.loss_fn(ensure_varying(p, tuple(sorted(manual))), self._balanced(b, manual))

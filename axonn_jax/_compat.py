@@ -83,8 +83,7 @@ DEVICE_MEMORY_KIND = "device"
 def with_memory_kind(sharding, kind: str):
     """`sharding` in memory `kind`, also for compile-only devices (`analysis.targets`' abstract
     GPUs), which list no memories, so that `with_memory_kind` silently drops the kind there: a
-    NamedSharding on the mesh's abstract mesh keeps it (lower such programs under
-    `jax.set_mesh(mesh)`; `analysis.compiled` does)."""
+    NamedSharding on the mesh's abstract mesh keeps it."""
     out = sharding.with_memory_kind(kind)
     if out.memory_kind != kind and isinstance(sharding, jax.sharding.NamedSharding) \
             and isinstance(sharding.mesh, jax.sharding.Mesh):

@@ -110,21 +110,18 @@ NOTES: dict[str, str] = {
         "('Couldn't find output tile sizes') rejects the attention output projection's dot "
         "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
     "llama3-8b/1024":
-        "Depth bytes (this and every data × depth row): the compiled H100 step gathers the "
-        "weights and reduce-scatters their gradients over depth in bf16, `plan` counts them in "
-        "the fp32 parameter bytes: all-gather and reduce-scatter 0.50× exactly on the rows "
-        "without row/col (llama3-8b/1024, gpt-20b/256, gpt-20b/1024). Memory 0.93×: the safe "
-        "side.",
+        "Depth bytes are counted in the compute dtype, as the H100 step moves them (bf16; "
+        "XLA:CPU's f32 only for `--target cpu`): the all-gathers equal `plan`'s on every data × "
+        "depth row. The reduce-scatters are 0.77× `plan`'s here and 0.76× on llama3-70b/1024 "
+        "(not traced further; 1.00× on the gpt-20b rows). Memory 0.92×: the safe side.",
     "llama3-405b/1024":
-        "Depth bytes in bf16 against `plan`'s fp32 (see llama3-8b/1024), with row × col beside "
-        "them (0.80×, 0.91×). Memory 0.90×: the safe side.",
+        "All-gathers equal, reduce-scatters 1.04× (depth bytes in bf16, see llama3-8b/1024). "
+        "Memory 0.89×: the safe side.",
     "gpt-20b/64":
-        "`plan` picks depth 64 alone: the step then has no shard_map (no manual axis), so cuDNN "
-        "attention is partitioned by JAX's custom partitioner, whose callback is registered only "
-        "with a backend that starts with CUDA; compiling for H100 from this CPU process fails. "
-        "(`models.attention.fully_manual` avoids it inside a shard_map; outside one it would "
-        "need the step traced under the mesh, which `jax.set_mesh` refuses inside `jax.jit`.) "
-        "`--attention xla` compiles. Not fixed.",
+        "Compiles with cuDNN attention since the step traces its model under its mesh where it "
+        "has no shard_map (`_compat.tracing_in`; `models.attention.fully_manual` then runs cuDNN "
+        "in a shard_map over every axis). All-gathers and reduce-scatters equal `plan`'s (the all-reduces are 0.1 GB); memory 0.66× `plan`'s (the safe "
+        "side; not traced).",
 }
 """Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
 beyond the causes that `CAUSES` gives for every row."""

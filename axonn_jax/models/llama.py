@@ -195,7 +195,7 @@ class KeyValueReplicated:
         if g.depth > 1:
             # The kernel's slice `b` is moved into place and gathered over depth for the forward
             # and again for the backward; its gradient summed over depth and moved back.
-            b = self.fan_in * self.fan_out / (g.col * g.depth * r) * pb
+            b = self.fan_in * self.fan_out / (g.col * g.depth * r) * step.gathered_bytes
             # (Measured: with whole key/value heads, r = 1, GSPMD also moves the gathered
             # kernel, once for the forward and once for the backward.)
             moves = [Collective("collective-permute", ("depth",), b * g.depth, 2 * per_stage,

@@ -82,6 +82,8 @@ class Machine:
     f32_speedup: float = 0.5
     """FP32 matmuls' rate over 16-bit ones: TF32 tensor cores, half the BF16 peak on H100 ([A];
     XLA's default precision on NVIDIA GPUs), at the same fraction of peak."""
+    platform: str = "gpu"
+    """The XLA backend that compiles its programs (`gpu`, `cpu`): `run.plan.compiled_for`."""
 
     def matmul_rate(self, dtype: str = "bf16") -> float:
         """FLOPs/s of a large matmul whose result is `dtype` (an HLO dtype: `bf16`, `f16`, `f32`,
@@ -110,7 +112,8 @@ MACHINES: dict[str, Machine] = {
     # memory copy on the same CPU, and the devices share its cores.
     "cpu": Machine("simulated CPU devices of one host", 1024, 5e9, 5e9, intra_latency=20e-6,
                    inter_latency=20e-6, peak_flops=20e9, device_memory=8e9, efficiency=0.5,
-                   hbm_bw=20e9, vector_flops=20e9, fp8_speedup=1.0, f32_speedup=1.0),
+                   hbm_bw=20e9, vector_flops=20e9, fp8_speedup=1.0, f32_speedup=1.0,
+                   platform="cpu"),
 }
 
 

@@ -61,7 +61,7 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
         raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
                            "expert shard's tokens over the mean)"])
     work = compiled_for(dataclasses.replace(workload(config), expert_imbalance=expert_imbalance),
-                        "cpu" if machine.name == "cpu" else "gpu")
+                        machine.platform)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None

@@ -62,6 +62,9 @@ class Collective:
     rematerialized: bool = False
     """Run again in the backward when `--remat` recomputes the block (the batch-split layout's
     input gathers: the gathered input is not among the outputs a remat policy keeps)."""
+    recomputed_in_full: bool = False
+    """Run again in the backward under `--remat full` only (the output reduce-scatter of a layer
+    whose output the block's backward reads, which `selective` keeps: `DenseLayer.reused`)."""
     group_size: int = 0
     """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
     0: all the devices of `axes`."""
@@ -112,16 +115,17 @@ class StepShape:
     param_bytes: int = 4
     split: bool = False
     context_attention: str = "ring"
-    weight_bytes: int | None = None
-    """Bytes of one kernel element as `depth` gathers it and reduce-scatters its gradient, where
-    the compiler changes it (4: XLA:CPU runs 16-bit collectives in f32); None: `compute_bytes`."""
+    platform: str = "gpu"
+    """The XLA backend that compiles the step (`gpu`, `cpu`): the parts count what its passes
+    make of their collectives (`gathered_bytes`, `tp.tensor.DenseLayer`)."""
 
     @property
     def gathered_bytes(self) -> int:
         """Bytes of one kernel element in the depth gathers and gradient reduce-scatters: the
         compute dtype's (the step casts the parameters before the forward, and XLA:GPU keeps
-        16-bit collectives 16-bit), unless `weight_bytes` says otherwise."""
-        return self.weight_bytes or self.compute_bytes
+        16-bit collectives 16-bit); 4 on XLA:CPU, which runs 16-bit collectives in f32 (measured:
+        twice the H100 module's depth bytes on llama-tiny data 2 × depth 2 × row 2, bf16)."""
+        return 4 if self.platform == "cpu" else self.compute_bytes
 
     @property
     def rows(self) -> float:

@@ -52,7 +52,7 @@ def main() -> None:
 
     machine = cm.MACHINES["cpu"]
     work = cm.Workload(get_config(args.model), args.batch, args.seq_len, compute_bytes=4,
-                       schedule="gpipe")
+                       schedule="gpipe", platform=machine.platform)
     ranked = cm.plan(work, 8, machine)
     tokens = np.arange(100_000) % 256
     rows = []

@@ -38,7 +38,7 @@ def compare(model: str, batch: int, seq_len: int, grid, microbatches: int, bits:
     state = trainer.init_state(abstract=True)
     text = trainer.step.lower(state, trainer.bound.abstract_batch()).compile().as_text()
     measured = hlo.bytes_by_axes(text, grid.as_dict())
-    predicted = cm.bytes_by_axes(workload(options), grid)
+    predicted = cm.bytes_by_axes(workload(options, "cpu"), grid)
     name = ",".join(f"{k}={v}" for k, v in grid.as_dict().items() if v > 1) + \
         (f" M={microbatches}" if microbatches > 1 else "") + (f" {bits}-bit" if bits else "")
     rows = []

@@ -63,7 +63,7 @@ def test_axes_bytes_match_compiled_hlo(name, devices):
     gathers over `row` (about 4× the attention's row bytes in mixtral-tiny) are not modelled."""
     model, grid, extra, unmodelled = GRIDS[name]
     options = TrainOptions(model=model, batch_size=16, seq_len=32, parallel=grid, **extra)
-    text, work = compiled_text(options, devices), workload(options)
+    text, work = compiled_text(options, devices), workload(options, "cpu")
     crossing = 0
     for buffers in (False, True):
         measured = hlo_bytes_by_axes(text, grid.as_dict(), buffers)

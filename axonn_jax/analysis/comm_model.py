@@ -83,7 +83,7 @@ class Machine:
     """FP32 matmuls' rate over 16-bit ones: TF32 tensor cores, half the BF16 peak on H100 ([A];
     XLA's default precision on NVIDIA GPUs), at the same fraction of peak."""
     platform: str = "gpu"
-    """The XLA backend that compiles its programs (`gpu`, `cpu`): `run.plan.compiled_for`."""
+    """The XLA backend that compiles its programs (`gpu`, `cpu`): `Workload.platform`."""
 
     def matmul_rate(self, dtype: str = "bf16") -> float:
         """FLOPs/s of a large matmul whose result is `dtype` (an HLO dtype: `bf16`, `f16`, `f32`,
@@ -146,9 +146,9 @@ class Workload:
     remat: str = "none"
     """What each block keeps for its backward (`--remat`, uniform over the stack): one of
     `REMAT_POLICIES`."""
-    weight_bytes: int | None = None
-    """Bytes of a kernel element in the depth gathers and reduce-scatters where the compiler
-    changes the compute dtype's (`StepShape.weight_bytes`: 4 for XLA:CPU); None: GPUs'."""
+    platform: str = "gpu"
+    """The XLA backend that compiles the step (`StepShape.platform`): `gpu` for the clusters
+    `plan` ranks grids for, `cpu` for simulated devices (`Machine.platform`)."""
 
     @property
     def tokens(self) -> int:
@@ -175,7 +175,7 @@ class Workload:
         """The step as its parts count it on `grid`."""
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
                          self.param_bytes, context_attention=self.context_attention,
-                         weight_bytes=self.weight_bytes)
+                         platform=self.platform)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -212,11 +212,11 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     # repeat per microbatch, pipelined or accumulated. Of what `--remat` recomputes, the compiled
     # step (tests/test_comm_model.py) repeats the batch-split input gathers, not the weight
     # gathers over depth nor the output sums over row; `full` also the output reduce-scatters of
-    # the layers whose output the block reuses (+15% of those over row at gpt-tiny's size, not
-    # counted). Collectives XLA hoists out of the microbatch loop count once (`loop_invariant`).
+    # the layers whose output the block's backward reads (`DenseLayer.reused`). Collectives XLA
+    # hoists out of the microbatch loop count once (`loop_invariant`).
     if work.remat != "none":
-        found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized else c
-                 for c in found]
+        found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized or (
+            c.recomputed_in_full and work.remat == "full") else c for c in found]
     return stage_repeats(found, work.microbatches, 2 if grid.pipe > 1 else 1)
 
 

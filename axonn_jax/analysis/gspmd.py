@@ -74,17 +74,19 @@ def _loss(model):
     return lambda params, x: jnp.mean(jnp.square(model.apply({"params": params}, x)))
 
 
-def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1) -> dict[str, int]:
+def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1,
+                   platform: str = "cpu") -> dict[str, int]:
     """Per-device collective bytes per step of AxoNN's algorithm (HLO byte convention of
     `axonn_jax.analysis.hlo`: full buffers, fp32), as the blocks' parts declare them
     (`GPTConfig.shape`: the dense layers, `tp.tensor.DenseLayer`; the two LayerNorms,
     `tp.layers.Norms`), in the layout `tp.tensor.split_batch` picks for the batch. With data > 1
     the batch is split `data` ways more and each device's gradient shards are all-reduced over
     `data` (`step.reducers.exchange_collectives`), and the loss averaged. No embedding, head or
-    gradient norm: the step is the blocks' alone.
+    gradient norm: the step is the blocks' alone. `platform`: the backend that compiles the step
+    (`collectives.StepShape.platform`).
     """
     grid = ParallelConfig(data=data, depth=depth, row=row, col=col)
-    step = StepShape(grid, w.batch, w.seq, compute_bytes=4, param_bytes=4)
+    step = StepShape(grid, w.batch, w.seq, compute_bytes=4, param_bytes=4, platform=platform)
     step = dataclasses.replace(step, split=split_batch((step.layer_rows,), grid.as_dict()))
     parts = [*(layer for layer in w.config.shape(grid).layers if layer.layers),
              Norms(w.d_model, count=2, layers=w.layers)]
@@ -207,7 +209,8 @@ def run(w: BlockShape, devices=None, repeats: int = 3, grids=None, baselines=Non
     rows = []
     for grid in grids or AXONN_GRIDS:
         r = measure(*axonn_variant(w, grid, devices), repeats)
-        r["analytic_bytes"] = analytic_bytes(w, *grid)
+        r["analytic_bytes"] = analytic_bytes(w, *grid,
+                                             platform="cpu" if devices[0].platform == "cpu" else "gpu")
         r["analytic_total"] = sum(r["analytic_bytes"].values())
         r["measured_over_analytic"] = r["total_bytes"] / r["analytic_total"]
         rows.append(r)

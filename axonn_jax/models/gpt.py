@@ -82,9 +82,10 @@ class GPTConfig:
         """The communicating parts on `grid` (`models.decoder`): query, key and value projections
         sharing one input gather, the attention output, the MLP, the head."""
         d, f, n = self.d_model, self.d_ff, self.num_layers // grid.pipe
-        layers = (DenseLayer("qkv", d, d, False, 3, n, gathers=1),
-                  DenseLayer("attn_out", d, d, True, 1, n),
-                  DenseLayer("mlp_up", d, f, False, 1, n), DenseLayer("mlp_down", f, d, True, 1, n),
+        layers = (DenseLayer("qkv", d, d, False, 3, n, gathers=1, reused=True),
+                  DenseLayer("attn_out", d, d, True, 1, n, reused=True),
+                  DenseLayer("mlp_up", d, f, False, 1, n, reused=True),
+                  DenseLayer("mlp_down", f, d, True, 1, n),
                   DenseLayer("head", d, self.vocab_size, False, bias=False,
                              table=self.tie_embeddings))
         return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size,

@@ -132,11 +132,12 @@ class LlamaConfig:
         d, q, kv, f = self.d_model, self.q_features, self.kv_features, self.d_ff
         n = self.num_layers // grid.pipe
         rep = self.replicate_kv(grid)
-        kv_layers = (DenseLayer("kv", d, kv, False, 2, n, bias=False, gathers=0),)
-        layers = (DenseLayer("q", d, q, False, 1, n, bias=False, gathers=1),
+        kv_layers = (DenseLayer("kv", d, kv, False, 2, n, bias=False, gathers=0,
+                                reused=True),)
+        layers = (DenseLayer("q", d, q, False, 1, n, bias=False, gathers=1, reused=True),
                   *(() if rep else kv_layers),
-                  DenseLayer("attn_out", q, d, True, 1, n, bias=False),
-                  DenseLayer("mlp_in", d, f, False, 2, n, bias=False, gathers=1),
+                  DenseLayer("attn_out", q, d, True, 1, n, bias=False, reused=True),
+                  DenseLayer("mlp_in", d, f, False, 2, n, bias=False, gathers=1, reused=True),
                   DenseLayer("mlp_down", f, d, True, 1, n, bias=False),
                   DenseLayer("head", d, self.vocab_size, False, bias=False,
                              table=self.tie_embeddings))

@@ -81,7 +81,8 @@ class MixtralConfig(llama.LlamaConfig):
         tensor-parallel gate/up and down projections."""
         base = super().shape(grid)
         n, d, f = self.num_layers // grid.pipe, self.d_model, self.num_shared_experts * self.d_ff
-        shared = (DenseLayer("shared_in", d, f, False, 2, n, bias=False, gathers=1),
+        shared = (DenseLayer("shared_in", d, f, False, 2, n, bias=False, gathers=1,
+                             reused=True),
                   DenseLayer("shared_down", f, d, True, 1, n, bias=False)) if f else ()
         dense = tuple(x for x in base.layers if x.name not in ("mlp_in", "mlp_down"))
         moe = MoELayers(self.moe, d, n)

@@ -361,7 +361,7 @@ def _compile(args) -> int:
 
     from ..analysis import comm_model as cm, compiled as cc, targets
     from . import options as opts
-    from .plan import compiled_for, workload
+    from .plan import workload
 
     config = args.run_config
     target = targets.target(args.target)
@@ -369,7 +369,7 @@ def _compile(args) -> int:
         raise ValueError("--overlap-report replays the GPU schedule: use --target h100")
     opts.check(config, platform="gpu" if args.target == "h100" else "cpu")
     n = config.grid.devices or jax.device_count()
-    work = compiled_for(workload(config), "gpu" if args.target == "h100" else "cpu")
+    work = workload(config, "gpu" if args.target == "h100" else "cpu")
     machine = cm.MACHINES["h100-dgx"]
     modelled = cm.counts(work.model)
     if args.top:

@@ -9,8 +9,9 @@ from ..config import AXES, ParallelConfig
 from .options import ConfigError, RunConfig, preset_of, resolve_grid
 
 
-def workload(config: RunConfig) -> cm.Workload:
-    """The step the config trains, as the planner counts it."""
+def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
+    """The step the config trains, as the planner counts it compiled for `platform` (`gpu`,
+    `cpu`: `cm.Workload.platform`)."""
     model = preset_of(config).config
     if hasattr(model, "attention"):  # which attention core runs decides what it keeps
         model = dataclasses.replace(model, attention=config.model.attention)
@@ -22,14 +23,7 @@ def workload(config: RunConfig) -> cm.Workload:
                        compress_bits=config.compression.bits,
                        offload_optimizer=config.memory.offload_optimizer,
                        context_attention=config.model.context_attention,
-                       remat=_modelled_remat(config.memory.remat))
-
-
-def compiled_for(work: cm.Workload, platform: str) -> cm.Workload:
-    """`work` as XLA compiles it for `platform` (`cpu` or `gpu`): XLA:CPU runs the depth axis's
-    16-bit kernel gathers and gradient reduce-scatters in f32 (measured: twice the H100 module's
-    bytes on llama-tiny data 2 × depth 2 × row 2, bf16)."""
-    return dataclasses.replace(work, weight_bytes=4) if platform == "cpu" else work
+                       remat=_modelled_remat(config.memory.remat), platform=platform)
 
 
 def _modelled_remat(remat: str) -> str:
@@ -60,8 +54,8 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
     if not expert_imbalance >= 1:
         raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
                            "expert shard's tokens over the mean)"])
-    work = compiled_for(dataclasses.replace(workload(config), expert_imbalance=expert_imbalance),
-                        machine.platform)
+    work = dataclasses.replace(workload(config, machine.platform),
+                               expert_imbalance=expert_imbalance)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None

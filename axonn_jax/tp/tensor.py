@@ -378,6 +378,11 @@ class DenseLayer:
     bias: bool = True
     gathers: int | None = None
     table: bool = False
+    reused: bool = False
+    """The block's backward reads this layer's output (it enters attention, an activation
+    function, or a norm of the residual stream within the block): `--remat full` recomputes it,
+    its output reduce-scatter included. XLA drops the recomputation of an output the backward
+    does not read (the block's last projection, whose sum leaves the block as its output)."""
 
     def collectives(self, step: StepShape) -> list[Collective]:
         """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
@@ -399,12 +404,16 @@ class DenseLayer:
                 # reduce-scattered onto the rows over the input axis
                 Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=stacked,
                            rematerialized=stacked),
-                Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked),
+                Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked,
+                           recomputed_in_full=stacked and self.reused),
                 # backward: dy's rows gathered over the input axis, the input gradient
                 # reduce-scattered over the output axis (the weight gradient reads x's rows kept
-                # from the forward)
+                # from the forward); XLA:GPU adds the partial input gradients of the layers that
+                # read one input before scattering them (its reduce-scatter reassociation), so
+                # one per input gather there
                 Collective("all-gather", (fin,), y_bytes, count),
-                Collective("reduce-scatter", (fout,), x_bytes, count, overlappable=mm_flops),
+                Collective("reduce-scatter", (fout,), x_bytes,
+                           gathers if step.platform == "gpu" else count, overlappable=mm_flops),
             ]
         else:
             out = [

@@ -110,13 +110,15 @@ NOTES: dict[str, str] = {
         "('Couldn't find output tile sizes') rejects the attention output projection's dot "
         "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
     "llama3-8b/1024":
-        "Depth bytes are counted in the compute dtype, as the H100 step moves them (bf16; "
-        "XLA:CPU's f32 only for `--target cpu`): the all-gathers equal `plan`'s on every data × "
-        "depth row. The reduce-scatters are 0.77× `plan`'s here and 0.76× on llama3-70b/1024 "
-        "(not traced further; 1.00× on the gpt-20b rows). Memory 0.92×: the safe side.",
+        "Collectives as the compiling backend makes them (`collectives.StepShape.platform`): "
+        "depth's kernel gathers and gradient reduce-scatters in the compute dtype (bf16 on the "
+        "H100; XLA:CPU's f32 only for `--target cpu`), the input-gradient reduce-scatters of "
+        "layers reading one input added before one scatter (XLA:GPU's reassociation), `--remat "
+        "full` repeating the output reduce-scatters the block's backward reads. All-gathers and "
+        "reduce-scatters equal `plan`'s on every row without a pipeline. Memory 0.92×: the "
+        "safe side.",
     "llama3-405b/1024":
-        "All-gathers equal, reduce-scatters 1.04× (depth bytes in bf16, see llama3-8b/1024). "
-        "Memory 0.89×: the safe side.",
+        "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":
         "Compiles with cuDNN attention since the step traces its model under its mesh where it "
         "has no shard_map (`_compat.tracing_in`; `models.attention.fully_manual` then runs cuDNN "

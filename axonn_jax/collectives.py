@@ -118,6 +118,9 @@ class StepShape:
     platform: str = "gpu"
     """The XLA backend that compiles the step (`gpu`, `cpu`): the parts count what its passes
     make of their collectives (`gathered_bytes`, `tp.tensor.DenseLayer`)."""
+    rings: bool = False
+    """The tensor-parallel layers gather their rows in rings of permutes
+    (`tp.tensor.collective_matmuls`)."""
 
     @property
     def gathered_bytes(self) -> int:

@@ -105,6 +105,15 @@ def test_accumulation_and_remat_bytes_match_compiled_hlo(remat, microbatches, co
         assert by_kind[kind] == pytest.approx(want, rel=slack, abs=512), kind
 
 
+def test_collective_matmul_bytes_match_compiled_hlo(compiled_hlo):
+    """`--collective-matmul on`: each layer's row gathers are n − 1 collective-permutes of one
+    device's block (`DenseLayer`, `tp.tensor.ring_gather`), per (kind, axes) as compiled."""
+    options = TrainOptions(model="gpt-tiny", batch_size=16, seq_len=32, collective_matmul="on",
+                           parallel=P(row=4, col=2))
+    assert workload(options).step(options.parallel).rings
+    assert_bytes_match(options, compiled_hlo)
+
+
 def assert_bytes_match(options, compiled_hlo):
     """`test_model_bytes_match_compiled_hlo`'s comparison of the step of `options`."""
     grid, text, work = options.parallel, compiled_hlo(options), workload(options)

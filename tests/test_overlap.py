@@ -111,6 +111,51 @@ def test_a_pipelined_collective_hides_behind_the_next_iteration():
     assert s.step_s == pytest.approx(4 * DOT_S + 3 * steady + comm + cp.comm_s)
 
 
+PLACED_THEN_SLICED = """HloModule d, is_scheduled=true, num_partitions=16
+
+%placed (p0: bf16[256,1024], p1: bf16[256,1024], p2: bf16[256,1024], p3: bf16[256,1024], p4: s32[], p5: s32[], p6: s32[]) -> bf16[256,1024] {
+  %p0 = bf16[256,1024]{1,0} parameter(0)
+  %p1 = bf16[256,1024]{1,0} parameter(1)
+  %p2 = bf16[256,1024]{1,0} parameter(2)
+  %p3 = bf16[256,1024]{1,0} parameter(3)
+  %p4 = s32[] parameter(4)
+  %p5 = s32[] parameter(5)
+  %p6 = s32[] parameter(6)
+  %zero = bf16[] constant(0)
+  %c0 = s32[] constant(0)
+  %base = bf16[512,1024]{1,0} broadcast(%zero), dimensions={}
+  %b0 = bf16[256,1024]{1,0} bitcast(%p0)
+  %u0 = bf16[512,1024]{1,0} dynamic-update-slice(%base, %b0, %p4, %c0)
+  %u1 = bf16[512,1024]{1,0} dynamic-update-slice(%u0, %p1, %p5, %c0)
+  %v0 = bf16[512,1024]{1,0} dynamic-update-slice(%base, %p2, %p4, %c0)
+  %v1 = bf16[512,1024]{1,0} dynamic-update-slice(%v0, %p3, %p5, %c0)
+  %m = bf16[512,1024]{1,0} multiply(%u1, %v1)
+  %s = bf16[256,1024]{1,0} dynamic-slice(%m, %p6, %c0), dynamic_slice_sizes={256,1024}
+  ROOT %r = bf16[256,1024]{1,0} copy(%s)
+}
+
+ENTRY %main (a: bf16[256,1024], b: bf16[256,1024], c: bf16[256,1024], d: bf16[256,1024], i: s32[], j: s32[], k: s32[]) -> bf16[256,1024] {
+  %a = bf16[256,1024]{1,0} parameter(0)
+  %b = bf16[256,1024]{1,0} parameter(1)
+  %c = bf16[256,1024]{1,0} parameter(2)
+  %d = bf16[256,1024]{1,0} parameter(3)
+  %i = s32[] parameter(4)
+  %j = s32[] parameter(5)
+  %k = s32[] parameter(6)
+  ROOT %f = bf16[256,1024]{1,0} fusion(%a, %b, %c, %d, %i, %j, %k), kind=kLoop, calls=%placed
+}
+"""
+
+
+def test_a_slice_of_placed_blocks_reads_one_block_per_chain():
+    """A fusion whose result is a dynamic slice of blocks placed into buffers (two chains of
+    dynamic-update-slices multiplied, as a ring's gathered rows feed an activation) reads each
+    element from one block of each chain, not every block: 2 blocks read, 1 written."""
+    block = 256 * 1024 * 2
+    s = overlap.report(PLACED_THEN_SLICED, MESH, H100)
+    assert s.other_s == pytest.approx(3 * block / H100.hbm_bw, rel=1e-4)  # + 3 indices
+
+
 def test_hidden_shares_per_axis_and_mode():
     """A collective over several axes hides the least of theirs; a pipeline mode falls back to
     the spmd figure of an axis it did not measure; an axis never measured hides nothing."""

@@ -10,8 +10,8 @@ from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
 from axonn_jax.analysis import hlo
 from axonn_jax.analysis.hlo import collectives
-from axonn_jax.tp.tensor import (dense_specs, kernel_spec, split_dims, tp_attend, tp_dense,
-                                 tp_dense_general, tp_embed)
+from axonn_jax.tp.tensor import (collective_matmuls, dense_specs, kernel_spec, split_dims, tp_attend,
+                                 tp_dense, tp_dense_general, tp_embed)
 
 from conftest import relative_difference
 
@@ -92,6 +92,35 @@ def test_tp_matches_reference_and_has_the_algorithms_collectives(grid, inputs, d
                 got = by_axes[(kind, (axis,))]
                 assert set(got) == {size} and len(got) >= 2, (kind, axis, got)
     assert not {kind for kind, _ in by_axes} - {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+@pytest.mark.parametrize("grid", [(4, 2, 1), (1, 4, 2)], ids=lambda g: "row%d_col%d_depth%d" % g)
+def test_collective_matmuls_match_reference_and_gather_rows_in_rings(grid, inputs, devices):
+    """`collective_matmuls`: the same values and gradients, and each of the four matmuls whose
+    input rows are gathered (both layers' forward and input gradient) gathers them in a ring of
+    n − 1 collective-permutes of one row block instead of an all-gather; its reduce-scatter stays."""
+    row, col, depth = grid
+    mesh = make_mesh(ParallelConfig(row=row, col=col, depth=depth), devices)
+    with collective_matmuls():
+        step = jax.jit(jax.value_and_grad(tp_loss(mesh), argnums=DIFF_ARGS))
+        value, grads = step(*args(inputs))
+        text = step.lower(*args(inputs)).compile().as_text()
+    check_against_reference(value, grads, inputs)
+    shape = {"depth": depth, "row": row, "col": col}
+    found = {}
+    for c in collectives(text):
+        found.setdefault((c.kind, hlo.group_axes(c.group, shape)), []).append(c.bytes)
+    rows = {"row": 4 * B * T * D_IN // (depth * row * col),  # one device's block of x / dx
+            "col": 4 * B * T * D_HID // (depth * row * col)}  # of h / dh
+    # (gather axis, scatter axis, the gathered block's axis in `rows`) of the four matmuls
+    matmuls = [("row", "col", "row"), ("col", "row", "col"), ("col", "row", "col"), ("row", "col", "row")]
+    permutes, scatters = {"row": [], "col": []}, {"row": 0, "col": 0}
+    for gather, scatter, block in matmuls:
+        permutes[gather] += [rows[block]] * (shape[gather] - 1)
+        scatters[scatter] += shape[scatter] > 1
+    for axis in ("row", "col"):
+        assert sorted(found.get(("collective-permute", (axis,)), [])) == permutes[axis], axis
+        assert len(found.get(("reduce-scatter", (axis,)), [])) == scatters[axis], axis
 
 
 def test_tp_falls_back_to_the_replicated_layout(inputs, devices):

@@ -54,6 +54,15 @@ def test_tensor_parallel_composes_with_memory_modes(mode, devices, data_parallel
     assert_trains_like(got, data_parallel())
 
 
+def test_collective_matmuls_train_like_data_parallel(devices, data_parallel):
+    """`--collective-matmul on`: every dense layer gathers its rows over row and col in rings of
+    permutes (`tp.tensor.collective_matmuls`), and the run follows the data-parallel one."""
+    got = train(TrainOptions(**SHORT, collective_matmul="on",
+                             parallel=ParallelConfig(data=2, row=2, col=2)), devices=devices)
+    assert got["trainer"].bound.compute.rings
+    assert_trains_like(got, data_parallel())
+
+
 def test_tensor_parallel_bf16_tracks_data_parallel(devices, data_parallel):
     """bf16 compute with TP (its 16-bit all-reduces once aborted XLA:CPU): the losses and gradient
     norms follow the data-parallel bf16 run's (measured 1e-4 apart), the fp32 masters and moments

@@ -33,6 +33,7 @@ from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import batch_axes_collectives
 from ..step.reducers import exchange_collectives, scalar_collectives
+from ..tp.tensor import collective_matmuls_on
 from . import hidden_shares
 
 
@@ -149,6 +150,11 @@ class Workload:
     platform: str = "gpu"
     """The XLA backend that compiles the step (`StepShape.platform`): `gpu` for the clusters
     `plan` ranks grids for, `cpu` for simulated devices (`Machine.platform`)."""
+    collective_matmul: str = "auto"
+    """`--collective-matmul` (`tp.tensor.collective_matmuls_on`): whether the tensor-parallel
+    layers gather their rows in rings on `platform`."""
+    fp8: bool = False
+    """`--fp8`: its kernel gathers rows whole (no rings under `auto`)."""
 
     @property
     def tokens(self) -> int:
@@ -173,9 +179,10 @@ class Workload:
 
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
+        rings = collective_matmuls_on(self.collective_matmul, self.platform, self.fp8)
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
                          self.param_bytes, context_attention=self.context_attention,
-                         platform=self.platform)
+                         platform=self.platform, rings=rings)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:

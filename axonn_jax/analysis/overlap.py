@@ -140,13 +140,47 @@ class _Costs:
         reads only its slice, a fused dynamic-update-slice writes only its update (in place)."""
         operands = [_bytes(shapes.get(o, "")) for o in instr.operands]
         result = _bytes(instr.shape)
-        inner = set().union(*(self.opcodes(c) for c in hlo.called(instr.rest))) \
-            if instr.opcode == "fusion" else {instr.opcode}
+        callees = hlo.called(instr.rest) if instr.opcode == "fusion" else []
+        inner = set().union(*(self.opcodes(c) for c in callees)) if callees else {instr.opcode}
+        if len(callees) == 1 and self._root(callees[0]) == "dynamic-slice":
+            return result + self._sliced_reads(callees[0], operands, result)
         if "dynamic-update-slice" in inner and operands:
             return 2.0 * (sum(operands) - max(operands))
         if "dynamic-slice" in inner:
             return 2.0 * result + sum(b for b in operands if b <= result)
         return sum(operands) + result
+
+    def _root(self, comp: str) -> str | None:
+        """The opcode of `comp`'s result, through copies and bitcasts."""
+        instrs = {i.name: i for i in self.comps.get(comp, ())}
+        root = self.comps[comp][-1] if self.comps.get(comp) else None
+        while root is not None and root.opcode in ("copy", "bitcast") and root.operands:
+            root = instrs.get(root.operands[0])
+        return root.opcode if root is not None else None
+
+    def _sliced_reads(self, comp: str, operands: list[float], result: float) -> float:
+        """Bytes a fusion whose result is a dynamic slice reads of its `operands`: each only
+        within the slice's window (at most `result` bytes), and of the updates of one chain of
+        dynamic-update-slices (a block placed into a buffer, as a ring of collective matmuls
+        does) only the one that holds each element: the chain's window, not every update."""
+        instrs = self.comps[comp]
+        params = {i.name: int(re.match(r"\s*(\d+)", i.rest).group(1))
+                  for i in instrs if i.opcode == "parameter"}
+        by_name = {i.name: i for i in instrs}
+        chains: dict[str, list[int]] = {}
+        for i in instrs:
+            if i.opcode == "dynamic-update-slice" and len(i.operands) > 1:
+                first, update = i, by_name.get(i.operands[1])  # the chain's first placement
+                while by_name.get(first.operands[0], first).opcode == "dynamic-update-slice":
+                    first = by_name[first.operands[0]]
+                while update is not None and update.opcode == "bitcast" and update.operands:
+                    update = by_name.get(update.operands[0])
+                if update is not None and update.name in params:
+                    chains.setdefault(first.name, []).append(params[update.name])
+        placed = {k for ks in chains.values() for k in ks}
+        plain = sum(min(b, result) for k, b in enumerate(operands) if k not in placed)
+        return plain + sum(min(sum(operands[k] for k in ks if k < len(operands)), result)
+                           for ks in chains.values())
 
     def seconds(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float, float]:
         """(FLOPs, matmul FLOPs, seconds) of one kernel (not a loop, call or collective)."""

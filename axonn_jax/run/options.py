@@ -95,6 +95,10 @@ class GridOptions:
     depth: int = option(1, "depth of 3D tensor parallelism")
     row: int = option(1, "rows of 2D tensor parallelism")
     col: int = option(1, "columns of 2D tensor parallelism")
+    collective_matmul: str = option("auto", "tensor-parallel layers gather their input rows in "
+                                    "a ring, one matmul per row block while the next block "
+                                    "travels (collective matmul): on, off, or auto (on GPUs, "
+                                    "without --fp8)", choices=("auto", "on", "off"))
     auto: bool = option(False, "let the planner choose the grid (and microbatches)",
                         flag="--auto-grid")
     devices: int | None = option(None, "devices of the job: simulated CPU devices to create (set "
@@ -549,6 +553,10 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              memory_budget_gb=config.memory.budget_gb,
                              compress_bits=config.compression.bits, dtype=config.precision.dtype,
                              num_layers=num_layers, between_processes=mpi)
+    from ..tp.tensor import collective_matmuls_on
+
+    _attempt(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
+             config.precision.fp8)
     return found
 
 
@@ -671,4 +679,4 @@ def step_options(config: RunConfig) -> dict:
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, dtype=config.precision.dtype,
                 fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,
-                xla_options=config.run.xla_options)
+                xla_options=config.run.xla_options, collective_matmul=config.grid.collective_matmul)

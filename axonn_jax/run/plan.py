@@ -23,7 +23,8 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        compress_bits=config.compression.bits,
                        offload_optimizer=config.memory.offload_optimizer,
                        context_attention=config.model.context_attention,
-                       remat=_modelled_remat(config.memory.remat), platform=platform)
+                       remat=_modelled_remat(config.memory.remat), platform=platform,
+                       collective_matmul=config.grid.collective_matmul, fp8=config.precision.fp8)
 
 
 def _modelled_remat(remat: str) -> str:

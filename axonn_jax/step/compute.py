@@ -6,6 +6,7 @@ Every gradient engine, the in-process ones (`step.engines`) and the message-driv
 alike, computes through these."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from .._compat import ensure_varying
 from ..tp.fp8 import fp8_matmuls
+from ..tp.tensor import collective_matmuls
 from .gathers import unbatched_gathers
 from .model import ModelFunctions, scan_layers
 
@@ -39,7 +41,7 @@ class ComputeFunctions:
     """`fns` in `dtype` with the block groups `groups` (`((count, wrap), ...)`: how
     `step.model.scan_layers` wraps runs of layers, e.g. in `jax.checkpoint` with a policy; None
     keeps every layer as it is); `fp8`: the tensor-parallel dense layers run FP8 GEMMs (`tp.fp8`;
-    `fns` bound with `fp8`).
+    `fns` bound with `fp8`); `rings`: they gather their rows in rings (`tp.tensor.collective_matmuls`).
 
         embed(params['embed'], batch) -> x            x: (rows, ...) in `dtype`
         blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
@@ -59,18 +61,25 @@ class ComputeFunctions:
     scan, as soon as they exist, where the latency-hiding scheduler overlaps the all-reduce with
     the next layers' backward (`SpmdEngine.layer_reduce`)."""
     fp8: bool = False
+    rings: bool = False
+
+    @contextlib.contextmanager
+    def _kernels(self):
+        """The modes of the tensor-parallel kernels traced within: FP8 GEMMs, gathers in rings."""
+        with fp8_matmuls(self.fp8), collective_matmuls(self.rings):
+            yield
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
 
     def embed(self, params, batch):
-        with fp8_matmuls(self.fp8):
+        with self._kernels():
             return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
                                      .astype(self.dtype))(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None):
         groups = self.groups if groups is None else groups
-        with fp8_matmuls(self.fp8):
+        with self._kernels():
             if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
                 def block(p, h, **side):
                     return self.fns.block(cast_floating(ensure_varying(p, self.vary_layers),
@@ -82,7 +91,7 @@ class ComputeFunctions:
                 cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 
     def head(self, head_params, y, batch):
-        with fp8_matmuls(self.fp8):
+        with self._kernels():
             return unbatched_gathers(lambda p, y, b: self.fns.head(
                 cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 

@@ -28,13 +28,14 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import ensure_varying, pmean, psum, shard_map, tracing_in
+from .._compat import ensure_varying, mesh_platform, pmean, psum, shard_map, tracing_in
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import context as context_lib, pipeline as pipeline_lib
+from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
 from .compute import ComputeFunctions
 from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
@@ -61,6 +62,7 @@ class StepOptions:
     fp8: bool = False
     clip_norm: float | None = None
     xla_options: str = "library"
+    collective_matmul: str = "auto"
 
 
 _NOT_YET = "is not implemented yet"
@@ -118,6 +120,9 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       clip_norm: clip the gradients' global norm (None: no clipping).
       xla_options: `library` (on GPUs, the overlap options of `step.xla_options`) | `xla`
         (XLA's defaults).
+      collective_matmul: `auto` (on for GPU meshes without fp8) | `on` | `off`: the
+        tensor-parallel layers gather their input rows in rings interleaved with the matmul
+        (`tp.tensor.collective_matmuls`).
     reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
       the local `data` devices exactly. engine: a host-driven gradient engine (the MPI pipeline),
       `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
@@ -152,6 +157,10 @@ class StepParts:
                                  "memory_budget_gb", "compress_bits", "dtype")}
         found = option_problems(grid, num_layers=model.num_layers,
                                 between_processes=reducer is not None, **checked)
+        try:
+            collective_matmuls_on(options.collective_matmul, mesh_platform(mesh), options.fp8)
+        except ValueError as e:
+            found.append(str(e))
         if found:
             raise (NotImplementedError if found[0].endswith(_NOT_YET) else ValueError)(found[0])
         return cls(model, optimizer, mesh, grid, options, reducer, engine)
@@ -474,7 +483,9 @@ class BoundStep:
     def compute_with(self, plan: activations.Plan | None) -> ComputeFunctions:
         """The model's functions in the compute dtype, its blocks run with `plan`."""
         groups = plan.layer_groups(self.model.offload_names) if plan else None
-        return ComputeFunctions(self.fns, self.compute_dtype, groups, self.parts.options.fp8)
+        o = self.parts.options
+        rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
+        return ComputeFunctions(self.fns, self.compute_dtype, groups, o.fp8, rings=rings)
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid

@@ -219,6 +219,67 @@ def replicated_rows(enabled: bool = True):
         _REPLICATED_ROWS.reset(token)
 
 
+_RINGS = contextvars.ContextVar("axonn_collective_matmuls", default=False)
+"""Whether the `tp_dense` layers being traced gather their rows in rings (`collective_matmuls`)."""
+
+
+@contextlib.contextmanager
+def collective_matmuls(enabled: bool = True):
+    """Within it (when `enabled`), `tp_dense` layers traced in the batch-split layout gather the
+    rows of each matmul's input (x over the output axis in the forward, dy over the input axis in
+    the backward) in a ring (`ring_gather`): one matmul per row block, each block's `ppermute` to
+    the next device in flight beside the previous block's matmul, so that the gather hides behind
+    the layer's own compute (Wang et al., ASPLOS'23, "collective matmul"). Same bytes as the
+    all-gather, the same results up to the order of the weight gradient's sums. The cost: each
+    block's product is copied into place in the gathered result. Reduce-scatters stay as they are
+    (a ring of them measured slower: `benchmarks/results/overlap_notes.md`). The train step
+    traces its model inside it with `--collective-matmul`."""
+    token = _RINGS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _RINGS.reset(token)
+
+
+COLLECTIVE_MATMUL_CHOICES = ("auto", "on", "off")
+
+
+def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool:
+    """Whether a step gathers rows in rings (`collective_matmuls`): `on`, `off`, or `auto` (on
+    when the step compiles for GPUs without FP8: XLA:CPU runs collectives synchronously, so there
+    the rings would only add the copies; the FP8 kernel gathers float8 rows its own way)."""
+    if choice not in COLLECTIVE_MATMUL_CHOICES:
+        raise ValueError(f"collective_matmul must be one of {COLLECTIVE_MATMUL_CHOICES}, "
+                         f"got {choice!r}")
+    if choice == "on" and fp8:
+        raise ValueError("collective_matmul='on' with fp8 is not implemented yet (the FP8 "
+                         "kernel gathers its float8 rows whole)")
+    return choice == "on" or (choice == "auto" and platform == "gpu" and not fp8)
+
+
+def ring_gather(a, axis: str, n: int, block_fn):
+    """`block_fn` over each row block of `a` all-gathered over the manual `axis` (size `n`), the
+    blocks passed round a ring instead of gathered first: step s works on device (i + s) % n's
+    block while the next block is in flight. `block_fn(block, k) -> (rows, total)`: `rows` (a
+    tuple of arrays with the block's leading dim) are placed at block k of the results, `total`
+    (an array or None) is summed over the blocks. Returns (rows of all n blocks in the order of
+    `axis`, the sum of the totals). `a`: `(b, ...)` on each device; rows: `(n·b, ...)`."""
+    i, b = jax.lax.axis_index(axis), a.shape[0]
+    to_previous = [(j, (j - 1) % n) for j in range(n)]  # so device i next holds i + 1's block
+    rows, total, block = None, None, a
+    for step in range(n):
+        nxt = jax.lax.ppermute(block, axis, to_previous) if step < n - 1 else None
+        k = (i + step) % n
+        part, t = block_fn(block, k)
+        if rows is None:
+            rows = tuple(jnp.zeros((n * b, *r.shape[1:]), r.dtype) for r in part)
+        rows = tuple(jax.lax.dynamic_update_slice_in_dim(acc, r, k * b, axis=0)
+                     for acc, r in zip(rows, part))
+        total = t if total is None else total + t
+        block = nxt
+    return rows, total
+
+
 def split_batch(x_shape, mesh, transpose: bool = False) -> bool:
     """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
     layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
@@ -239,8 +300,9 @@ def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
 
 @functools.lru_cache(maxsize=LAYER_CACHE)
 def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False,
-              split: bool = False, fp8_axes: tuple[str, ...] | None = None):
+              split: bool = False, fp8_axes: tuple[str, ...] | None = None, rings: bool = False):
     fin, fout = feature_axes(transpose)
+    sizes = dict(mesh.shape)
     # split: x's batch also over fout, y's over fin; else both replicated over the other axis
     x_spec = batch_spec(ndim, fout if split else None, fin)
     y_spec = batch_spec(ndim, fin if split else None, fout)
@@ -254,15 +316,32 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
     def sum_rows(a, axis):  # the partial sums over `axis`: scattered over the batch when split
         return psum_scatter(a, axis, scatter_dimension=0, tiled=True) if split else psum(a, axis)
 
-    def local_forward(x, w, *b):
-        # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
-        x = gather_rows(x, fout)  # kept for the weight gradient, not gathered again
-        y = sum_rows(jax.lax.dot_general(x, _gather_depth(w), contract), fin)
-        return (y + b[0] if b else y), x
-
     rows = tuple(range(ndim - 1))
     dims = {"forward": contract, "dx": (((ndim - 1,), (w_out,)), ((), ())),
             "dw": ((rows, rows), ((), ()))}  # dw: (dy_rows, x) when out_in, else (x, dy_rows)
+    # collective matmuls: a matmul whose rows are gathered over an axis of more than one device
+    ring_over = {a for a in (fin, fout) if rings and split and sizes[a] > 1}
+
+    def gather_matmul_scatter(a, w, dim_numbers, gather_axis, scatter_axis):
+        """(sum_rows(a's rows gathered over gather_axis · w), those rows), the gather in a ring."""
+        if gather_axis in ring_over:
+            (y, a), _ = ring_gather(a, gather_axis, sizes[gather_axis], lambda blk, k: (
+                (jax.lax.dot_general(blk, w, dim_numbers), blk), None))
+        else:
+            a = gather_rows(a, gather_axis)
+            y = jax.lax.dot_general(a, w, dim_numbers)
+        return sum_rows(y, scatter_axis), a
+
+    def local_forward(x, w, *b):
+        # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
+        # x's gathered rows are kept for the weight gradient, not gathered again.
+        y, x = gather_matmul_scatter(x, _gather_depth(w), contract, fout, fin)
+        return (y + b[0] if b else y), x
+
+    def weight_grad(dy_rows, x_rows, accumulate=None):
+        """dw of these rows; `accumulate`: its dtype when summed over a ring's blocks (f32)."""
+        return jax.lax.dot_general(*((dy_rows, x_rows) if out_in else (x_rows, dy_rows)),
+                                   dims["dw"], preferred_element_type=accumulate)
 
     def scatter_grads(dw, dy):
         """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
@@ -273,9 +352,16 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         return dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
     def local_backward(x, w, dy):  # x: the gathered rows of the forward
-        dy_rows = gather_rows(dy, fin)
-        dx = sum_rows(jax.lax.dot_general(dy_rows, _gather_depth(w), dims["dx"]), fout)
-        dw = jax.lax.dot_general(*((dy_rows, x) if out_in else (x, dy_rows)), dims["dw"])
+        w_full = _gather_depth(w)
+        if fin in ring_over:  # dy's blocks go round the ring, each block's share of dw on its way
+            b = dy.shape[0]
+            (dx,), dw = ring_gather(dy, fin, sizes[fin], lambda blk, k: (
+                (jax.lax.dot_general(blk, w_full, dims["dx"]),),
+                weight_grad(blk, jax.lax.dynamic_slice_in_dim(x, k * b, b, axis=0), jnp.float32)))
+            dx, dw = sum_rows(dx, fout), dw.astype(w.dtype)
+        else:
+            dx, dy_rows = gather_matmul_scatter(dy, w_full, dims["dx"], fin, fout)
+            dw = weight_grad(dy_rows, x)
         return dx, *scatter_grads(dw, dy)
 
     # the forward keeps x's gathered rows: batch over `depth` only
@@ -328,8 +414,12 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
     fp8_axes = fp8.amax_axes(x, kernel) if fp8.fp8_enabled() else None
+    rings = _RINGS.get()
+    if rings and fp8_axes is not None:
+        raise ValueError("tp_dense: collective matmuls with FP8 GEMMs are not implemented "
+                         "(turn one of them off)")
     fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in),
-                   split_batch(x.shape, mesh, transpose), fp8_axes)
+                   split_batch(x.shape, mesh, transpose), fp8_axes, rings)
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)
@@ -356,6 +446,14 @@ def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n
     y = tp_dense(x.reshape(*x.shape[:x.ndim - n_in], n), kernel.reshape((m, n) if out_in else (n, m)),
                  None if bias is None else bias.reshape(-1), mesh, transpose, out_in)
     return y.reshape(*y.shape[:-1], *out_dims)
+
+
+def _row_gathers(axis: str, n: int, rows_bytes: float, count: int, rings: bool, **flags):
+    """The gathers of `count` matmuls' input rows (`rows_bytes` gathered) over `axis` (`n`
+    devices): an all-gather each, or with `rings` n − 1 permutes of one device's block."""
+    if rings and n > 1:
+        return [Collective("collective-permute", (axis,), rows_bytes / n, count * (n - 1), **flags)]
+    return [Collective("all-gather", (axis,), rows_bytes, count, **flags)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +500,8 @@ class DenseLayer:
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
                 # reduce-scattered onto the rows over the input axis
-                Collective("all-gather", (fout,), x_bytes, gathers, stage_forward=stacked,
-                           rematerialized=stacked),
+                *_row_gathers(fout, nout, x_bytes, gathers, step.rings, stage_forward=stacked,
+                              rematerialized=stacked),
                 Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked,
                            recomputed_in_full=stacked and self.reused),
                 # backward: dy's rows gathered over the input axis, the input gradient
@@ -411,7 +509,7 @@ class DenseLayer:
                 # from the forward); XLA:GPU adds the partial input gradients of the layers that
                 # read one input before scattering them (its reduce-scatter reassociation), so
                 # one per input gather there
-                Collective("all-gather", (fin,), y_bytes, count),
+                *_row_gathers(fin, nin, y_bytes, count, step.rings),
                 Collective("reduce-scatter", (fout,), x_bytes,
                            gathers if step.platform == "gpu" else count, overlappable=mm_flops),
             ]

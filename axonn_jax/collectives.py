@@ -68,6 +68,10 @@ class Collective:
     group_size: int = 0
     """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
     0: all the devices of `axes`."""
+    copied: float = 0.0
+    """HBM bytes read and written per occurrence to put what it brought in place (a collective
+    matmul's ring: each block's product and rows copied into the gathered result); `predict`
+    adds their time to the compute."""
 
     def group(self, grid: ParallelConfig) -> int:
         return self.group_size or math.prod(getattr(grid, a) for a in self.axes)

@@ -246,13 +246,15 @@ def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
 
     _auto_grid = lambda argv, n: auto_grid(parse(argv).run_config, n)  # noqa: E731
     argv = ["train", "--batch-size", "16", "--seq-len", "32"]
-    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="1f1b")
+    work = cm.Workload(get_config("gpt-tiny"), 16, 32, compute_bytes=4, schedule="1f1b",
+                       platform="cpu")
     best = cm.plan(work, 8, cm.MACHINES["cpu"])[0]
     assert _auto_grid(argv, 8) == (best.grid, best.microbatches, best.remat)
     # 1.3B parameters need their state split 8 ways on the cpu preset's 8 GB devices; the planner
     # prefers tensor parallelism, which the trainer runs with compression too.
     big = ["train", "--model", "gpt-1.3b", "--batch-size", "16", "--seq-len", "32"]
-    big_work = cm.Workload(get_config("gpt-1.3b"), 16, 32, compute_bytes=4, compress_bits=4)
+    big_work = cm.Workload(get_config("gpt-1.3b"), 16, 32, compute_bytes=4, compress_bits=4,
+                           platform="cpu")
     best_big = cm.plan(big_work, 8, cm.MACHINES["cpu"])[0]
     assert best_big.grid.tensor_parallel_size > 1
     assert _auto_grid(big + ["--compress-bits", "4"], 8) == (best_big.grid, best_big.microbatches,

@@ -460,7 +460,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     devices = grid.num_devices
     recompute = recompute_factor(work, grid)
     executed = work.executed_flops(grid)
-    compute = executed / devices / rate * recompute
+    compute = executed / devices / rate * recompute \
+        + sum(c.count * c.copied for c in collectives(work, grid)) / machine.hbm_bw
     backward = compute * 2 / 3
     mode = work.schedule if grid.pipe > 1 else "spmd"
     exposed = {k: 0.0 for k in KINDS}

@@ -448,11 +448,14 @@ def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n
     return y.reshape(*y.shape[:-1], *out_dims)
 
 
-def _row_gathers(axis: str, n: int, rows_bytes: float, count: int, rings: bool, **flags):
+def _row_gathers(axis: str, n: int, rows_bytes: float, placed_bytes: float, count: int,
+                 rings: bool, **flags):
     """The gathers of `count` matmuls' input rows (`rows_bytes` gathered) over `axis` (`n`
-    devices): an all-gather each, or with `rings` n − 1 permutes of one device's block."""
+    devices): an all-gather each, or with `rings` n − 1 permutes of one device's block, each
+    block's product and rows (`placed_bytes` in all per ring) read and written into place."""
     if rings and n > 1:
-        return [Collective("collective-permute", (axis,), rows_bytes / n, count * (n - 1), **flags)]
+        return [Collective("collective-permute", (axis,), rows_bytes / n, count * (n - 1),
+                           copied=2 * placed_bytes / (n - 1), **flags)]
     return [Collective("all-gather", (axis,), rows_bytes, count, **flags)]
 
 
@@ -500,8 +503,9 @@ class DenseLayer:
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
                 # reduce-scattered onto the rows over the input axis
-                *_row_gathers(fout, nout, x_bytes, gathers, step.rings, stage_forward=stacked,
-                              rematerialized=stacked),
+                # (a ring places the product's partial sums and the gathered rows)
+                *_row_gathers(fout, nout, x_bytes, x_bytes + y_bytes, gathers, step.rings,
+                              stage_forward=stacked, rematerialized=stacked),
                 Collective("reduce-scatter", (fin,), y_bytes, count, stage_forward=stacked,
                            recomputed_in_full=stacked and self.reused),
                 # backward: dy's rows gathered over the input axis, the input gradient
@@ -509,7 +513,8 @@ class DenseLayer:
                 # from the forward); XLA:GPU adds the partial input gradients of the layers that
                 # read one input before scattering them (its reduce-scatter reassociation), so
                 # one per input gather there
-                *_row_gathers(fin, nin, y_bytes, count, step.rings),
+                # (a ring places the input gradient's partial sums)
+                *_row_gathers(fin, nin, y_bytes, x_bytes, count, step.rings),
                 Collective("reduce-scatter", (fout,), x_bytes,
                            gathers if step.platform == "gpu" else count, overlappable=mm_flops),
             ]

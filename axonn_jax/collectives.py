@@ -148,10 +148,10 @@ class StepShape:
 
     @property
     def layer_rows(self) -> float:
-        """Rows one layer call sees on a data (and expert) shard: its microbatch under a
-        pipeline."""
-        return self.batch / (self.grid.data * self.grid.expert
-                             * (self.microbatches if self.grid.pipe > 1 else 1))
+        """Rows one layer call sees on a data (and expert) shard: its microbatch, under a
+        pipeline as under gradient accumulation (`step.engines.SpmdEngine` slices the local
+        batch into `microbatches` before the layers run)."""
+        return self.batch / (self.grid.data * self.grid.expert * self.microbatches)
 
     def stage_layers(self, num_layers: int) -> int:
         """Blocks of a stack of `num_layers` one pipeline stage holds."""

@@ -218,9 +218,10 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     # The pipeline runs a stage's forward again in its backward tick; parameter-sized collectives
     # repeat per microbatch, pipelined or accumulated. Of what `--remat` recomputes, the compiled
     # step (tests/test_comm_model.py) repeats the batch-split input gathers, not the weight
-    # gathers over depth nor the output sums over row; `full` also the output reduce-scatters of
-    # the layers whose output the block's backward reads (`DenseLayer.reused`). Collectives XLA
-    # hoists out of the microbatch loop count once (`loop_invariant`).
+    # gathers over depth; `full` also the output reduce-scatters (all-reduces in the replicated
+    # layout: tests/test_axes_model.py) of the layers whose output the block's backward reads
+    # (`DenseLayer.reused`). Collectives XLA hoists out of the microbatch loop count once
+    # (`loop_invariant`).
     if work.remat != "none":
         found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized or (
             c.recomputed_in_full and work.remat == "full") else c for c in found]
@@ -333,6 +334,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`.
     logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
     parts = d.part_activations * work.imbalance(grid) / work.microbatches
+    if work.remat != "none":  # the parts' layers recomputed one block at a time (as `per_block`)
+        parts /= m.num_layers // g.pipe
     activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
         + (per_block if work.remat != "none" else 0.0) + stash + logits + copies + d.working \
         + parts

@@ -79,10 +79,12 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
     context = ContextAttention(kv, stage, None if shape.replicated else "col",
                                heads=shape.num_heads / g.row)
     kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
+    working = context.working_bytes(step) + sum(p.working_bytes(step) for p in shape.parts
+                                                if hasattr(p, "working_bytes"))
     return from_parts([*tables, *shape.layers, *shape.replicated, *shape.parts, context, *norms,
                        CrossEntropy()], step, boundary=boundary, flops=flops,
                       head_reads=head_reads, saved_features=saved_features(shape),
-                      metrics=shape.metrics, working=context.working_bytes(step),
+                      metrics=shape.metrics, working=working,
                       part_activations=kept)
 
 

@@ -253,17 +253,23 @@ class MoELayers:
         """The experts' matmuls split over (`col`, `row`) as GSPMD lays them out on the rows a
         device received (`parallel.experts.layout`): like AxoNN's dense layers in the replicated
         layout, the gate and up projections' partial sums over `col` forward and their input
-        gradients over `row` backward, the down projection's the other way round. (Measured on
-        mixtral-tiny, expert=2, data=2, row=2: these are 85% of the experts' all-reduce bytes
-        over `row`; jaxlib 0.10's dense `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
+        gradients over `row` backward (XLA:GPU adds the two, which read one input, before one
+        all-reduce), the down projection's the other way round. `--remat` runs the forward
+        sums again (the combine weights' gradient reads the experts' outputs; no policy keeps
+        them). (Measured: the H100 step of mixtral-8x7b on expert 8 × row 8, all its row bytes;
+        on XLA:CPU, mixtral-tiny, expert=2, data=2, row=2: 85% of the experts' all-reduce bytes
+        over `row`, jaxlib 0.10's dense `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
         c, g, cb = self.config, step.grid, step.compute_bytes
         if g.row * g.col == 1:
             return []
         x = self._rows(step) * self.d_model / g.col * cb  # the rows' features over col
         h = self._rows(step) * c.d_ff / g.row * cb  # their hidden features over row
-        return [Collective("all-reduce", ("col",), h, 2 * calls, stage_forward=True),
-                Collective("all-reduce", ("row",), x, 2 * calls),
-                Collective("all-reduce", ("row",), x, calls, stage_forward=True),
+        merged = 1 if step.platform == "gpu" else 2
+        return [Collective("all-reduce", ("col",), h, 2 * calls, stage_forward=True,
+                           rematerialized=True),
+                Collective("all-reduce", ("row",), x, merged * calls),
+                Collective("all-reduce", ("row",), x, calls, stage_forward=True,
+                           rematerialized=True),
                 Collective("all-reduce", ("col",), h, calls)]
 
     def parameters(self, step) -> list[ParameterShard]:
@@ -276,14 +282,39 @@ class MoELayers:
 
     def activations(self, step) -> float:
         """Bytes one device keeps for the backward of its layers' expert computation (one
-        (micro)batch): the send buffer, the rows received, the experts' outputs and the rows
-        returned (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and the gate, up
-        and gated hidden activations of the rows received (`d_ff` each). All the step's tokens:
-        the planner divides by the microbatches."""
-        c, g = self.config, step.grid
+        (micro)batch): the send buffer, the rows received and the rows returned (`groups·slots`
+        rows of `d_model`, `parallel.experts.layout`), and of the rows received the experts'
+        outputs and their gate, up and gated hidden activations (`d_ff` each), once per local
+        expert under `DENSE_RAGGED_DOT` (the compiled program holds `(local, rows, d_model)` and
+        `(rows, local, d_ff)` arrays). All the step's tokens: the planner divides by the
+        microbatches (and, under `--remat`, by the layers: one block is recomputed at a time)."""
+        g = step.grid
         rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
-        features = 4 * self.d_model / g.col + 3 * c.d_ff / g.row  # GSPMD's split of the matmuls
+        features = 3 * self.d_model / g.col + self._expert_features(step)
         return self.layers * rows * features * step.compute_bytes
+
+    def working_bytes(self, step) -> float:
+        """Temporary bytes one layer's backward holds on one device beside what `activations`
+        keeps (one microbatch): the cotangents of the experts' outputs and hidden activations
+        (one per local expert, as the residuals). (With this term `plan` is within 0.1% of the
+        compiled H100 peak of mixtral-8x7b on expert 8 × row 8 and 10% above that of a 4-layer
+        256-wide Mixtral on expert 2 × row 4: tests/test_axes_model.py.)"""
+        rows = self._rows(step) / (step.microbatches if step.grid.pipe == 1 else 1)
+        return rows * self._expert_features(step) * step.compute_bytes
+
+    def _expert_features(self, step) -> float:
+        """Features per received row of the experts' outputs and gate, up and gated hidden
+        activations, per local expert the row goes through (`_local`), split as GSPMD splits
+        the matmuls: d_model over col, d_ff over row."""
+        c, g = self.config, step.grid
+        return self._local(step) * (self.d_model / g.col + 3 * c.d_ff / g.row)
+
+    def _local(self, step) -> int:
+        """Experts each received row goes through in the compiled program: every local expert
+        under `DENSE_RAGGED_DOT` (dropless), its own (capacity)."""
+        c = self.config
+        return c.num_experts // step.grid.expert if c.capacity_factor is None \
+            and DENSE_RAGGED_DOT else 1
 
     def metrics(self) -> int:
         """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
@@ -311,7 +342,5 @@ class MoELayers:
         the matmuls split over the tensor axes."""
         c, g = self.config, step.grid
         calls = step.microbatches if g.pipe > 1 else 1
-        local = c.num_experts // g.expert if c.capacity_factor is None and DENSE_RAGGED_DOT \
-            else 1
         per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)
-        return self.layers * calls * self._rows(step) * local * per_row
+        return self.layers * calls * self._rows(step) * self._local(step) * per_row

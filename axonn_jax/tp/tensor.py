@@ -498,8 +498,9 @@ class DenseLayer:
         mm_flops = 2 * step.tokens * block  # one of the three matmuls of this layer on one device
         x_bytes = step.tokens * self.fan_in / nin * cb
         y_bytes = step.tokens * self.fan_out / nout * cb
+        # layers reading one input share its gather (split) and, on XLA:GPU, its input gradient
+        gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
         if step.split:
-            gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
                 # reduce-scattered onto the rows over the input axis
@@ -521,10 +522,13 @@ class DenseLayer:
         else:
             out = [
                 # forward: partial sums over the input axis (the head runs only in the last
-                # stage's backward tick, so it is not recomputed); backward: input gradient over
-                # the output axis (hidden behind the weight-gradient matmul)
-                Collective("all-reduce", (fin,), y_bytes, count, stage_forward=stacked),
-                Collective("all-reduce", (fout,), x_bytes, count, overlappable=mm_flops),
+                # stage's backward tick, so it is not recomputed; `--remat full` recomputes those
+                # the backward reads); backward: input gradient over the output axis (hidden
+                # behind the weight-gradient matmul), on XLA:GPU one per input as above
+                Collective("all-reduce", (fin,), y_bytes, count, stage_forward=stacked,
+                           recomputed_in_full=stacked and self.reused),
+                Collective("all-reduce", (fout,), x_bytes,
+                           gathers if step.platform == "gpu" else count, overlappable=mm_flops),
             ]
         out += [
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied

@@ -50,6 +50,9 @@ VARIANTS = {  # name: `--xla-options` (step/xla_options.py)
     # backward (`SpmdEngine.layer_reduce`); only data=8 and data=2,row=2,col=2 change (the
     # pipeline engine and grids without a data axis do not reduce per layer).
     "after": "library",
+    # `after` with the row gathers whole (`--collective-matmul off`): the shares `plan` takes for
+    # a step without collective matmuls (mode `spmd-gathers`).
+    "gathers": "library --collective-matmul off",
 }
 
 MODEL = ["--target", "h100", "--devices", "8", "--model", "llama-1.9b", "--batch-size", "16",
@@ -67,7 +70,7 @@ def compile_case(name: str, variant: str) -> dict:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli_main(["compile", *MODEL, *CASES[name], "--xla-options", VARIANTS[variant],
+        code = cli_main(["compile", *MODEL, *CASES[name], "--xla-options", *VARIANTS[variant].split(),
                          "--overlap-report", "--json"])
     if code:
         raise SystemExit(f"compile of {name} ({variant}) failed: exit code {code}")
@@ -129,9 +132,15 @@ def markdown(results: list[dict]) -> str:
 
 SHARE_CASES = {  # hidden_shares.SHARES: mode -> [(case, axes taken from it)]
     "spmd": [(SCALE, ("data", "depth", "row", "col")), (SCALE_DEEP, ("data", "depth", "row"))],
+    "spmd-gathers": [(SCALE, ("data", "depth", "row", "col")),
+                     (SCALE_DEEP, ("data", "depth", "row"))],
     "1f1b": [("data=2,pipe=2,row=2 1F1B", ("data", "pipe", "row"))],
     "zb-h1": [("data=2,pipe=2,row=2 ZB-H1", ("data", "pipe", "row"))],
 }
+
+
+MODE_VARIANTS = {"spmd-gathers": ("gathers",)}
+"""The variant a mode's shares come from, where not the default (`after`, else `library`)."""
 
 
 def shares(results: list[dict], variants=("after", "library")) -> dict[str, dict[str, float]]:
@@ -144,7 +153,7 @@ def shares(results: list[dict], variants=("after", "library")) -> dict[str, dict
     out: dict[str, dict[str, float]] = {}
     for mode, picks in SHARE_CASES.items():
         for case, axes in picks:
-            variant = next((v for v in variants if (case, v) in by), None)
+            variant = next((v for v in MODE_VARIANTS.get(mode, variants) if (case, v) in by), None)
             if variant is not None:
                 measured = axis_shares(by[(case, variant)]["by_axes"])
                 got = out.setdefault(mode, {})

@@ -466,7 +466,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     compute = executed / devices / rate * recompute \
         + sum(c.count * c.copied for c in collectives(work, grid)) / machine.hbm_bw
     backward = compute * 2 / 3
-    mode = work.schedule if grid.pipe > 1 else "spmd"
+    mode = work.schedule if grid.pipe > 1 else "spmd" if work.step(grid).rings else "spmd-gathers"
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0

@@ -16,7 +16,9 @@ the second, whose gathers move twice the bytes and hide the same time; row 60% a
 about: the 1.9B-on-8 shares (overlap.md) over-promised 70B's step. Each pipeline schedule
 (`1f1b`, `zb-h1`) from the 1.9B Llama on `data=2,pipe=2,row=2`, 4 microbatches. An axis a mode's
 case does not cross takes the `spmd` figure; a collective over several axes takes the smallest of
-theirs; an axis never measured (`expert`, `context`) hides nothing.
+theirs; an axis never measured (`expert`, `context`) hides nothing. `spmd-gathers`: the same two
+steps without collective matmuls (`--collective-matmul off`), for a step whose layers gather their
+rows whole; a pipeline mode takes its collective-matmul figures either way.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ SOURCE = ("benchmarks/results/overlap.md: the step's schedule compiled for abstr
 
 SHARES: dict[str, dict[str, float]] = {
     "spmd": {"data": 0.966, "depth": 0.534, "row": 0.43, "col": 0.789},
+    "spmd-gathers": {"data": 0.717, "depth": 0.445, "row": 0.209, "col": 0.511},
     "1f1b": {"data": 0.145, "pipe": 0.99, "row": 0.8},
     "zb-h1": {"data": 0.145, "pipe": 0.99, "row": 0.782},
 }

@@ -84,12 +84,17 @@ GSPMD = {  # name: (mesh shape of n devices, axis names), as analysis.step_bench
 
 NOTES: dict[str, str] = {
     "llama3.1-8b/64 context16":
-        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). FLOPs: "
-        "`plan` counts every 131,072² score, the ring kernel skips the blocks the causal mask "
-        "hides (0.65× of them run). Collective-permutes (the ring) 1.23× `plan`: `--remat full` "
-        "runs the ring's forward again in the backward, which the model does not count for the "
-        "context kernels; the reduce-scatters 0.72×: not traced. (`--attention xla` is given as "
-        "when this row was first compiled; `auto` now also resolves to the XLA core over context.)",
+        "Every collective equals `plan`'s per kind and mesh axes to the byte: `--remat` runs the "
+        "ring kernel's forward again in the backward, its 15 hops per layer included "
+        "(`ContextAttention` marks them `rematerialized`; before, the permutes were 1.23× "
+        "`plan`), XLA:GPU sends the key/value gradients' last hop home in bf16 (it casts before "
+        "the hop), and the token table's sum over row is a reduce-scatter where the rows then "
+        "split over row (`Table`). FLOPs: `plan` counts the ring kernels' work, 2C + 1 of the 4C "
+        "blocks of scores (`context.flops_share`, 0.60 of the every-score count at C = 16; "
+        "before 1.55× the compiled); the 4% left is the online softmax's elementwise work. "
+        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). "
+        "(`--attention xla` is given as when this row was first compiled; `auto` now also "
+        "resolves to the XLA core over context.)",
     "mixtral-8x7b/64 expert8":
         "All-to-all bytes equal `plan`'s (the forward exchange counted again under `--remat`). "
         "Memory: `plan` predicts 4.6× the compiled peak (the MoE layers' kept activations, "
@@ -117,6 +122,20 @@ NOTES: dict[str, str] = {
         "full` repeating the output reduce-scatters the block's backward reads. All-gathers and "
         "reduce-scatters equal `plan`'s on every row without a pipeline. Memory 0.92×: the "
         "safe side.",
+    "llama3-8b/256":
+        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.69×: "
+        "`plan` counted the token table's lookup sum over row as an all-reduce, which XLA:GPU "
+        "makes a reduce-scatter since the batch-split layout then splits the rows over row). "
+        "Memory 0.78×: the safe side, not traced.",
+    "llama3-70b/256":
+        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.80×: the "
+        "token table's lookup sum, as on llama3-8b/256). Memory 0.72×: the safe side, not "
+        "traced.",
+    "gpt-20b/1024":
+        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
+        "with rows whole over row, XLA:GPU adds the input gradients of q, k and v before one "
+        "all-reduce over row, as it does their reduce-scatters when split (`DenseLayer`); the "
+        "biases' and the position table's gradients are summed over depth in bf16).",
     "llama3-405b/1024":
         "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":

@@ -583,6 +583,15 @@ def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
     return (2 * size + 1) * block * (2 + (5 if backward else 0))
 
 
+def flops_share(size: int) -> float:
+    """The kernels' training matmul FLOPs (`flops`) over those of an attention that computes
+    every score (forward 2 matmuls, backward 4: the `6·seq` per query feature that the models'
+    `flops_per_token` count) at the same shapes: `2·size + 1` of the `4·size` blocks of `c × c`,
+    at 7 matmuls instead of 6 (the backward computes the scores again), `7(2C+1) / 24C`; 0.60
+    at C = 16."""
+    return 7 * (2 * size + 1) / (24 * size)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextAttention:
     """`attention`'s collectives over the `context` axis in each of the `layers` blocks one device
@@ -641,6 +650,12 @@ class ContextAttention:
                 out.append(Collective(kind, ("context",), b - forward.get(kind, 0), self.layers))
                 forward.pop(kind, None)
         return out
+
+    def executed_flops(self, step, scores: float) -> float:
+        """Training FLOPs of the attention core where the model counts `scores` (every score
+        computed, as XLA's attention does): the kernels' share (`flops_share`) over context,
+        `scores` without it."""
+        return scores * (flops_share(step.grid.context) if step.grid.context > 1 else 1.0)
 
     def parameters(self, step) -> list:
         return []

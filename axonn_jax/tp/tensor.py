@@ -387,7 +387,7 @@ class DenseLayer:
     def collectives(self, step: StepShape) -> list[Collective]:
         """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
         depth, activations' features over one axis and (`step.split`) their rows over the other."""
-        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        g, cb = step.grid, step.compute_bytes
         wb = step.gathered_bytes
         stacked = self.layers > 0
         count = self.count * self.layers if stacked else self.count
@@ -397,8 +397,11 @@ class DenseLayer:
         mm_flops = 2 * step.tokens * block  # one of the three matmuls of this layer on one device
         x_bytes = step.tokens * self.fan_in / nin * cb
         y_bytes = step.tokens * self.fan_out / nout * cb
+        gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
+        # XLA:GPU adds the partial input gradients of the layers that read one input before
+        # reducing them (its reassociation), so one input-gradient sum per input gather there
+        input_sums = gathers if step.platform == "gpu" else count
         if step.split:
-            gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
                 # reduce-scattered onto the rows over the input axis
@@ -408,12 +411,9 @@ class DenseLayer:
                            recomputed_in_full=stacked and self.reused),
                 # backward: dy's rows gathered over the input axis, the input gradient
                 # reduce-scattered over the output axis (the weight gradient reads x's rows kept
-                # from the forward); XLA:GPU adds the partial input gradients of the layers that
-                # read one input before scattering them (its reduce-scatter reassociation), so
-                # one per input gather there
+                # from the forward)
                 Collective("all-gather", (fin,), y_bytes, count),
-                Collective("reduce-scatter", (fout,), x_bytes,
-                           gathers if step.platform == "gpu" else count, overlappable=mm_flops),
+                Collective("reduce-scatter", (fout,), x_bytes, input_sums, overlappable=mm_flops),
             ]
         else:
             out = [
@@ -421,7 +421,7 @@ class DenseLayer:
                 # stage's backward tick, so it is not recomputed); backward: input gradient over
                 # the output axis (hidden behind the weight-gradient matmul)
                 Collective("all-reduce", (fin,), y_bytes, count, stage_forward=stacked),
-                Collective("all-reduce", (fout,), x_bytes, count, overlappable=mm_flops),
+                Collective("all-reduce", (fout,), x_bytes, input_sums, overlappable=mm_flops),
             ]
         out += [
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
@@ -437,9 +437,9 @@ class DenseLayer:
             out.append(Collective("all-gather", ("depth",), block * wb, count, per_microbatch=True))
         if self.bias:
             # the bias is replicated over depth (and, split, the input axis), whose devices saw
-            # different tokens
+            # different tokens; its gradient is summed in the compute dtype on XLA:GPU
             out.append(Collective("all-reduce", ("depth", fin) if step.split else ("depth",),
-                                  self.fan_out / nout * pb, count, per_microbatch=True))
+                                  self.fan_out / nout * wb, count, per_microbatch=True))
         return out
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
@@ -569,7 +569,7 @@ class Table:
     batched: bool = True
 
     def collectives(self, step: StepShape) -> list[Collective]:
-        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        g, cb = step.grid, step.compute_bytes
         shard = self.rows * self.features / (g.row * g.col) * step.gathered_bytes
         if self.batched:
             lookups = step.tokens * self.features / g.col * cb
@@ -577,8 +577,10 @@ class Table:
                 Collective("all-gather", ("depth",), shard, stage_forward=True,
                            per_microbatch=True, loop_invariant=True),
                 # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
-                # completes the embeddings
-                Collective("all-reduce", ("row",), lookups, stage_forward=True),
+                # completes the embeddings (XLA:GPU makes the sum of rows that the batch-split
+                # layout then splits over row a reduce-scatter; measured on H100)
+                Collective("reduce-scatter" if step.split and step.platform == "gpu"
+                           else "all-reduce", ("row",), lookups, stage_forward=True),
                 # the table's gradient scattered back over depth
                 Collective("reduce-scatter", ("depth",), shard, per_microbatch=True),
             ]
@@ -593,7 +595,8 @@ class Table:
             Collective("all-reduce", ("row",), step.seq_len * self.features / g.col * cb,
                        stage_forward=True, per_microbatch=True, loop_invariant=True),
             Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
-                       step.seq_len * self.features / g.col * pb, per_microbatch=True),
+                       step.seq_len * self.features / g.col * step.gathered_bytes,
+                       per_microbatch=True),
         ]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:

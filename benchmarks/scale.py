@@ -84,12 +84,17 @@ GSPMD = {  # name: (mesh shape of n devices, axis names), as analysis.step_bench
 
 NOTES: dict[str, str] = {
     "llama3.1-8b/64 context16":
-        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). FLOPs: "
-        "`plan` counts every 131,072² score, the ring kernel skips the blocks the causal mask "
-        "hides (0.65× of them run). Collective-permutes (the ring) 1.23× `plan`: `--remat full` "
-        "runs the ring's forward again in the backward, which the model does not count for the "
-        "context kernels; the reduce-scatters 0.72×: not traced. (`--attention xla` is given as "
-        "when this row was first compiled; `auto` now also resolves to the XLA core over context.)",
+        "Every collective equals `plan`'s per kind and mesh axes to the byte: `--remat` runs the "
+        "ring kernel's forward again in the backward, its 15 hops per layer included "
+        "(`ContextAttention` marks them `rematerialized`; before, the permutes were 1.23× "
+        "`plan`), XLA:GPU sends the key/value gradients' last hop home in bf16 (it casts before "
+        "the hop), and the token table's sum over row is a reduce-scatter where the rows then "
+        "split over row (`Table`). FLOPs: `plan` counts the ring kernels' work, 2C + 1 of the 4C "
+        "blocks of scores (`context.flops_share`, 0.60 of the every-score count at C = 16; "
+        "before 1.55× the compiled); the 4% left is the online softmax's elementwise work. "
+        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). "
+        "(`--attention xla` is given as when this row was first compiled; `auto` now also "
+        "resolves to the XLA core over context.)",
     "mixtral-8x7b/64 expert8":
         "Every figure equals `plan`'s (memory 1.00×, each collective kind within 0.01%). Each "
         "accumulated microbatch holds one sequence per device, which the dense layers cannot "
@@ -110,7 +115,7 @@ NOTES: dict[str, str] = {
         "figure holds only the U-Net's attention and dense layers. Bytes: `plan` leaves out "
         "GSPMD's re-layouts of the down and up paths and the GroupNorms (README, U-Net); the "
         "compiled step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, "
-        "all-reduces 19.5 GB over row and 6.2 GB over col. Memory agrees (0.94). The GSPMD "
+        "all-reduces 19.5 GB over row and 6.2 GB over col. Memory 0.87× (the safe side). The GSPMD "
         "baselines do not compile for the abstract H100 here: XLA:GPU's Triton GEMM tiling "
         "('Couldn't find output tile sizes') rejects the attention output projection's dot "
         "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
@@ -122,13 +127,33 @@ NOTES: dict[str, str] = {
         "full` repeating the output reduce-scatters the block's backward reads. All-gathers and "
         "reduce-scatters equal `plan`'s on every row without a pipeline. Memory 0.92×: the "
         "safe side.",
+    "llama3-8b/256":
+        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.69×: "
+        "`plan` counted the token table's lookup sum over row as an all-reduce, which XLA:GPU "
+        "makes a reduce-scatter since the batch-split layout then splits the rows over row). "
+        "Memory 0.78×: the safe side, not traced.",
+    "llama3-70b/256":
+        "`plan` now picks data 4 × pipe 16 × row 4 (M 256): it counted the stages' input-gradient "
+        "all-reduces over row 1.5× before (CAUSES), which kept it on data 4 × depth 16 × row 4. "
+        "That grid compiled (`--dp 4 --depth 16 --row 4`) equals `plan`'s bytes on every kind and "
+        "mesh axes (before, all-reduces 0.80×: the token table's lookup sum, as on "
+        "llama3-8b/256). On the pipeline grid the permutes equal `plan`'s; the all-reduces (1.11×) "
+        "and the FLOPs count the bubble's ticks (CAUSES).",
+    "gpt-20b/1024":
+        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
+        "with rows whole over row, XLA:GPU adds the input gradients of q, k and v before one "
+        "all-reduce over row, as it does their reduce-scatters when split (`DenseLayer`); the "
+        "biases' and the position table's gradients are summed over depth in bf16).",
     "llama3-405b/1024":
         "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":
-        "Compiles with cuDNN attention since the step traces its model under its mesh where it "
-        "has no shard_map (`_compat.tracing_in`; `models.attention.fully_manual` then runs cuDNN "
-        "in a shard_map over every axis). All-gathers and reduce-scatters equal `plan`'s (the all-reduces are 0.1 GB); memory 0.66× `plan`'s (the safe "
-        "side; not traced).",
+        "`plan` now picks data 4 × pipe 4 × row 4 (M 128; before depth 64, when it counted the "
+        "stages' input-gradient all-reduces over row 1.5×, CAUSES): every figure within 10% of "
+        "`plan`'s.",
+    "llama3-70b/64":
+        "`plan` now picks pipe 16 × row 4 (M 512; before data 2 × pipe 8 × row 2 × col 2, when it "
+        "counted the stages' input-gradient all-reduces over row 1.5×, CAUSES): the bytes within "
+        "10% of `plan`'s; the FLOPs count the bubble's ticks (CAUSES).",
 }
 """Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
 beyond the causes that `CAUSES` gives for every row, or what was traced to make them agree."""
@@ -146,11 +171,14 @@ CAUSES = [
     "parameters of a device × 4 bytes × 2(g − 1)/g, g = data · pipe; Llama-3-8B/64: 8.27 GB, "
     "exactly); `plan` counts the two all-reduces separately, as the CPU program runs them (where "
     "`tests/test_comm_model.py` checks it to 5%). The compiled total is therefore lower.",
-    "**tensor-parallel bytes inside pipeline stages** (all-reduce over row on gpt-20b, all-reduce "
-    "and reduce-scatter over row on Llama-3-70B row × col): the H100 program moves fewer than "
-    "`plan` counts, the open strict xfail "
-    "`tests/test_comm_model.py::test_tensor_parallel_stage_bytes_match_compiled_hlo` (35–38% "
-    "below on H100 at tiny size); not explained yet.",
+    "**tensor-parallel bytes inside pipeline stages** (all-reduce over row): the compiled tick "
+    "loop runs a forward and a backward in each of its M + 2(P − 1) ticks and the HLO count "
+    "takes every tick's conditional as run, as for the FLOPs; per tick the row all-reduces equal "
+    "`plan`'s per microbatch (Llama-3-70B/256 data 4 × pipe 16 × row 4: 6 of one microbatch's "
+    "activations per layer, the forward's 2 twice and the backward's 2, XLA:GPU adding the "
+    "input gradients of q, k, v and of gate, up before one all-reduce each; compiled / `plan` = "
+    "286 / 256 ticks = 1.117). Before `plan` counted 5 input-gradient all-reduces a layer, "
+    "1.5× the compiled per tick (the old note's 35–38% below).",
 ]
 
 GSPMD_CHILD = """

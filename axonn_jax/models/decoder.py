@@ -58,9 +58,11 @@ class CrossEntropy:
         return []
 
 
-def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCommunication:
+def communication(shape: DecoderShape, step: StepShape, flops: float,
+                  scores: float = 0.0) -> ModelCommunication:
     """One train step of the decoder `shape` (`collectives.ModelCommunication`), whose training
-    FLOPs are `flops`. The dense layers keep the batch split when `tp.tensor.split_batch` says so
+    FLOPs are `flops`, `scores` of them the attention scores' (every score computed; over
+    context the kernels run fewer: `executed_flops`). The dense layers keep the batch split when `tp.tensor.split_batch` says so
     for the rows one layer sees, unless parts laid out by GSPMD keep it whole."""
     g, d = step.grid, shape.d_model
     split = not shape.replicated and split_batch((step.layer_rows,), g.as_dict())
@@ -85,7 +87,9 @@ def communication(shape: DecoderShape, step: StepShape, flops: float) -> ModelCo
                        CrossEntropy()], step, boundary=boundary, flops=flops,
                       head_reads=head_reads, saved_features=saved_features(shape),
                       metrics=shape.metrics, working=working,
-                      part_activations=kept)
+                      part_activations=kept,
+                      executed_flops=flops - scores + context.executed_flops(step, scores)
+                      if g.context > 1 else None)
 
 
 def saved_features(shape: DecoderShape) -> float:

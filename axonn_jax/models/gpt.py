@@ -75,8 +75,12 @@ class GPTConfig:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
         d, f, L = self.d_model, self.d_ff, self.num_layers
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
-        scores = 2 * 2 * seq_len * d * L
-        return 3 * (matmul + scores)
+        return 3 * matmul + self.score_flops_per_token(seq_len)
+
+    def score_flops_per_token(self, seq_len: int) -> int:
+        """Of `flops_per_token`, the attention core's (every score of the sequence computed: the
+        scores and the weighted values, 2 matmuls of `2·seq·d_model` a layer, times 3)."""
+        return 3 * 2 * 2 * seq_len * self.d_model * self.num_layers
 
     def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
         """The communicating parts on `grid` (`models.decoder`): query, key and value projections
@@ -94,8 +98,10 @@ class GPTConfig:
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`)."""
+        tokens = step.batch * step.seq_len
         return decoder.communication(self.shape(step.grid), step,
-                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
+                                     self.flops_per_token(step.seq_len) * tokens,
+                                     self.score_flops_per_token(step.seq_len) * tokens)
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on

@@ -116,8 +116,12 @@ class LlamaConfig:
         """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
         d, L = self.d_model, self.num_layers
         per_layer = 2 * d * self.q_features + 2 * d * self.kv_features + 3 * d * self.d_ff
-        scores = 2 * 2 * seq_len * self.q_features * L
-        return 3 * (2 * per_layer * L + 2 * d * self.vocab_size + scores)
+        return 3 * (2 * per_layer * L + 2 * d * self.vocab_size) + self.score_flops_per_token(seq_len)
+
+    def score_flops_per_token(self, seq_len: int) -> int:
+        """Of `flops_per_token`, the attention core's (every score of the sequence computed: the
+        scores and the weighted values, 2 matmuls of `2·seq·q_features` a layer, times 3)."""
+        return 3 * 2 * 2 * seq_len * self.q_features * self.num_layers
 
     def replicate_kv(self, grid: ParallelConfig | None) -> bool:
         """Whether the key/value projections stay whole over `row` on `grid` (their heads do not
@@ -148,8 +152,10 @@ class LlamaConfig:
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`)."""
+        tokens = step.batch * step.seq_len
         return decoder.communication(self.shape(step.grid), step,
-                                     self.flops_per_token(step.seq_len) * (step.batch * step.seq_len))
+                                     self.flops_per_token(step.seq_len) * tokens,
+                                     self.score_flops_per_token(step.seq_len) * tokens)
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on

@@ -537,7 +537,7 @@ def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_i
 
 def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
                 axis: str = "context", segment_ids: bool = False, positions: bool = False,
-                backward: bool = True) -> list[tuple[str, str, int]]:
+                backward: bool = True, home_dtype=None) -> list[tuple[str, str, int]]:
     """What one `attention` call sends per device, as `[(kind, axis, bytes)]` in the convention
     of `axonn_jax.analysis.hlo` (full-buffer bytes: a collective-permute's buffer, an all-gather's
     result, a reduce-scatter's input), forward and (with `backward`) backward pass.
@@ -545,15 +545,17 @@ def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
     theirs; `segment_ids`, `positions`: whether those travel with the keys (int32 each).
 
     ring: the keys, values (and side inputs) hop `size - 1` times forward and again backward,
-    the fp32 key/value gradients `size` times (the last hop brings them home). allgather: one
-    all-gather of the same forward, one backward, and a reduce-scatter of the fp32 gradients.
+    the fp32 key/value gradients `size` times (the last hop brings them home; `home_dtype`: the
+    dtype that last hop carries when not fp32: XLA:GPU moves the gradients' cast to the keys'
+    dtype ahead of it, measured on H100). allgather: one all-gather of the same forward, one
+    backward, and a reduce-scatter of the fp32 gradients.
 
-    Forward and backward in separate loops (a train step's layer scan) send exactly this. In one
-    computation (a lone call differentiated, or a rematerialized layer) XLA merges the
-    backward's first hop (ring) or its all-gather with the forward's; and side inputs that are
-    the same in every layer may have some hops hoisted out of the layer loop: their count here
-    is an upper bound (they are 4 bytes a token each, beside `4·kv_heads·head_dim` of bf16
-    keys and values)."""
+    Forward and backward in separate loops (a train step's layer scan, rematerialized or not:
+    `--remat` runs the forward hops once more, `ContextAttention`) send exactly this. In one
+    computation (a lone call differentiated) XLA merges the backward's first hop (ring) or its
+    all-gather with the forward's; and side inputs that are the same in every layer may have
+    some hops hoisted out of the layer loop: their count here is an upper bound (they are 4
+    bytes a token each, beside `4·kv_heads·head_dim` of bf16 keys and values)."""
     check_scheme(scheme)
     if size == 1:
         return []
@@ -563,8 +565,10 @@ def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
     grads = 2 * int(np.prod(kv_shape)) * 4
     passes = 2 if backward else 1
     if scheme == "ring":
+        home = 2 * int(np.prod(kv_shape)) * jnp.dtype(home_dtype or jnp.float32).itemsize
         out = [("collective-permute", axis, passes * (size - 1) * keys)]
-        return out + ([("collective-permute", axis, size * grads)] if backward else [])
+        return out + ([("collective-permute", axis, (size - 1) * grads + home)] if backward
+                      else [])
     out = [("all-gather", axis, passes * size * keys)]
     return out + ([("reduce-scatter", axis, size * grads)] if backward else [])
 
@@ -579,6 +583,15 @@ def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
     return (2 * size + 1) * block * (2 + (5 if backward else 0))
 
 
+def flops_share(size: int) -> float:
+    """The kernels' training matmul FLOPs (`flops`) over those of an attention that computes
+    every score (forward 2 matmuls, backward 4: the `6·seq` per query feature that the models'
+    `flops_per_token` count) at the same shapes: `2·size + 1` of the `4·size` blocks of `c × c`,
+    at 7 matmuls instead of 6 (the backward computes the scores again), `7(2C+1) / 24C`; 0.60
+    at C = 16."""
+    return 7 * (2 * size + 1) / (24 * size)
+
+
 @dataclasses.dataclass(frozen=True)
 class ContextAttention:
     """`attention`'s collectives over the `context` axis in each of the `layers` blocks one device
@@ -586,7 +599,10 @@ class ContextAttention:
     per device (the key/value heads one device of the tensor axes holds, times `head_dim`),
     `rows_over`: the mesh axis that splits the attention's rows besides depth in the batch-split
     layout (`col`, a normal layer's input axis; None when the rows stay whole). Forward hops or
-    gathers are a stage's forward (a pipeline recomputes them); the scheme is the step's
+    gathers are a stage's forward (a pipeline recomputes them) and rematerialized: every
+    `--remat` mode runs the kernel's forward again in the backward, its hops included (no
+    policy keeps the attention's inner values; measured, Llama-3.1-8B context 16 on H100: the
+    ring's permutes were 1.23× the count without them); the scheme is the step's
     `context_attention`. No parameters. `heads`: query heads per device (for `working_bytes`)."""
 
     kv_features: float
@@ -620,16 +636,26 @@ class ContextAttention:
         if g.context == 1:
             return []
         kv_shape = (1, self._rows(step) * step.seq_len / g.context, 1, self.kv_features)  # only its product and rows·seq matter
-        dtype = jnp.float32 if step.compute_bytes == 4 else jnp.bfloat16
+        # XLA:CPU runs 16-bit collectives in f32 (`StepShape.gathered_bytes`); XLA:GPU sends the
+        # ring's last gradient hop in the keys' dtype (`collectives`)
+        dtype = jnp.float32 if step.gathered_bytes == 4 else jnp.bfloat16
+        home = dtype if step.platform == "gpu" else None
         forward = dict((k, b) for k, _, b in collectives(step.context_attention, kv_shape, dtype,
                                                           g.context, backward=False))
-        out = [Collective(k, ("context",), b, self.layers, stage_forward=True)
-               for k, b in forward.items()]
-        for kind, _, b in collectives(step.context_attention, kv_shape, dtype, g.context):
+        out = [Collective(k, ("context",), b, self.layers, stage_forward=True,
+                          rematerialized=True) for k, b in forward.items()]
+        for kind, _, b in collectives(step.context_attention, kv_shape, dtype, g.context,
+                                      home_dtype=home):
             if b - forward.get(kind, 0):
                 out.append(Collective(kind, ("context",), b - forward.get(kind, 0), self.layers))
                 forward.pop(kind, None)
         return out
+
+    def executed_flops(self, step, scores: float) -> float:
+        """Training FLOPs of the attention core where the model counts `scores` (every score
+        computed, as XLA's attention does): the kernels' share (`flops_share`) over context,
+        `scores` without it."""
+        return scores * (flops_share(step.grid.context) if step.grid.context > 1 else 1.0)
 
     def parameters(self, step) -> list:
         return []

@@ -488,7 +488,7 @@ class DenseLayer:
     def collectives(self, step: StepShape) -> list[Collective]:
         """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
         depth, activations' features over one axis and (`step.split`) their rows over the other."""
-        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        g, cb = step.grid, step.compute_bytes
         wb = step.gathered_bytes
         stacked = self.layers > 0
         count = self.count * self.layers if stacked else self.count
@@ -498,8 +498,11 @@ class DenseLayer:
         mm_flops = 2 * step.tokens * block  # one of the three matmuls of this layer on one device
         x_bytes = step.tokens * self.fan_in / nin * cb
         y_bytes = step.tokens * self.fan_out / nout * cb
-        # layers reading one input share its gather (split) and, on XLA:GPU, its input gradient
         gathers = count if self.gathers is None or not stacked else self.gathers * self.layers
+        # layers reading one input share its gather (split); XLA:GPU adds the partial input
+        # gradients of the layers that read one input before reducing them (its
+        # reassociation), so one input-gradient sum per input gather there
+        input_sums = gathers if step.platform == "gpu" else count
         if step.split:
             out = [
                 # forward: x's rows gathered over the output axis (once per input), partial sums
@@ -511,24 +514,19 @@ class DenseLayer:
                            recomputed_in_full=stacked and self.reused),
                 # backward: dy's rows gathered over the input axis, the input gradient
                 # reduce-scattered over the output axis (the weight gradient reads x's rows kept
-                # from the forward); XLA:GPU adds the partial input gradients of the layers that
-                # read one input before scattering them (its reduce-scatter reassociation), so
-                # one per input gather there
-                # (a ring places the input gradient's partial sums)
+                # from the forward; a ring places the input gradient's partial sums)
                 *_row_gathers(fin, nin, y_bytes, x_bytes, count, step.rings),
-                Collective("reduce-scatter", (fout,), x_bytes,
-                           gathers if step.platform == "gpu" else count, overlappable=mm_flops),
+                Collective("reduce-scatter", (fout,), x_bytes, input_sums, overlappable=mm_flops),
             ]
         else:
             out = [
                 # forward: partial sums over the input axis (the head runs only in the last
                 # stage's backward tick, so it is not recomputed; `--remat full` recomputes those
                 # the backward reads); backward: input gradient over the output axis (hidden
-                # behind the weight-gradient matmul), on XLA:GPU one per input as above
+                # behind the weight-gradient matmul)
                 Collective("all-reduce", (fin,), y_bytes, count, stage_forward=stacked,
                            recomputed_in_full=stacked and self.reused),
-                Collective("all-reduce", (fout,), x_bytes,
-                           gathers if step.platform == "gpu" else count, overlappable=mm_flops),
+                Collective("all-reduce", (fout,), x_bytes, input_sums, overlappable=mm_flops),
             ]
         out += [
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
@@ -544,9 +542,9 @@ class DenseLayer:
             out.append(Collective("all-gather", ("depth",), block * wb, count, per_microbatch=True))
         if self.bias:
             # the bias is replicated over depth (and, split, the input axis), whose devices saw
-            # different tokens
+            # different tokens; its gradient is summed in the compute dtype on XLA:GPU
             out.append(Collective("all-reduce", ("depth", fin) if step.split else ("depth",),
-                                  self.fan_out / nout * pb, count, per_microbatch=True))
+                                  self.fan_out / nout * wb, count, per_microbatch=True))
         return out
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
@@ -676,7 +674,7 @@ class Table:
     batched: bool = True
 
     def collectives(self, step: StepShape) -> list[Collective]:
-        g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
+        g, cb = step.grid, step.compute_bytes
         shard = self.rows * self.features / (g.row * g.col) * step.gathered_bytes
         if self.batched:
             lookups = step.tokens * self.features / g.col * cb
@@ -684,8 +682,10 @@ class Table:
                 Collective("all-gather", ("depth",), shard, stage_forward=True,
                            per_microbatch=True, loop_invariant=True),
                 # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
-                # completes the embeddings
-                Collective("all-reduce", ("row",), lookups, stage_forward=True),
+                # completes the embeddings (XLA:GPU makes the sum of rows that the batch-split
+                # layout then splits over row a reduce-scatter; measured on H100)
+                Collective("reduce-scatter" if step.split and step.platform == "gpu"
+                           else "all-reduce", ("row",), lookups, stage_forward=True),
                 # the table's gradient scattered back over depth
                 Collective("reduce-scatter", ("depth",), shard, per_microbatch=True),
             ]
@@ -700,7 +700,8 @@ class Table:
             Collective("all-reduce", ("row",), step.seq_len * self.features / g.col * cb,
                        stage_forward=True, per_microbatch=True, loop_invariant=True),
             Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
-                       step.seq_len * self.features / g.col * pb, per_microbatch=True),
+                       step.seq_len * self.features / g.col * step.gathered_bytes,
+                       per_microbatch=True),
         ]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:

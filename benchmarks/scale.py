@@ -66,6 +66,10 @@ def _published() -> dict:
             rows[f"{m}/{n}"] = Row(m, n, 1024, 4096, LLAMA_SOURCE)
         rows[f"gpt-20b/{n}"] = Row("gpt-20b", n, 1536, 2048, GPT_SOURCE)
         rows[f"unet-28b/{n}"] = Row("unet-28b", n, 2048, 0, UNET_SOURCE)
+    # Collective matmuls off at 256: the per-block dot of plan's grid fails XLA:GPU's Triton
+    # tiling without autotuning ("Couldn't find output tile sizes", as the GSPMD baselines' do)
+    rows["unet-28b/256"] = Row("unet-28b", 256, 2048, 0, UNET_SOURCE,
+                               ("--top", "1", "--collective-matmul", "off"))
     rows["llama3.1-8b/64 context16"] = Row("llama3.1-8b", 64, 4, 131072, LONG_SOURCE,
                                            ("--context", "16", "--row", "4", "--attention", "xla",
                                             "--remat", "full"))
@@ -133,12 +137,12 @@ NOTES: dict[str, str] = {
         "makes a reduce-scatter since the batch-split layout then splits the rows over row). "
         "Memory 0.78×: the safe side, not traced.",
     "llama3-70b/256":
-        "`plan` now picks data 4 × pipe 16 × row 4 (M 256): it counted the stages' input-gradient "
-        "all-reduces over row 1.5× before (CAUSES), which kept it on data 4 × depth 16 × row 4. "
-        "That grid compiled (`--dp 4 --depth 16 --row 4`) equals `plan`'s bytes on every kind and "
-        "mesh axes (before, all-reduces 0.80×: the token table's lookup sum, as on "
-        "llama3-8b/256). On the pipeline grid the permutes equal `plan`'s; the all-reduces (1.11×) "
-        "and the FLOPs count the bubble's ticks (CAUSES).",
+        "`plan`'s pick is data 4 × depth 16 × row 4 again (it now charges pipelines the "
+        "per-microbatch parameter casts and gradient accumulation, `comm_model."
+        "parameter_traffic`; a helper's count of the stages' all-reduces had made it pick data 4 × "
+        "pipe 16 × row 4 at 52.4%). Every collective equals `plan`'s per kind and mesh axes, the "
+        "collective matmuls' permutes included (before, all-reduces 0.80×: the token table's "
+        "lookup sum, as on llama3-8b/256). Memory 0.74×: the safe side, not traced.",
     "gpt-20b/1024":
         "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
         "with rows whole over row, XLA:GPU adds the input gradients of q, k and v before one "
@@ -147,13 +151,18 @@ NOTES: dict[str, str] = {
     "llama3-405b/1024":
         "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":
-        "`plan` now picks data 4 × pipe 4 × row 4 (M 128; before depth 64, when it counted the "
-        "stages' input-gradient all-reduces over row 1.5×, CAUSES): every figure within 10% of "
-        "`plan`'s.",
+        "Depth 64 alone: it compiles with cuDNN (the step traces its model under its mesh, "
+        "`_compat.tracing_in`, and cuDNN runs in a shard_map over every axis). Every collective "
+        "equals `plan`'s; memory 0.66× (the safe side; not traced).",
     "llama3-70b/64":
-        "`plan` now picks pipe 16 × row 4 (M 512; before data 2 × pipe 8 × row 2 × col 2, when it "
-        "counted the stages' input-gradient all-reduces over row 1.5×, CAUSES): the bytes within "
-        "10% of `plan`'s; the FLOPs count the bubble's ticks (CAUSES).",
+        "Pipe 8 × depth 2 × row 4, 256 microbatches: the depth all-gathers are 1.23× `plan`'s "
+        "(inside the pipeline's tick loop the compiled step gathers the stage's kernels over "
+        "depth more often than once per microbatch and pass; not traced further); the FLOPs "
+        "count the bubble's ticks (CAUSES).",
+    "llama3-8b/64":
+        "Data 4 × pipe 2 × depth 8, 16 microbatches: all-gathers 1.34× and reduce-scatters 1.12× "
+        "`plan`'s, the depth kernels' gathers and gradient scatters inside the tick loop (as on "
+        "llama3-70b/64; not traced further); the FLOPs count the bubble's ticks (CAUSES).",
 }
 """Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
 beyond the causes that `CAUSES` gives for every row, or what was traced to make them agree."""

@@ -98,8 +98,12 @@ class MixtralConfig(llama.LlamaConfig):
             step.batch * step.seq_len)
         # As if every device ran what one device of the (most loaded) stage runs.
         executed = shape.parts[0].executed_flops(step) * step.grid.num_devices
-        found = decoder.communication(shape, step, flops)
-        return dataclasses.replace(found, executed_flops=flops - ideal + executed,
+        tokens = step.batch * step.seq_len
+        found = decoder.communication(shape, step, flops,
+                                      scores=self.score_flops_per_token(step.seq_len) * tokens)
+        # over context the decoder counts the ring kernel's own FLOPs (`executed_flops`)
+        base = found.executed_flops if found.executed_flops is not None else flops
+        return dataclasses.replace(found, executed_flops=base - ideal + executed,
                                    expert_flops=executed)
 
     def check_grid(self, grid: ParallelConfig) -> None:

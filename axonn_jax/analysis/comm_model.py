@@ -479,14 +479,15 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     devices = grid.num_devices
     recompute = recompute_factor(work, grid)
     executed = work.executed_flops(grid)
+    found = collectives(work, grid)
     compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
-        c.count * c.copied for c in collectives(work, grid))) / machine.hbm_bw
+        c.count * c.copied for c in found)) / machine.hbm_bw
     backward = compute * 2 / 3
     mode = work.schedule if grid.pipe > 1 else "spmd" if work.step(grid).rings else "spmd-gathers"
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     data_time = 0.0
-    for c in collectives(work, grid):
+    for c in found:
         t = _collective_time(c, grid, machine)
         if _overlaps_backward(c):
             data_time += t
@@ -498,7 +499,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t - hidden
     exposed_data = data_time - min(data_time * hidden_shares.hidden_share(("data",), mode),
                                    backward)
-    for c in collectives(work, grid):
+    for c in found:
         if _overlaps_backward(c) and data_time:
             exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
     if data_time:

@@ -33,6 +33,7 @@ import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..step import xla_options
+from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
 from . import sources
 from .sources import LONG_DOCUMENTS
 
@@ -98,7 +99,7 @@ class GridOptions:
     collective_matmul: str = option("auto", "tensor-parallel layers gather their input rows in "
                                     "a ring, one matmul per row block while the next block "
                                     "travels (collective matmul): on, off, or auto (on GPUs, "
-                                    "without --fp8)", choices=("auto", "on", "off"))
+                                    "without --fp8)", choices=COLLECTIVE_MATMUL_CHOICES)
     auto: bool = option(False, "let the planner choose the grid (and microbatches)",
                         flag="--auto-grid")
     devices: int | None = option(None, "devices of the job: simulated CPU devices to create (set "
@@ -553,8 +554,6 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              memory_budget_gb=config.memory.budget_gb,
                              compress_bits=config.compression.bits, dtype=config.precision.dtype,
                              num_layers=num_layers, between_processes=mpi)
-    from ..tp.tensor import collective_matmuls_on
-
     _attempt(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
              config.precision.fp8)
     return found

@@ -1,7 +1,12 @@
 """The GPU suite: one command that measures what a lent GPU machine should measure first.
 
-    python benchmarks/gpu_suite.py [--out benchmarks/results]        # on the GPU machine
+    python benchmarks/gpu_suite.py [--out benchmarks/results] [--budget-s 420] [--hlo-dir D]
     python benchmarks/gpu_suite.py --tiny --out /tmp/suite           # CPU smoke run (the tests do it)
+
+The sections run in the order of their value when a GPU is lent for minutes: (a), (f), (b), (d),
+(c). Each one that fails is recorded with its one-line error and the others still run; the results
+are written after each section, so a run cut short keeps what it measured; a section that would
+start after `--budget-s` seconds is recorded as skipped (the search of (c) stops there too).
 
 Writes `gpu_<device>.md` and `.json` (device: the accelerator's kind, e.g. `h100`) with:
 
@@ -17,8 +22,12 @@ Writes `gpu_<device>.md` and `.json` (device: the accelerator's kind, e.g. `h100
     on one;
 (f) step variants of one Llama (llama3.2-1b) on one device, each against the first in the same
     run: attention `xla` against `cudnn` (fused flash attention), `--remat none` against
-    `selective` and `full` (attention `auto`: cuDNN on a GPU); a variant that cannot run here is
-    recorded with its reason.
+    `selective` and `full` (attention `auto`: cuDNN on a GPU), and `--fp8` against bf16 (both
+    `remat none`); each with its first step's loss (every variant starts from the same parameters
+    and batch) and the operand types of its GEMMs (`analysis.hlo.gemm_operand_dtypes`: an FP8
+    step's are f8). A variant that cannot run here is recorded with its reason. `--hlo-dir`
+    keeps each variant's compiled module, for the replay (`analysis.overlap`) to be checked
+    against the measured time.
 
 MFU = model FLOPs of the step (forward + backward, `GPTConfig.flops_per_token`) / step time / the
 nominal peak. `--tiny` shrinks every size so the whole suite runs in seconds on a CPU, so it is
@@ -29,11 +38,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import re
 import statistics
 import sys
 import time
+import traceback
 
 from axonn_jax.analysis.flops import NOMINAL_BF16_PEAK
 
@@ -52,8 +63,9 @@ class Sizes:
     max_layers: int = 256
     cgx_elements: int = 1 << 28
     variant_model: str = "llama3.2-1b"
-    variant_batch: int = 4
+    variant_batch: int = 2  # 4 × 2048 with XLA attention and no recompute needs 117 GB
     repeats: int = 5
+    xla_options: str = "library"
 
 
 TINY = Sizes(matmul=256, mfu_model="gpt-tiny", mfu_batch=4, seq_len=32, search_width=64,
@@ -63,11 +75,19 @@ TINY = Sizes(matmul=256, mfu_model="gpt-tiny", mfu_batch=4, seq_len=32, search_w
 VARIANTS = (  # name, model config overrides, train step options
     ("xla attention, remat none", {"attention": "xla"}, {}),
     ("cudnn attention, remat none", {"attention": "cudnn"}, {}),
+    ("auto attention, remat none, fp8", {"attention": "auto"}, {"fp8": True}),
     # auto: cuDNN where it runs (a GPU in bf16), XLA elsewhere, so that the CPU smoke run covers
     # the remat modes too
     ("auto attention, remat selective", {"attention": "auto"}, {"remat": "selective"}),
     ("auto attention, remat full", {"attention": "auto"}, {"remat": "full"}),
 )
+
+
+_START = time.monotonic()
+
+
+def log(*parts) -> None:
+    print(f"[{time.monotonic() - _START:6.1f} s]", *parts, flush=True)
 
 
 def timed(fn, repeats: int) -> float:
@@ -83,14 +103,16 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(n: int, repeats: int) -> float:
-    """bf16 FLOP/s of an n×n by n×n matmul."""
+def matmul_rate(n: int, repeats: int, chain: int = 10) -> float:
+    """bf16 FLOP/s of n×n by n×n matmuls, `chain` of them in one program (each reads the last's
+    result, so none is hoisted; one dispatch per `chain`, so the host's share is negligible)."""
     import jax
     import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x: x @ x)
-    return 2 * n**3 / timed(lambda: f(a), repeats)
+    w = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16) / n**0.5  # keeps the scale
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, chain, lambda _, y: y @ w, x))
+    return chain * 2 * n**3 / timed(lambda: f(a), repeats)
 
 
 def nominal_peak(kind: str, measured: float) -> tuple[float, str]:
@@ -125,13 +147,16 @@ def mfu_comparison(s: Sizes, peak: float) -> list[dict]:
     rows = []
     report = step_bench.run(model, batch, optax.adamw(1e-4), grids=[ParallelConfig()],
                             devices=jax.devices()[:1], repeats=s.repeats,
-                            baselines=("gspmd dp",), log=lambda *_: None)
+                            baselines=("gspmd dp",), log=log, loss_rtol=1e-2)
     for r in report["rows"]:
         rows.append({"model": s.mfu_model, "variant": "axonn_jax" if r["name"].startswith("axonn")
                      else "plain jax.jit", "batch": s.mfu_batch, "seq_len": s.seq_len,
                      "step_time_s": r["step_time_s"], "mfu": flops / r["step_time_s"] / peak,
-                     "peak_bytes": r["peak_bytes"]})
+                     "peak_bytes": r["peak_bytes"], "loss": r["loss"]})
     return rows
+
+
+_OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM|Allocat")
 
 
 def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
@@ -147,7 +172,7 @@ def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
                            max_seq_len=s.seq_len, vocab_size=50304 if s.search_width >= 1024 else 256)
     step = make_train_step(gpt.stacked(config, jnp.bfloat16), optax.adamw(1e-4),
                            make_mesh(ParallelConfig(), jax.devices()[:1]), dtype="bfloat16",
-                           **options)
+                           xla_options=s.xla_options, **options)
     batch = lm_batch(config, s.search_batch, s.seq_len)
     try:
         state = step.init_state(jax.random.key(0), batch)
@@ -161,7 +186,7 @@ def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
 
         seconds = timed(one, 1)
     except Exception as e:  # out of memory shows up as several error types
-        if re.search(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM|Allocat", str(e)):
+        if _OUT_OF_MEMORY.search(str(e)):
             return None
         raise
     flops = config.flops_per_token(s.seq_len) * s.search_batch * s.seq_len
@@ -169,14 +194,20 @@ def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
             "flops": flops}
 
 
-def step_variants(s: Sizes, peak: float) -> list[dict]:
-    """(f): `VARIANTS` of one Llama's bf16 train step on one device: step time, MFU, peak bytes;
-    `error` (one line) for a variant that cannot run here (cuDNN on a CPU)."""
+def step_variants(s: Sizes, peak: float, hlo_dir: pathlib.Path | None = None,
+                  deadline: float = math.inf) -> list[dict]:
+    """(f): `VARIANTS` of one Llama's bf16 train step on one device: step time, MFU, peak bytes,
+    the first step's loss, the count of GEMMs per operand types; `error` (one line) for a variant
+    that cannot run here (cuDNN on a CPU), `skipped` for one that would start after `deadline`.
+    `hlo_dir`: write each compiled module there."""
+    import collections
+
     import jax
     import jax.numpy as jnp
     import optax
 
     from axonn_jax import ParallelConfig, make_mesh, make_train_step
+    from axonn_jax.analysis import hlo
     from axonn_jax.models import attention, get
     from axonn_jax.offload.activations import compiled_peak_bytes
 
@@ -187,51 +218,80 @@ def step_variants(s: Sizes, peak: float) -> list[dict]:
     for name, overrides, options in VARIANTS:
         row = {"variant": name, "model": s.variant_model, "batch": s.variant_batch,
                "seq_len": s.seq_len}
+        if time.monotonic() > deadline:
+            rows.append({**row, "error": "skipped: time budget spent"})
+            continue
+        log(f"(f) {name}")
         try:
             attention.check(overrides.get("attention", "auto"), jnp.bfloat16,
                             preset.config.head_dim)
             model = preset.with_config(**overrides).build(jnp.bfloat16)
             step = make_train_step(model, optax.adamw(1e-4), make_mesh(ParallelConfig(),
-                                   jax.devices()[:1]), dtype="bfloat16", **options)
+                                   jax.devices()[:1]), dtype="bfloat16",
+                                   xla_options=s.xla_options, **options)
             state, placed = step.init_state(jax.random.key(0), batch), step.place_batch(batch)
             compiled = step.lower(state, placed).compile()
-            holder = {"state": state}
+            text = compiled.as_text()
+            if hlo_dir is not None:
+                hlo_dir.mkdir(parents=True, exist_ok=True)
+                (hlo_dir / (re.sub(r"[^a-z0-9]+", "_", name) + ".txt")).write_text(text)
+            holder = {}
+            holder["state"], metrics = compiled(state, placed)
+            row["loss"] = float(metrics["loss"])
 
             def one():
                 holder["state"], metrics = compiled(holder["state"], placed)
                 return metrics
 
             seconds = timed(one, s.repeats)
+            gemms = collections.Counter("×".join(t) for t in hlo.gemm_operand_dtypes(text))
             row.update(step_time_s=seconds, mfu=flops / seconds / peak,
-                       peak_bytes=compiled_peak_bytes(compiled))
-        except ValueError as e:  # a variant this device cannot run: its one-line reason
-            row["error"] = str(e).splitlines()[0]
+                       peak_bytes=compiled_peak_bytes(compiled), gemm_operand_types=dict(gemms))
+        except Exception as e:  # a variant this device cannot run (cuDNN on a CPU, out of memory)
+            if not (isinstance(e, ValueError) or _OUT_OF_MEMORY.search(str(e))):
+                raise
+            row["error"] = str(e).splitlines()[0][:200]
         rows.append(row)
     return rows
 
 
-def largest_model(s: Sizes, peak: float) -> list[dict]:
-    """(c): the deepest GPT at the search width that trains, per memory mode (doubling, then
-    bisection on the layer count)."""
+def _first_guess(s: Sizes) -> int:
+    """The search's first layer count: a power of two near half of what the device's memory
+    holds at 16 bytes per parameter (fp32 weights, gradients and two moments), 1 where the device
+    does not say its memory."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    fits = stats.get("bytes_limit", 0) / (16 * 12 * s.search_width**2)
+    return max(1, 2 ** int(math.log2(fits / 2))) if fits >= 2 else 1
+
+
+def largest_model(s: Sizes, peak: float, deadline: float = math.inf) -> list[dict]:
+    """(c): the deepest GPT at the search width that trains, per memory mode (doubling from
+    `_first_guess`, then bisection on the layer count to within an eighth), until `deadline` (`time.monotonic()`): a search stopped
+    there keeps the deepest that trained and says so (`stopped`)."""
     rows = []
     for name, options in (("optimizer state on device", {}),
                           ("--offload-optimizer", {"offload_optimizer": True}),
                           ("--offload-optimizer --remat offload",
                            {"offload_optimizer": True, "remat": "offload"})):
-        best, lo, hi = None, 0, None
-        layers = 1
-        while layers <= s.max_layers:
+        best, lo, hi, stopped = None, 0, None, False
+        layers = _first_guess(s)
+        while layers <= s.max_layers and not (stopped := time.monotonic() > deadline):
+            log(f"(c) {name}: {layers} layers")
             got = _trains(layers, s, options)
             if got is None:
                 hi = layers
                 break
             best, lo = got, layers
             layers *= 2
-        while hi is not None and hi - lo > 1:
+        while hi is not None and hi - lo > max(1, lo // 8) and not (stopped := time.monotonic() > deadline):
             mid = (lo + hi) // 2
+            log(f"(c) {name}: {mid} layers")
             got = _trains(mid, s, options)
             lo, hi, best = (mid, hi, got) if got else (lo, mid, best)
-        row = {"mode": name, "width": s.search_width, "capped": hi is None}
+        row = {"mode": name, "width": s.search_width, "capped": hi is None and not stopped,
+               "stopped": stopped}
         if best:
             row.update(best, mfu=best["flops"] / best["step_time_s"] / peak)
         rows.append(row)
@@ -259,70 +319,128 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke sizes (figures mean nothing)")
     p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+    p.add_argument("--budget-s", type=float, default=math.inf,
+                   help="start no section after this many seconds")
+    p.add_argument("--hlo-dir", default=None, help="keep the variants' compiled modules here")
+    p.add_argument("--sections", default=None,
+                   help="comma-separated: matmul, variants, mfu, cgx, tp_overlap, largest_model "
+                        "(default: all); the others are recorded as not asked for")
+    p.add_argument("--xla-options", default="library", choices=("library", "xla"),
+                   help="the train steps' XLA options (`--xla-options` of `train`)")
     args = p.parse_args(argv)
     import jax
 
     s = TINY if args.tiny else Sizes()
+    s = dataclasses.replace(s, xla_options=args.xla_options)
+    deadline = time.monotonic() + args.budget_s
     device = jax.devices()[0]
     kind = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
-    rate = matmul_rate(s.matmul, s.repeats)
-    peak, peak_source = nominal_peak(device.device_kind, rate)
-    result = {"device": device.device_kind, "platform": device.platform,
-              "devices": jax.device_count(), "jax": jax.__version__, "tiny": args.tiny,
-              "command": " ".join(["python benchmarks/gpu_suite.py", *(argv or sys.argv[1:])]),
-              "matmul": {"n": s.matmul, "bf16_flops_per_s": rate, "peak_flops_per_s": peak,
-                         "peak_source": peak_source},
-              "mfu": mfu_comparison(s, peak), "largest_model": largest_model(s, peak),
-              "cgx": cgx_throughput(s),
-              "tp_overlap": {"skipped": f"needs several devices, {jax.device_count()} here"}
-              if jax.device_count() < 2 else {"skipped": "not measured yet"},
-              "variants": step_variants(s, peak)}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"gpu_{kind}.json").write_text(json.dumps(result, indent=1))
-    (out / f"gpu_{kind}.md").write_text(markdown(result))
+    result = {"device": device.device_kind, "platform": device.platform,
+              "devices": jax.device_count(), "jax": jax.__version__, "tiny": args.tiny,
+              "command": " ".join(["python benchmarks/gpu_suite.py", *(argv or sys.argv[1:])])}
+    peak = NOMINAL_BF16_PEAK.get("h100")
+    hlo_dir = pathlib.Path(args.hlo_dir) if args.hlo_dir else None
+    sections = (("matmul", lambda: matmul_section(s)),
+                ("variants", lambda: step_variants(s, peak, hlo_dir, deadline)),
+                ("mfu", lambda: mfu_comparison(s, peak)),
+                ("cgx", lambda: cgx_throughput(s)),
+                ("tp_overlap", lambda: {"skipped": f"needs several devices, {jax.device_count()} "
+                                        "here" if jax.device_count() < 2 else "not measured yet"}),
+                ("largest_model", lambda: largest_model(s, peak, deadline)))
+    chosen = args.sections.split(",") if args.sections else [name for name, _ in sections]
+    for name, run in sections:
+        if name not in chosen:
+            result[name] = {"skipped": "not asked for (--sections)"}
+        elif time.monotonic() > deadline:
+            result[name] = {"skipped": f"time budget ({args.budget_s:.0f} s) spent"}
+        else:
+            log(f"section {name}")
+            try:
+                result[name] = run()
+            except Exception as e:  # recorded; the other sections still run
+                traceback.print_exc()
+                result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        if name == "matmul" and "peak_flops_per_s" in result[name]:
+            peak = result[name]["peak_flops_per_s"]
+        (out / f"gpu_{kind}.json").write_text(json.dumps(result, indent=1))
+        (out / f"gpu_{kind}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
 
+def matmul_section(s: Sizes) -> dict:
+    """(a): the measured bf16 matmul rate and the peak MFU divides by."""
+    import jax
+
+    rate = matmul_rate(s.matmul, s.repeats)
+    peak, source = nominal_peak(jax.devices()[0].device_kind, rate)
+    return {"n": s.matmul, "bf16_flops_per_s": rate, "peak_flops_per_s": peak,
+            "peak_source": source}
+
+
+def _not_run(section) -> str | None:
+    """The one line of a section that did not run (skipped or failed), else None."""
+    if isinstance(section, dict) and ("skipped" in section or "error" in section):
+        return f"not run: {section.get('skipped') or section.get('error')}"
+    return None if section is not None else "not run"
+
+
 def markdown(r: dict) -> str:
-    m = r["matmul"]
     lines = [f"# GPU suite: {r['device']} ({r['devices']} device(s), JAX {r['jax']})", "",
              f"Command: `{r['command']}`" + ("  (tiny sizes: smoke run, figures mean nothing)"
-                                              if r["tiny"] else ""), "",
-             f"(a) bf16 matmul {m['n']}²: {m['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s measured; "
-             f"peak used for MFU: {m['peak_flops_per_s'] / 1e12:.1f} TFLOP/s ({m['peak_source']})",
-             "", "(b) single-device training", "",
-             "| model | step | batch × seq | step time s | MFU | peak GB |", "|---|---|---|---|---|---|"]
-    for row in r["mfu"]:
-        lines.append(f"| {row['model']} | {row['variant']} | {row['batch']} × {row['seq_len']} | "
-                     f"{row['step_time_s']:.4f} | {row['mfu']:.1%} | {row['peak_bytes'] / 1e9:.2f} |")
-    lines += ["", "(c) the largest GPT that trains (fixed width, layers searched)", "",
-              "| memory mode | width | layers | parameters | step time s | MFU |",
-              "|---|---|---|---|---|---|"]
-    for row in r["largest_model"]:
-        if "layers" in row:
-            capped = " (search cap)" if row["capped"] else ""
-            lines.append(f"| {row['mode']} | {row['width']} | {row['layers']}{capped} | "
-                         f"{row['params'] / 1e9:.2f} B | {row['step_time_s']:.3f} | {row['mfu']:.1%} |")
-        else:
-            lines.append(f"| {row['mode']} | {row['width']} | none fits | | | |")
-    c = r["cgx"]
-    lines += ["", f"(d) CGX {c['bits']}-bit quantize + dequantize of {c['elements']:,} fp32 values: "
+                                              if r["tiny"] else ""), ""]
+    m = r.get("matmul")
+    lines += [f"(a) bf16 matmul: {_not_run(m)}" if _not_run(m) else
+              f"(a) bf16 matmul {m['n']}²: {m['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s measured; "
+              f"peak used for MFU: {m['peak_flops_per_s'] / 1e12:.1f} TFLOP/s ({m['peak_source']})",
+              "", "(b) single-device training", ""]
+    if _not_run(r.get("mfu")):
+        lines.append(_not_run(r.get("mfu")))
+    else:
+        lines += ["| model | step | batch × seq | step time s | MFU | peak GB | first loss |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in r["mfu"]:
+            lines.append(f"| {row['model']} | {row['variant']} | {row['batch']} × {row['seq_len']} "
+                         f"| {row['step_time_s']:.4f} | {row['mfu']:.1%} | "
+                         f"{row['peak_bytes'] / 1e9:.2f} | {row['loss']:.4f} |")
+    lines += ["", "(c) the largest GPT that trains (fixed width, layers searched)", ""]
+    if _not_run(r.get("largest_model")):
+        lines.append(_not_run(r.get("largest_model")))
+    else:
+        lines += ["| memory mode | width | layers | parameters | step time s | MFU |",
+                  "|---|---|---|---|---|---|"]
+        for row in r["largest_model"]:
+            note = " (search cap)" if row["capped"] else \
+                " (at least: search stopped by the time budget)" if row["stopped"] else ""
+            if "layers" in row:
+                lines.append(f"| {row['mode']} | {row['width']} | {row['layers']}{note} | "
+                             f"{row['params'] / 1e9:.2f} B | {row['step_time_s']:.3f} | "
+                             f"{row['mfu']:.1%} |")
+            else:
+                lines.append(f"| {row['mode']} | {row['width']} | none{note or ' fits'} | | | |")
+    c = r.get("cgx")
+    lines += ["", f"(d) CGX: {_not_run(c)}" if _not_run(c) else
+              f"(d) CGX {c['bits']}-bit quantize + dequantize of {c['elements']:,} fp32 values: "
               f"{c['quantize_dequantize_gb_s']:.1f} GB/s of input; device copy bandwidth "
               f"{c['copy_bandwidth_gb_s']:.1f} GB/s", "",
-              f"(e) tensor-parallel overlap: {r['tp_overlap']['skipped']}", "",
-              "(f) step variants on one device (time relative to the first row)", "",
-              "| model | variant | batch × seq | step time s | × first | MFU | peak GB |",
-              "|---|---|---|---|---|---|---|"]
+              f"(e) tensor-parallel overlap: {(r.get('tp_overlap') or {}).get('skipped')}", "",
+              "(f) step variants on one device (time relative to the first row)", ""]
+    if _not_run(r.get("variants")):
+        return "\n".join(lines + [_not_run(r.get("variants")), ""])
+    lines += ["| model | variant | batch × seq | step time s | × first | MFU | peak GB | first loss "
+              "| GEMM operand types |", "|---|---|---|---|---|---|---|---|---|"]
     first = next((v["step_time_s"] for v in r["variants"] if "step_time_s" in v), None)
     for v in r["variants"]:
         head = f"| {v['model']} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
         if "error" in v:
-            lines.append(head + f"not run: {v['error']} | | | |")
+            lines.append(head + f"not run: {v['error']} | | | | | |")
         else:
+            gemms = ", ".join(f"{k}: {n}" for k, n in sorted(v["gemm_operand_types"].items()))
             lines.append(head + f"{v['step_time_s']:.4f} | {v['step_time_s'] / first:.2f} | "
-                         f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} |")
+                         f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} | {v['loss']:.4f} | "
+                         f"{gemms or 'none named'} |")
     return "\n".join(lines + [""])
 
 

@@ -73,6 +73,29 @@ def one_device_fp8(devices):
     return run
 
 
+@pytest.mark.parametrize("grid", [ParallelConfig(), ParallelConfig(row=2)], ids=["one", "row2"])
+def test_the_train_step_runs_its_dense_layers_in_fp8(devices, grid):
+    """`make_train_step(..., fp8=True)` reaches the dense layers: its program holds e4m3 and e5m2
+    values, one without `fp8` none (found on an H200: a field added to the step's compute
+    functions had taken `fp8`'s place, so `--fp8` ran bf16 GEMMs on one device and failed to
+    trace on tensor grids)."""
+    import optax
+
+    from axonn_jax import make_train_step
+    from axonn_jax.models import get
+
+    preset = get("llama-tiny")
+    tokens = np.random.default_rng(0).integers(0, preset.config.vocab_size, (2, 17), np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    mesh = make_mesh(grid, devices[:grid.row])
+    for fp8 in (True, False):
+        step = make_train_step(preset.build(jnp.bfloat16), optax.adamw(1e-4), mesh,
+                               dtype="bfloat16", fp8=fp8)
+        bound = step.bind(batch)
+        text = step.lower(bound.abstract_state(), bound.abstract_batch()).as_text()
+        assert ("f8E4M3FN" in text and "f8E5M2" in text) == fp8
+
+
 def test_fp8_data_parallel_equals_one_device(devices, one_device_fp8):
     """data=2: each copy quantizes with the amax of the whole batch (pmax over `data`), so the
     run is one device's to fp32 rounding (measured: losses equal to the bit). Quantizing with each

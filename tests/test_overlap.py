@@ -156,6 +156,29 @@ def test_a_slice_of_placed_blocks_reads_one_block_per_chain():
     assert s.other_s == pytest.approx(3 * block / H100.hbm_bw, rel=1e-4)  # + 3 indices
 
 
+CUBLAS = """HloModule c, is_scheduled=true, num_partitions=16
+
+ENTRY %main (x: bf16[2048,4096], w: bf16[4096,1024]) -> bf16[2048,1024] {
+  %x = bf16[2048,4096]{1,0} parameter(0)
+  %w = bf16[4096,1024]{1,0} parameter(1)
+  %g = (bf16[2048,1024]{1,0}, s8[33554432]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %r = bf16[2048,1024]{1,0} get-tuple-element(%g), index=0
+}
+"""
+
+
+def test_a_cublas_gemm_counts_as_its_dot():
+    """On a real GPU XLA's autotuner may run a dot as a cuBLAS call instead of a Triton fusion:
+    the replay charges it the dot's FLOPs (2·m·n·k) at the matmul rate, and its operand types are
+    the GEMM's."""
+    from axonn_jax.analysis import hlo
+
+    flops = 2.0 * 2048 * 1024 * 4096
+    s = overlap.report(CUBLAS, MESH, H100)
+    assert s.matmul_s == pytest.approx(flops / H100.matmul_rate("bf16"), rel=1e-6)
+    assert hlo.gemm_operand_dtypes(CUBLAS) == [("bf16", "bf16")]
+
+
 def test_hidden_shares_per_axis_and_mode():
     """A collective over several axes hides the least of theirs; a pipeline mode falls back to
     the spmd figure of an axis it did not measure; an axis never measured hides nothing."""
@@ -208,6 +231,25 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
         assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
         assert xo.compiler_options(gpu, "xla") is None
         assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
+
+
+def test_options_this_xla_refuses_are_renamed_or_dropped_with_a_warning(monkeypatch):
+    """A newer jaxlib may rename or retire a flag (0.11.2 refuses the pipelined all-gather's
+    boolean): the step then compiles with its successor, or without it and a warning that names
+    it, instead of every GPU step failing."""
+    import jax
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax.step import xla_options as xo
+
+    mesh = make_mesh(ParallelConfig(), jax.devices("cpu")[:1])
+    known = {"xla_gpu_reduce_scatter_combine_threshold_bytes": 1}
+    with pytest.warns(UserWarning, match="no option xla_gpu_no_such_option"):
+        assert xo.accepted(mesh, {**known, "xla_gpu_no_such_option": True}) == known
+    monkeypatch.setitem(xo.SUCCESSORS, "xla_gpu_renamed_option",
+                        ("xla_gpu_enable_pipelined_all_gather", True))
+    assert xo.accepted(mesh, {**known, "xla_gpu_renamed_option": True}) == {
+        **known, "xla_gpu_enable_pipelined_all_gather": True}
 
 
 def test_data_parallel_gradients_are_reduced_inside_the_backward_scan(devices):

@@ -419,12 +419,14 @@ class FlopCounter:
             return float(_elements(shapes.get(operand, "")) - _elements(shape))
         if opcode == "custom-call" and "__cudnn$fmha" in rest:
             return _fused_attention_flops(rest)
+        if opcode == "custom-call" and _CUBLAS.search(rest):
+            return _cublas_gemm_flops(rest, shape, shapes)
         if opcode == "while":
             body, trips = _loop(name, rest, "FLOPs")
             return self.computation(body) * trips
         if opcode == "conditional":
             return max((self.computation(b) for b in branch_names(rest)), default=0.0)
-        if opcode in ("call", "fusion", "async-start"):
+        if opcode in ("call", "fusion", "fusion-start", "async-start"):
             return sum(self.computation(c) for c in called(rest))
         return 0.0
 
@@ -441,6 +443,21 @@ def _fused_attention_flops(rest: str) -> float:
     (b, t, h, d), s = shapes[0], shapes[1][1]
     return (10.0 if "Backward" in rest.split("custom_call_target=", 1)[1].split(",", 1)[0]
             else 4.0) * b * h * t * s * d
+
+
+def _cublas_gemm_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:
+    """FLOPs of a cuBLAS GEMM call (`__cublas$gemm`, `__cublas$lt$matmul*`: what XLA:GPU's
+    autotuner picks on a real GPU instead of a Triton fusion of the dot), as the dot's: 2 × the
+    result's elements (the first array of its tuple; the second is a workspace) × the contracted
+    size of the left operand (`lhs_contracting_dimensions` in its backend config)."""
+    lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+    lhs_array = _ARRAY.search(shapes.get(lhs, ""))
+    k = 1
+    if dims and lhs_array:
+        lhs_dims = lhs_array.group(2).split(",")
+        k = math.prod(int(lhs_dims[int(i.strip('" '))]) for i in dims.group(1).split(",") if i)
+    return 2.0 * _elements(shape) * k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,18 +502,28 @@ def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> boo
 
 
 _GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*|triton_gemm\S*)_computation \((.*)\) -> ", re.M)
-_F8_CUBLAS = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
+_CUBLAS = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul[$\w]*)"')
 
 
 def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
     """The element types of the two matrix operands of every GEMM of a compiled GPU module (each
     fusion XLA made of a dot once, a loop body's once): the Triton GEMM fusions' first two
-    parameters, and `("f8", "f8")` for each cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`, which a
-    module compiled with autotuning on a GPU may choose instead). E.g. `('f8e4m3fn', 'f8e4m3fn')`:
-    an FP8 GEMM; `('f8e5m2', 'bf16')`: one operand upcast before the GEMM."""
+    parameters, and the first two operands of each cuBLAS call (`__cublas$gemm`,
+    `__cublas$lt$matmul$f8`, ...: what a module compiled with autotuning on a real GPU may choose
+    instead). E.g. `('f8e4m3fn', 'f8e4m3fn')`: an FP8 GEMM; `('f8e5m2', 'bf16')`: one operand
+    upcast before the GEMM."""
     found = []
     for _, params in _GEMM_FUSION.findall(hlo_text):
         types = re.findall(r":\s*([a-z0-9]+)\[", params)
         if len(types) >= 2:
             found.append((types[0], types[1]))
-    return found + [("f8", "f8")] * len(_F8_CUBLAS.findall(hlo_text))
+    types = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            array = _ARRAY.search(m.group(3))
+            types[m.group(2)] = array.group(1) if array else ""
+            if m.group(4) == "custom-call" and _CUBLAS.search(m.group(5)):
+                operands = re.findall(r"%([\w.\-]+)", m.group(5).split("),", 1)[0])[:2]
+                found.append(tuple(types.get(o, "") for o in operands))
+    return found

@@ -137,10 +137,14 @@ class _Costs:
 
     def memory_bytes(self, instr: _Instr, shapes: dict[str, str]) -> float:
         """HBM bytes a kernel reads and writes: its operands and result; a fused dynamic slice
-        reads only its slice, a fused dynamic-update-slice writes only its update (in place)."""
+        reads only its slice, a fused dynamic-update-slice writes only its update (in place),
+        synchronous or not (`fusion-start`)."""
         operands = [_bytes(shapes.get(o, "")) for o in instr.operands]
-        result = _bytes(instr.shape)
-        callees = hlo.called(instr.rest) if instr.opcode == "fusion" else []
+        callees = hlo.called(instr.rest) if instr.opcode in ("fusion", "fusion-start") else []
+        # An asynchronous fusion's (`fusion-start`, XLA:GPU in jaxlib 0.11) shape is a tuple of
+        # its operands, its result and a context: it writes only its computation's result.
+        result = _bytes(self.comps[callees[0]][-1].shape if instr.opcode == "fusion-start"
+                        and callees and self.comps.get(callees[0]) else instr.shape)
         inner = set().union(*(self.opcodes(c) for c in callees)) if callees else {instr.opcode}
         if len(callees) == 1 and self._root(callees[0]) == "dynamic-slice":
             return result + self._sliced_reads(callees[0], operands, result)

@@ -214,9 +214,11 @@ def measure(name: str, step, state, batch, repeats: int) -> dict:
 
 def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, repeats: int = 3,
         clip_norm: float | None = 1.0, baselines=tuple(GSPMD_LAYOUTS), microbatches: int = 1,
-        log=print) -> dict:
+        log=print, loss_rtol: float = 1e-4) -> dict:
     """Compare axonn_jax on `grids` with the GSPMD `baselines` for one global `batch` (a host
-    pytree). Returns JSON-able results; raises when the variants disagree on the first loss."""
+    pytree). Returns JSON-able results; raises when the variants disagree on the first loss by
+    more than `loss_rtol` (relative; a 16-bit model on a GPU, whose kernels sum in other orders
+    per program, needs about 1e-2)."""
     devices = list(devices or jax.devices())
     optimizer = optimizer or optax.adamw(1e-3)
     rows = []
@@ -231,7 +233,7 @@ def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, r
                                               abstract=not repeats), repeats))
         log(_line(rows[-1]))
     losses = [r["loss"] for r in rows if r["loss"] is not None]
-    if losses and max(losses) - min(losses) > 1e-4 * abs(losses[0]):
+    if losses and max(losses) - min(losses) > loss_rtol * abs(losses[0]):
         raise RuntimeError(f"variants disagree on the first loss: {losses}")
     timed = [r["step_time_s"] for r in rows if r["name"].startswith("gspmd") and r["step_time_s"]]
     for r in rows:

@@ -54,6 +54,7 @@ class ComputeFunctions:
 
     fns: ModelFunctions
     dtype: Any
+    _: dataclasses.KW_ONLY  # the modes by name: a field added here must not shift the others
     groups: tuple | None = None
     vary_layers: tuple[str, ...] = ()
     """Manual axes each layer's parameters are made varying over inside the scan (the stack

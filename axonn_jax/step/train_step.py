@@ -485,7 +485,7 @@ class BoundStep:
         groups = plan.layer_groups(self.model.offload_names) if plan else None
         o = self.parts.options
         rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
-        return ComputeFunctions(self.fns, self.compute_dtype, groups, o.fp8, rings=rings)
+        return ComputeFunctions(self.fns, self.compute_dtype, groups=groups, fp8=o.fp8, rings=rings)
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid

@@ -17,6 +17,8 @@ variable still apply; the ones here override them for the step's program only.
 """
 from __future__ import annotations
 
+import re
+
 from .._compat import mesh_platform
 
 CHOICES = ("library", "xla")
@@ -49,8 +51,58 @@ def check_choice(choice: str) -> None:
 
 
 def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | None:
-    """The options to compile a step on `mesh` with (None: XLA's defaults)."""
+    """The options to compile a step on `mesh` with (None: XLA's defaults): of `GPU_OPTIONS`,
+    those the installed XLA knows (`accepted`)."""
     check_choice(choice)
     if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
         return None
-    return dict(GPU_OPTIONS)
+    return accepted(mesh, GPU_OPTIONS) or None
+
+
+SUCCESSORS: dict[str, tuple[str, object]] = {
+    # XLA made the collective pipeliner's switches three-valued (openxla/xla#45836): jaxlib 0.11.2
+    # (on an H200) refuses the boolean names and takes these (measured: `True`, "ON", "AUTO" are
+    # not valid values there).
+    "xla_gpu_enable_pipelined_all_gather": ("xla_gpu_pipeline_all_gather",
+                                            "COLLECTIVE_PIPELINING_MODE_ON"),
+    "xla_gpu_enable_pipelined_all_reduce": ("xla_gpu_pipeline_all_reduce",
+                                            "COLLECTIVE_PIPELINING_MODE_ON"),
+}
+"""An option of `GPU_OPTIONS` that a newer XLA renamed -> (its name there, the value that means
+ours `True`)."""
+
+_ACCEPTED: dict[tuple, dict] = {}
+
+
+def accepted(mesh, options: dict) -> dict:
+    """`options` as the installed XLA takes them: one it refuses ("No such compile option": XLA
+    renames and retires its flags) replaced by its successor (`SUCCESSORS`) or, without one,
+    dropped with a warning that names it. Found by compiling a one-number program on `mesh`
+    once per process and set of options."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    key = (mesh_platform(mesh), tuple(sorted(options.items())))
+    if key not in _ACCEPTED:
+        kept = dict(options)
+        one = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+        while kept:
+            try:
+                jax.jit(lambda x: x + 1, compiler_options=kept).lower(one).compile()
+                break
+            except Exception as e:  # jax.errors.JaxRuntimeError, whose home moved between versions
+                refused = re.search(r"No such compile option: '(\w+)'", str(e))
+                if not refused or refused.group(1) not in kept:
+                    raise
+                name = refused.group(1)
+                value = kept.pop(name)
+                if name in SUCCESSORS and value is True:
+                    kept.setdefault(*SUCCESSORS[name])
+                else:
+                    warnings.warn(f"this XLA (jaxlib {jax.__version__}) has no option {name}: "
+                                  "the step compiles without it", stacklevel=2)
+        _ACCEPTED[key] = kept
+    return dict(_ACCEPTED[key])

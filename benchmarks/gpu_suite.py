@@ -64,6 +64,8 @@ class Sizes:
     cgx_elements: int = 1 << 28
     variant_model: str = "llama3.2-1b"
     variant_batch: int = 2  # 4 × 2048 with XLA attention and no recompute needs 117 GB
+    variant_layers: int | None = None  # the preset's depth
+    variants: tuple[str, ...] | None = None  # names of `VARIANTS` to run (None: all)
     repeats: int = 5
     xla_options: str = "library"
 
@@ -212,12 +214,16 @@ def step_variants(s: Sizes, peak: float, hlo_dir: pathlib.Path | None = None,
     from axonn_jax.offload.activations import compiled_peak_bytes
 
     preset = get(s.variant_model)
+    if s.variant_layers:
+        preset = preset.with_config(num_layers=s.variant_layers)
     batch = lm_batch(preset.config, s.variant_batch, s.seq_len)
     flops = preset.config.flops_per_token(s.seq_len) * s.variant_batch * s.seq_len
     rows = []
     for name, overrides, options in VARIANTS:
+        if s.variants is not None and name not in s.variants:
+            continue
         row = {"variant": name, "model": s.variant_model, "batch": s.variant_batch,
-               "seq_len": s.seq_len}
+               "seq_len": s.seq_len, "layers": preset.config.num_layers}
         if time.monotonic() > deadline:
             rows.append({**row, "error": "skipped: time budget spent"})
             continue
@@ -325,13 +331,21 @@ def main(argv=None) -> int:
     p.add_argument("--sections", default=None,
                    help="comma-separated: matmul, variants, mfu, cgx, tp_overlap, largest_model "
                         "(default: all); the others are recorded as not asked for")
+    p.add_argument("--variant-model", default=None, help="(f)'s preset (default llama3.2-1b)")
+    p.add_argument("--variant-layers", type=int, default=None, help="(f)'s depth (default: the "
+                   "preset's)")
+    p.add_argument("--variant-batch", type=int, default=None)
+    p.add_argument("--variants", default=None, help="(f)'s variants to run, ';'-separated names")
     p.add_argument("--xla-options", default="library", choices=("library", "xla"),
                    help="the train steps' XLA options (`--xla-options` of `train`)")
     args = p.parse_args(argv)
     import jax
 
     s = TINY if args.tiny else Sizes()
-    s = dataclasses.replace(s, xla_options=args.xla_options)
+    s = dataclasses.replace(s, xla_options=args.xla_options, variant_layers=args.variant_layers,
+                            variants=tuple(args.variants.split(";")) if args.variants else None,
+                            **{k: v for k, v in (("variant_model", args.variant_model),
+                                                 ("variant_batch", args.variant_batch)) if v})
     deadline = time.monotonic() + args.budget_s
     device = jax.devices()[0]
     kind = re.sub(r"[^a-z0-9]+", "_", device.device_kind.lower()).strip("_")
@@ -391,6 +405,9 @@ def markdown(r: dict) -> str:
     lines = [f"# GPU suite: {r['device']} ({r['devices']} device(s), JAX {r['jax']})", "",
              f"Command: `{r['command']}`" + ("  (tiny sizes: smoke run, figures mean nothing)"
                                               if r["tiny"] else ""), ""]
+    for section, source in r.get("sources", {}).items():  # a table merged from several runs
+        lines += [f"- {section}: `{source}`"]
+    lines += [""] if r.get("sources") else []
     m = r.get("matmul")
     lines += [f"(a) bf16 matmul: {_not_run(m)}" if _not_run(m) else
               f"(a) bf16 matmul {m['n']}²: {m['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s measured; "
@@ -433,7 +450,8 @@ def markdown(r: dict) -> str:
               "| GEMM operand types |", "|---|---|---|---|---|---|---|---|---|"]
     first = next((v["step_time_s"] for v in r["variants"] if "step_time_s" in v), None)
     for v in r["variants"]:
-        head = f"| {v['model']} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
+        depth = f" ({v['layers']} layers)" if "layers" in v else ""
+        head = f"| {v['model']}{depth} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
         if "error" in v:
             lines.append(head + f"not run: {v['error']} | | | | | |")
         else:

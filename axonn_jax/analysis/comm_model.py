@@ -51,7 +51,9 @@ def counts(model) -> bool:
 # Book", compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table"
 # (mamf-finder.py, torch 2.7.0+cu126): H100 SXM BF16 794.5 TFLOPS (80.3% of peak), FP8 e4m3
 # 1402.6 TFLOPS (70.9%) — the best a large matmul reaches, which is what an H100 runs a
-# transformer's GEMMs at, at best.
+# transformer's GEMMs at, at best. [D] NVIDIA H200 Tensor Core GPU datasheet (2024): the H100's
+# compute (dense BF16 989 TFLOPS, same SMs and clocks) with 141 GB of HBM3e at 4.8 TB/s; NVLink
+# 900 GB/s per GPU.
 H100_BF16_PEAK = 989.4e12  # [A]
 H100_BF16_MATMUL = 794.5e12  # [C]
 H100_FP8_MATMUL = 1402.6e12  # [C]
@@ -100,6 +102,9 @@ MACHINES: dict[str, Machine] = {
     "h100-4": Machine("4× H100 SXM per node, NVLink, 200 Gb/s NIC per GPU", 4, 450e9, 25e9),
     # A DGX H100 ([A], [B]): 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
     "h100-dgx": Machine("8× H100 SXM per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9),
+    # A DGX H200 ([D], [B]'s network): the H100 node with the H200's memory.
+    "h200-dgx": Machine("8× H200 per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9,
+                        device_memory=141e9, hbm_bw=4.8e12),
     # Perlmutter-like: 4 A100-40GB per node, NVLink 3, 4 × 200 Gb/s Slingshot per node.
     "a100-4": Machine("4× A100 40GB per node, NVLink 3, 200 Gb/s per GPU", 4, 300e9, 25e9,
                       peak_flops=312e12, device_memory=40e9, host_bw=25e9, efficiency=0.6,
@@ -508,8 +513,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     if grid.pipe > 1:
         idle = _schedule(work, grid).predicted_bubble(1.0, 2.0, 1.0)
         bubble = compute * idle / (1 - idle)
-    step = compute + sum(exposed.values()) + bubble
     mem = memory_per_device(work, grid)
+    compute += update_seconds(work, grid, machine, mem)  # after the backward: nothing hides it
+    step = compute + sum(exposed.values()) + bubble
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
                       mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
@@ -518,6 +524,19 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       fits=mem["total"] <= machine.device_memory, remat=work.remat,
                       expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
                       .expert_flops / devices / rate * recompute)
+
+
+def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
+                   memory: dict[str, float]) -> float:
+    """The optimizer update's time per step on one device (`memory`: its `memory_per_device`).
+    An elementwise update (AdamW, `step.update`) reads every parameter, gradient and state leaf
+    the device holds and writes the parameters and the state back: 2·params + grads + 2·optimizer
+    bytes at HBM bandwidth. With `offload_optimizer` the state streams from host memory and back
+    (`offload.optimizer`): twice the host state over the host link, at best. (The matmul-only
+    compute of `plan` was 0.49× the step measured on an H200 for Llama-3.2-1B, of which this
+    update is 7 ms of 86: `benchmarks/results/gpu_calibration.md`.)"""
+    hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
+    return hbm / machine.hbm_bw + 2 * host_memory_per_device(work, grid) / machine.host_bw
 
 
 def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:

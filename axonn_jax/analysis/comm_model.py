@@ -455,18 +455,20 @@ def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
 
 def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
     """HBM bytes one device moves per step over its parameters besides the matmuls, when the step
-    runs several microbatches (a pipeline's ticks, gradient accumulation): per microbatch, each
-    fp32 parameter is cast to the compute dtype for the forward and again for the backward's
-    forward (read 4, write 2, twice), its gradient converted to fp32 (read 2, write 4) and added
-    to the accumulator (read 8, write 4): 30 bytes in bf16, 12 in fp32. (Read off the compiled
-    H100 step of Llama-3-70B on data 4 × pipe 16 × row 4, 256 microbatches: its tick loop's
-    converts and adds are 3.7 s of the replayed schedule.) One microbatch: once, negligible."""
+    runs several microbatches (a pipeline's ticks, gradient accumulation): each fp32 parameter is
+    cast to the compute dtype once per step (read 4, write 2: `step.engines` casts before the
+    microbatch loop), and per microbatch its gradient is converted to fp32 (read 2, write 4) and
+    added to the accumulator (read 8, write 4): 18 bytes per microbatch in bf16, 12 in fp32. (Read
+    off the compiled H100 step of Llama-3-70B on data 4 × pipe 16 × row 4: with the casts in
+    every tick, 30 bytes per microbatch, its tick loop's converts and adds were 3.7 s of the
+    replayed schedule at 256 microbatches; casting once took 1.2 s off the replayed step at
+    128.) One microbatch: once, negligible."""
     if work.microbatches == 1 or work.offload_optimizer:
         return 0.0
     cb, pb = work.compute_bytes, work.param_bytes
-    per_param = (2 * (pb + cb) + (cb + pb) if cb < pb else 0) + 3 * pb
+    cast = pb + cb if cb < pb else 0
     n = sum(p.elements for p in declared(work, grid).parameters)
-    return work.microbatches * n * per_param
+    return n * (cast + work.microbatches * (cast + 3 * pb))
 
 
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:

@@ -460,6 +460,7 @@ def pipeline_loss_and_grads(
     schedule: Schedule,
     axis: str = PIPE_AXIS,
     scale=1.0,
+    accumulate_in: Any = None,
 ) -> tuple[jax.Array, tuple[Any, Any, Any], dict]:
     """Loss and parameter gradients of a pipelined model; call inside a shard_map manual over `axis`.
 
@@ -475,7 +476,9 @@ def pipeline_loss_and_grads(
     (x (same shape), the chunk's auxiliary loss (float32 scalar: 0 for plain layers), metrics (a
     dict of per-layer arrays `(n, ...)`; {} for plain layers)); head_fn(head_params, x, batch_mb)
     -> mean loss of the microbatch (float32 scalar). scale: the loss scale the gradients are
-    multiplied by.
+    multiplied by. accumulate_in: a pytree like `params` of the dtypes the gradients are summed
+    in over the microbatches (default: the parameters'): the caller may pass parameters already
+    cast to the compute dtype once, outside the tick loop, and keep fp32 sums.
 
     Returns the mean loss over the microbatches (equal on every stage, auxiliary losses
     included), the gradients (embed/head summed over `axis`, so replicated; stage gradients local
@@ -612,7 +615,8 @@ def pipeline_loss_and_grads(
          for a in w_avals],
         zero_act,
         zero_act,
-        jax.tree.map(lambda x: _zeros_like_varying(x, axes), params),
+        jax.tree.map(lambda x, d: _zeros_like_varying(jax.ShapeDtypeStruct(x.shape, d), axes),
+                     params, accumulate_in or jax.tree.map(lambda x: x.dtype, params)),
         _zeros_like_varying(jnp.zeros((), jnp.float32), axes),
         jax.tree.map(lambda a: _zeros_like_varying(jnp.zeros((v * n, *a.shape[1:]), jnp.float32),
                                                    axes), metric_avals),

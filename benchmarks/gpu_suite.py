@@ -42,6 +42,7 @@ import math
 import pathlib
 import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -162,7 +163,23 @@ _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM|Allocat")
 
 
 def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
-    """One step of a `layers`-deep GPT at the search width, or None when it does not fit."""
+    """One step of a `layers`-deep GPT at the search width, or None when it does not fit; in a
+    process of its own, so that no trial runs in memory an earlier one left behind (on an H200
+    the offload rows ran out of device memory after the on-device trials of the same process)."""
+    trial = json.dumps({"layers": layers, "sizes": dataclasses.asdict(s), "options": options})
+    out = subprocess.run([sys.executable, __file__, "--trial", trial], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _trial(spec: str) -> dict | None:
+    """`_trains` inside the trial's process (`--trial SPEC`)."""
+    spec = json.loads(spec)
+    sizes = spec["sizes"]
+    return _train_once(spec["layers"], Sizes(**{**sizes, "variants": None}), spec["options"])
+
+
+def _train_once(layers: int, s: Sizes, options: dict) -> dict | None:
     import jax
     import jax.numpy as jnp
     import optax
@@ -338,7 +355,11 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=None, help="(f)'s variants to run, ';'-separated names")
     p.add_argument("--xla-options", default="library", choices=("library", "xla"),
                    help="the train steps' XLA options (`--xla-options` of `train`)")
+    p.add_argument("--trial", default=None, help=argparse.SUPPRESS)  # one (c) trial, JSON
     args = p.parse_args(argv)
+    if args.trial:
+        print(json.dumps(_trial(args.trial)))
+        return 0
     import jax
 
     s = TINY if args.tiny else Sizes()

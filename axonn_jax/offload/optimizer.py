@@ -195,9 +195,13 @@ class _Streamed:
         state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
         roles = _roles(self.inner, opt_state["inner"], params)
 
-        def update_piece(index: list[int], pick: Callable, scalars: list):
-            """Update parameters `index`; `pick` takes a leaf's piece. Returns new pieces (master,
-            state by role, device params) on the device, and the new shared scalars."""
+        def update_piece(index: list[int], pick: Callable, scalars: list, master: list,
+                         state_leaves: list):
+            """Update parameters `index`; `pick` takes a leaf's piece of `master` and
+            `state_leaves` (a loop's carried ones: reading the arrays the loop writes lets XLA
+            update them in place, where reading the loop's inputs kept a second copy of the host
+            state). Returns new pieces (master, state by role, device params) on the device, and
+            the new shared scalars."""
             chosen = set(index)
             sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
             g = [None if x is None else x for x in sel(grad_leaves)]
@@ -242,7 +246,7 @@ class _Streamed:
                 pick = lambda x: jax.lax.dynamic_index_in_dim(per_stage(x), i, 1, keepdims=False)
                 put = lambda full, x: jax.lax.dynamic_update_index_in_dim(
                     per_stage(full), x, i, 1).reshape(full.shape)
-                new_m, new_s = update_piece(layer_index, pick, scalars)
+                new_m, new_s = update_piece(layer_index, pick, scalars, master, state_leaves)
                 out = write(new_m, new_s, put, master, state_leaves, param_leaves)
                 return (*out, [a for r, a in zip(roles, new_s) if r.param is None])
 
@@ -251,7 +255,7 @@ class _Streamed:
 
         sizes = [x.size * 4 for x in param_leaves]
         for group in buckets(sizes, [j for j, s in enumerate(stacked) if not s], self.bucket_bytes):
-            new_m, new_s = update_piece(group, lambda x: x, scalars)
+            new_m, new_s = update_piece(group, lambda x: x, scalars, master, state_leaves)
             master, state_leaves, param_leaves = write(new_m, new_s, lambda full, x: x,
                                                        master, state_leaves, param_leaves)
             new_scalars = [a for r, a in zip(roles, new_s) if r.param is None]

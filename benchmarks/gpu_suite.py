@@ -422,6 +422,45 @@ def _not_run(section) -> str | None:
     return None if section is not None else "not run"
 
 
+def _table(section, header: list[str], rows) -> list[str]:
+    """A markdown table of `rows` (lines), or the one line of a section that did not run."""
+    if _not_run(section):
+        return [_not_run(section)]
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *rows]
+
+
+def _mfu_rows(r: dict):
+    for row in r["mfu"]:
+        yield (f"| {row['model']} | {row['variant']} | {row['batch']} × {row['seq_len']} | "
+               f"{row['step_time_s']:.4f} | {row['mfu']:.1%} | {row['peak_bytes'] / 1e9:.2f} | "
+               f"{row['loss']:.4f} |")
+
+
+def _largest_rows(r: dict):
+    for row in r["largest_model"]:
+        note = " (search cap)" if row["capped"] else \
+            " (at least: search stopped by the time budget)" if row["stopped"] else ""
+        if "layers" not in row:
+            yield f"| {row['mode']} | {row['width']} | none{note or ' fits'} | | | |"
+            continue
+        yield (f"| {row['mode']} | {row['width']} | {row['layers']}{note} | "
+               f"{row['params'] / 1e9:.2f} B | {row['step_time_s']:.3f} | {row['mfu']:.1%} |")
+
+
+def _variant_rows(r: dict):
+    first = next((v["step_time_s"] for v in r["variants"] if "step_time_s" in v), None)
+    for v in r["variants"]:
+        depth = f" ({v['layers']} layers)" if "layers" in v else ""
+        head = f"| {v['model']}{depth} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
+        if "error" in v:
+            yield head + f"not run: {v['error']} | | | | | |"
+            continue
+        gemms = ", ".join(f"{k}: {n}" for k, n in sorted(v["gemm_operand_types"].items()))
+        yield head + (f"{v['step_time_s']:.4f} | {v['step_time_s'] / first:.2f} | "
+                      f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} | {v['loss']:.4f} | "
+                      f"{gemms or 'none named'} |")
+
+
 def markdown(r: dict) -> str:
     lines = [f"# GPU suite: {r['device']} ({r['devices']} device(s), JAX {r['jax']})", "",
              f"Command: `{r['command']}`" + ("  (tiny sizes: smoke run, figures mean nothing)"
@@ -429,57 +468,28 @@ def markdown(r: dict) -> str:
     for section, source in r.get("sources", {}).items():  # a table merged from several runs
         lines += [f"- {section}: `{source}`"]
     lines += [""] if r.get("sources") else []
-    m = r.get("matmul")
+    m, c = r.get("matmul"), r.get("cgx")
     lines += [f"(a) bf16 matmul: {_not_run(m)}" if _not_run(m) else
               f"(a) bf16 matmul {m['n']}²: {m['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s measured; "
               f"peak used for MFU: {m['peak_flops_per_s'] / 1e12:.1f} TFLOP/s ({m['peak_source']})",
               "", "(b) single-device training", ""]
-    if _not_run(r.get("mfu")):
-        lines.append(_not_run(r.get("mfu")))
-    else:
-        lines += ["| model | step | batch × seq | step time s | MFU | peak GB | first loss |",
-                  "|---|---|---|---|---|---|---|"]
-        for row in r["mfu"]:
-            lines.append(f"| {row['model']} | {row['variant']} | {row['batch']} × {row['seq_len']} "
-                         f"| {row['step_time_s']:.4f} | {row['mfu']:.1%} | "
-                         f"{row['peak_bytes'] / 1e9:.2f} | {row['loss']:.4f} |")
+    lines += _table(r.get("mfu"), ["model", "step", "batch × seq", "step time s", "MFU",
+                                   "peak GB", "first loss"],
+                    () if _not_run(r.get("mfu")) else _mfu_rows(r))
     lines += ["", "(c) the largest GPT that trains (fixed width, layers searched)", ""]
-    if _not_run(r.get("largest_model")):
-        lines.append(_not_run(r.get("largest_model")))
-    else:
-        lines += ["| memory mode | width | layers | parameters | step time s | MFU |",
-                  "|---|---|---|---|---|---|"]
-        for row in r["largest_model"]:
-            note = " (search cap)" if row["capped"] else \
-                " (at least: search stopped by the time budget)" if row["stopped"] else ""
-            if "layers" in row:
-                lines.append(f"| {row['mode']} | {row['width']} | {row['layers']}{note} | "
-                             f"{row['params'] / 1e9:.2f} B | {row['step_time_s']:.3f} | "
-                             f"{row['mfu']:.1%} |")
-            else:
-                lines.append(f"| {row['mode']} | {row['width']} | none{note or ' fits'} | | | |")
-    c = r.get("cgx")
+    lines += _table(r.get("largest_model"), ["memory mode", "width", "layers", "parameters",
+                                             "step time s", "MFU"],
+                    () if _not_run(r.get("largest_model")) else _largest_rows(r))
     lines += ["", f"(d) CGX: {_not_run(c)}" if _not_run(c) else
               f"(d) CGX {c['bits']}-bit quantize + dequantize of {c['elements']:,} fp32 values: "
               f"{c['quantize_dequantize_gb_s']:.1f} GB/s of input; device copy bandwidth "
               f"{c['copy_bandwidth_gb_s']:.1f} GB/s", "",
               f"(e) tensor-parallel overlap: {(r.get('tp_overlap') or {}).get('skipped')}", "",
               "(f) step variants on one device (time relative to the first row)", ""]
-    if _not_run(r.get("variants")):
-        return "\n".join(lines + [_not_run(r.get("variants")), ""])
-    lines += ["| model | variant | batch × seq | step time s | × first | MFU | peak GB | first loss "
-              "| GEMM operand types |", "|---|---|---|---|---|---|---|---|---|"]
-    first = next((v["step_time_s"] for v in r["variants"] if "step_time_s" in v), None)
-    for v in r["variants"]:
-        depth = f" ({v['layers']} layers)" if "layers" in v else ""
-        head = f"| {v['model']}{depth} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
-        if "error" in v:
-            lines.append(head + f"not run: {v['error']} | | | | | |")
-        else:
-            gemms = ", ".join(f"{k}: {n}" for k, n in sorted(v["gemm_operand_types"].items()))
-            lines.append(head + f"{v['step_time_s']:.4f} | {v['step_time_s'] / first:.2f} | "
-                         f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} | {v['loss']:.4f} | "
-                         f"{gemms or 'none named'} |")
+    lines += _table(r.get("variants"), ["model", "variant", "batch × seq", "step time s",
+                                        "× first", "MFU", "peak GB", "first loss",
+                                        "GEMM operand types"],
+                    () if _not_run(r.get("variants")) else _variant_rows(r))
     return "\n".join(lines + [""])
 
 

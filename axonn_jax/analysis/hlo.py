@@ -402,14 +402,7 @@ class FlopCounter:
     def instruction(self, shapes: dict[str, str], name: str, shape: str, opcode: str,
                     rest: str) -> float:
         if opcode == "dot":
-            lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-            dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", rest)
-            lhs_array = _ARRAY.search(shapes.get(lhs, ""))
-            k = 1
-            if dims and lhs_array:
-                lhs_dims = lhs_array.group(2).split(",")
-                k = math.prod(int(lhs_dims[int(i)]) for i in dims.group(1).split(",") if i)
-            return 2.0 * _elements(shape) * k
+            return _gemm_flops(rest, shape, shapes, r"lhs_contracting_dims=\{([0-9,]*)\}")
         if opcode == "ragged-dot":
             return _ragged_dot_flops(rest, shapes)
         if opcode in _ELEMENTWISE and not self.matmuls_only:
@@ -420,7 +413,7 @@ class FlopCounter:
         if opcode == "custom-call" and "__cudnn$fmha" in rest:
             return _fused_attention_flops(rest)
         if opcode == "custom-call" and _CUBLAS.search(rest):
-            return _cublas_gemm_flops(rest, shape, shapes)
+            return _gemm_flops(rest, shape, shapes, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
         if opcode == "while":
             body, trips = _loop(name, rest, "FLOPs")
             return self.computation(body) * trips
@@ -445,13 +438,14 @@ def _fused_attention_flops(rest: str) -> float:
             else 4.0) * b * h * t * s * d
 
 
-def _cublas_gemm_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:
-    """FLOPs of a cuBLAS GEMM call (`__cublas$gemm`, `__cublas$lt$matmul*`: what XLA:GPU's
-    autotuner picks on a real GPU instead of a Triton fusion of the dot), as the dot's: 2 × the
-    result's elements (the first array of its tuple; the second is a workspace) × the contracted
-    size of the left operand (`lhs_contracting_dimensions` in its backend config)."""
+def _gemm_flops(rest: str, shape: str, shapes: dict[str, str], contracting: str) -> float:
+    """FLOPs of a matmul: 2 × its result's elements (the first array: a cuBLAS call's tuple holds
+    a workspace too) × the contracted size of its left operand, whose dimensions `contracting`
+    (a pattern) finds in `rest`: a `dot`'s `lhs_contracting_dims={..}`, or a cuBLAS GEMM call's
+    (`__cublas$gemm`, `__cublas$lt$matmul*`: what XLA:GPU's autotuner picks on a real GPU instead
+    of a Triton fusion of the dot) `"lhs_contracting_dimensions":[..]` in its backend config."""
     lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+    dims = re.search(contracting, rest)
     lhs_array = _ARRAY.search(shapes.get(lhs, ""))
     k = 1
     if dims and lhs_array:

@@ -83,11 +83,14 @@ def calibrate(run: pathlib.Path) -> dict:
         print(v["variant"], flush=True)
         report, text = deviceless(v, run / "deviceless" / module.stem)
         plan = planned(v, name)
+        replay = overlap.report(module.read_text(), {}, machine)
         rows.append({
             "variant": v["variant"], "model": v["model"], "batch": v["batch"],
             "seq_len": v["seq_len"], "measured_s": v["step_time_s"],
             "measured_peak_bytes": v["peak_bytes"],
-            "replay_gpu_module_s": overlap.report(module.read_text(), {}, machine).step_s,
+            "replay_gpu_module_s": replay.step_s,
+            "replay_gpu_module_parts_s": {"matmul": replay.matmul_s, "other": replay.other_s},
+            "profiled_kernels_s": v.get("kernels_s"),
             "replay_deviceless_s": overlap.report(text, {}, machine).step_s,
             "deviceless_peak_bytes": report["memory_per_device_bytes"],
             "plan_s": plan["step_time_s"], "plan_peak_bytes": plan["memory_per_device_bytes"]})
@@ -112,6 +115,15 @@ def markdown(r: dict) -> str:
             f"{x['plan_s']:.4f} ({x['plan_s'] / m:.2f}×) | {b / 1e9:.2f} | "
             f"{x['deviceless_peak_bytes'] / 1e9:.2f} ({x['deviceless_peak_bytes'] / b:.2f}×) | "
             f"{x['plan_peak_bytes'] / 1e9:.2f} ({x['plan_peak_bytes'] / b:.2f}×) |")
+    profiled = [x for x in r["rows"] if "matmul" in (x.get("profiled_kernels_s") or {})]
+    if profiled:  # the suite's profiles: kernel time by category against the replay's
+        lines += ["", "| variant | profiled matmul + attention ms | replayed matmul ms | "
+                  "profiled other ms | replayed other ms |", "|---|---|---|---|---|"]
+        for x in profiled:
+            k, parts = x["profiled_kernels_s"], x["replay_gpu_module_parts_s"]
+            lines.append(f"| {x['variant']} | {(k['matmul'] + k.get('attention', 0)) * 1e3:.1f} "
+                         f"| {parts['matmul'] * 1e3:.1f} | {k.get('other', 0) * 1e3:.1f} | "
+                         f"{parts['other'] * 1e3:.1f} |")
     return "\n".join(lines + [""])
 
 

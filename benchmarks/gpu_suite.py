@@ -25,7 +25,9 @@ Writes `gpu_<device>.md` and `.json` (device: the accelerator's kind, e.g. `h100
     `selective` and `full` (attention `auto`: cuDNN on a GPU), and `--fp8` against bf16 (both
     `remat none`); each with its first step's loss (every variant starts from the same parameters
     and batch) and the operand types of its GEMMs (`analysis.hlo.gemm_operand_dtypes`: an FP8
-    step's are f8). A variant that cannot run here is recorded with its reason. `--hlo-dir`
+    step's are f8), and its device time per step by kernel category from a profiler trace
+    (`profiled_kernels`: matmul, attention, collective, other; GPUs only). A variant that cannot
+    run here is recorded with its reason. `--hlo-dir`
     keeps each variant's compiled module, for the replay (`analysis.overlap`) to be checked
     against the measured time.
 
@@ -159,6 +161,66 @@ def mfu_comparison(s: Sizes, peak: float) -> list[dict]:
     return rows
 
 
+def kernel_categories(text: str) -> dict[str, str]:
+    """`{instruction name: matmul | attention | collective | other}` for every instruction of a
+    compiled module: matmul where `analysis.hlo` counts tensor-core FLOPs (GEMM fusions, cuBLAS
+    calls), attention for cuDNN's fused attention, collective for a collective or its start."""
+    from axonn_jax.analysis import hlo
+
+    matmuls = hlo.FlopCounter(text, matmuls_only=True)
+    out = {}
+    for lines in matmuls.comps.values():
+        shapes = {}
+        for line in lines:
+            m = hlo._INSTR.match(line)
+            if not m:
+                continue
+            name, shape, opcode, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            shapes[name] = shape
+            if "__cudnn$fmha" in rest:
+                out[name] = "attention"
+            elif opcode.removesuffix("-start") in hlo.KINDS:
+                out[name] = "collective"
+            elif opcode not in ("while", "conditional", "call") and \
+                    matmuls.instruction(shapes, name, shape, opcode, rest) > 0:
+                out[name] = "matmul"
+            else:
+                out[name] = "other"
+    return out
+
+
+def profiled_kernels(run_step, text: str, steps: int = 3) -> dict:
+    """Device time per step by kernel category (`kernel_categories` of the module `text`), from a
+    profiler trace of `steps` calls of `run_step()`: the events of the device's "XLA Ops" line,
+    named after the module's instructions (`unattributed`: names not in it). A backend whose
+    trace has no such line (XLA:CPU) gets `skipped`."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    categories = kernel_categories(text)
+    with tempfile.TemporaryDirectory() as trace:
+        jax.profiler.start_trace(trace)
+        for _ in range(steps):
+            jax.block_until_ready(run_step())
+        jax.profiler.stop_trace()
+        files = glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(files[0])
+        totals: dict[str, float] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if line.name != "XLA Ops":
+                    continue
+                for event in line.events:
+                    key = categories.get(event.name, "unattributed")
+                    totals[key] = totals.get(key, 0.0) + event.duration_ns * 1e-9 / steps
+    return totals or {"skipped": "no device 'XLA Ops' line in this backend's trace"}
+
+
 _OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM|Allocat")
 
 
@@ -267,6 +329,10 @@ def step_variants(s: Sizes, peak: float, hlo_dir: pathlib.Path | None = None,
                 return metrics
 
             seconds = timed(one, s.repeats)
+            try:  # a profiler that cannot start here costs the row its profile only
+                row["kernels_s"] = profiled_kernels(one, text)
+            except Exception as e:
+                row["kernels_s"] = {"skipped": f"{type(e).__name__}: {str(e)[:200]}"}
             gemms = collections.Counter("×".join(t) for t in hlo.gemm_operand_dtypes(text))
             row.update(step_time_s=seconds, mfu=flops / seconds / peak,
                        peak_bytes=compiled_peak_bytes(compiled), gemm_operand_types=dict(gemms))
@@ -453,12 +519,15 @@ def _variant_rows(r: dict):
         depth = f" ({v['layers']} layers)" if "layers" in v else ""
         head = f"| {v['model']}{depth} | {v['variant']} | {v['batch']} × {v['seq_len']} | "
         if "error" in v:
-            yield head + f"not run: {v['error']} | | | | | |"
+            yield head + f"not run: {v['error']} | | | | | | |"
             continue
         gemms = ", ".join(f"{k}: {n}" for k, n in sorted(v["gemm_operand_types"].items()))
+        k = v.get("kernels_s", {})
+        kernels = "/".join(f"{k.get(c, 0) * 1e3:.1f}" for c in ("matmul", "attention", "other")) \
+            if "skipped" not in k and k else "—"
         yield head + (f"{v['step_time_s']:.4f} | {v['step_time_s'] / first:.2f} | "
                       f"{v['mfu']:.1%} | {v['peak_bytes'] / 1e9:.2f} | {v['loss']:.4f} | "
-                      f"{gemms or 'none named'} |")
+                      f"{gemms or 'none named'} | {kernels} |")
 
 
 def markdown(r: dict) -> str:
@@ -488,7 +557,8 @@ def markdown(r: dict) -> str:
               "(f) step variants on one device (time relative to the first row)", ""]
     lines += _table(r.get("variants"), ["model", "variant", "batch × seq", "step time s",
                                         "× first", "MFU", "peak GB", "first loss",
-                                        "GEMM operand types"],
+                                        "GEMM operand types",
+                                        "profiled ms: matmul/attention/other"],
                     () if _not_run(r.get("variants")) else _variant_rows(r))
     return "\n".join(lines + [""])
 

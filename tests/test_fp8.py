@@ -8,7 +8,7 @@ import pytest
 
 from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax.tp.fp8 import fp8_matmuls
-from axonn_jax.tp.tensor import tp_dense
+from axonn_jax.tp.tensor import collective_matmuls, tp_dense
 from axonn_jax.train import TrainOptions, train
 
 from conftest import PARITY, assert_steps_match
@@ -24,18 +24,22 @@ def qdq(a, dtype):
     return (a / s).astype(dtype).astype(np.float32) * s
 
 
-def _dense_grads(mesh, x, w, b, transpose=False):
+def _dense_grads(mesh, x, w, b, transpose=False, rings=False):
     def loss(x, w, b):
-        with fp8_matmuls():
+        with fp8_matmuls(), collective_matmuls(rings):
             return jnp.sum(jnp.sin(tp_dense(x, w, b, mesh, transpose)))
 
-    return jax.device_get(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, b))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    permutes = "collective-permute" in step.lower(x, w, b).as_text(dialect="hlo")
+    assert permutes == rings  # the rings gather the float8 rows
+    return jax.device_get(step(x, w, b))
 
 
 def test_fp8_dense_is_its_definition_on_every_grid(devices):
     """One device's fp8 layer is e4m3(x) @ e4m3(w) forward and e5m2(dy) against them backward,
     each with its tensor's amax scale (numpy reference); row2×col2 (transposed) and
-    depth2×row2×col2 give the same to fp32 rounding: every device quantizes with the global amax."""
+    depth2×row2×col2, with and without collective matmuls, give the same to fp32 rounding: every
+    device quantizes with the global amax, and a ring's blocks are the gathered rows."""
     k = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(k[0], (16, 8, 32)), 0.1 * jax.random.normal(k[1], (32, 64))
     b = jax.random.normal(k[2], (64,))
@@ -50,9 +54,11 @@ def test_fp8_dense_is_its_definition_on_every_grid(devices):
     np.testing.assert_allclose(dw, np.einsum("bsi,bso->io", qx, dy), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(db, np.cos(y).sum((0, 1)), rtol=1e-4)  # the bias sees dy as it is
     assert abs(float(np.sum(np.sin(np.asarray(x) @ np.asarray(w) + np.asarray(b)))) - loss) > 1e-2
-    for grid, transpose in [(dict(row=2, col=2), True), (dict(depth=2, row=2, col=2), False)]:
+    for grid, transpose, rings in [(dict(row=2, col=2), True, False),
+                                   (dict(depth=2, row=2, col=2), False, False),
+                                   (dict(depth=2, row=2, col=2), False, True)]:
         mesh = make_mesh(ParallelConfig(**grid), devices[:int(np.prod(list(grid.values())))])
-        got = _dense_grads(mesh, x, w, b, transpose)
+        got = _dense_grads(mesh, x, w, b, transpose, rings)
         np.testing.assert_allclose(got[0], loss, rtol=1e-5)
         for g, r in zip(got[1], (dx, dw, db)):
             assert np.max(np.abs(g - r)) <= 1e-6 * np.max(np.abs(r)), (grid, transpose)

@@ -159,7 +159,7 @@ class Workload:
     """`--collective-matmul` (`tp.tensor.collective_matmuls_on`): whether the tensor-parallel
     layers gather their rows in rings on `platform`."""
     fp8: bool = False
-    """`--fp8`: its kernel gathers rows whole (no rings under `auto`)."""
+    """`--fp8`: no rings under `auto` (`tp.tensor.collective_matmuls_on`)."""
 
     @property
     def tokens(self) -> int:

@@ -230,7 +230,8 @@ def collective_matmuls(enabled: bool = True):
     the backward) in a ring (`ring_gather`): one matmul per row block, each block's `ppermute` to
     the next device in flight beside the previous block's matmul, so that the gather hides behind
     the layer's own compute (Wang et al., ASPLOS'23, "collective matmul"). Same bytes as the
-    all-gather, the same results up to the order of the weight gradient's sums. The cost: each
+    all-gather (float8 rows under `fp8_matmuls`), the same results up to the order of the weight
+    gradient's sums. The cost: each
     block's product is copied into place in the gathered result. Reduce-scatters stay as they are
     (a ring of them measured slower: `benchmarks/results/overlap_notes.md`). The train step
     traces its model inside it with `--collective-matmul`."""
@@ -247,13 +248,12 @@ COLLECTIVE_MATMUL_CHOICES = ("auto", "on", "off")
 def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool:
     """Whether a step gathers rows in rings (`collective_matmuls`): `on`, `off`, or `auto` (on
     when the step compiles for GPUs without FP8: XLA:CPU runs collectives synchronously, so there
-    the rings would only add the copies; the FP8 kernel gathers float8 rows its own way)."""
+    the rings would only add the copies; with FP8 GEMMs there is less matmul to hide the permutes
+    behind than the copies cost: Llama-3-70B on data 4 × depth 16 × row 4 with `--fp8` replays at
+    10.40 s with rings, 10.01 s without, `benchmarks/results/overlap_notes.md`)."""
     if choice not in COLLECTIVE_MATMUL_CHOICES:
         raise ValueError(f"collective_matmul must be one of {COLLECTIVE_MATMUL_CHOICES}, "
                          f"got {choice!r}")
-    if choice == "on" and fp8:
-        raise ValueError("collective_matmul='on' with fp8 is not implemented yet (the FP8 "
-                         "kernel gathers its float8 rows whole)")
     return choice == "on" or (choice == "auto" and platform == "gpu" and not fp8)
 
 
@@ -322,26 +322,31 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
     # collective matmuls: a matmul whose rows are gathered over an axis of more than one device
     ring_over = {a for a in (fin, fout) if rings and split and sizes[a] > 1}
 
-    def gather_matmul_scatter(a, w, dim_numbers, gather_axis, scatter_axis):
-        """(sum_rows(a's rows gathered over gather_axis · w), those rows), the gather in a ring."""
+    gemm = _Fp8Gemm((*TP_AXES, *fp8_axes)) if fp8_axes is not None else _PLAIN
+
+    def gather_matmul_scatter(a, matmul, gather_axis, scatter_axis):
+        """(sum_rows(matmul(a's rows gathered over gather_axis)), those rows), the gather in a
+        ring: one matmul per row block."""
         if gather_axis in ring_over:
-            (y, a), _ = ring_gather(a, gather_axis, sizes[gather_axis], lambda blk, k: (
-                (jax.lax.dot_general(blk, w, dim_numbers), blk), None))
+            (y, a), _ = ring_gather(a, gather_axis, sizes[gather_axis],
+                                    lambda blk, k: ((matmul(blk), blk), None))
         else:
             a = gather_rows(a, gather_axis)
-            y = jax.lax.dot_general(a, w, dim_numbers)
+            y = matmul(a)
         return sum_rows(y, scatter_axis), a
 
     def local_forward(x, w, *b):
         # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
-        # x's gathered rows are kept for the weight gradient, not gathered again.
-        y, x = gather_matmul_scatter(x, _gather_depth(w), contract, fout, fin)
-        return (y + b[0] if b else y), x
+        # x's gathered rows (as the GEMM reads them) are kept for the weight gradient.
+        (qx, sx), (qw, sw) = gemm.operand(x, "x"), gemm.operand(w, "w")
+        w_full = (_gather_depth(qw), sw)
+        y, rows = gather_matmul_scatter(
+            qx, lambda a: gemm.dot((a, sx), w_full, contract, x.dtype), fout, fin)
+        return (y + b[0] if b else y), gemm.keep(rows, sx, sw)
 
-    def weight_grad(dy_rows, x_rows, accumulate=None):
-        """dw of these rows; `accumulate`: its dtype when summed over a ring's blocks (f32)."""
-        return jax.lax.dot_general(*((dy_rows, x_rows) if out_in else (x_rows, dy_rows)),
-                                   dims["dw"], preferred_element_type=accumulate)
+    def weight_grad(dy_rows, x_rows, dtype):
+        """dw of these rows (operands `(array, scale)`), as `dtype`."""
+        return gemm.dot(*((dy_rows, x_rows) if out_in else (x_rows, dy_rows)), dims["dw"], dtype)
 
     def scatter_grads(dw, dy):
         """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
@@ -351,53 +356,80 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
         return dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
 
-    def local_backward(x, w, dy):  # x: the gathered rows of the forward
-        w_full = _gather_depth(w)
+    def local_backward(kept, w, dy):  # kept: x's gathered rows of the forward (and scales)
+        x_rows, sx, sw = gemm.unkeep(kept)
+        qdy, sdy = gemm.operand(dy, "dy")
+        w_full = (_gather_depth(gemm.operand(w, "w", sw)[0]), sw)
+        dx_of = lambda a: gemm.dot((a, sdy), w_full, dims["dx"], dy.dtype)  # noqa: E731
         if fin in ring_over:  # dy's blocks go round the ring, each block's share of dw on its way
-            b = dy.shape[0]
-            (dx,), dw = ring_gather(dy, fin, sizes[fin], lambda blk, k: (
-                (jax.lax.dot_general(blk, w_full, dims["dx"]),),
-                weight_grad(blk, jax.lax.dynamic_slice_in_dim(x, k * b, b, axis=0), jnp.float32)))
+            b = qdy.shape[0]
+            (dx,), dw = ring_gather(qdy, fin, sizes[fin], lambda blk, k: (
+                (dx_of(blk),), weight_grad(
+                    (blk, sdy), (jax.lax.dynamic_slice_in_dim(x_rows, k * b, b, axis=0), sx),
+                    jnp.float32)))
             dx, dw = sum_rows(dx, fout), dw.astype(w.dtype)
         else:
-            dx, dy_rows = gather_matmul_scatter(dy, w_full, dims["dx"], fin, fout)
-            dw = weight_grad(dy_rows, x)
+            dx, dy_rows = gather_matmul_scatter(qdy, dx_of, fin, fout)
+            dw = weight_grad((dy_rows, sdy), (x_rows, sx), w.dtype)
         return dx, *scatter_grads(dw, dy)
 
     # the forward keeps x's gathered rows: batch over `depth` only
-    kept_spec = batch_spec(ndim, None, fin) if split else x_spec
-    if fp8_axes is not None:
-        local_forward, local_backward = _fp8_dense(gather_rows, sum_rows, scatter_grads, dims,
-                                                   out_in, fin, fout, (*TP_AXES, *fp8_axes))
-        kept_spec = (kept_spec, P(), P())  # x's quantized rows, x's and the kernel's scales
+    kept_spec = gemm.keep(batch_spec(ndim, None, fin) if split else x_spec, P(), P())
     specs = (x_spec, w_spec, b_spec, y_spec, kept_spec)
     return _layer(mesh, local_forward, local_backward, specs, has_bias)
 
 
-def _fp8_dense(gather_rows, sum_rows, scatter_grads, dims, out_in, fin, fout, axes):
-    """`_dense_fn`'s local forward and backward with FP8 GEMMs (`tp.fp8`): x and the kernel
-    quantized to e4m3, dy to e5m2, each with its global current scale (amax over `axes`); the
-    quantized rows and kernel shards are what the all-gathers move, each GEMM reads float8
-    operands (`fp8.dot`), and the forward keeps x's quantized rows (float8) with the two scales
-    for the backward. The bias gradient sums dy as it came."""
+class _PlainGemm:
+    """The dense layer's GEMMs in the operands' own dtype: an operand is `(array, None)`."""
 
-    def local_forward(x, w, *b):
-        sx, sw = fp8.scale(x, fp8.FORWARD, axes), fp8.scale(w, fp8.FORWARD, axes)
-        qx = gather_rows(fp8.quantize(x, fp8.FORWARD, sx), fout)
-        qw = _gather_depth(fp8.quantize(w, fp8.FORWARD, sw))
-        y = sum_rows(fp8.dot((qx, sx), (qw, sw), dims["forward"], x.dtype), fin)
-        return (y + b[0] if b else y), (qx, sx, sw)
+    @staticmethod
+    def operand(a, role: str, scale=None):
+        return a, None
 
-    def local_backward(kept, w, dy):
-        qx, sx, sw = kept
-        sdy = fp8.scale(dy, fp8.BACKWARD, axes)
-        dy_rows = (gather_rows(fp8.quantize(dy, fp8.BACKWARD, sdy), fin), sdy)
-        w_full = (_gather_depth(fp8.quantize(w, fp8.FORWARD, sw)), sw)
-        dx = sum_rows(fp8.dot(dy_rows, w_full, dims["dx"], dy.dtype), fout)
-        dw = fp8.dot(*((dy_rows, (qx, sx)) if out_in else ((qx, sx), dy_rows)), dims["dw"], w.dtype)
-        return dx, *scatter_grads(dw, dy)
+    @staticmethod
+    def dot(a, b, dimension_numbers, dtype):
+        # an f32 `dtype` (a ring's weight-gradient blocks) accumulates and returns f32
+        return jax.lax.dot_general(a[0], b[0], dimension_numbers,
+                                   preferred_element_type=dtype if dtype == jnp.float32 else None)
 
-    return local_forward, local_backward
+    @staticmethod
+    def keep(rows, sx, sw):
+        return rows
+
+    @staticmethod
+    def unkeep(kept):
+        return kept, None, None
+
+
+_PLAIN = _PlainGemm()
+
+
+class _Fp8Gemm:
+    """The dense layer's GEMMs in FP8 (`tp.fp8`): x and the kernel quantized to e4m3, dy to
+    e5m2, each with its global current scale (amax over `axes`); an operand is `(float8 array,
+    scale)`, so the quantized rows and kernel shards are what the all-gathers and rings move, and
+    each GEMM reads float8 operands (`fp8.dot`). The forward keeps x's quantized rows (float8)
+    with the two scales for the backward. The bias gradient sums dy as it came."""
+
+    def __init__(self, axes: tuple[str, ...]):
+        self.axes = axes
+
+    def operand(self, a, role: str, scale=None):
+        dtype = fp8.BACKWARD if role == "dy" else fp8.FORWARD
+        s = fp8.scale(a, dtype, self.axes) if scale is None else scale
+        return fp8.quantize(a, dtype, s), s
+
+    @staticmethod
+    def dot(a, b, dimension_numbers, dtype):
+        return fp8.dot(a, b, dimension_numbers, dtype)
+
+    @staticmethod
+    def keep(rows, sx, sw):
+        return rows, sx, sw
+
+    @staticmethod
+    def unkeep(kept):
+        return kept
 
 
 def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
@@ -415,9 +447,6 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
     fp8_axes = fp8.amax_axes(x, kernel) if fp8.fp8_enabled() else None
     rings = _RINGS.get()
-    if rings and fp8_axes is not None:
-        raise ValueError("tp_dense: collective matmuls with FP8 GEMMs are not implemented "
-                         "(turn one of them off)")
     fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in),
                    split_batch(x.shape, mesh, transpose), fp8_axes, rings)
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.

@@ -231,10 +231,10 @@ def collective_matmuls(enabled: bool = True):
     the next device in flight beside the previous block's matmul, so that the gather hides behind
     the layer's own compute (Wang et al., ASPLOS'23, "collective matmul"). Same bytes as the
     all-gather (float8 rows under `fp8_matmuls`), the same results up to the order of the weight
-    gradient's sums. The cost: each
-    block's product is copied into place in the gathered result. Reduce-scatters stay as they are
-    (a ring of them measured slower: `benchmarks/results/overlap_notes.md`). The train step
-    traces its model inside it with `--collective-matmul`."""
+    gradient's sums. The cost: each block's product is copied into place in the gathered result.
+    Reduce-scatters stay as they are (a ring of them measured slower:
+    `benchmarks/results/overlap_notes.md`). The train step traces its model inside it with
+    `--collective-matmul`."""
     token = _RINGS.set(bool(enabled))
     try:
         yield

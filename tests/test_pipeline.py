@@ -219,7 +219,7 @@ def test_gradients_equal_reference(reference, devices, grid, schedule, m, v):
     # Activations and cotangents cross stages as point-to-point messages, as many as the
     # communication model counts from the tick table.
     work = cm.Workload(get_config(MODEL), BASE["batch_size"], BASE["seq_len"], compute_bytes=4,
-                       microbatches=m, schedule=schedule, virtual_stages=v)
+                       microbatches=m, schedule=schedule, virtual_stages=v, platform="cpu")
     assert hlo.wire_bytes(compiled.as_text())["collective-permute"] == \
         cm.bytes_by_kind(work, ParallelConfig(**grid))["collective-permute"]
     loss, grads, _, _ = compiled(*args)

@@ -33,14 +33,18 @@ def machine_for(device: str) -> str:
     return "h200-dgx" if "h200" in device.lower() else "h100-dgx"
 
 
-def variant_args(v: dict) -> list[str]:
-    """`axonn-jax compile` arguments of one suite variant (its name says attention, remat, fp8)."""
+def variant_args(v: dict, attention: bool = True) -> list[str]:
+    """`axonn-jax compile` arguments of one suite variant (its name says attention, remat, fp8);
+    without `--attention` for `plan`, which does not tell attention kernels apart."""
     name = v["variant"]
-    attention = re.match(r"(\w+) attention", name).group(1)
-    remat = re.search(r"remat (\w+)", name).group(1)
+    kernel = re.match(r"(\w+) attention", name).group(1)
     return ["--model", v["model"], "--devices", "1", "--batch-size", str(v["batch"]),
-            "--seq-len", str(v["seq_len"]), "--dtype", "bfloat16", "--attention", attention,
-            "--remat", remat, *(["--fp8"] if "fp8" in name else [])]
+            "--seq-len", str(v["seq_len"]), "--dtype", "bfloat16", "--remat", remat_of(v),
+            *(["--attention", kernel] if attention else []), *(["--fp8"] if "fp8" in name else [])]
+
+
+def remat_of(v: dict) -> str:
+    return re.search(r"remat (\w+)", v["variant"]).group(1)
 
 
 def cli_json(*args: str):
@@ -59,18 +63,13 @@ def deviceless(v: dict, dump: pathlib.Path) -> tuple[dict, str]:
 
 
 def planned(v: dict, machine: str) -> dict:
-    """`plan`'s row for the variant's grid (one device) and recompute policy on `machine`
-    (`plan` does not tell attention kernels apart)."""
-    args = [a for a in variant_args(v)]
-    k = args.index("--attention")
-    rows = cli_json("plan", *args[:k], *args[k + 2:], "--machine", machine)
-    return next(r for r in rows if r["remat"] == args[args.index("--remat") + 1])
+    """`plan`'s row for the variant's grid (one device) and recompute policy on `machine`."""
+    rows = cli_json("plan", *variant_args(v, attention=False), "--machine", machine)
+    return next(r for r in rows if r["remat"] == remat_of(v))
 
 
 def calibrate(run: pathlib.Path) -> dict:
-    from axonn_jax.analysis import overlap
-
-    from axonn_jax.analysis import comm_model as cm
+    from axonn_jax.analysis import comm_model as cm, overlap
 
     suite = json.loads(next(run.glob("gpu_*.json")).read_text())
     name = machine_for(suite["device"])

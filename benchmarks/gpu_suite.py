@@ -230,7 +230,10 @@ def _trains(layers: int, s: Sizes, options: dict) -> dict | None:
     the offload rows ran out of device memory after the on-device trials of the same process)."""
     trial = json.dumps({"layers": layers, "sizes": dataclasses.asdict(s), "options": options})
     out = subprocess.run([sys.executable, __file__, "--trial", trial], capture_output=True,
-                         text=True, check=True)
+                         text=True)
+    if out.returncode:  # not out of memory (the trial returns None then): its own last words
+        raise RuntimeError(f"the {layers}-layer trial failed: "
+                           f"{(out.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -399,6 +399,23 @@ def test_activation_memory_per_device_falls_as_one_over_context():
         assert temp[size] <= 1.25 * temp[1] / size, temp
 
 
+@pytest.mark.parametrize("scheme", context.SCHEMES)
+def test_no_hop_masks_are_hoisted_out_of_the_layer_loop(scheme):
+    """The gradient of scanned attention layers holds one hop's masks at a time: JAX's
+    loop-invariant residual hoisting once lifted the masks (functions of the device index) out
+    of the layer scan, all hops' at once, `bool[C - 1, ...]` (15 GiB at 131,072 tokens over
+    context 16), unless they depend on the layer's data (`context._device`)."""
+    size, spec = 4, P("data", "context")
+    inner = jax.shard_map(_layers(scheme, 1, layers=3), mesh=grid(1, size), in_specs=(spec,),
+                          out_specs=spec)
+    x = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.float32)
+    text = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(inner(x))))(x))
+    hops = size - 1 if scheme == "ring" else size
+    stacked = [a for a in re.findall(r"bool\[([0-9,]+)\]", text)
+               if a.count(",") >= 3 and int(a.split(",")[0]) == hops]
+    assert not stacked, stacked
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt", "mixtral"])
 def test_plan_counts_the_kernels_flops_over_context(family):
     """Over context the FLOPs `plan` says a step runs (`executed_flops`) hold the kernels' matmuls

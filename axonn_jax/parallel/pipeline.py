@@ -174,13 +174,15 @@ def pipeline_collectives(schedule: Schedule, message_bytes: float,
                        2 * schedule.message_ticks)]
 
 
-def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2
-                  ) -> list[Collective]:
+def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2,
+                  hoisted: bool = True) -> list[Collective]:
     """A step's collectives (`found`, counted once per step) as the engines run them: a stage's
     forward `forwards` times per microbatch (2 in a pipeline, whose backward tick recomputes it;
     one more with `--remat full`), parameter-sized collectives (weight gathers, weight-gradient
-    sums) once per microbatch's operation (pipelined, or accumulated by `SpmdEngine`)."""
-    return [c if c.loop_invariant else
+    sums) once per microbatch's operation (pipelined, or accumulated by `SpmdEngine`).
+    `hoisted`: whether the loop-invariant ones leave the microbatch loop (`loop_invariant`); not
+    inside a GPU pipeline's ticks, where the embedding and head run in `lax.cond` branches."""
+    return [c if c.loop_invariant and hoisted else
             dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
                                 * (microbatches if c.per_microbatch else 1)) for c in found]
 

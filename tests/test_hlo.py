@@ -209,3 +209,48 @@ def test_trip_count_derived_from_the_loop_condition():
     assert _COUNTING_COND in counted and "copy(%c2)" in counted
     found = {c.name: c for c in collectives(counted)}
     assert found["ag"].executions == 3  # 5 - 2
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_convolutions_count_as_cost_analysis_does(groups):
+    """A convolution's FLOPs (2 × output × input features per group × window), as XLA's cost
+    analysis counts them; its two gradients are convolutions of the same count (the input
+    gradient's padded positions not counted)."""
+    from axonn_jax.analysis.hlo import flops
+
+    x, w = jnp.ones((2, 16, 16, 8)), jnp.ones((3, 3, 8 // groups, 16))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID", feature_group_count=groups,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    forward = jax.jit(conv).lower(x, w).compile()
+    want = 2 * (2 * 14 * 14 * 16) * (8 // groups) * 9
+    assert flops(forward.as_text()) == pytest.approx(_cost_flops(forward)) == want
+    both = jax.jit(jax.grad(lambda x, w: conv(x, w).sum(), argnums=(0, 1))).lower(x, w).compile()
+    assert flops(both.as_text()) == pytest.approx(2 * want)  # the input gradient's padding too
+
+
+# cuDNN's convolution calls in a compiled H100 module (3×3, 16 -> 16 features, 1 × 4 × 4): each
+# keeps the forward's dim_labels; the backward ones read (output gradient, kernel) and
+# (input, output gradient).
+_CUDNN_CONVS = """HloModule m
+
+ENTRY %main (x: bf16[1,4,4,16], k: bf16[16,3,3,16], dy: bf16[1,4,4,16]) -> bf16[16,3,3,16] {
+  %x = bf16[1,4,4,16]{3,2,1,0} parameter(0)
+  %k = bf16[16,3,3,16]{3,2,1,0} parameter(1)
+  %dy = bf16[1,4,4,16]{3,2,1,0} parameter(2)
+  %f = (bf16[1,4,4,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %di = (bf16[1,4,4,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dk = (bf16[16,3,3,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %r = bf16[16,3,3,16]{3,2,1,0} get-tuple-element(%dk), index=0
+}
+"""
+
+
+def test_cudnn_convolutions_count_as_the_forward():
+    """The scale table's U-Net rows counted no convolution (cuDNN calls on the H100): each of
+    forward, input gradient and kernel gradient is the forward's: 2 × 16 output features × 16
+    input features × the 10 × 10 (output, window) pairs inside the padded 4 × 4 image."""
+    from axonn_jax.analysis.hlo import flops
+
+    assert flops(_CUDNN_CONVS) == 3 * 2 * 16 * 16 * 10 * 10

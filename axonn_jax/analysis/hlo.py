@@ -344,7 +344,8 @@ def flops(hlo_text: str) -> float:
     """Floating-point operations one device runs per call of a compiled HLO module, with the
     convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an arithmetic elementwise op one per output
     element, a reduction one per input element not in the output; transcendental functions are
-    not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`), but
+    not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`; a
+    convolution, XLA's or cuDNN's, as its forward, `_convolution_flops`), but
     collectives' own sums left out, and instructions inside `while` loops counted once per
     iteration (from `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step
     that scans its layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
@@ -372,8 +373,8 @@ class FlopCounter:
     """`flops`' count per computation and per instruction of one compiled module:
     `computation(name)` (loops and calls included, memoized) and `instruction(shapes, name, shape,
     opcode, rest)` (`shapes`: `{name: shape text}` of the instructions before it in its
-    computation). `matmuls_only`: count only matmuls (dots, grouped dots, cuDNN's fused
-    attention), the FLOPs that run on tensor cores."""
+    computation). `matmuls_only`: count only matmuls (dots, grouped dots, cuBLAS calls, cuDNN's
+    fused attention, convolutions), the FLOPs that run on tensor cores."""
 
     def __init__(self, hlo_text: str, matmuls_only: bool = False):
         self.comps, self.entry = _computations(hlo_text)
@@ -414,6 +415,8 @@ class FlopCounter:
             return _fused_attention_flops(rest)
         if opcode == "custom-call" and _CUBLAS.search(rest):
             return _gemm_flops(rest, shape, shapes, r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+        if opcode == "convolution" or (opcode == "custom-call" and _CUDNN_CONV.search(rest)):
+            return _convolution_flops(rest, shape, shapes)
         if opcode == "while":
             body, trips = _loop(name, rest, "FLOPs")
             return self.computation(body) * trips
@@ -452,6 +455,64 @@ def _gemm_flops(rest: str, shape: str, shapes: dict[str, str], contracting: str)
         lhs_dims = lhs_array.group(2).split(",")
         k = math.prod(int(lhs_dims[int(i.strip('" '))]) for i in dims.group(1).split(",") if i)
     return 2.0 * _elements(shape) * k
+
+
+_CUDNN_CONV = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
+
+
+def _dims(shape_text: str) -> list[int]:
+    """The dimensions of the (first) array in an HLO shape."""
+    m = _ARRAY.search(shape_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _convolution_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:
+    """FLOPs of a convolution as XLA's cost analysis counts them: 2 × the forward output's
+    batch and features × the input features per group × the (output, window) position pairs
+    that fall inside the input (padding not counted), per spatial dimension. An XLA
+    `convolution` is a forward (operands input, kernel; its gradients are convolutions too);
+    cuDNN's calls keep the forward's `dim_labels` (`input_kernel->output`) and window and read
+    or write: `convForward`, `convBiasActivationForward` (input, kernel) -> output,
+    `convBackwardInput` (output gradient, kernel) -> input gradient, `convBackwardFilter`
+    (input, output gradient) -> kernel gradient: each the forward's FLOPs."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    window = re.search(r"window=\{([^}]*)\}", rest)
+    if not labels or not window:
+        return 0.0
+    names = re.findall(r"%?([\w.\-]+)", rest.split(")", 1)[0])[:2]
+    operands = [_dims(shapes.get(n, "")) for n in names] + [[], []]
+    cudnn = _CUDNN_CONV.search(rest)
+    kind = cudnn.group(1) if cudnn else "Forward"
+    roles = {"BackwardInput": (_dims(shape), operands[1], operands[0]),
+             "BackwardFilter": (operands[0], _dims(shape), operands[1])}
+    inputs, kernel, output = roles.get(kind, (operands[0], operands[1], _dims(shape)))
+    lhs, rhs, out = labels.groups()
+    if [len(inputs), len(kernel), len(output)] != [len(lhs), len(rhs), len(out)]:
+        return 0.0
+    groups = re.search(r"feature_group_count=(\d+)", rest)
+    features = inputs[lhs.index("f")] // (int(groups.group(1)) if groups else 1)
+    spatial = sorted(c for c in out if c.isdigit())
+    pairs = math.prod(_valid_pairs(inputs[lhs.index(d)], output[out.index(d)],
+                                   kernel[rhs.index(d)], i, window.group(1))
+                      for i, d in enumerate(spatial))
+    rest_of_output = math.prod(n for n, c in zip(output, out) if not c.isdigit())
+    return 2.0 * rest_of_output * features * pairs
+
+
+def _valid_pairs(size: int, out: int, k: int, dim: int, window: str) -> int:
+    """(output position, window position) pairs of one spatial dimension (`dim`: its index in the
+    window's `AxB` fields) that read the input (of `size`, dilated by `lhs_dilate`) inside it."""
+    def field(name: str, default: int, low: bool = True) -> int:
+        m = re.search(name + r"=([0-9_x\-]+)", window)
+        if not m:
+            return default
+        value = m.group(1).split("x")[dim]
+        return int(value.split("_")[0 if low else 1]) if "_" in value else int(value)
+    stride, pad = field("stride", 1), field("pad", 0)
+    rhs_dilate, lhs_dilate = field("rhs_dilate", 1), field("lhs_dilate", 1)
+    extent = (size - 1) * lhs_dilate + 1
+    return sum(1 for o in range(out) for j in range(k)
+               if 0 <= (p := o * stride + j * rhs_dilate - pad) < extent and p % lhs_dilate == 0)
 
 
 @dataclasses.dataclass(frozen=True)

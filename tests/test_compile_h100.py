@@ -76,11 +76,16 @@ def test_h100_user_model_with_a_gathering_head(tmp_path):
 
 @needs_cuda
 def test_plan_verify_compiles_the_best_grid(capsys):
-    """`plan --verify 1`: the planner's best grid compiled for abstract H100s, its compiled figures
-    and every figure more than 10% off the model's beside the prediction."""
+    """`plan --verify 2`: the planner's best grids compiled for abstract H100s, their compiled
+    figures and every figure more than 10% off the model's beside the prediction, ranked by the
+    replayed schedule's step time (those that fit first)."""
     assert cli_main(["plan", "--model", "gpt-tiny", "--devices", "16", "--batch-size", "16",
-                     "--seq-len", "64", "--verify", "1", "--json"]) == 0
-    (row,) = json.loads(capsys.readouterr().out)
+                     "--seq-len", "64", "--verify", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    steps = [r["compiled"]["overlap"]["step_s"] for r in rows]
+    assert len(rows) == 2 and all(r["compiled"]["fits"] for r in rows) and steps == sorted(steps)
+    assert all(s > 0 for s in steps)
+    row = rows[0]
     compiled = row["compiled"]
     assert compiled["target"] == "h100" and compiled["grid"] == row["grid"]
     assert compiled["predicted"]["memory_per_device_bytes"] == row["memory_per_device_bytes"]

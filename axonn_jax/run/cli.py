@@ -172,7 +172,7 @@ def _plan(args) -> int:
         path = plot_plan(shown, machine.device_memory, title, args.plot)
         print(f"wrote {path}", file=sys.stderr)
     if args.verify:
-        return _verify(config, shown, args)
+        return _verify(config, shown, args, machine)
     if args.json:
         print(json.dumps([p.as_dict() for p in shown], indent=1))
         return 0
@@ -204,30 +204,37 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine
                             dump_hlo=dump_hlo, machine=machine)
 
 
-def _verify(config, shown, args) -> int:
-    """`plan --verify K`: the K best grids compiled for abstract H100s; those that fit first (in
-    the planner's order), each with the figures where model and compiler part by over 10%."""
+def _verify(config, shown, args, machine) -> int:
+    """`plan --verify K`: the K best grids compiled for abstract H100s and their schedules replayed
+    on `machine` (`analysis.overlap`: within 0.81–0.98× of the step an H200 measured, where the
+    plan's own time was 0.25–0.72×, `benchmarks/results/gpu_calibration.md`), re-ranked by what
+    the compiler shows: those that fit first, then by replayed step time; each with the figures
+    where model and compiler part by over 10%."""
     import json
 
     from ..analysis import compiled as cc, targets
 
     by_grid = {(p.grid, p.microbatches, p.remat): p for p in shown[:args.verify]}
     reports = _compile_reports(config, list(by_grid), targets.target("h100"),
-                               lambda *choice: by_grid[choice])
-    order = sorted(range(len(reports)), key=lambda i: not reports[i].fits)
+                               lambda *choice: by_grid[choice], machine=machine)
+    order = sorted(range(len(reports)),
+                   key=lambda i: (not reports[i].fits, reports[i].overlap["step_s"]))
     if args.json:
         print(json.dumps([{**shown[i].as_dict(), "compiled": reports[i].as_dict(),
                            "disagreements": cc.disagreements(reports[i])} for i in order],
                          indent=1))
         return 0
     for rank, i in enumerate(order, 1):
-        r = reports[i]
+        r, step = reports[i], reports[i].overlap["step_s"]
         grid = "×".join(str(v) for v in r.grid.values())
+        mfu = f" ({r.model_flops_per_device / step / machine.peak_flops:.1%} MFU)" \
+            if r.model_flops_per_device else ""
         print(f"{rank}. {grid} (plan's #{i + 1}, {r.microbatches} microbatches, --remat "
               f"{r.remat}): compiled "
               f"{r.memory_per_device_bytes / 1e9:.1f} GB per device "
               f"({'fits' if r.fits else 'does NOT fit'}), plan "
-              f"{r.predicted['memory_per_device_bytes'] / 1e9:.1f} GB")
+              f"{r.predicted['memory_per_device_bytes'] / 1e9:.1f} GB; step replayed "
+              f"{step:.4g} s{mfu}, plan {shown[i].step_time_s:.4g} s ({shown[i].mfu:.1%})")
         for line in cc.disagreements(r):
             print(f"   {line}")
     return 0

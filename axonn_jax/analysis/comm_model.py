@@ -344,10 +344,15 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         residuals = (sched.weight_slots * layers * 16 * tokens * m.d_model / (g.row * g.col)
                      * work.compute_bytes) if sched.split_backward else 0.0
         stash = sched.stash_slots * act + residuals
-    # The head's float32 logits of one (micro)batch and their gradient, the vocabulary over `row`
-    # (compiled H100 steps: Llama-3-8B on data 4 × pipe 2 × depth 8 holds two f32[2, 4096, 128256];
-    # Llama-3-70B on data 4 × depth 16 × row 4 keeps its logits in bf16, counted as fp32 here).
-    logits = 2 * tokens / rows[1] * m.vocab_size / g.row * FP32
+    # The head's logits of one (micro)batch and their gradient, the vocabulary over `row`: float32
+    # in the model; where the vocabulary splits over row, XLA:GPU keeps the matmul's compute-dtype
+    # output and fuses the cast into the softmax's reductions over row (compiled H100 steps:
+    # Llama-3-8B on data 4 × pipe 2 × depth 8 holds two f32[2, 4096, 128256], Llama-3-70B on
+    # data 4 × depth 16 × row 4 one bf16[16, 4096, 32064]; counted so, every transformer row of
+    # the scale table with row > 1 is within 6% of its compiled peak).
+    in_compute_dtype = g.row > 1 and work.platform == "gpu"
+    logits = 2 * tokens / rows[1] * m.vocab_size / g.row * (
+        work.compute_bytes if in_compute_dtype else FP32)
     parts = d.part_activations * work.imbalance(grid) / work.microbatches
     if work.remat != "none":  # the parts' layers recomputed one block at a time (as `per_block`)
         parts /= m.num_layers // g.pipe

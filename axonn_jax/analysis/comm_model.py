@@ -345,12 +345,11 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
                      * work.compute_bytes) if sched.split_backward else 0.0
         stash = sched.stash_slots * act + residuals
     # The head's logits of one (micro)batch and their gradient, the vocabulary over `row`: float32
-    # in the model; where the vocabulary splits over row, XLA:GPU keeps the matmul's compute-dtype
-    # output and fuses the cast into the softmax's reductions over row (compiled H100 steps:
-    # Llama-3-8B on data 4 × pipe 2 × depth 8 holds two f32[2, 4096, 128256], Llama-3-70B on
-    # data 4 × depth 16 × row 4 one bf16[16, 4096, 32064]; counted so, every transformer row of
-    # the scale table with row > 1 is within 6% of its compiled peak).
-    in_compute_dtype = g.row > 1 and work.platform == "gpu"
+    # in the model, but XLA:GPU keeps the matmul's compute-dtype output and fuses the cast into
+    # the softmax's reductions, except inside a pipeline's tick (compiled H100 steps: Llama-3-70B
+    # on data 4 × depth 16 × row 4 holds one bf16[16, 4096, 32064], GPT-20B on data 4 × depth 16
+    # bf16[24, 2048, 50304]; Llama-3-8B on data 4 × pipe 2 × depth 8 two f32[2, 4096, 128256]).
+    in_compute_dtype = g.pipe == 1 and work.platform == "gpu"
     logits = 2 * tokens / rows[1] * m.vocab_size / g.row * (
         work.compute_bytes if in_compute_dtype else FP32)
     parts = d.part_activations * work.imbalance(grid) / work.microbatches

@@ -88,17 +88,20 @@ GSPMD = {  # name: (mesh shape of n devices, axis names), as analysis.step_bench
 
 NOTES: dict[str, str] = {
     "llama3.1-8b/64 context16":
-        "Every collective equals `plan`'s per kind and mesh axes to the byte: `--remat` runs the "
-        "ring kernel's forward again in the backward, its 15 hops per layer included "
+        "Every collective equals `plan`'s per kind and mesh axes to the byte: `--remat` runs "
+        "the ring kernel's forward again in the backward, its 15 hops per layer included "
         "(`ContextAttention` marks them `rematerialized`; before, the permutes were 1.23× "
         "`plan`), XLA:GPU sends the key/value gradients' last hop home in bf16 (it casts before "
         "the hop), and the token table's sum over row is a reduce-scatter where the rows then "
-        "split over row (`Table`). FLOPs: `plan` counts the ring kernels' work, 2C + 1 of the 4C "
-        "blocks of scores (`context.flops_share`, 0.60 of the every-score count at C = 16; "
+        "split over row (`Table`). FLOPs: `plan` counts the ring kernels' work, 2C + 1 of the "
+        "4C blocks of scores (`context.flops_share`, 0.60 of the every-score count at C = 16; "
         "before 1.55× the compiled); the 4% left is the online softmax's elementwise work. "
-        "Memory within 6% (`--remat full`: without it the step keeps 120 GB of temporaries). "
-        "(`--attention xla` is given as when this row was first compiled; `auto` now also "
-        "resolves to the XLA core over context.)",
+        "Memory 39.8 GB, within 2% of `plan`: it was 59.3 GB while JAX's loop-invariant "
+        "residual hoisting lifted every hop's masks out of the layer scan at once (15 GiB of "
+        "bool, `parallel.context._device` now ties them to the layer's data), and `plan` "
+        "counted a bf16 copy of every parameter and gradient that XLA fuses into the matmuls "
+        "without depth gathers or a microbatch loop. (`--attention xla` is given as when this "
+        "row was first compiled; `auto` now also resolves to the XLA core over context.)",
     "mixtral-8x7b/64 expert8":
         "Every figure equals `plan`'s (memory 1.00×, each collective kind within 0.01%). Each "
         "accumulated microbatch holds one sequence per device, which the dense layers cannot "
@@ -114,15 +117,24 @@ NOTES: dict[str, str] = {
         "(every token through all 8 experts, `benchmarks/results/moe.md`); the GSPMD baselines "
         "are not run for this row.",
     "unet-28b/256":
-        "FLOPs: `analysis.hlo.flops` counts no convolution (neither the `convolution` op nor "
-        "cuDNN's `__cudnn$conv*` calls that the H100 program makes of them), so the compiled "
-        "figure holds only the U-Net's attention and dense layers. Bytes: `plan` leaves out "
-        "GSPMD's re-layouts of the down and up paths and the GroupNorms (README, U-Net); the "
-        "compiled step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, "
-        "all-reduces 19.5 GB over row and 6.2 GB over col. Memory 0.87× (the safe side). The GSPMD "
-        "baselines do not compile for the abstract H100 here: XLA:GPU's Triton GEMM tiling "
-        "('Couldn't find output tile sizes') rejects the attention output projection's dot "
-        "(no autotuning without a GPU); on a real H100, or with another jaxlib, to be retried.",
+        "FLOPs 0.93× the ideal: `analysis.hlo.flops` now counts the convolutions (XLA's and "
+        "cuDNN's `__cudnn$conv*` calls, as XLA's cost analysis does, padding excluded; before "
+        "0.11×, the attention and dense layers only). Bytes: `plan` leaves out GSPMD's "
+        "re-layouts of the down and up paths and the GroupNorms (README, U-Net); the compiled "
+        "step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, all-reduces 19.5 "
+        "GB over row and 6.2 GB over col. Memory 0.87×: `UNetConfig` counts three arrays of "
+        "each layer's output kept for the backward (the GroupNorm's input, its SiLU and the "
+        "convolution's output); XLA keeps fewer where it fuses the norm and SiLU into their "
+        "consumer (the safe side; not traced per buffer). The GSPMD baselines do not compile "
+        "for the abstract H100 here: XLA:GPU's Triton GEMM tiling ('Couldn't find output tile "
+        "sizes') rejects the attention output projection's dot (no autotuning without a GPU); "
+        "on a real H100, or with another jaxlib, to be retried.",
+    "unet-28b/1024":
+        "As unet-28b/256: FLOPs 0.93× the ideal with the convolutions counted; bytes apart by "
+        "GSPMD's re-layouts of the down and up paths and the GroupNorms, which `plan` leaves "
+        "out. Memory 0.61×: `UNetConfig`'s three kept arrays per layer, each split over one "
+        "tensor axis (its output's), count more than the compiled step keeps at col 8; the safe "
+        "side, not traced per buffer.",
     "llama3-8b/1024":
         "Collectives as the compiling backend makes them (`collectives.StepShape.platform`): "
         "depth's kernel gathers and gradient reduce-scatters in the compute dtype (bf16 on the "
@@ -132,17 +144,21 @@ NOTES: dict[str, str] = {
         "reduce-scatters equal `plan`'s on every row without a pipeline. Memory 0.92×: the "
         "safe side.",
     "llama3-8b/256":
-        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.69×: "
-        "`plan` counted the token table's lookup sum over row as an all-reduce, which XLA:GPU "
-        "makes a reduce-scatter since the batch-split layout then splits the rows over row). "
-        "Memory 0.78×: the safe side, not traced.",
+        "Data 32 × depth 8, `--remat selective` (the pick since `plan` counts the logits and "
+        "one recomputed block as never live together): memory and every collective within 5% of "
+        "`plan`'s. The earlier pick (data 8 × depth 16 × row 2) showed every collective equal "
+        "per kind and mesh axes, after `plan` learnt that XLA:GPU makes the token table's "
+        "lookup sum over row a reduce-scatter where the batch-split layout splits the rows over "
+        "row (before, all-reduces 0.69×).",
     "llama3-70b/256":
-        "`plan`'s pick is data 4 × depth 16 × row 4 again (it now charges pipelines the "
-        "per-microbatch parameter casts and gradient accumulation, `comm_model."
-        "parameter_traffic`; a helper's count of the stages' all-reduces had made it pick data 4 × "
-        "pipe 16 × row 4 at 52.4%). Every collective equals `plan`'s per kind and mesh axes, the "
-        "collective matmuls' permutes included (before, all-reduces 0.80×: the token table's "
-        "lookup sum, as on llama3-8b/256). Memory 0.74×: the safe side, not traced.",
+        "`plan`'s pick is now data 8 × depth 8 × row 4 (51.0% predicted on DGX nodes): its "
+        "memory model no longer rejects it (compiled 75.8 GB against 79.0 counted; `plan` had "
+        "counted the logits beside a recomputed block, in fp32, and 73.8 GB for the old pick, "
+        "data 4 × depth 16 × row 4, which compiles to 54.5). Its schedule replays at 16.0 s "
+        "(46.4% MFU: the depth gathers and reduce-scatters expose 1.2 s, the data all-reduce "
+        "0.35 s) against 14.1 s (52.8%) for the old pick, so `plan --verify 3`, which ranks by "
+        "the replayed schedule, puts the old pick first (README, Speed). Every collective "
+        "equals `plan`'s per kind and mesh axes, the collective matmuls' permutes included.",
     "gpt-20b/1024":
         "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
         "with rows whole over row, XLA:GPU adds the input gradients of q, k and v before one "
@@ -151,18 +167,31 @@ NOTES: dict[str, str] = {
     "llama3-405b/1024":
         "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":
-        "Depth 64 alone: it compiles with cuDNN (the step traces its model under its mesh, "
-        "`_compat.tracing_in`, and cuDNN runs in a shard_map over every axis). Every collective "
-        "equals `plan`'s; memory 0.66× (the safe side; not traced).",
+        "Data 4 × depth 16, `--remat full`: every collective equals `plan`'s; memory 0.82× "
+        "`plan`'s: one recomputed block is counted with the working set read off Llama steps "
+        "(six activations of the MLP's hidden width for SwiGLU's gate, up and product), where "
+        "GPT's GELU MLP keeps fewer, and the logits with their gradient (the compiled step "
+        "keeps one bf16[24, 2048, 50304]); the safe side.",
     "llama3-70b/64":
-        "Pipe 8 × depth 2 × row 4, 256 microbatches: the depth all-gathers are 1.23× `plan`'s "
-        "(inside the pipeline's tick loop the compiled step gathers the stage's kernels over "
-        "depth more often than once per microbatch and pass; not traced further); the FLOPs "
-        "count the bubble's ticks (CAUSES).",
+        "Pipe 8 × depth 2 × row 4, 256 microbatches: all-gathers 1.09× `plan`'s (1.23× before "
+        "`plan` counted the tables' and head's depth gathers per microbatch inside a GPU "
+        "pipeline's ticks, see llama3-8b/64): the compiled count takes all 270 ticks' "
+        "conditionals as run for 256 microbatches (1.055×), and the head gathers its kernel "
+        "again in the last stage's backward; the FLOPs count the bubble's ticks (CAUSES); a 3.4 "
+        "GB all-to-all is one of GSPMD's re-layouts.",
     "llama3-8b/64":
-        "Data 4 × pipe 2 × depth 8, 16 microbatches: all-gathers 1.34× and reduce-scatters 1.12× "
-        "`plan`'s, the depth kernels' gathers and gradient scatters inside the tick loop (as on "
-        "llama3-70b/64; not traced further); the FLOPs count the bubble's ticks (CAUSES).",
+        "Data 8 × depth 8, `--remat full` (the pick since `plan` counts the logits and one "
+        "recomputed block as never live together): collectives equal, memory 0.70× `plan`'s: "
+        "the logits of 65,536 tokens over the whole vocabulary are counted with their gradient, "
+        "2 × 16.8 GB in bf16, and the compiled step keeps one bf16[65536, 128256] (the gradient "
+        "written over it; the safe side: the same count keeps `plan` within 5% of the H200's "
+        "measured peak on Llama-3.2-1B, where other buffers fill the difference). The earlier "
+        "pick, data 4 × pipe 2 × depth 8 with 16 microbatches, all-gathered 1.34× `plan`'s over "
+        "depth: per tick the stage's kernels three times (forward, the backward tick's "
+        "recomputed forward, its backward) and the embedding's and head's tables four times, "
+        "which `plan` took as hoisted out of the tick loop; on a GPU they sit in the stages' "
+        "`lax.cond` branches, so `plan` now counts them per microbatch (0.96× the compiled "
+        "step's run ticks, `tests/test_comm_model.py`).",
 }
 """Why a row's compiled figures part from `plan`'s by more than 10% (from the compiled HLO),
 beyond the causes that `CAUSES` gives for every row, or what was traced to make them agree."""

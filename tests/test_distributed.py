@@ -115,6 +115,19 @@ def test_launch_equals_single_process(nprocs, per_proc, grid, reference, tmp_pat
     assert "train ━" not in (tmp_path / "logs" / "proc1.log").read_text()
 
 
+def test_sixteen_devices_four_axes_equal_one_process(reference, tmp_path):
+    """GPT on 16 simulated devices in a child process, data × pipe × depth × row all 2 (1F1B, 2
+    microbatches): the 8-device single-process run's trajectory (which equals one device's,
+    `tests/test_train.py`). The child simulates the devices the way the CLI does
+    (`mesh.simulate_cpu_devices`, with XLA:CPU's concurrency-optimized scheduler off)."""
+    metrics = tmp_path / "m.jsonl"
+    out = run(cli("train", *RUN, "--devices", "16", "--dp", "2", "--pipe", "2", "--depth", "2",
+                  "--row", "2", "--microbatches", "2", "--schedule", "1f1b", "--metrics-out",
+                  str(metrics), "--run-dir", str(tmp_path / "run")), timeout=600).stdout
+    assert "data=2 pipe=2" in out and "depth=2 row=2" in out, out[-2000:]
+    assert_steps_match(steps_of(metrics), reference["history"])
+
+
 @pytest.mark.parametrize("nprocs, per_proc", [(2, 4), (4, 2)])
 def test_mpirun_transport_equals_single_process(nprocs, per_proc, reference, tmp_path):
     import mpi4jax  # noqa: F401  (`make test` installs the `mpi` extra: its absence is a failure)

@@ -320,7 +320,7 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # them: gathered over depth, or cast once before a microbatch loop (the compiled H100 step
     # of Llama-3-70B on 256 devices holds both at its peak: memory-usage report of --dump-hlo).
     # Else XLA fuses the casts into the matmuls that read them (Llama-3.2-1B on one H200:
-    # plan 1.15x the measured peak with them counted, 1.01x without).
+    # plan 1.09x the measured peak with them counted, 0.95x without).
     materialized = g.depth > 1 or g.pipe > 1 or work.microbatches > 1
     copies = 2 * n * work.compute_bytes if materialized and not work.offload_optimizer and \
         work.compute_bytes < work.param_bytes else 0.0

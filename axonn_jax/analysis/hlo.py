@@ -502,12 +502,9 @@ def _convolution_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:
 def _valid_pairs(size: int, out: int, k: int, dim: int, window: str) -> int:
     """(output position, window position) pairs of one spatial dimension (`dim`: its index in the
     window's `AxB` fields) that read the input (of `size`, dilated by `lhs_dilate`) inside it."""
-    def field(name: str, default: int, low: bool = True) -> int:
+    def field(name: str, default: int) -> int:  # of a padding `low_high`, the low side
         m = re.search(name + r"=([0-9_x\-]+)", window)
-        if not m:
-            return default
-        value = m.group(1).split("x")[dim]
-        return int(value.split("_")[0 if low else 1]) if "_" in value else int(value)
+        return int(m.group(1).split("x")[dim].split("_")[0]) if m else default
     stride, pad = field("stride", 1), field("pad", 0)
     rhs_dilate, lhs_dilate = field("rhs_dilate", 1), field("lhs_dilate", 1)
     extent = (size - 1) * lhs_dilate + 1

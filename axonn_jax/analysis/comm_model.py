@@ -291,9 +291,11 @@ def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
     - 6 of the MLP's hidden width (`d_ff`) in the compute dtype, features over row, rows over
       col when split but for one (405B: bf16[63, 8·4096, 53248/8], 25.6 GiB);
     - 4 of the attention heads' width (queries, keys, values, output), heads over row;
-    - unfused attention (fp32, or `--attention xla`): the probabilities, 2 per head and key;
-      cuDNN's fused kernel keeps only per-row statistics, and so does the context-parallel
-      attention (`parallel.context`, whose temporaries the model declares as `working`).
+    - unfused attention (fp32, or `--attention xla`): the softmax's scores and probabilities,
+      2 per head and key in fp32 (Llama-3.2-1B with XLA's attention on an H200 peaked at 71.2 GB:
+      0.95× what this counts, 0.71× with them in bf16); cuDNN's fused kernel keeps only per-row
+      statistics, and so does the context-parallel attention (`parallel.context`, whose
+      temporaries the model declares as `working`).
     """
     m, g, cb = work.model, grid, work.compute_bytes
     d_ff = getattr(m, "d_ff", 4 * m.d_model)
@@ -301,7 +303,7 @@ def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
     inner = tokens / (g.col if split else 1) / g.row
     out = stream + inner * (5 * d_ff + 4 * m.d_model) * cb + tokens / g.row * d_ff * cb
     if not fused_attention(work) and g.context == 1:  # context attention keeps none either
-        out += 2 * inner * work.seq_len * m.num_heads * cb
+        out += 2 * inner * work.seq_len * m.num_heads * FP32
     return out
 
 

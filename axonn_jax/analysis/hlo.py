@@ -323,13 +323,18 @@ def _elements(shape_text: str) -> int:
     return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
 
 
+def _dims(shape_text: str) -> list[int]:
+    """The dimensions of the (first) array in an HLO shape."""
+    m = _ARRAY.search(shape_text)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
 def _ragged_dot_flops(rest: str, shapes: dict[str, str]) -> float:
     """FLOPs of a `ragged-dot` (a grouped matmul: each row of the ragged dimension meets one
     group's matrix): 2·|lhs|·|rhs| over the contracted, batch and rhs group sizes, i.e. 2·m·k·n for
     `(m, k) × (groups, k, n)` whatever the group sizes, and for its transposes."""
     lhs, rhs = re.match(r"\s*%?([\w.\-]+),\s*%?([\w.\-]+)", rest).groups()
-    dims = {name: [int(d) for d in _ARRAY.search(shapes[name]).group(2).split(",") if d]
-            for name in (lhs, rhs)}
+    dims = {name: _dims(shapes[name]) for name in (lhs, rhs)}
 
     def size(key: str, of: str) -> int:
         m = re.search(key + r"=\{([0-9,]*)\}", rest)
@@ -448,22 +453,14 @@ def _gemm_flops(rest: str, shape: str, shapes: dict[str, str], contracting: str)
     (`__cublas$gemm`, `__cublas$lt$matmul*`: what XLA:GPU's autotuner picks on a real GPU instead
     of a Triton fusion of the dot) `"lhs_contracting_dimensions":[..]` in its backend config."""
     lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-    dims = re.search(contracting, rest)
-    lhs_array = _ARRAY.search(shapes.get(lhs, ""))
+    dims, lhs_dims = re.search(contracting, rest), _dims(shapes.get(lhs, ""))
     k = 1
-    if dims and lhs_array:
-        lhs_dims = lhs_array.group(2).split(",")
-        k = math.prod(int(lhs_dims[int(i.strip('" '))]) for i in dims.group(1).split(",") if i)
+    if dims and lhs_dims:
+        k = math.prod(lhs_dims[int(i.strip('" '))] for i in dims.group(1).split(",") if i)
     return 2.0 * _elements(shape) * k
 
 
 _CUDNN_CONV = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
-
-
-def _dims(shape_text: str) -> list[int]:
-    """The dimensions of the (first) array in an HLO shape."""
-    m = _ARRAY.search(shape_text)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
 def _convolution_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:

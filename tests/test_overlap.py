@@ -196,19 +196,42 @@ def test_hidden_shares_per_axis_and_mode():
     assert hs.axis_shares(rows) == {"data": 0.75, "row": 0.5}
 
 
-def test_plan_exposes_what_the_schedule_cannot_hide(monkeypatch):
-    """`predict`'s exposed data-parallel time is the exchange's time less the measured hidden
-    share (the backward pass is far longer here), and falls as the share rises."""
+def test_plan_exposes_what_the_stream_is_busy_for():
+    """Without a pipeline, with rings: each collective waits for the share of the compute time
+    the communication stream is busy, so the step exposes comm² / compute; twice the batch
+    (twice the compute, the same gradient bytes) exposes less of the data-parallel exchange."""
+    from axonn_jax import ParallelConfig
+    from axonn_jax.models.gpt import get_config
+
+    grid = ParallelConfig(data=16)
+    shares = []
+    for batch in (1024, 2048):
+        work = cm.Workload(get_config("gpt-1.3b"), batch=batch, seq_len=1024)
+        assert work.step(grid).rings
+        comm = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(work, grid))
+        p = cm.predict(work, grid, H100)
+        compute = p.compute_s - cm.update_seconds(work, grid, H100, p.memory_breakdown)
+        assert sum(p.exposed_comm_s.values()) == pytest.approx(comm * comm / compute)
+        assert set(p.exposed_comm_by_axis) == {"data"}
+        shares.append(p.exposed_comm_by_axis["data"] / comm)
+    assert shares[1] == pytest.approx(shares[0] / 2, rel=0.05)
+    assert cm.stream_utilisation(3.0, 2.0) == 1.0 and cm.stream_utilisation(1.0, 0.0) == 1.0
+
+
+def test_plan_exposes_what_the_measured_schedule_cannot_hide(monkeypatch):
+    """Rows gathered whole (`--collective-matmul off`): the exposed data-parallel time is the
+    exchange's time less the measured hidden share of that mode (the backward pass is far
+    longer here), and falls as the share rises."""
     from axonn_jax import ParallelConfig
     from axonn_jax.analysis import hidden_shares as hs
     from axonn_jax.models.gpt import get_config
 
-    work = cm.Workload(get_config("gpt-1.3b"), batch=4096, seq_len=1024)
+    work = cm.Workload(get_config("gpt-1.3b"), batch=4096, seq_len=1024, collective_matmul="off")
     grid = ParallelConfig(data=16)
     data_s = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(work, grid)
                  if c.axes == ("data",))
     for share in (0.0, 0.5):
-        monkeypatch.setitem(hs.SHARES, "spmd", {"data": share})
+        monkeypatch.setitem(hs.SHARES, "spmd-gathers", {"data": share})
         p = cm.predict(work, grid, H100)
         assert p.compute_s * 2 / 3 > data_s * share
         assert p.exposed_comm_by_axis["data"] == pytest.approx(data_s * (1 - share))

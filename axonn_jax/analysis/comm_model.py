@@ -490,14 +490,63 @@ def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
     return n * (cast + work.microbatches * (cast + 3 * pb))
 
 
+def stream_utilisation(comm_s: float, compute_s: float) -> float:
+    """The share of a step's compute time its communication stream is busy: `comm_s` (every
+    collective's time on its links) over `compute_s`, at most 1.
+
+    Why it is each collective's exposed share: XLA:GPU runs a step's collectives one after
+    another on one stream, started as early as the latency-hiding scheduler can (weights
+    prefetched a layer ahead, gradients reduced a layer late, ring permutes beside their block's
+    matmul), and the compute that needs a collective's result arrives with no relation to what
+    the stream is doing: it finds the stream still busy as often as the stream is busy, and
+    waits for about the collective's own time. So a step exposes comm_s · utilisation =
+    comm_s² / compute_s (all of comm_s once the stream is busy for the whole step). No measured
+    constant: against the compiled H100 schedules replayed by `analysis.overlap`
+    (`benchmarks/results/overlap_notes.md`, "One law for the exposed time"), the step it gives
+    is 0.93–1.04× the replayed step on ten grids (Llama-3-70B on 256: five grids, 0.98–1.006×;
+    the 1.9B Llama on 8: data, depth, row, data × row × col, depth × row × col), where the
+    per-axis shares gave 0.96–1.06×. It does not hold for the steps it leaves to the shares: a
+    pipeline's collectives wait at tick boundaries (0.3× the replay's exposed time), and rows
+    gathered whole (`--collective-matmul off`) put each gather before its matmul (0.7×)."""
+    return min(1.0, comm_s / compute_s) if compute_s > 0 else 1.0
+
+
+def exposed_communication(timed: list[tuple[Collective, float]], compute_s: float, rate: float,
+                          mode: str) -> list[tuple[Collective, float]]:
+    """(collective, seconds of it the step waits for) of each `(collective, its time)` in
+    `timed`, on a step of `compute_s` seconds of compute (matmuls at `rate` FLOP/s) in `mode`
+    (`spmd`: no pipeline, rows gathered in rings; `spmd-gathers`, or a pipeline schedule).
+
+    `spmd`: each collective's time × `stream_utilisation`. Other modes: its time less what the
+    compiled schedule hides of its axes' communication (`hidden_shares`), and never more than
+    the compute it can hide behind: a tensor-parallel collective that declares the matmul it
+    overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
+    exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute)."""
+    if mode == "spmd":
+        busy = stream_utilisation(sum(t for _, t in timed), compute_s)
+        return [(c, t * busy) for c, t in timed]
+    out = []
+    for c, t in timed:
+        if not _overlaps_backward(c):
+            hidden = t * hidden_shares.hidden_share(c.axes, mode)
+            if c.overlappable:
+                hidden = min(hidden, c.count * c.overlappable / rate)
+            out.append((c, t - hidden))
+    data_time = sum(t for c, t in timed if _overlaps_backward(c))
+    if data_time:
+        hidden = min(data_time * hidden_shares.hidden_share(("data",), mode), compute_s * 2 / 3)
+        out += [(c, t * (1 - hidden / data_time)) for c, t in timed if _overlaps_backward(c)]
+    return out
+
+
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
     """Predicted step time on `machine`: compute + exposed communication + pipeline bubble.
 
-    Exposed communication: each collective's time less what the compiled H100 schedule hides of
-    its axes' communication (`hidden_shares`: measured, with its source), and never more than the
-    compute it can hide behind: a tensor-parallel collective that declares the matmul it overlaps
-    (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient exchange up to
-    the backward pass. The bubble adds the schedule's published idle time per unit of
+    Exposed communication (`exposed_communication`): without a pipeline, on a step whose layers
+    gather their rows in rings, each collective waits for the communication stream as often as
+    the stream is busy (`stream_utilisation`); otherwise each collective's time less what the
+    compiled H100 schedule hides of its axes' communication (`hidden_shares`: measured, with its
+    source). The bubble adds the schedule's published idle time per unit of
     work ((P−1)/M for 1F1B; V times less interleaved; zb-h1's at the engine's costs: forward 1,
     input gradient 2 (with the recomputed forward), weight gradient 1).
     """
@@ -508,28 +557,13 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     found = collectives(work, grid)
     compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
         c.count * c.copied for c in found)) / machine.hbm_bw
-    backward = compute * 2 / 3
     mode = work.schedule if grid.pipe > 1 else "spmd" if work.step(grid).rings else "spmd-gathers"
+    timed = [(c, _collective_time(c, grid, machine)) for c in found]
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
-    data_time = 0.0
-    for c in found:
-        t = _collective_time(c, grid, machine)
-        if _overlaps_backward(c):
-            data_time += t
-            continue
-        hidden = t * hidden_shares.hidden_share(c.axes, mode)
-        if c.overlappable:
-            hidden = min(hidden, c.count * c.overlappable / rate)
-        exposed[c.kind] += t - hidden
-        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t - hidden
-    exposed_data = data_time - min(data_time * hidden_shares.hidden_share(("data",), mode),
-                                   backward)
-    for c in found:
-        if _overlaps_backward(c) and data_time:
-            exposed[c.kind] += exposed_data * _collective_time(c, grid, machine) / data_time
-    if data_time:
-        by_axis["data"] = exposed_data
+    for c, t in exposed_communication(timed, compute, rate, mode):
+        exposed[c.kind] += t
+        by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     bubble = 0.0
     if grid.pipe > 1:
         idle = _schedule(work, grid).predicted_bubble(1.0, 2.0, 1.0)

@@ -1,9 +1,12 @@
 """What the compiled H100 schedule hides of each mesh axis's communication: measured, with its source.
 
-`plan`'s time model (`comm_model.predict`) takes the exposed share of each collective from here
-instead of assuming it: the share of a collective's time that the train step's schedule, compiled
-for abstract H100s with the library's XLA options (`step.xla_options`), hides behind compute —
-the replay of `analysis.overlap` ("hidden"), summed over the collectives that cross one mesh axis.
+`plan`'s time model (`comm_model.exposed_communication`) takes the exposed share of each
+collective from here for the steps its parameter-free law (`comm_model.stream_utilisation`) does
+not describe: pipelines, and steps whose layers gather their rows whole (`spmd-gathers`). The
+`spmd` row is what a pipeline mode takes for an axis its case does not cross. A share is the
+share of a collective's time that the train step's schedule, compiled for abstract H100s with the
+library's XLA options (`step.xla_options`), hides behind compute — the replay of
+`analysis.overlap` ("hidden"), summed over the collectives that cross one mesh axis.
 Source: `benchmarks/overlap.py` (`--variant after`, else `library`: `shares`); the table with its
 per-kind rows is `benchmarks/results/overlap.md`. Re-measure (and paste `shares`'s output here)
 when the step or the XLA options change.

@@ -38,6 +38,17 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # replayed step from 15.22 to 15.04 s, same memory; on the 1.9B grids no change beyond 0.3 ms
     # (`benchmarks/results/overlap_notes.md`).
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
+    # The latency-hiding scheduler's memory limit, as a percentage of the device's memory less
+    # the step's arguments and results (XLA's default: 95). Near that limit the scheduler stops
+    # overlapping to save memory, on its own estimate of the peak, which is not the buffer
+    # assignment's: on Llama-3-70B over 256 H100s, data 8 × depth 8 × row 4 (full recompute,
+    # 75.8 GB of 80), the default left the data all-reduces with no compute in their windows
+    # and replayed at 16.02 s (46.4% MFU); at 125 the same step replays at 14.06 s (52.9%) in
+    # 75.2 GB (110: 14.27 s, 74.1 GB; 150 and 200: as 125). Grids with room to spare compile to
+    # the same schedule either way (data 4 × depth 16 × row 4, data 2 × depth 32 × row 4,
+    # data 4 × depth 32 × row 2, data 4 × depth 16 × row 2 × col 2: identical replays, peaks
+    # within 0.5 GB). What the device must hold is still the compiled buffers (`fits`).
+    "xla_gpu_memory_limit_slop_factor": 125,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Measured and
 left out (no change to the schedule of any case, or a loss): the latency-hiding scheduler (on

@@ -122,7 +122,8 @@ NOTES: dict[str, str] = {
         "0.11×, the attention and dense layers only). Bytes: `plan` leaves out GSPMD's "
         "re-layouts of the down and up paths and the GroupNorms (README, U-Net); the compiled "
         "step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, all-reduces 19.5 "
-        "GB over row and 6.2 GB over col. Memory 0.87×: `UNetConfig` counts three arrays of "
+        "GB over row and 6.2 GB over col. Memory 0.95× (0.87× at XLA's default scheduler "
+        "memory limit, 64.9 GB; 71.1 at the library's 125%): `UNetConfig` counts three arrays of "
         "each layer's output kept for the backward (the GroupNorm's input, its SiLU and the "
         "convolution's output); XLA keeps fewer where it fuses the norm and SiLU into their "
         "consumer (the safe side; not traced per buffer). The GSPMD baselines do not compile "
@@ -152,22 +153,35 @@ NOTES: dict[str, str] = {
         "row (before, all-reduces 0.69×).",
     "llama3-70b/256":
         "`plan`'s pick is now data 8 × depth 8 × row 4 (51.0% predicted on DGX nodes): its "
-        "memory model no longer rejects it (compiled 75.8 GB against 79.0 counted; `plan` had "
-        "counted the logits beside a recomputed block, in fp32, and 73.8 GB for the old pick, "
-        "data 4 × depth 16 × row 4, which compiles to 54.5). Its schedule replays at 16.0 s "
-        "(46.4% MFU: the depth gathers and reduce-scatters expose 1.2 s, the data all-reduce "
-        "0.35 s) against 14.1 s (52.8%) for the old pick, so `plan --verify 3`, which ranks by "
-        "the replayed schedule, puts the old pick first (README, Speed). Every collective "
-        "equals `plan`'s per kind and mesh axes, the collective matmuls' permutes included.",
+        "memory model no longer rejects it (`plan` had counted the logits beside a recomputed "
+        "block, in fp32). Its schedule replayed at 16.0 s (46.4% MFU) at XLA's default memory "
+        "limit for the latency-hiding scheduler, which stopped overlapping the data all-reduces "
+        "near it; with the library's limit (`step/xla_options.py`, 125%) 14.06 s (52.9%) in "
+        "75.2 GB (75.8 before), against 14.09 s (52.8%) for data 4 × depth 16 × row 4; `plan` "
+        "predicts 53.4% (DGX nodes) and `plan --verify 3` keeps its order (README, Speed). Every "
+        "collective equals `plan`'s per kind and mesh axes, the collective matmuls' permutes "
+        "included.",
     "gpt-20b/1024":
-        "Every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
+        "`plan` picks a 1F1B pipeline (data 32 × pipe 4 × row 4 × col 2, 16 microbatches) since "
+        "its exposed time follows the communication stream's load (`comm_model."
+        "stream_utilisation`): the data-parallel exchange of the earlier pick, data 128 × depth 2 "
+        "× row 4 (selective), replays 0.45 s exposed of a 1.17 s step (the law: 0.46 s; the "
+        "per-axis shares had said 0.10 s). The pipeline's own figures are `plan`'s weak side: "
+        "its schedule replays at 2.04 s (matmuls 1.02, other kernels 0.69, exposed 0.34; bubble "
+        "ticks counted as busy) against 1.02 s predicted, so the earlier pick is the faster "
+        "step; `plan --verify` ranks by the replay. All-reduces 1.36× and FLOPs 1.55× `plan`'s: "
+        "the compiled count takes the 19 ticks of each pass as run for 16 microbatches (1.19×); "
+        "the rest is not traced. The earlier pick's notes: "
+        "every collective equals `plan`'s per kind and mesh axes (before, all-reduces 0.84×: "
         "with rows whole over row, XLA:GPU adds the input gradients of q, k and v before one "
         "all-reduce over row, as it does their reduce-scatters when split (`DenseLayer`); the "
         "biases' and the position table's gradients are summed over depth in bf16).",
     "llama3-405b/1024":
         "All-gathers and reduce-scatters equal (see llama3-8b/1024). Memory 0.89×: the safe side.",
     "gpt-20b/64":
-        "Data 4 × depth 16, `--remat full`: every collective equals `plan`'s; memory 0.82× "
+        "Data 4 × depth 16, `--remat full`: every collective equals `plan`'s; memory 0.91× "
+        "(0.82× at XLA's default scheduler memory limit: the library's 125% keeps more live, "
+        "64.5 → 71.7 GB, and replays 0.4% slower, 11.08 → 11.12 s) "
         "`plan`'s: one recomputed block is counted with the working set read off Llama steps "
         "(six activations of the MLP's hidden width for SwiGLU's gate, up and product), where "
         "GPT's GELU MLP keeps fewer, and the logits with their gradient (the compiled step "
@@ -181,12 +195,10 @@ NOTES: dict[str, str] = {
         "GB all-to-all is one of GSPMD's re-layouts.",
     "llama3-8b/64":
         "Data 8 × depth 8, `--remat full` (the pick since `plan` counts the logits and one "
-        "recomputed block as never live together): collectives equal, memory 0.70× `plan`'s: "
-        "the logits of 65,536 tokens over the whole vocabulary are counted with their gradient, "
-        "2 × 16.8 GB in bf16, where the compiled peak (50.1 GB: 12.0 of arguments, 4.0 of "
-        "gradients, 17.2 of kept block inputs) leaves about 17 GB for the rest, room for one "
-        "(the safe side; the same count keeps `plan` within 5% of the H200's measured peak on "
-        "Llama-3.2-1B). The earlier "
+        "recomputed block as never live together): collectives equal, memory 0.92× `plan`'s "
+        "(65.9 GB; 50.1 GB and 0.70× at XLA's default scheduler memory limit, where XLA's own "
+        "rematerialization recomputed more: the library's 125% replays 1.6% faster, 6.26 → "
+        "6.16 s). The earlier "
         "pick, data 4 × pipe 2 × depth 8 with 16 microbatches, all-gathered 1.34× `plan`'s over "
         "depth: per tick the stage's kernels three times (forward, the backward tick's "
         "recomputed forward, its backward) and the embedding's and head's tables four times, "

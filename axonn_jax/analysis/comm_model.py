@@ -502,7 +502,7 @@ def stream_utilisation(comm_s: float, compute_s: float) -> float:
     waits for about the collective's own time. So a step exposes comm_s · utilisation =
     comm_s² / compute_s (all of comm_s once the stream is busy for the whole step). No measured
     constant: against the compiled H100 schedules replayed by `analysis.overlap`
-    (`benchmarks/results/overlap_notes.md`, "One law for the exposed time"), the step it gives
+    (`benchmarks/results/overlap_notes.md`, "... one law for the exposed time"), the step it gives
     is 0.93–1.04× the replayed step on ten grids (Llama-3-70B on 256: five grids, 0.98–1.006×;
     the 1.9B Llama on 8: data, depth, row, data × row × col, depth × row × col), where the
     per-axis shares gave 0.96–1.06×. It does not hold for the steps it leaves to the shares: a

@@ -91,6 +91,20 @@ def test_model_bytes_match_compiled_hlo(model, grid, microbatches, schedule, bit
     assert_bytes_match(options, compiled_hlo)
 
 
+@pytest.mark.parametrize("model, grid, microbatches", [
+    ("gpt-tiny", P(row=2, col=2, data=2), 1),
+    ("gpt-tiny-deep", P(pipe=2, data=4), 2),
+], ids=["data2-row2-col2", "data4-pipe2"])
+def test_bfloat16_exchange_bytes_match_compiled_hlo(model, grid, microbatches, compiled_hlo):
+    """`--reduce-dtype bfloat16`: the exchange over data is an all-to-all and an all-gather of each
+    device's blocks (per layer inside the backward, and of the other parameters), as the model
+    counts them (XLA:CPU runs them in float32: 4 bytes an element here)."""
+    options = TrainOptions(model=model, batch_size=16, seq_len=32, parallel=grid,
+                           microbatches=microbatches, schedule="gpipe", reduce_dtype="bfloat16")
+    assert workload(options).reduce_dtype == "bfloat16"
+    assert_bytes_match(options, compiled_hlo)
+
+
 @pytest.mark.parametrize("remat, microbatches", [("full", 2), ("selective", 1)])
 def test_accumulation_and_remat_bytes_match_compiled_hlo(remat, microbatches, compiled_hlo):
     """Without a pipeline, gradient accumulation repeats the blocks' weight gathers and

@@ -143,6 +143,9 @@ class Workload:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved-1f1b's chunks per stage
     compress_bits: int = 0
+    reduce_dtype: str = "float32"
+    """What the exact data-parallel exchange sends (`parallel.exchange`): XLA:CPU runs a bfloat16
+    exchange's collectives in float32, so on `platform` cpu it counts 4 bytes an element."""
     offload_optimizer: bool = False
     context_attention: str = "ring"  # the context axis's scheme (`parallel.context.SCHEMES`)
     expert_imbalance: float = 1.0
@@ -215,7 +218,8 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     d = declared(work, grid)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
              *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
-                                   param_bytes=work.param_bytes),
+                                   param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
+                                   piece_bytes=4 if work.platform == "cpu" else 2),
              *batch_axes_collectives(d, work.step(grid))]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
+from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
 from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
 from . import sources
@@ -126,6 +127,9 @@ class PrecisionOptions:
     fp8: bool = option(False, "FP8 GEMMs in every dense layer (e4m3 forward, e5m2 gradients, "
                        "per-tensor current scaling); the rest computes in --dtype (bfloat16 "
                        "advised)")
+    reduce_dtype: str = option("float32", "what the exact data-parallel gradient exchange sends: "
+                               "float32, or bfloat16 (half the bytes; the received pieces are "
+                               "summed in float32)", choices=REDUCE_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,6 +557,7 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              virtual_stages=p.virtual_stages, remat=config.memory.remat,
                              memory_budget_gb=config.memory.budget_gb,
                              compress_bits=config.compression.bits, dtype=config.precision.dtype,
+                             reduce_dtype=config.precision.reduce_dtype,
                              num_layers=num_layers, between_processes=mpi)
     _attempt(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
              config.precision.fp8)
@@ -676,6 +681,7 @@ def step_options(config: RunConfig) -> dict:
     return dict(microbatches=p.microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
                 offload_optimizer=m.offload_optimizer, remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
-                error_feedback=c.error_feedback, dtype=config.precision.dtype,
+                error_feedback=c.error_feedback, reduce_dtype=config.precision.reduce_dtype,
+                dtype=config.precision.dtype,
                 fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,
                 xla_options=config.run.xla_options, collective_matmul=config.grid.collective_matmul)

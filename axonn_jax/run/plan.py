@@ -21,6 +21,7 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        schedule=config.pipeline.schedule,
                        virtual_stages=config.pipeline.virtual_stages,
                        compress_bits=config.compression.bits,
+                       reduce_dtype=config.precision.reduce_dtype,
                        offload_optimizer=config.memory.offload_optimizer,
                        context_attention=config.model.context_attention,
                        remat=_modelled_remat(config.memory.remat), platform=platform,

@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from .._compat import ensure_varying
+from ..parallel import exchange
 from ..tp.fp8 import fp8_matmuls
 from ..tp.tensor import collective_matmuls
 from .gathers import unbatched_gathers
@@ -61,8 +62,17 @@ class ComputeFunctions:
     arrives invariant): autodiff then sums each layer's gradients over them inside the backward
     scan, as soon as they exist, where the latency-hiding scheduler overlaps the all-reduce with
     the next layers' backward (`SpmdEngine.layer_reduce`)."""
+    reduce_dtype: str = "float32"
+    """The dtype those sums send (`parallel.exchange`)."""
     fp8: bool = False
     rings: bool = False
+
+    @property
+    def _layer_specs(self):
+        """How the tensor axes split one layer's parameters (the stack's specs without the
+        layer axis)."""
+        return jax.tree.map(lambda s: P(*s[1:]), self.fns.specs["blocks"],
+                            is_leaf=lambda s: isinstance(s, P))
 
     @contextlib.contextmanager
     def _kernels(self):
@@ -83,8 +93,9 @@ class ComputeFunctions:
         with self._kernels():
             if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
                 def block(p, h, **side):
-                    return self.fns.block(cast_floating(ensure_varying(p, self.vary_layers),
-                                                        self.dtype), h, **side)
+                    (axis,) = self.vary_layers
+                    varying = exchange.vary(p, axis, self.reduce_dtype, self._layer_specs)
+                    return self.fns.block(cast_floating(varying, self.dtype), h, **side)
 
                 return unbatched_gathers(lambda s, x, b: scan_layers(
                     block, s, x, groups, self.fns.model.side(b)))(stacked, x, batch)

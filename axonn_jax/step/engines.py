@@ -53,6 +53,8 @@ class SpmdEngine:
     """The blocks' gradients summed over the manual axes layer by layer inside the backward scan
     (`ComputeFunctions.vary_layers`; they come out invariant, already summed): for an exact
     reducer over one microbatch, where the reduction is the same sum issued earlier."""
+    reduce_dtype: str = "float32"
+    """The dtype the per-layer sums send (`parallel.exchange`)."""
 
     metric_spec = P()
     """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
@@ -62,7 +64,8 @@ class SpmdEngine:
         m = self.microbatches
         compute = self.compute
         if self.layer_reduce and m == 1 and axes:
-            compute = dataclasses.replace(compute, vary_layers=axes)
+            compute = dataclasses.replace(compute, vary_layers=axes,
+                                          reduce_dtype=self.reduce_dtype)
             params = {**ensure_varying({k: v for k, v in params.items() if k != "blocks"}, axes),
                       "blocks": params["blocks"]}
         else:

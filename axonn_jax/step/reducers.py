@@ -27,18 +27,20 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import manual_axis_size, pmean, varying_axes
 from ..collectives import FP32, Collective
-from ..parallel import compression
+from ..parallel import compression, exchange
 
 
 def _keep(saved, target):
     return None, ""
 
 
-def exact_wire_bytes(shards) -> float:
-    """Bytes one device sends in a ring all-reduce of gradient shards (arrays or
-    ShapeDtypeStructs of one device's pieces), counted as 2 · itemsize per element (the
-    reduce-scatter's share plus the all-gather's for a large group)."""
-    return float(sum(2 * s.dtype.itemsize * s.size for s in jax.tree.leaves(shards)))
+def exact_wire_bytes(shards, reduce_dtype: str = "float32") -> float:
+    """Bytes one device sends in the exact exchange of gradient shards (arrays or
+    ShapeDtypeStructs of one device's pieces), counted as 2 · (bytes of `reduce_dtype`) per
+    element: a ring all-reduce's reduce-scatter share plus its all-gather's for a large group
+    (the bfloat16 exchange's all-to-all and all-gather send as much)."""
+    itemsize = jnp.dtype(reduce_dtype).itemsize
+    return float(sum(2 * itemsize * s.size for s in jax.tree.leaves(shards)))
 
 
 class GradientReducer(NamedTuple):
@@ -67,21 +69,33 @@ class GradientReducer(NamedTuple):
     process_count: int = 1
 
 
-def exact_mean(axis: str = "data") -> GradientReducer:
-    """The mean over the mesh axis `axis` (an all-reduce); no state. A gradient already summed
-    over `axis` (invariant over it: the engine reduced it layer by layer) is only divided."""
-    return GradientReducer(init=lambda params: None,
-                           reduce=lambda grads, state, key: (_mean_of_sums(grads, axis), state),
-                           mean=lambda tree: pmean(tree, axis))
+def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
+               grad_specs=None) -> GradientReducer:
+    """The mean over the mesh axis `axis`, sending `reduce_dtype` (`parallel.exchange`; grad_specs:
+    PartitionSpecs like the gradients, how the other mesh axes split them); no state. A gradient
+    already summed over `axis` (invariant over it: the engine reduced it layer by layer) is only
+    divided."""
+    return GradientReducer(
+        init=lambda params: None,
+        reduce=lambda grads, state, key: (
+            _mean_of_sums(grads, axis, reduce_dtype, grad_specs), state),
+        mean=lambda tree: pmean(tree, axis),
+        wire_bytes=lambda shards: exact_wire_bytes(shards, reduce_dtype))
 
 
-def _mean_of_sums(grads, axis: str):
-    def one(g):
-        if axis in varying_axes(g):
-            return pmean(g, axis)
-        return g / manual_axis_size(axis)
-
-    return jax.tree.map(one, grads)
+def _mean_of_sums(grads, axis: str, reduce_dtype: str, grad_specs=None):
+    """Every gradient summed over `axis` in one exchange (those still varying over it) and
+    divided by its size."""
+    size = manual_axis_size(axis)
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = [P()] * len(leaves) if grad_specs is None else jax.tree.leaves(
+        grad_specs, is_leaf=lambda s: isinstance(s, P))
+    varying = [i for i, g in enumerate(leaves) if axis in varying_axes(g)]
+    summed = exchange.sum_over([leaves[i] for i in varying], axis, reduce_dtype,
+                               [specs[i] for i in varying])
+    for i, g in zip(varying, summed):
+        leaves[i] = g
+    return jax.tree.unflatten(treedef, [g / size for g in leaves])
 
 
 def resplit_residual(residual, shards: int):
@@ -159,17 +173,24 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
 
 
 def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int = 4,
+                         reduce_dtype: str = "float32", piece_bytes: int = 2,
                          bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                          min_size: int = compression.DEFAULT_MIN_SIZE,
                          axis: str = "data") -> list[Collective]:
     """The collectives one device issues to reduce its gradient shards (`collectives.
-    ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s all-reduce (`bits` 0), or
-    `compressed_mean`'s (CGX, each device compressing its own shards): the shards the size rule
-    compresses (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes`
-    each) and the buffer to `parts` shards, sent by an all-to-all and gathered back; the others
-    in an exact all-reduce."""
+    ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s (`bits` 0): an all-reduce of
+    `param_bytes` per element in float32, or with `reduce_dtype` bfloat16 an all-to-all and an
+    all-gather of `piece_bytes` per element (`parallel.exchange`; 4 where XLA:CPU runs them in
+    float32); or `compressed_mean`'s (CGX, each
+    device compressing its own shards): the shards the size rule compresses
+    (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes` each) and
+    the buffer to `parts` shards, sent by an all-to-all and gathered back; the others in an exact
+    all-reduce."""
     if not bits:
         exchanged = sum(s.elements if s.exchanged is None else s.exchanged for s in shards)
+        if reduce_dtype == "bfloat16":
+            return [Collective("all-to-all", (axis,), exchanged * piece_bytes),
+                    Collective("all-gather", (axis,), exchanged * piece_bytes)]
         return [Collective("all-reduce", (axis,), exchanged * param_bytes)]
     widths = [compression.bits_for_leaf("", s, bits, min_size) for s in shards]
     exact = sum(s.elements for s, w in zip(shards, widths) if not w)

@@ -34,7 +34,7 @@ from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
-from ..parallel import context as context_lib, pipeline as pipeline_lib
+from ..parallel import context as context_lib, exchange, pipeline as pipeline_lib
 from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
 from .compute import ComputeFunctions
@@ -58,6 +58,7 @@ class StepOptions:
     compress_bits: int = 0
     compress_bucket: int = 1024
     error_feedback: bool = True
+    reduce_dtype: str = "float32"
     dtype: str = "float32"
     fp8: bool = False
     clip_norm: float | None = None
@@ -70,7 +71,8 @@ _NOT_YET = "is not implemented yet"
 
 def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
                     virtual_stages: int, remat, memory_budget_gb: float | None,
-                    compress_bits: int, dtype: str, num_layers: int | None = None,
+                    compress_bits: int, dtype: str, reduce_dtype: str = "float32",
+                    num_layers: int | None = None,
                     between_processes: bool = False) -> list[str]:
     """Why a step with these options cannot run on `grid`, one line each (empty: it can).
     between_processes: the gradients are reduced between processes (MPI)."""
@@ -83,6 +85,10 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
             found.append(str(e))
 
     attempt(check_dtype, dtype)
+    attempt(exchange.check_reduce_dtype, reduce_dtype)
+    if compress_bits and reduce_dtype != "float32":
+        found.append(f"reduce_dtype={reduce_dtype} is the exact exchange's; with compress_bits="
+                     f"{compress_bits} CGX sets what the exchange sends")
     attempt(activations.check_options, remat, memory_budget_gb)
     if grid.pipe > 1:
         attempt(pipeline_lib.check_schedule, schedule, grid.pipe, microbatches, virtual_stages)
@@ -113,6 +119,8 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
         `offload.activations.Plan`: what each block keeps for the backward.
       compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`.
+      reduce_dtype: what the exact gradient mean over `data` sends: `float32`, or `bfloat16`
+        (half the bytes; the received pieces summed in float32: `parallel.exchange`).
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
         forward (masters stay fp32); float16 scales the loss; mixed precision skips non-finite steps.
       fp8: the dense layers' GEMMs in FP8 (e4m3 forward, e5m2 gradients, per-tensor current
@@ -154,7 +162,8 @@ class StepParts:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
         checked = {f.name: getattr(options, f.name) for f in dataclasses.fields(StepOptions)
                    if f.name in ("schedule", "microbatches", "virtual_stages", "remat",
-                                 "memory_budget_gb", "compress_bits", "dtype")}
+                                 "memory_budget_gb", "compress_bits", "dtype",
+                                 "reduce_dtype")}
         found = option_problems(grid, num_layers=model.num_layers,
                                 between_processes=reducer is not None, **checked)
         try:
@@ -183,7 +192,7 @@ class StepParts:
         if o.compress_bits and self.process_reducer is None:
             return compressed_mean(self.mesh, grad_specs, bits=o.compress_bits,
                                    bucket_size=o.compress_bucket, error_feedback=o.error_feedback)
-        return exact_mean()
+        return exact_mean(reduce_dtype=o.reduce_dtype, grad_specs=grad_specs)
 
     def state_reducer(self, grad_specs=None) -> GradientReducer:
         """The reducer whose state the train state holds (between processes, or in the step)."""
@@ -498,7 +507,7 @@ class BoundStep:
         # The exact reduction over `data` issued layer by layer in the backward (not CGX's).
         exact = not (o.compress_bits and self.parts.process_reducer is None)
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=exact and axes == ("data",))
+                          layer_reduce=exact and axes == ("data",), reduce_dtype=o.reduce_dtype)
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers

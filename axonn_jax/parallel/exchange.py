@@ -1,0 +1,120 @@
+"""The exact data-parallel sum of gradients, with the dtype it sends chosen (the wire dtype).
+
+- `float32`: an all-reduce in float32; 16-bit gradients (the device parameters of a step with
+  host-offloaded state) are cast up first, so every copy's contribution is summed in float32.
+- `bfloat16`: half the bytes. Each device packs its blocks of the gradients (as the tensor axes
+  split them; one buffer per set of axes that split them) into a bfloat16 buffer and cuts it into
+  one piece per device of the axis; an
+  all-to-all hands every device all copies of its own piece, which it sums in float32 and rounds
+  to bfloat16 once; an all-gather returns the sum to every device. It sends what a bfloat16 ring
+  all-reduce sends, with one rounding of the sum instead of one per ring hop.
+
+`vary(tree, axis, dtype, specs)` is the identity that makes parameters varying over a manual axis
+inside a shard_map, whose transpose is `sum_over`: autodiff then sums each layer's gradients as
+the backward produces them (`step.engines.SpmdEngine.layer_reduce`).
+"""
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .._compat import (all_gather_invariant, current_mesh, ensure_varying, manual_axes,
+                       manual_axis_size, psum, shard_map, varying_axes)
+
+ReduceDtype = Literal["float32", "bfloat16"]
+REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
+
+
+def check_reduce_dtype(dtype: str) -> None:
+    """ValueError (one line) unless `dtype` is a wire dtype of the exchange."""
+    if dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {dtype!r}")
+
+
+def _sum_in_float32(g, axis: str):
+    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype != jnp.float32:
+        return psum(g.astype(jnp.float32), axis).astype(g.dtype)
+    return psum(g, axis)
+
+
+def _sum_packed(leaves: list, axis: str, parts: int) -> list:
+    """The bfloat16 exchange of this device's `leaves` (local blocks) in one buffer."""
+    flat = jnp.concatenate([g.astype(jnp.bfloat16).reshape(-1) for g in leaves])
+    size = flat.shape[0]
+    pieces = jnp.pad(flat, (0, -size % parts)).reshape(parts, -1)
+    received = jax.lax.all_to_all(pieces, axis, 0, 0, tiled=False)
+    mine = jnp.sum(received.astype(jnp.float32), axis=0).astype(jnp.bfloat16)
+    whole = all_gather_invariant(mine, axis).reshape(-1)[:size]
+    out, start = [], 0
+    for g in leaves:
+        out.append(whole[start:start + g.size].reshape(g.shape).astype(g.dtype))
+        start += g.size
+    return out
+
+
+def _automatic(spec: P, manual: set[str]) -> P:
+    """`spec` with the axes that are already manual dropped."""
+    def keep(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n not in manual)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(keep(e) for e in spec))
+
+
+def sum_over(tree, axis: str, dtype: str = "float32", specs=None):
+    """The sum over the manual mesh axis `axis` of every leaf of `tree` (gradients varying over
+    it), sending `dtype` (module docstring); each leaf keeps its dtype and comes out invariant
+    over `axis`. specs: a tree of PartitionSpecs like `tree`, how the mesh's automatic axes split
+    each leaf (None: they split none): a bfloat16 exchange packs each device's blocks."""
+    parts = manual_axis_size(axis)
+    leaves, treedef = jax.tree.flatten(tree)
+    if dtype == "float32" or parts == 1 or not leaves:
+        return jax.tree.unflatten(treedef, [_sum_in_float32(g, axis) for g in leaves])
+    manual = set(manual_axes())
+    spec_leaves = [P()] * len(leaves) if specs is None else jax.tree.leaves(
+        specs, is_leaf=lambda s: isinstance(s, P))
+    local = [_automatic(s, manual) for s in spec_leaves]
+    # One buffer per set of tensor axes that split its leaves and of other manual axes they vary
+    # over (a pipeline's embedding gradients over `pipe`): a buffer is typed by all its leaves'.
+    groups: dict[tuple[frozenset, frozenset], list[int]] = {}
+    for i, s in enumerate(local):
+        split = frozenset(n for e in s for n in (e if isinstance(e, tuple) else (e,)) if n)
+        groups.setdefault((split, varying_axes(leaves[i])), []).append(i)
+    out = list(leaves)
+    for (split, _), members in groups.items():
+        mine = [leaves[i] for i in members]
+        if split:
+            specs_in = tuple(local[i] for i in members)
+            summed = shard_map(lambda *ls: tuple(_sum_packed(list(ls), axis, parts)),
+                               mesh=current_mesh(None), in_specs=specs_in, out_specs=specs_in,
+                               axis_names=split)(*mine)
+        else:
+            summed = _sum_packed(mine, axis, parts)
+        for i, g in zip(members, summed):
+            out[i] = g
+    return jax.tree.unflatten(treedef, out)
+
+
+def vary(tree, axis: str, dtype: str = "float32", specs=None):
+    """`tree` (invariant over the manual axis `axis`) made varying over it; the transpose sums the
+    cotangents over `axis` with `sum_over(..., dtype, specs)`."""
+    if dtype == "float32":
+        # pvary's own transpose is a psum in the leaf's dtype: cast 16-bit leaves up around it.
+        def one(x):
+            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32:
+                return ensure_varying(x.astype(jnp.float32), (axis,)).astype(x.dtype)
+            return ensure_varying(x, (axis,))
+
+        return jax.tree.map(one, tree)
+
+    @jax.custom_vjp
+    def identity(t):
+        return ensure_varying(t, (axis,))
+
+    identity.defvjp(lambda t: (identity(t), None),
+                    lambda _, ct: (sum_over(ct, axis, dtype, specs),))
+    return identity(tree)

@@ -34,19 +34,24 @@ def check_reduce_dtype(dtype: str) -> None:
         raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {dtype!r}")
 
 
-def _sum_in_float32(g, axis: str):
-    if jnp.issubdtype(g.dtype, jnp.floating) and g.dtype != jnp.float32:
-        return psum(g.astype(jnp.float32), axis).astype(g.dtype)
-    return psum(g, axis)
+def _is_16bit(g) -> bool:
+    return jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits == 16
 
 
-def _sum_packed(leaves: list, axis: str, parts: int) -> list:
+def _sum_in_float32(g, axis: str, divide_by: int):
+    if _is_16bit(g):  # divided before the cast back: a sum of copies may exceed float16's range
+        return (psum(g.astype(jnp.float32), axis) / divide_by).astype(g.dtype)
+    summed = psum(g, axis)
+    return summed if divide_by == 1 else summed / divide_by
+
+
+def _sum_packed(leaves: list, axis: str, parts: int, divide_by: int) -> list:
     """The bfloat16 exchange of this device's `leaves` (local blocks) in one buffer."""
     flat = jnp.concatenate([g.astype(jnp.bfloat16).reshape(-1) for g in leaves])
     size = flat.shape[0]
     pieces = jnp.pad(flat, (0, -size % parts)).reshape(parts, -1)
     received = jax.lax.all_to_all(pieces, axis, 0, 0, tiled=False)
-    mine = jnp.sum(received.astype(jnp.float32), axis=0).astype(jnp.bfloat16)
+    mine = (jnp.sum(received.astype(jnp.float32), axis=0) / divide_by).astype(jnp.bfloat16)
     whole = all_gather_invariant(mine, axis).reshape(-1)[:size]
     out, start = [], 0
     for g in leaves:
@@ -65,15 +70,16 @@ def _automatic(spec: P, manual: set[str]) -> P:
     return P(*(keep(e) for e in spec))
 
 
-def sum_over(tree, axis: str, dtype: str = "float32", specs=None):
+def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int = 1):
     """The sum over the manual mesh axis `axis` of every leaf of `tree` (gradients varying over
-    it), sending `dtype` (module docstring); each leaf keeps its dtype and comes out invariant
-    over `axis`. specs: a tree of PartitionSpecs like `tree`, how the mesh's automatic axes split
-    each leaf (None: they split none): a bfloat16 exchange packs each device's blocks."""
+    it), sending `dtype` (module docstring), divided by `divide_by` in float32; each leaf keeps its
+    dtype and comes out invariant over `axis`. specs: a tree of PartitionSpecs like `tree`, how
+    the mesh's automatic axes split each leaf (None: they split none): a bfloat16 exchange packs
+    each device's blocks."""
     parts = manual_axis_size(axis)
     leaves, treedef = jax.tree.flatten(tree)
     if dtype == "float32" or parts == 1 or not leaves:
-        return jax.tree.unflatten(treedef, [_sum_in_float32(g, axis) for g in leaves])
+        return jax.tree.unflatten(treedef, [_sum_in_float32(g, axis, divide_by) for g in leaves])
     manual = set(manual_axes())
     spec_leaves = [P()] * len(leaves) if specs is None else jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))
@@ -89,11 +95,11 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None):
         mine = [leaves[i] for i in members]
         if split:
             specs_in = tuple(local[i] for i in members)
-            summed = shard_map(lambda *ls: tuple(_sum_packed(list(ls), axis, parts)),
+            summed = shard_map(lambda *ls: tuple(_sum_packed(list(ls), axis, parts, divide_by)),
                                mesh=current_mesh(None), in_specs=specs_in, out_specs=specs_in,
                                axis_names=split)(*mine)
         else:
-            summed = _sum_packed(mine, axis, parts)
+            summed = _sum_packed(mine, axis, parts, divide_by)
         for i, g in zip(members, summed):
             out[i] = g
     return jax.tree.unflatten(treedef, out)
@@ -105,7 +111,7 @@ def vary(tree, axis: str, dtype: str = "float32", specs=None):
     if dtype == "float32":
         # pvary's own transpose is a psum in the leaf's dtype: cast 16-bit leaves up around it.
         def one(x):
-            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float32:
+            if _is_16bit(x):
                 return ensure_varying(x.astype(jnp.float32), (axis,)).astype(x.dtype)
             return ensure_varying(x, (axis,))
 

@@ -84,18 +84,19 @@ def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
 
 
 def _mean_of_sums(grads, axis: str, reduce_dtype: str, grad_specs=None):
-    """Every gradient summed over `axis` in one exchange (those still varying over it) and
-    divided by its size."""
+    """Every gradient's mean over `axis`: summed in one exchange (those still varying over it) and
+    divided by its size, 16-bit ones before they are cast back."""
     size = manual_axis_size(axis)
     leaves, treedef = jax.tree.flatten(grads)
     specs = [P()] * len(leaves) if grad_specs is None else jax.tree.leaves(
         grad_specs, is_leaf=lambda s: isinstance(s, P))
     varying = [i for i, g in enumerate(leaves) if axis in varying_axes(g)]
-    summed = exchange.sum_over([leaves[i] for i in varying], axis, reduce_dtype,
-                               [specs[i] for i in varying])
-    for i, g in zip(varying, summed):
-        leaves[i] = g
-    return jax.tree.unflatten(treedef, [g / size for g in leaves])
+    means = exchange.sum_over([leaves[i] for i in varying], axis, reduce_dtype,
+                              [specs[i] for i in varying], divide_by=size)
+    out = [g / size for g in leaves]
+    for i, g in zip(varying, means):
+        out[i] = g
+    return jax.tree.unflatten(treedef, out)
 
 
 def resplit_residual(residual, shards: int):

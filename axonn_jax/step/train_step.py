@@ -270,7 +270,12 @@ def _sum_over_unsplit(grads, specs, axes: tuple[str, ...], grid: ParallelConfig)
     def one(g, spec):
         split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
         over = tuple(a for a in axes if a not in split)
-        return (psum(g, over) if over else g) / total
+        # 16-bit gradients (offloaded state) divided in float32 before the cast back: a sum over
+        # devices may exceed float16's range where each device's share does not.
+        low = g.dtype if jnp.finfo(g.dtype).bits == 16 else None
+        g = g.astype(jnp.float32) if low else g
+        out = (psum(g, over) if over else g) / total
+        return out.astype(low) if low else out
 
     return jax.tree.map(one, grads, specs)
 
@@ -504,10 +509,14 @@ class BoundStep:
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
         alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
-        # The exact reduction over `data` issued layer by layer in the backward (not CGX's).
+        # The exact reduction over `data` issued layer by layer in the backward (not CGX's), for
+        # float32 device parameters: a layer's sum returns in its parameters' dtype, and 16-bit
+        # ones (offloaded state) must be divided by the data size before they are cast back.
         exact = not (o.compress_bits and self.parts.process_reducer is None)
+        wide = not o.offload_optimizer or o.dtype == "float32"
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=exact and axes == ("data",), reduce_dtype=o.reduce_dtype)
+                          layer_reduce=exact and wide and axes == ("data",),
+                          reduce_dtype=o.reduce_dtype)
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers

@@ -90,9 +90,11 @@ def test_reduce_dtype_trajectories(devices, one_device, grid, extra):
     assert 0 < assert_steps_match(runs["bfloat16"]["history"], ref, 5e-3)
 
 
-def test_compressed_exchange_refuses_another_wire_dtype():
-    from axonn_jax.run.options import problems
+def test_bad_wire_dtypes_are_refused_in_one_line():
+    from axonn_jax.run.options import ConfigError, problems
 
     found = problems(TrainOptions(compress_bits=4, reduce_dtype="bfloat16"), ParallelConfig(data=2),
                      num_devices=2)
     assert any("reduce_dtype=bfloat16" in line for line in found), found
+    with pytest.raises(ConfigError, match="--reduce-dtype must be one of float32, bfloat16"):
+        TrainOptions(reduce_dtype="float16")

@@ -38,11 +38,15 @@ def _is_16bit(g) -> bool:
     return jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits == 16
 
 
-def _sum_in_float32(g, axis: str, divide_by: int):
-    if _is_16bit(g):  # divided before the cast back: a sum of copies may exceed float16's range
-        return (psum(g.astype(jnp.float32), axis) / divide_by).astype(g.dtype)
-    summed = psum(g, axis)
-    return summed if divide_by == 1 else summed / divide_by
+def sum_divided(g, axes, divide_by: float = 1):
+    """`g`'s sum over the manual mesh `axes` (a name or a tuple; empty: `g` itself) divided by
+    `divide_by`, in float32 for a 16-bit `g`, cast back only after the division: a sum of copies
+    may exceed float16's range where each copy does not."""
+    low = g.dtype if _is_16bit(g) else None
+    x = g.astype(jnp.float32) if low else g
+    x = psum(x, axes) if axes else x
+    x = x if divide_by == 1 else x / divide_by
+    return x.astype(low) if low else x
 
 
 def _sum_packed(leaves: list, axis: str, parts: int, divide_by: int) -> list:
@@ -79,7 +83,7 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int
     parts = manual_axis_size(axis)
     leaves, treedef = jax.tree.flatten(tree)
     if dtype == "float32" or parts == 1 or not leaves:
-        return jax.tree.unflatten(treedef, [_sum_in_float32(g, axis, divide_by) for g in leaves])
+        return jax.tree.unflatten(treedef, [sum_divided(g, axis, divide_by) for g in leaves])
     manual = set(manual_axes())
     spec_leaves = [P()] * len(leaves) if specs is None else jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))
@@ -106,16 +110,11 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int
 
 
 def vary(tree, axis: str, dtype: str = "float32", specs=None):
-    """`tree` (invariant over the manual axis `axis`) made varying over it; the transpose sums the
-    cotangents over `axis` with `sum_over(..., dtype, specs)`."""
-    if dtype == "float32":
-        # pvary's own transpose is a psum in the leaf's dtype: cast 16-bit leaves up around it.
-        def one(x):
-            if _is_16bit(x):
-                return ensure_varying(x.astype(jnp.float32), (axis,)).astype(x.dtype)
-            return ensure_varying(x, (axis,))
-
-        return jax.tree.map(one, tree)
+    """`tree` (invariant over the manual axis `axis`; float32 leaves: the sums come back in the
+    leaves' dtype, undivided) made varying over it; the transpose sums the cotangents over `axis`
+    with `sum_over(..., dtype, specs)`."""
+    if dtype == "float32":  # pvary's own transpose: a psum in the leaf's dtype
+        return ensure_varying(tree, (axis,))
 
     @jax.custom_vjp
     def identity(t):

@@ -88,15 +88,15 @@ def _mean_of_sums(grads, axis: str, reduce_dtype: str, grad_specs=None):
     divided by its size, 16-bit ones before they are cast back."""
     size = manual_axis_size(axis)
     leaves, treedef = jax.tree.flatten(grads)
-    specs = [P()] * len(leaves) if grad_specs is None else jax.tree.leaves(
-        grad_specs, is_leaf=lambda s: isinstance(s, P))
     varying = [i for i, g in enumerate(leaves) if axis in varying_axes(g)]
-    means = exchange.sum_over([leaves[i] for i in varying], axis, reduce_dtype,
-                              [specs[i] for i in varying], divide_by=size)
-    out = [g / size for g in leaves]
-    for i, g in zip(varying, means):
-        out[i] = g
-    return jax.tree.unflatten(treedef, out)
+    if grad_specs is not None:
+        spec_leaves = jax.tree.leaves(grad_specs, is_leaf=lambda s: isinstance(s, P))
+        grad_specs = [spec_leaves[i] for i in varying]
+    means = exchange.sum_over([leaves[i] for i in varying], axis, reduce_dtype, grad_specs,
+                              divide_by=size)
+    out = dict(zip(varying, means))
+    return jax.tree.unflatten(treedef, [out[i] if i in out else g / size
+                                        for i, g in enumerate(leaves)])
 
 
 def resplit_residual(residual, shards: int):

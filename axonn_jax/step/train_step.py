@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import ensure_varying, mesh_platform, pmean, psum, shard_map, tracing_in
+from .._compat import ensure_varying, mesh_platform, pmean, shard_map, tracing_in
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
@@ -270,12 +270,7 @@ def _sum_over_unsplit(grads, specs, axes: tuple[str, ...], grid: ParallelConfig)
     def one(g, spec):
         split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
         over = tuple(a for a in axes if a not in split)
-        # 16-bit gradients (offloaded state) divided in float32 before the cast back: a sum over
-        # devices may exceed float16's range where each device's share does not.
-        low = g.dtype if jnp.finfo(g.dtype).bits == 16 else None
-        g = g.astype(jnp.float32) if low else g
-        out = (psum(g, over) if over else g) / total
-        return out.astype(low) if low else out
+        return exchange.sum_divided(g, over, total)
 
     return jax.tree.map(one, grads, specs)
 

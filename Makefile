@@ -26,13 +26,13 @@ $(VENV)/.test: $(VENV)/.core
 train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
-# CI: every capability, each on its representative grids (under 15 minutes on 2 cores). A test
+# The quick tier: every capability, each on its representative grids (under 15 minutes on 2 cores). A test
 # that crashes its worker fails the run (no worker restarts, which re-ran the crash and hung); one
 # that hangs is stopped by pytest-timeout (pyproject.toml).
 test: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 -m "not extended" tests
 
-# Also the extended tier (tests/extended.txt): every grid, schedule and process count (~35 minutes).
+# CI: also the extended tier (tests/extended.txt): every grid, schedule and process count (~30 minutes).
 test-all: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 tests
 

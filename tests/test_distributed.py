@@ -1,5 +1,6 @@
 """Multi-process training: `axonn-jax launch` (jax.distributed + gloo) and `mpirun` + mpi4jax give the
 single-process trajectory; a killed process stops the job; process grids from the environment."""
+import atexit
 import dataclasses
 import json
 import math
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -23,7 +25,21 @@ from conftest import (PARITY, assert_states_match, assert_steps_match, comparabl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 4
-DATA = str(REPO / "axonn_jax")  # a small corpus: the package's own sources load in milliseconds
+
+
+def _corpus_snapshot() -> str:
+    """A copy of the package's own sources (a small corpus that loads in milliseconds), taken once
+    per test process: a test compares runs made minutes apart, and the sources themselves change
+    whenever someone edits the package while the suite runs (a run reading an edited file started
+    from another loss)."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="axonn-corpus-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    shutil.copytree(REPO / "axonn_jax", root / "axonn_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return str(root / "axonn_jax")
+
+
+DATA = _corpus_snapshot()
 # Warm-up off (every step a real update); the default clip_norm = 1 clips.
 RUN = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1",
        "--eval-every", "1000", "--data", DATA, "--warmup-steps", str(PARITY["warmup_steps"])]

@@ -102,12 +102,17 @@ def test_the_train_step_runs_its_dense_layers_in_fp8(devices, grid):
         assert ("f8E4M3FN" in text and "f8E5M2" in text) == fp8
 
 
-def test_fp8_data_parallel_equals_one_device(devices, one_device_fp8):
+def test_fp8_data_parallel_first_step_equals_one_device(devices, one_device_fp8):
     """data=2: each copy quantizes with the amax of the whole batch (pmax over `data`), so the
-    run is one device's to fp32 rounding (measured: losses equal to the bit). Quantizing with each
-    copy's own amax moves the first loss by 2e-3."""
+    first step is one device's to the bit (quantizing with each copy's own amax moves the first
+    loss by 2e-3). After the first update the two runs hold parameters that differ in the last bit
+    (the gradients are summed in another order, as in fp32, where the runs stay within 1e-7); an
+    fp8 rounding turns such a difference into a whole e4m3/e5m2 step of an element, so later steps
+    track (FP8_TRACKS) rather than equal."""
     got = train(TrainOptions(**SHORT, parallel=ParallelConfig(data=2)), devices=devices[:2])
-    assert_steps_match(got["history"], one_device_fp8()["history"], 1e-5)
+    want = one_device_fp8()["history"]
+    assert_steps_match(got["history"][:1], want[:1], 1e-6)
+    assert_steps_match(got["history"], want, **FP8_TRACKS)
 
 
 def test_fp8_pipeline_tracks_one_device(devices, one_device_fp8):

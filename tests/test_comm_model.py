@@ -176,7 +176,7 @@ def test_compiled_flops_against_model_flops(compiled_step):
         assert found[grid] / model == pytest.approx(ratio, abs=0.005), grid
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        assert cost["flops"] < 0.8 * model  # one of gpt-tiny's two layers
+        assert cost["flops"] < 0.98 * found[grid]  # the layer loops' bodies counted once
     for grid, flops in found.items():
         assert flops <= 1.02 * found[P(data=8)], grid
 

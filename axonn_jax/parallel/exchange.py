@@ -9,9 +9,8 @@
   to bfloat16 once; an all-gather returns the sum to every device. It sends what a bfloat16 ring
   all-reduce sends, with one rounding of the sum instead of one per ring hop.
 
-`vary(tree, axis, dtype, specs)` is the identity that makes parameters varying over a manual axis
-inside a shard_map, whose transpose is `sum_over`: autodiff then sums each layer's gradients as
-the backward produces them (`step.engines.SpmdEngine.layer_reduce`).
+`sum_over` is what the layer stack's backward calls on each layer's gradients
+(`step.layer_exchange`) and what the reducer calls on the rest (`step.reducers.exact_mean`).
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import (all_gather_invariant, current_mesh, ensure_varying, manual_axes,
+from .._compat import (all_gather_invariant, current_mesh, manual_axes,
                        manual_axis_size, psum, shard_map, varying_axes)
 
 ReduceDtype = Literal["float32", "bfloat16"]
@@ -108,18 +107,3 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int
             out[i] = g
     return jax.tree.unflatten(treedef, out)
 
-
-def vary(tree, axis: str, dtype: str = "float32", specs=None):
-    """`tree` (invariant over the manual axis `axis`; float32 leaves: the sums come back in the
-    leaves' dtype, undivided) made varying over it; the transpose sums the cotangents over `axis`
-    with `sum_over(..., dtype, specs)`."""
-    if dtype == "float32":  # pvary's own transpose: a psum in the leaf's dtype
-        return ensure_varying(tree, (axis,))
-
-    @jax.custom_vjp
-    def identity(t):
-        return ensure_varying(t, (axis,))
-
-    identity.defvjp(lambda t: (identity(t), None),
-                    lambda _, ct: (sum_over(ct, axis, dtype, specs),))
-    return identity(tree)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from .._compat import ensure_varying
 from ..parallel import exchange
 from ..tp.fp8 import fp8_matmuls
 from ..tp.tensor import collective_matmuls
@@ -92,13 +93,18 @@ class ComputeFunctions:
         groups = self.groups if groups is None else groups
         with self._kernels():
             if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
+                (axis,) = self.vary_layers
+                # The custom backward traces each layer itself: its gathers are rewritten there.
                 def block(p, h, **side):
-                    (axis,) = self.vary_layers
-                    varying = exchange.vary(p, axis, self.reduce_dtype, self._layer_specs)
-                    return self.fns.block(cast_floating(varying, self.dtype), h, **side)
+                    return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(
+                        p, h, side)
 
                 return unbatched_gathers(lambda s, x, b: scan_layers(
-                    block, s, x, groups, self.fns.model.side(b)))(stacked, x, batch)
+                    block, s, x, groups, self.fns.model.side(b),
+                    exchange=lambda g: exchange.sum_over(g, axis, self.reduce_dtype,
+                                                         self._layer_specs),
+                    prepare=lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)))(
+                        stacked, x, batch)
             return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
                 cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from .layer_exchange import scan_exchanging
+
 from ..parallel import context as context_lib
 from ..tp.parallelize import parallelize
 
@@ -252,13 +254,17 @@ def split_aux(out) -> tuple[Any, dict]:
     return out, {}
 
 
-def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None):
+def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None,
+                exchange: Callable | None = None, prepare: Callable | None = None):
     """`x` through the stacked layers, `block(layer_params, x, **side) -> x | (x, aux)`, as one
     `lax.scan` per group of consecutive layers: groups `((count, wrap), ...)` (counts sum to the
     layers; `wrap` maps the layer function to another, e.g. `jax.checkpoint` with a policy; None
     keeps it). A remat policy is fixed when a scan body is traced, so layers with different
     decisions need different scans; slicing one parameter stack keeps the parameter tree
-    independent of the plan. Returns (x, aux): every aux entry stacked on a leading layer axis
+    independent of the plan. With `exchange` (one layer's gradients -> their exchange, e.g. a
+    sum over `data`) and `prepare` (one layer's stored parameters -> what `block` takes), the
+    backward exchanges each layer's gradients while the layer below runs its backward
+    (`step.layer_exchange`). Returns (x, aux): every aux entry stacked on a leading layer axis
     ({} for blocks without auxiliary outputs)."""
     total = jax.tree.leaves(stacked)[0].shape[0]
     groups = groups or ((total, None),)
@@ -268,6 +274,9 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
     def layer(p, h):
         y, aux = split_aux(block(p, h, **side))
         return y.astype(h.dtype), aux  # activations stay in the dtype they came in
+
+    if exchange is not None:
+        return scan_exchanging(layer, stacked, x, groups, exchange, prepare)
 
     for count, wrap in groups:
         f = layer if wrap is None else wrap(layer)

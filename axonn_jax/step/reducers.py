@@ -84,8 +84,13 @@ def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
 
 
 def _mean_of_sums(grads, axis: str, reduce_dtype: str, grad_specs=None):
-    """Every gradient's mean over `axis`: summed in one exchange (those still varying over it) and
-    divided by its size, 16-bit ones before they are cast back."""
+    """Every gradient's mean over `axis`: summed (those still varying over it) and divided by its
+    size, 16-bit ones before they are cast back. One exchange per part of a dict (a model's
+    `embed`, `blocks`, `head`): each can start as soon as the backward has produced its part, the
+    head's while the layers' backward still runs."""
+    if isinstance(grads, dict) and len(grads) > 1:
+        return {k: _mean_of_sums(g, axis, reduce_dtype, None if grad_specs is None else
+                                 grad_specs[k]) for k, g in grads.items()}
     size = manual_axis_size(axis)
     leaves, treedef = jax.tree.flatten(grads)
     varying = [i for i, g in enumerate(leaves) if axis in varying_axes(g)]

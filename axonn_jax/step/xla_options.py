@@ -23,6 +23,8 @@ from .._compat import mesh_platform
 
 CHOICES = ("library", "xla")
 
+OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
+
 GPU_OPTIONS: dict[str, bool | int] = {
     # The collective pipeliner for all-gathers and all-reduces in loops: on depth=2,row=2,col=2 the
     # depth weight all-gathers get compute in their window for 46% of their bytes (39% without)
@@ -52,6 +54,12 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # (data 4 × depth 16) 64.5 → 71.7 GB and 0.4% slower (`benchmarks/results/scale.md`).
     # What the device must hold is still the compiled buffers (`fits`).
     "xla_gpu_memory_limit_slop_factor": 125,
+    # Up to four collectives in flight at once (XLA's default: one), on meshes split over more
+    # than one axis (`compiler_options`): the backward then overlaps a layer's data-parallel
+    # exchange (`step.layer_exchange`) with the depth gathers and reduce-scatters of the layer
+    # below, instead of queueing it behind them. Collectives over one axis share its links, and
+    # XLA, free to run several, starts them all late (`benchmarks/results/layer_exchange.md`).
+    OVERLAP_LIMIT: 4,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Measured and
 left out (no change to the schedule of any case, or a loss): the latency-hiding scheduler (on
@@ -70,7 +78,8 @@ def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | N
     check_choice(choice)
     if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
         return None
-    return accepted(mesh, GPU_OPTIONS) or None
+    split = sum(size > 1 for size in dict(mesh.shape).values())
+    return accepted(mesh, GPU_OPTIONS if split > 1 else {**GPU_OPTIONS, OVERLAP_LIMIT: 1}) or None
 
 
 SUCCESSORS: dict[str, tuple[str, object]] = {

@@ -1,0 +1,140 @@
+"""The layer stack's backward with each layer's gradient exchange issued one layer late.
+
+Autodiff of a `lax.scan` over layers can exchange (e.g. sum over `data`) a layer's gradients only
+in that layer's own backward iteration, where they are the last thing computed: the collective has
+no compute left to overlap, and XLA issues its start and done back to back. `scan_exchanging`
+writes the stack's backward by hand instead. The reverse loop carries layer i's gradients,
+unexchanged, into the iteration of layer i−1, where their exchange starts from the loop's input and
+ends in its output, with the whole backward of layer i−1 in between; layer 0's are exchanged after
+the loop. The forward is the same scans autodiff would run, each layer's pullback (`jax.vjp`, its
+remat wrapping included) saved for the backward without the layer's parameters, which the
+backward slices again from the stack instead of keeping a stacked copy.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _place(stack, tree, i):
+    return jax.tree.map(lambda s, a: lax.dynamic_update_index_in_dim(s, a.astype(s.dtype), i, 0),
+                        stack, tree)
+
+
+def _concatenated(auxes: list):
+    """The runs' stacked aux entries as one stack."""
+    return auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
+
+def _without_params(pullback, params) -> tuple[list, object, list]:
+    """The pullback's residuals minus the layer's own parameters (matched by identity), its
+    treedef, and where each residual comes from: an index into the parameters' leaves, or None
+    for one kept."""
+    leaves, treedef = jax.tree.flatten(pullback)
+    param_leaves = jax.tree.leaves(params)
+    where = [next((k for k, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
+    return [leaf for leaf, k in zip(leaves, where) if k is None], treedef, where
+
+
+def _with_params(kept: list, treedef, where: list, params) -> Callable:
+    param_leaves, rest = jax.tree.leaves(params), iter(kept)
+    return jax.tree.unflatten(treedef, [next(rest) if k is None else param_leaves[k]
+                                        for k in where])
+
+
+def scan_exchanging(layer: Callable, stacked, x, groups, exchange: Callable, prepare: Callable):
+    """`x` through the stacked layers (as `step.model.scan_layers`), the gradients of the stack
+    exchanged one layer late in the backward (module docstring).
+
+    Args:
+      layer: `(prepared layer params, h) -> (h, aux)`, one layer (aux a dict of arrays).
+      stacked: the stack's parameters, every leaf `(layers, ...)`, invariant over the exchange's
+        axis.
+      x: the stack's input, `(rows, ...)`.
+      groups: `((count, wrap), ...)`: runs of layers, each run's layer function `wrap(layer)`
+        (None: `layer`); counts sum to the layers.
+      exchange: one layer's gradients (in the stored dtype, varying over the exchange's axis) ->
+        their exchanged value (invariant), e.g. `parallel.exchange.sum_over`.
+      prepare: one layer's stored parameters -> what `layer` takes (varying over the exchange's
+        axis, cast to the compute dtype); the gradients are cast back to the stored dtype.
+
+    Returns:
+      (h, aux): the stack's output and every aux entry stacked on a leading layer axis; the
+      gradient of `stacked` is the exchanged one.
+    """
+    total = jax.tree.leaves(stacked)[0].shape[0]
+    runs, start = [], 0
+    for count, wrap in groups:
+        runs.append((start, count, layer if wrap is None else wrap(layer)))
+        start += count
+    if start != total:
+        raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
+    structure = {}  # per run: the pullback's treedef and residual sources (static, set by fwd)
+
+    def forward(stacked, x):
+        residuals, auxes = [], []
+        for r, (begin, count, f) in enumerate(runs):
+            def step(h, p, r=r, f=f):
+                prepared = prepare(p)
+                (y, aux), pullback = jax.vjp(f, prepared, h)
+                kept, treedef, where = _without_params(pullback, prepared)
+                structure[r] = (treedef, where)
+                return y, (aux, kept)
+
+            part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
+            x, (aux, kept) = lax.scan(step, x, part)
+            auxes.append(aux)
+            residuals.append(kept)
+        return (x, _concatenated(auxes)), residuals
+
+    def backward(saved, cotangent):
+        stacked, residuals = saved
+        ct_h, ct_aux = cotangent
+
+        def layer_backward(r, j, ct_h):
+            """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
+            and the cotangent of its input."""
+            begin = runs[r][0]
+            p = _index(stacked, begin + j)
+            prepared = prepare(p)
+            pullback = _with_params(_index(residuals[r], j), *structure[r], prepared)
+            g, ct_in = pullback((ct_h, _index(ct_aux, begin + j)))
+            return jax.tree.map(lambda g, q: g.astype(q.dtype), g, p), ct_in
+
+        grads = jax.tree.map(jnp.zeros_like, stacked)
+        pending = None
+        for r in reversed(range(len(runs))):
+            begin, count, _ = runs[r]
+            if pending is None:  # the stack's last layer: nothing to exchange beside it yet
+                count -= 1
+                pending, ct_h = layer_backward(r, count, ct_h)
+
+            def step(carry, j, r=r, begin=begin):
+                ct_h, pending, grads = carry
+                grads = _place(grads, exchange(pending), begin + j + 1)
+                g, ct_h = layer_backward(r, j, ct_h)
+                return (ct_h, g, grads), None
+
+            (ct_h, pending, grads), _ = lax.scan(step, (ct_h, pending, grads), jnp.arange(count),
+                                                 reverse=True)
+        return _place(grads, exchange(pending), 0), ct_h
+
+    @jax.custom_vjp
+    def run(stacked, x):
+        auxes = []
+        for begin, count, f in runs:
+            part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
+            x, aux = lax.scan(lambda h, p, f=f: f(prepare(p), h), x, part)
+            auxes.append(aux)
+        return x, _concatenated(auxes)
+
+    run.defvjp(lambda stacked, x: (lambda out, res: (out, (stacked, res)))(*forward(stacked, x)),
+               backward)
+    return run(stacked, x)

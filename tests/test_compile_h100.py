@@ -151,3 +151,30 @@ def test_exposed_time_follows_the_communication_streams_load(grid, capsys):
     assert comm > 0.05 * compute  # enough communication for the law to matter
     law = compute + comm * cm.stream_utilisation(comm, compute)
     assert law == pytest.approx(o["step_s"], rel=0.05)
+
+
+@needs_cuda
+@pytest.mark.parametrize("wire, kind", [("float32", "all-reduce"), ("bfloat16", "all-to-all")])
+def test_each_layers_exchange_runs_beside_the_layer_below(wire, kind, tmp_path, capsys):
+    """gpt-small (12 layers) on data 2 × depth 2 compiled for H100: the data-axis exchange of the
+    backward's layer loop (an fp32 all-reduce, or a bfloat16 wire's all-to-all) has matmuls
+    scheduled between its start and its done for at least 90% of its bytes: it runs beside the
+    layer below's backward (`step.layer_exchange`). Under autodiff of the layer scan the fp32
+    all-reduce had none. (The all-gather that follows a bfloat16 sum gets no window at this
+    width; on Llama-3-8B over 64 it is hidden whole, `benchmarks/results/layer_exchange.md`.)"""
+    from axonn_jax.analysis import overlap
+    from axonn_jax.analysis.comm_model import MACHINES
+    from axonn_jax.config import ParallelConfig
+
+    assert cli_main(["compile", "--target", "h100", "--devices", "4", "--model", "gpt-small",
+                     "--batch-size", "8", "--seq-len", "256", "--dtype", "bfloat16", "--dp", "2",
+                     "--depth", "2", "--reduce-dtype", wire, "--dump-hlo", str(tmp_path),
+                     "--json"]) == 0
+    capsys.readouterr()
+    grid = ParallelConfig(data=2, depth=2)
+    schedule = overlap.report(next(tmp_path.glob("*.txt")).read_text(), grid.as_dict(),
+                              MACHINES["h100-dgx"])
+    in_loop = [o for o in schedule.overlaps
+               if o.kind == kind and o.axes == ("data",) and o.executions > 1]
+    hidden = sum(o.wire_bytes for o in in_loop if o.with_compute)
+    assert in_loop and hidden >= 0.9 * sum(o.wire_bytes for o in in_loop), in_loop

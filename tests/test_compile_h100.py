@@ -178,3 +178,21 @@ def test_each_layers_exchange_runs_beside_the_layer_below(wire, kind, tmp_path, 
                if o.kind == kind and o.axes == ("data",) and o.executions > 1]
     hidden = sum(o.wire_bytes for o in in_loop if o.with_compute)
     assert in_loop and hidden >= 0.9 * sum(o.wire_bytes for o in in_loop), in_loop
+
+
+@needs_cuda
+def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
+    """gpt-tiny on one H100 with `--offload-optimizer`: the replayed schedule's host transfers
+    carry the whole host state in each direction (`host_memory_per_device_bytes`), at the host
+    link's rate, and the step waits for some of them."""
+    from axonn_jax.analysis.comm_model import MACHINES
+
+    assert cli_main(["compile", "--target", "h100", "--devices", "1", "--model", "gpt-tiny",
+                     "--batch-size", "8", "--seq-len", "64", "--dtype", "bfloat16",
+                     "--offload-optimizer", "--overlap-report", "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    host, rows = report["host_memory_per_device_bytes"], report["overlap"]["by_axes"]
+    for kind in ("host-to-device over host", "device-to-host over host"):
+        assert rows[kind]["bytes"] == host > 0, kind
+        assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
+    assert report["overlap"]["exposed_comm_s"] > 0

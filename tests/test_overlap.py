@@ -111,6 +111,45 @@ def test_a_pipelined_collective_hides_behind_the_next_iteration():
     assert s.step_s == pytest.approx(4 * DOT_S + 3 * steady + comm + cp.comm_s)
 
 
+HOST = "HloModule h, is_scheduled=true, num_partitions=1\n" + DOT + """
+%to_host (p0: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %c = bf16[1024,1024]{1,0:S(5)} copy(%p0)
+}
+
+ENTRY %main (x: bf16[1024,1024], h: bf16[1024,1024]) -> bf16[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %h = bf16[1024,1024]{1,0:S(5)} parameter(1)
+  %in = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0:S(5)}, u32[]) copy-start(%h)
+  %out = (bf16[1024,1024]{1,0:S(5)}, bf16[1024,1024]{1,0}, u32[]) copy-start(%x)
+  %f = bf16[1024,1024]{1,0} fusion(%x, %x), kind=kCustom, calls=%fused_dot
+  %ind = bf16[1024,1024]{1,0} copy-done(%in)
+  %outd = bf16[1024,1024]{1,0:S(5)} copy-done(%out)
+  %sync = bf16[1024,1024]{1,0:S(5)} fusion(%f), kind=kLoop, calls=%to_host
+  ROOT %r = bf16[1024,1024]{1,0} add(%ind, %f)
+}
+"""
+
+
+def test_host_copies_run_on_the_host_link_one_stream_per_direction():
+    """Copies between host memory (`S(5)`) and the device take their bytes at the machine's host
+    link rate: an asynchronous one hides behind the compute in its window, the two directions run
+    at once (the device-to-host copy started beside the host-to-device one waits for nothing
+    more), and a synchronous one holds the compute stream for its whole transfer."""
+    s = overlap.report(HOST, {}, H100)
+    found = {o.name: o for o in s.overlaps}
+    link = MB2 / H100.host_bw
+    assert {o.kind for o in s.overlaps} == set(overlap.HOST_KINDS)
+    assert found["in"].kind == "host-to-device" and found["in"].wire_bytes == MB2
+    assert found["in"].comm_s == pytest.approx(link)
+    assert found["in"].exposed_s == pytest.approx(link - DOT_S)
+    assert found["out"].kind == "device-to-host" and found["out"].exposed_s == pytest.approx(0.0)
+    assert not found["sync"].asynchronous and found["sync"].exposed_s == pytest.approx(link)
+    table = overlap.summary(s.overlaps)
+    assert table["device-to-host over host"]["bytes"] == 2 * MB2
+    assert s.step_s >= 2 * link
+
+
 PLACED_THEN_SLICED = """HloModule d, is_scheduled=true, num_partitions=16
 
 %placed (p0: bf16[256,1024], p1: bf16[256,1024], p2: bf16[256,1024], p3: bf16[256,1024], p4: s32[], p5: s32[], p6: s32[]) -> bf16[256,1024] {
@@ -277,16 +316,18 @@ def test_options_this_xla_refuses_are_renamed_or_dropped_with_a_warning(monkeypa
 
 def test_data_parallel_gradients_are_reduced_inside_the_backward_scan(devices):
     """`SpmdEngine.layer_reduce`: the exact data-parallel all-reduce of the blocks' gradients is
-    issued in the backward scan's body, layer by layer (what lets the schedule hide it:
-    benchmarks/results/overlap.md), not once after the loop; trajectories: tests/test_train.py."""
+    issued in the backward loop's body, layer by layer (what lets the schedule hide it:
+    benchmarks/results/layer_exchange.md), not once after the loop; trajectories:
+    tests/test_train.py. (gpt-tiny-deep: the backward loop of gpt-tiny's two layers has one
+    iteration, which XLA unrolls.)"""
     import re
 
     from axonn_jax import ParallelConfig
     from axonn_jax.analysis import compiled as cc, hlo
     from axonn_jax.train import TrainOptions, build_trainer
 
-    trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=4, seq_len=16, steps=1,
-                                         parallel=ParallelConfig(data=2)), devices[:2])
+    trainer = build_trainer(TrainOptions(model="gpt-tiny-deep", batch_size=4, seq_len=16,
+                                         steps=1, parallel=ParallelConfig(data=2)), devices[:2])
     _, compiled = cc.compile_step(trainer.step, trainer.local_example(), capacity_bytes=1e12)
     text = compiled.as_text()
     comps, _ = hlo._computations(text)

@@ -59,6 +59,10 @@ H100_BF16_MATMUL = 794.5e12  # [C]
 H100_FP8_MATMUL = 1402.6e12  # [C]
 H100_VECTOR_FLOPS = 66.9e12  # [A]
 H100_HBM_BW = 3.35e12  # [A]
+# [A] lists PCIe Gen5 at 128 GB/s (64 GB/s each direction); a pinned host copy gets about 55 of
+# them each way (PCIe packet overhead; the rate issue "Host memory that pays" quotes from public
+# reports, not yet measured on a lent GPU).
+H100_HOST_LINK = 55e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,8 @@ class Machine:
     peak_flops: float = H100_BF16_PEAK
     """Dense 16-bit tensor-core peak (what MFU divides by)."""
     device_memory: float = 80e9
-    host_bw: float = 50e9
+    host_bw: float = H100_HOST_LINK
+    """Bytes/s between host and device memory in each direction (both run at once)."""
     efficiency: float = H100_BF16_MATMUL / H100_BF16_PEAK
     """Fraction of `peak_flops` a large 16-bit matmul reaches (measured: [C] for H100)."""
     hbm_bw: float = H100_HBM_BW

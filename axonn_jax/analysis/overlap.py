@@ -13,7 +13,12 @@ per execution:
   a node, over the NICs across nodes, as its replica group lies on the devices);
 - the time it leaves exposed, from a replay of the schedule (`_Replay`): one compute stream runs
   the instructions in order, one communication stream runs the collectives in the order they
-  start, and a `done` waits for its collective. Loop bodies replay twice (the first iteration,
+  start, and a `done` waits for its collective.
+- the same for copies between host and device memory (`S(5)` buffers: offloaded optimizer state,
+  swapped activations): an asynchronous copy or dynamic slice / update from or to host memory
+  runs on the host link, one stream per direction at the machine's `host_bw`, and its `done`
+  waits for it; a synchronous one holds the compute stream for its transfer. They are reported
+  as `host-to-device` and `device-to-host` over `host`. Loop bodies replay twice (the first iteration,
   then the steady state, whose pipelined collectives (a start whose done is in the next
   iteration, through the loop's carried tuple) are matched by tuple index).
 
@@ -40,6 +45,9 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "send", "recv", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
          "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "async-done",
          "async-update"}
+_HOST = ":S(5)}"  # the layout of an array in host memory (XLA's memory space 5)
+HOST_KINDS = ("host-to-device", "device-to-host")
+"""The kinds of the replay's host transfers (in `Overlap.kind`, over the axis `host`)."""
 _DTYPE = re.compile(r"\b(bf16|f16|f32|f64|f8e4m3fn|f8e5m2|f8e4m3|f8e5m2fnuz|f8e4m3fnuz)\[")
 
 
@@ -154,6 +162,26 @@ class _Costs:
             return 2.0 * result + sum(b for b in operands if b <= result)
         return sum(operands) + result
 
+    def host_transfer(self, instr: _Instr, shapes: dict[str, str]) -> tuple[str, float] | None:
+        """(`host-to-device` or `device-to-host`, bytes) of a copy, fusion or slice that reads
+        or writes host memory (`S(5)`), as one transfer over the host link; None for others.
+        A copy moves its operand; a kernel writing host memory moves what it reads from the
+        device (a dynamic-update-slice: its update); one reading host memory, what it writes."""
+        operands = [shapes.get(o, "") for o in instr.operands]
+        from_host = any(_HOST in shape for shape in operands)
+        if instr.opcode in ("copy", "copy-start"):
+            to_host = _HOST in instr.shape and not from_host
+            if not (to_host or from_host):
+                return None
+            return ("device-to-host" if to_host else "host-to-device"), _bytes(operands[0])
+        callees = hlo.called(instr.rest) if instr.opcode.startswith("fusion") else []
+        result = (self.comps[callees[0]][-1].shape if instr.opcode == "fusion-start" and callees
+                  and self.comps.get(callees[0]) else instr.shape)
+        if _HOST in result:
+            return "device-to-host", sum(_bytes(shape) for shape in operands  # not indices
+                                         if _HOST not in shape and "[]" not in shape)
+        return ("host-to-device", _bytes(result)) if from_host else None
+
     def _root(self, comp: str) -> str | None:
         """The opcode of `comp`'s result, through copies and bitcasts."""
         instrs = {i.name: i for i in self.comps.get(comp, ())}
@@ -236,7 +264,7 @@ class _Replay:
         self.mesh_shape, self.machine = mesh_shape, machine
         self.entry = self.costs.counter.entry
         self.found: dict[str, dict] = {}  # key -> accumulated record
-        self.comm_free = 0.0
+        self.free = {"comm": 0.0, **{kind: 0.0 for kind in HOST_KINDS}}  # when each stream is
         self.seconds = {"matmul": 0.0, "other": 0.0}  # compute time by kind of kernel
 
     # ------------------------------------------------------------------ collectives
@@ -268,9 +296,26 @@ class _Replay:
         return key
 
     def _start(self, key: str, t: float) -> _Flight:
-        begin = max(t, self.comm_free)
-        self.comm_free = begin + self.found[key]["comm_s"]
-        return _Flight(key, self.comm_free)
+        stream = self.found[key]["kind"] if self.found[key]["kind"] in HOST_KINDS else "comm"
+        begin = max(t, self.free[stream])
+        self.free[stream] = begin + self.found[key]["comm_s"]
+        return _Flight(key, self.free[stream])
+
+    def _host_record(self, comp: str, instr: _Instr, shapes: dict[str, str],
+                     asynchronous: bool) -> str | None:
+        """The record of `instr` when it moves data between host and device memory."""
+        transfer = self.costs.host_transfer(instr, shapes)
+        if transfer is None:
+            return None
+        kind, size = transfer
+        key = f"{comp}/{instr.name}"
+        if key not in self.found:
+            self.found[key] = dict(
+                kind=kind, name=instr.name, axes=("host",), wire_bytes=size,
+                comm_s=size / self.machine.host_bw, asynchronous=asynchronous,
+                backward="transpose(" in instr.rest, weight=0.0, flops=0.0, matmul=0.0,
+                window_s=0.0, exposed=0.0)
+        return key
 
     def _finish(self, flight: _Flight, t: float, weight: float) -> float:
         rec = self.found[flight.key]
@@ -304,6 +349,10 @@ class _Replay:
                 if c is not None:
                     flights[instr.name] = self._start(self._record(comp, instr, c, True), t)
                 continue
+            if op in ("copy-start", "fusion-start") and \
+                    (key := self._host_record(comp, instr, shapes, True)) is not None:
+                flights[instr.name] = self._start(key, t)
+                continue
             if op.endswith("-done") and instr.operands:
                 source = instr.operands[0]
                 flight = flights.pop(source, None)
@@ -317,6 +366,10 @@ class _Replay:
                 if c is not None:
                     t = self._finish(self._start(self._record(comp, instr, c, False), t), t,
                                      weight)
+                continue
+            if op in ("copy", "fusion", "dynamic-slice", "dynamic-update-slice") and \
+                    (key := self._host_record(comp, instr, shapes, False)) is not None:
+                t = self._finish(self._start(key, t), t, weight)
                 continue
             t0 = t
             flops = matmul = 0.0
@@ -371,8 +424,9 @@ class _Replay:
             nxt: dict = {}
             t_steady = self.run(body, t, weight * (trips - 1), carry, nxt)
             per_trip = t_steady - t
-            if self.comm_free > t:  # the stream as the last iteration leaves it
-                self.comm_free += per_trip * (trips - 2)
+            for stream, free in self.free.items():  # as the last iteration leaves them
+                if free > t:
+                    self.free[stream] = free + per_trip * (trips - 2)
             t += per_trip * (trips - 1)
             for flight in nxt.values():  # the last iteration's, issued (trips − 2) trips later
                 flight.end += per_trip * (trips - 2)

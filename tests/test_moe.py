@@ -499,3 +499,34 @@ def test_hlo_counts_ragged_dot_flops():
     assert lowered.count("ragged-dot(") == 3
     extra = hlo.flops(lowered) - 3 * 2 * m * k * n
     assert 0 <= extra <= 2 * m * n  # the sum and its broadcast gradient
+
+
+def test_routing_options_reach_the_model_and_the_plan(devices):
+    """`--moe-dispatch-factor` / `--moe-capacity-factor` (YAML `model.moe_*`) set the preset's
+    routing for the trainer and `plan` alike: over expert = 4 a dispatch factor of 1 drops
+    assignments (counted per layer) and shrinks the planned all-to-all; one of 4 (a whole
+    device's rows may go anywhere) drops none and trains exactly like the dropless default.
+    A model without experts, or a factor ≤ 0, is refused in one line."""
+    from axonn_jax import ParallelConfig
+    from axonn_jax.analysis import comm_model as cm
+    from axonn_jax.run.options import ConfigError, check
+    from axonn_jax.run.plan import workload
+    from axonn_jax.train import TrainOptions, train
+
+    base = dict(model="mixtral-tiny", steps=2, batch_size=8, seq_len=32, eval_batches=1,
+                eval_every=10, parallel=ParallelConfig(expert=4))
+    runs = {f: train(TrainOptions(**base, moe_dispatch_factor=f), devices=devices[:4])["history"]
+            for f in (None, 1.0, 4.0)}
+    assert all(sum(r["dropped_tokens"]) == 0 for r in runs[None] + runs[4.0])
+    assert all(sum(r["dropped_tokens"]) > 0 for r in runs[1.0])
+    assert [r["loss"] for r in runs[4.0]] == [r["loss"] for r in runs[None]]
+    grid = ParallelConfig(expert=4)
+    a2a = {f: cm.bytes_by_kind(workload(TrainOptions(**base, moe_dispatch_factor=f)), grid)
+           ["all-to-all"] for f in (None, 1.0)}
+    assert 0 < a2a[1.0] < a2a[None]
+    for options, message in [(dict(model="gpt-tiny", moe_dispatch_factor=1.0),
+                              "--moe-dispatch-factor: gpt-tiny has no mixture-of-experts layers"),
+                             (dict(model="mixtral-tiny", moe_capacity_factor=0.0),
+                              "--moe-capacity-factor 0.0 must be > 0")]:
+        with pytest.raises(ConfigError, match=message):
+            check(TrainOptions(**options), ParallelConfig())

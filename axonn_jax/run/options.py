@@ -82,6 +82,15 @@ class ModelOptions:
                                     "passed around a ring, or all-gathered",
                                     choices=("ring", "allgather"))
     sample_tokens: int = option(0, "generate a sample of this many tokens at the end")
+    moe_capacity_factor: float | None = option(
+        None, "mixture-of-experts layers route with a capacity: each expert takes "
+        "ceil(F·tokens·top_k/experts) assignments, the rest are dropped and counted (default: "
+        "the preset's, dropless for the built-in ones)", kind=float, metavar="F")
+    moe_dispatch_factor: float | None = option(
+        None, "dropless mixture-of-experts layers over --expert devices send each device at "
+        "most ceil(F·tokens·top_k/expert) rows, the rest are dropped and counted (default: the "
+        "preset's; none: every row could go to one device, nothing dropped)", kind=float,
+        metavar="F")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,8 +532,19 @@ def preset_of(config: RunConfig):
     """The built-in model the config names (`models.Preset`): `--init-from`'s or `--model`'s."""
     from .. import models
 
-    return models.pretrained(config.model.init_from) if config.model.init_from else \
+    preset = models.pretrained(config.model.init_from) if config.model.init_from else \
         models.get(config.model.name)
+    routing = {name: value for name, value in (
+        ("capacity_factor", config.model.moe_capacity_factor),
+        ("dispatch_factor", config.model.moe_dispatch_factor)) if value is not None}
+    flags = {name: f"--moe-{name.replace('_', '-')}" for name in routing}
+    for name, value in routing.items():
+        if not value > 0:
+            raise ValueError(f"{flags[name]} {value} must be > 0")
+    if routing and not {f.name for f in dataclasses.fields(preset.config)} >= routing.keys():
+        raise ValueError(f"{', '.join(flags.values())}: {preset.name} has no mixture-of-experts "
+                         "layers")
+    return preset.with_config(**routing) if routing else preset
 
 
 def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | None = None,

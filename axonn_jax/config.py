@@ -1,4 +1,4 @@
-"""The parallel grid: how many devices split each of the five axes."""
+"""The parallel grid: how many devices split each of its axes (`AXES`)."""
 from __future__ import annotations
 
 import dataclasses

@@ -110,6 +110,21 @@ def test_layer_exchange_keeps_no_copy_of_the_parameters(devices):
     assert temp[True] <= temp[False], temp
 
 
+def test_a_pullback_is_saved_without_its_parameters_and_sentinels():
+    """What the forward saves of a layer's pullback: its arrays but the layer's parameters (put
+    back from the stack in the backward) and leaves that are no arrays (JAX 0.11's `jax.vjp`
+    marks arguments it does not need with sentinel objects), which stay as they are."""
+    from axonn_jax.step.layer_exchange import _with_params, _without_params
+
+    param, residual, sentinel = jnp.ones(3), jnp.zeros(2), object()
+    saved, treedef, where = _without_params({"p": param, "r": residual, "s": sentinel},
+                                            {"w": param})
+    assert len(saved) == 1 and saved[0] is residual
+    rebuilt = _with_params(saved, treedef, where, {"w": 2 * param})
+    assert rebuilt["s"] is sentinel and rebuilt["r"] is residual
+    np.testing.assert_array_equal(rebuilt["p"], 2 * param)
+
+
 OPTS = dict(model="gpt-tiny", steps=3, batch_size=8, seq_len=16, lr=1e-2, **PARITY)
 
 

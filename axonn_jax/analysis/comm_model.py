@@ -28,6 +28,7 @@ from ..collectives import (FP32, KINDS, Collective, ModelCommunication, Paramete
                            StepShape, ring_bytes)
 from ..config import AXES, ParallelConfig, check_grid
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
+from ..offload.activations import UNIFORM_REMAT
 from ..parallel.context import check_sequence
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
@@ -128,7 +129,7 @@ MACHINES: dict[str, Machine] = {
 }
 
 
-REMAT_POLICIES = ("none", "selective", "offload", "full")
+REMAT_POLICIES = UNIFORM_REMAT
 """The `--remat` modes the planner models (`offload.activations`): `offload` keeps on the device
 what `full` keeps and recomputes what `selective` recomputes."""
 

@@ -41,7 +41,10 @@ import numpy as np
 from ..tp.tensor import TP_DENSE_NAME
 
 DECISIONS = ("keep", "selective", "offload", "recompute")
-REMAT_MODES = ("none", "full", "selective", "offload", "auto")
+REMAT_MODES = ("none", "selective", "offload", "full", "auto")
+"""The `--remat` modes: one decision for every block, or `auto` (KARMA's planner, per block)."""
+UNIFORM_REMAT = REMAT_MODES[:-1]
+"""The modes that take one decision for every block."""
 _UNIFORM = {"full": "recompute", "selective": "selective", "offload": "offload"}
 """The decision every block takes under a uniform `--remat` mode."""
 

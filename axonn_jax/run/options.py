@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
+from ..offload.activations import REMAT_MODES
 from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
 from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
@@ -39,7 +40,6 @@ from . import sources
 from .sources import LONG_DOCUMENTS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-REMAT_CHOICES = ("none", "full", "selective", "offload", "auto")
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 TRANSPORTS = ("xla", "mpi")
 XLA_OPTION_CHOICES = xla_options.CHOICES
@@ -157,7 +157,7 @@ class MemoryOptions:
     offload_optimizer: bool = option(False, "fp32 master weights and optimizer state in host "
                                      "memory, streamed through the device per layer")
     remat: str = option("none", "what each block keeps for the backward (auto: KARMA's planner "
-                        "within --memory-budget)", choices=REMAT_CHOICES)
+                        "within --memory-budget)", choices=REMAT_MODES)
     budget_gb: float | None = option(None, "device memory budget of --remat auto", kind=float,
                                      flag="--memory-budget", legacy="memory_budget_gb",
                                      metavar="GB")

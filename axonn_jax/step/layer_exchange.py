@@ -34,19 +34,26 @@ def _concatenated(auxes: list):
 
 
 def _without_params(pullback, params) -> tuple[list, object, list]:
-    """The pullback's residuals minus the layer's own parameters (matched by identity), its
-    treedef, and where each residual comes from: an index into the parameters' leaves, or None
-    for one kept."""
+    """The pullback's arrays to save (its residuals minus the layer's own parameters, matched by
+    identity), its treedef, and where each of its leaves comes from: `("param", k)`, the k-th
+    parameter leaf; `("saved", None)`, the next saved array; `("static", leaf)`, a leaf that is no
+    array (JAX 0.11's `jax.vjp` marks the arguments it does not need with sentinels)."""
     leaves, treedef = jax.tree.flatten(pullback)
     param_leaves = jax.tree.leaves(params)
-    where = [next((k for k, q in enumerate(param_leaves) if leaf is q), None) for leaf in leaves]
-    return [leaf for leaf, k in zip(leaves, where) if k is None], treedef, where
+    where = []
+    for leaf in leaves:
+        k = next((k for k, q in enumerate(param_leaves) if leaf is q), None)
+        where.append(("param", k) if k is not None else ("saved", None)
+                     if isinstance(leaf, jax.Array) else ("static", leaf))
+    saved = [leaf for leaf, (source, _) in zip(leaves, where) if source == "saved"]
+    return saved, treedef, where
 
 
-def _with_params(kept: list, treedef, where: list, params) -> Callable:
-    param_leaves, rest = jax.tree.leaves(params), iter(kept)
-    return jax.tree.unflatten(treedef, [next(rest) if k is None else param_leaves[k]
-                                        for k in where])
+def _with_params(saved: list, treedef, where: list, params) -> Callable:
+    param_leaves, rest = jax.tree.leaves(params), iter(saved)
+    return jax.tree.unflatten(treedef, [param_leaves[k] if source == "param" else
+                                        next(rest) if source == "saved" else k
+                                        for source, k in where])
 
 
 def scan_exchanging(layer: Callable, stacked, x, groups, exchange: Callable, prepare: Callable):

@@ -291,6 +291,9 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
         h100 = targets.h100_devices(8)
         gpu = make_mesh(ParallelConfig(data=2, depth=2, row=2), h100)
         assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
+        # One axis: its collectives share its links, one in flight (XLA's default).
+        one_axis = xo.compiler_options(make_mesh(ParallelConfig(data=8), h100))
+        assert one_axis == {**xo.GPU_OPTIONS, xo.OVERLAP_LIMIT: 1}
         assert xo.compiler_options(gpu, "xla") is None
         assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
 

@@ -26,45 +26,30 @@ CHOICES = ("library", "xla")
 OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 GPU_OPTIONS: dict[str, bool | int] = {
-    # The collective pipeliner for all-gathers and all-reduces in loops: on depth=2,row=2,col=2 the
-    # depth weight all-gathers get compute in their window for 46% of their bytes (39% without)
-    # and 97% of their time hidden (75%); on data=2,row=2,col=2 the row all-gathers 32% (16%).
-    # With a pipeline (ZB-H1) it adds 1.1 GB of row reduce-scatter bytes per step and lengthens
-    # the replayed step by 7%: not set when the mesh has `pipe` > 1 (`compiler_options`).
+    # The collective pipeliner for all-gathers and all-reduces in loops: the next layer's weights
+    # are gathered during this layer. It adds reduce-scatter bytes to a pipeline's ticks, so it is
+    # not set when the mesh has `pipe` > 1 (`compiler_options`).
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     # Each weight's gradient reduce-scattered over depth on its own, as soon as its matmul is
-    # done, instead of the layer's seven combined into one that waits for the last of them (the
-    # combiner's default): on Llama-3-70B over 256 H100s (data 4 × depth 16 × row 2 × col 2, full
-    # recompute) the depth reduce-scatters' exposed time falls from 0.64 to 0.43 s and the
-    # replayed step from 15.22 to 15.04 s, same memory; on the 1.9B grids no change beyond 0.3 ms
-    # (`benchmarks/results/overlap_notes.md`).
+    # done, instead of the layer's weights combined into one that waits for the last of them.
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1,
-    # The latency-hiding scheduler's memory limit, as a percentage of the device's memory less
-    # the step's arguments and results (XLA's default: 95). Near that limit the scheduler stops
-    # overlapping to save memory, on its own estimate of the peak, which is not the buffer
-    # assignment's: on Llama-3-70B over 256 H100s, data 8 × depth 8 × row 4 (full recompute,
-    # 75.8 GB of 80), the default left the data all-reduces with no compute in their windows
-    # and replayed at 16.02 s (46.4% MFU); at 125 the same step replays at 14.06 s (52.9%) in
-    # 75.2 GB (110: 14.27 s, 74.1 GB; 150 and 200: as 125). Grids with room to spare compile to
-    # the same schedule either way (data 4 × depth 16 × row 4, data 2 × depth 32 × row 4,
-    # data 4 × depth 32 × row 2, data 4 × depth 16 × row 2 × col 2: identical replays, peaks
-    # within 0.5 GB). Where the default limit made XLA rematerialize, the step now keeps more:
-    # Llama-3-8B on 64 (data 8 × depth 8) 50.1 → 65.9 GB and 1.6% faster, GPT-20B on 64
-    # (data 4 × depth 16) 64.5 → 71.7 GB and 0.4% slower (`benchmarks/results/scale.md`).
-    # What the device must hold is still the compiled buffers (`fits`).
+    # The latency-hiding scheduler's memory limit, in percent of the device's memory less the
+    # step's arguments and results (XLA's default: 95). Near the limit the scheduler stops
+    # overlapping, on its own estimate of the peak, which is not the buffer assignment's; what
+    # the device must hold is still the compiled buffers (`fits`).
     "xla_gpu_memory_limit_slop_factor": 125,
-    # Up to four collectives in flight at once (XLA's default: one), on meshes split over more
-    # than one axis (`compiler_options`): the backward then overlaps a layer's data-parallel
-    # exchange (`step.layer_exchange`) with the depth gathers and reduce-scatters of the layer
-    # below, instead of queueing it behind them. Collectives over one axis share its links, and
-    # XLA, free to run several, starts them all late (`benchmarks/results/layer_exchange.md`).
+    # Up to four collectives in flight at once (XLA's default: one) on meshes split over more
+    # than one axis (`compiler_options`): a layer's data-parallel exchange (`step.layer_exchange`)
+    # then runs beside the depth gathers and reduce-scatters of the layer below instead of queueing
+    # behind them. Collectives over one axis share its links, and XLA, free to run several, starts
+    # them all late.
     OVERLAP_LIMIT: 4,
 }
-"""XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Measured and
-left out (no change to the schedule of any case, or a loss): the latency-hiding scheduler (on
-by default in jaxlib 0.10), the pipelined reduce-scatter (no change beyond the two above), while-
-loop double buffering (no change; +1.6 GB on depth=2,row=2,col=2)."""
+"""XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Each one's
+measurements, and those of the options left out (the pipelined reduce-scatter, while-loop double
+buffering, the analytical latency estimator), are in `benchmarks/results/overlap_notes.md` and
+`benchmarks/results/layer_exchange.md`."""
 
 
 def check_choice(choice: str) -> None:

@@ -2,7 +2,8 @@
 (`benchmarks/gpu_suite.py --hlo-dir`), each against
 
 - the replay (`analysis.overlap`) of the module the GPU compiled and ran (autotuned: cuBLAS and
-  cuDNN calls, asynchronous fusions), on the device's published figures (`comm_model.MACHINES`);
+  cuDNN calls, asynchronous fusions), on the device's figures (`comm_model.MACHINES`: published
+  ones, and for the H200 the device copy rate it was measured at);
 - the same step compiled here without a GPU for an abstract H100 (`axonn-jax compile --target
   h100`: the path every full-scale figure of this project comes from; no autotuning, Triton GEMMs),
   its replay on the same figures and its compiled memory;
@@ -102,7 +103,7 @@ def calibrate(run: pathlib.Path) -> dict:
 def markdown(r: dict) -> str:
     lines = [f"# Compile-time figures against a real {r['device']}", "",
              f"Measured with JAX {r['jax_on_gpu']} (`{r['suite_command']}`); replays on "
-             f"`{r['machine']}`'s published figures; deviceless compiles and `plan` on this CPU "
+             f"`{r['machine']}`'s figures (`comm_model.MACHINES`); deviceless compiles and `plan` on this CPU "
              "machine (`python benchmarks/gpu_calibration.py --run DIR`). × = figure / measured.",
              "", "| variant | batch × seq | measured s | replay of the GPU's module | "
              "deviceless H100 compile, replayed | plan | measured peak GB | deviceless GB | "

@@ -150,6 +150,37 @@ def test_host_copies_run_on_the_host_link_one_stream_per_direction():
     assert s.step_s >= 2 * link
 
 
+SLICED_INTO_PLACE = """HloModule u, is_scheduled=true, num_partitions=1
+
+%cast_layer (p0: bf16[24,512,1024], p1: s32[], p2: f32[24,512,1024]) -> bf16[24,512,1024] {
+  %p0 = bf16[24,512,1024]{2,1,0} parameter(0)
+  %p2 = f32[24,512,1024]{2,1,0} parameter(2)
+  %p1 = s32[] parameter(1)
+  %c0 = s32[] constant(0)
+  %s = f32[1,512,1024]{2,1,0} dynamic-slice(%p2, %p1, %c0, %c0), dynamic_slice_sizes={1,512,1024}
+  %b = bf16[1,512,1024]{2,1,0} convert(%s)
+  ROOT %u = bf16[24,512,1024]{2,1,0} dynamic-update-slice(%p0, %b, %p1, %c0, %c0)
+}
+
+ENTRY %main (a: bf16[24,512,1024], i: s32[], w: f32[24,512,1024]) -> bf16[24,512,1024] {
+  %a = bf16[24,512,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = f32[24,512,1024]{2,1,0} parameter(2)
+  ROOT %f = bf16[24,512,1024]{2,1,0} fusion(%a, %i, %w), kind=kLoop, calls=%cast_layer
+}
+"""
+
+
+def test_a_layer_cast_into_a_stack_touches_one_layer():
+    """One layer of an fp32 stack sliced, cast and written into a bf16 stack in place (a scan
+    saving its layers' cast weights): the kernel reads the f32 layer and writes the bf16 layer,
+    nothing of the two stacks beyond them."""
+    costs = overlap._Costs(SLICED_INTO_PLACE, H100)
+    main = {i.name: i for i in costs.comps[costs.counter.entry]}
+    shapes = {name: i.shape for name, i in main.items()}
+    assert costs.memory_bytes(main["f"], shapes) == 512 * 1024 * (4 + 2) + 4  # and the index
+
+
 PLACED_THEN_SLICED = """HloModule d, is_scheduled=true, num_partitions=16
 
 %placed (p0: bf16[256,1024], p1: bf16[256,1024], p2: bf16[256,1024], p3: bf16[256,1024], p4: s32[], p5: s32[], p6: s32[]) -> bf16[256,1024] {

@@ -109,8 +109,11 @@ MACHINES: dict[str, Machine] = {
     # A DGX H100 ([A], [B]): 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
     "h100-dgx": Machine("8× H100 SXM per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9),
     # A DGX H200 ([D], [B]'s network): the H100 node with the H200's memory.
+    # Its memory-bound kernels at the device copy's rate measured on a lent H200 (2,998 GB/s of
+    # the datasheet's 4.8 TB/s, `benchmarks/results/gpu_nvidia_h200.md` (d)); the H100's HBM is
+    # taken at its datasheet rate until one is measured.
     "h200-dgx": Machine("8× H200 per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9,
-                        device_memory=141e9, hbm_bw=4.8e12),
+                        device_memory=141e9, hbm_bw=2.998e12),
     # Perlmutter-like: 4 A100-40GB per node, NVLink 3, 4 × 200 Gb/s Slingshot per node.
     "a100-4": Machine("4× A100 40GB per node, NVLink 3, 200 Gb/s per GPU", 4, 300e9, 25e9,
                       peak_flops=312e12, device_memory=40e9, host_bw=25e9, efficiency=0.6,

@@ -156,11 +156,50 @@ class _Costs:
         inner = set().union(*(self.opcodes(c) for c in callees)) if callees else {instr.opcode}
         if len(callees) == 1 and self._root(callees[0]) == "dynamic-slice":
             return result + self._sliced_reads(callees[0], operands, result)
-        if "dynamic-update-slice" in inner and operands:
-            return 2.0 * (sum(operands) - max(operands))
-        if "dynamic-slice" in inner:
-            return 2.0 * result + sum(b for b in operands if b <= result)
+        if len(callees) == 1 and inner & {"dynamic-update-slice", "dynamic-slice"}:
+            return self._touched(callees[0], operands)
         return sum(operands) + result
+
+    def _touched(self, comp: str, operands: list[float]) -> float:
+        """Bytes a fusion with dynamic slices or updates reads and writes: an operand it only
+        slices, the slices; a buffer one of its outputs updates in place (a dynamic-update-slice),
+        nothing (it writes the update); every other operand and output whole."""
+        instrs = self.comps[comp]
+        by_name = {i.name: i for i in instrs}
+        users: dict[str, list[_Instr]] = {}
+        for i in instrs:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+
+        def through_views(name: str) -> str:
+            while by_name.get(name) is not None and by_name[name].opcode in ("bitcast", "copy") \
+                    and by_name[name].operands:
+                name = by_name[name].operands[0]
+            return name
+
+        root = instrs[-1]
+        outputs = root.operands if root.opcode == "tuple" else (root.name,)
+        in_place, written = set(), 0.0
+        for name in outputs:  # each output: an update in place, or written whole
+            out = by_name.get(through_views(name))
+            if out is not None and out.opcode == "dynamic-update-slice" and \
+                    len(out.operands) > 1 and out.operands[1] in by_name:
+                in_place.add(through_views(out.operands[0]))
+                written += _bytes(by_name[out.operands[1]].shape)
+            else:
+                written += _bytes(by_name[name].shape) if name in by_name else 0.0
+        reads = 0.0
+        for i in instrs:
+            if i.opcode != "parameter" or i.name in in_place:
+                continue
+            k = int(re.match(r"\s*(\d+)", i.rest).group(1))
+            size = operands[k] if k < len(operands) else 0.0
+            uses = list(self._uses_through_views(i.name, users))
+            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == view
+                            for u, view in uses):
+                size = min(size, sum(_bytes(u.shape) for u, _ in uses))
+            reads += size
+        return reads + written
 
     def host_transfer(self, instr: _Instr, shapes: dict[str, str]) -> tuple[str, float] | None:
         """(`host-to-device` or `device-to-host`, bytes) of a copy, fusion or slice that reads
@@ -181,6 +220,16 @@ class _Costs:
             return "device-to-host", sum(_bytes(shape) for shape in operands  # not indices
                                          if _HOST not in shape and "[]" not in shape)
         return ("host-to-device", _bytes(result)) if from_host else None
+
+    @staticmethod
+    def _uses_through_views(name: str, users: dict[str, list[_Instr]]):
+        """(instruction, the name it reads) for every use of `name`, bitcasts and copies of it
+        followed to their own uses."""
+        for user in users.get(name, []):
+            if user.opcode in ("bitcast", "copy"):
+                yield from _Costs._uses_through_views(user.name, users)
+            else:
+                yield user, name
 
     def _root(self, comp: str) -> str | None:
         """The opcode of `comp`'s result, through copies and bitcasts."""

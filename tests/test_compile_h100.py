@@ -196,3 +196,18 @@ def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
         assert rows[kind]["bytes"] == host > 0, kind
         assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
     assert report["overlap"]["exposed_comm_s"] > 0
+
+
+@needs_cuda
+def test_one_device_keeps_cudnn_attention_residuals(tmp_path, capsys):
+    """On one device cuDNN's attention runs as it is, not in the nested shard_map of
+    `models.attention.fully_manual`, whose custom VJP keeps only the inputs and runs the attention
+    forward again in the backward: gpt-tiny-deep (remat none) compiled for one H100 holds one
+    forward attention call (the forward scan's) beside its backward's (it held three)."""
+    assert cli_main(["compile", "--target", "h100", "--devices", "1", "--model", "gpt-tiny-deep",
+                     "--batch-size", "4", "--seq-len", "64", "--dtype", "bfloat16", "--attention",
+                     "cudnn", "--dump-hlo", str(tmp_path), "--json"]) == 0
+    capsys.readouterr()
+    text = next(tmp_path.glob("*.txt")).read_text()
+    assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == 1
+    assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') >= 1

@@ -148,10 +148,11 @@ def fully_manual(core, q, k, v):
     where every axis is manual: one mechanism for every grid. The nested specs are those
     `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
     the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
-    these specs). With no mesh in context (a model called outside a step), or every axis manual,
+    these specs). With no mesh in context (a model called outside a step), every axis manual, or
+    one device (nothing to partition; the nested shard_map's VJP would run the forward again),
     `core(q, k, v)` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.are_all_axes_manual:
+    if mesh.empty or mesh.are_all_axes_manual or mesh.size == 1:
         return core(q, k, v)
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
     q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape))

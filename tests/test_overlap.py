@@ -162,10 +162,18 @@ SLICED_INTO_PLACE = """HloModule u, is_scheduled=true, num_partitions=1
   ROOT %u = bf16[24,512,1024]{2,1,0} dynamic-update-slice(%p0, %b, %p1, %c0, %c0)
 }
 
+%cast_last (p0: f32[24,512,1024]) -> bf16[1,512,1024] {
+  %p0 = f32[24,512,1024]{2,1,0} parameter(0)
+  %v = f32[24,512,1024]{2,1,0} bitcast(%p0)
+  %s = f32[1,512,1024]{2,1,0} slice(%v), slice={[23:24], [0:512], [0:1024]}
+  ROOT %b = bf16[1,512,1024]{2,1,0} convert(%s)
+}
+
 ENTRY %main (a: bf16[24,512,1024], i: s32[], w: f32[24,512,1024]) -> bf16[24,512,1024] {
   %a = bf16[24,512,1024]{2,1,0} parameter(0)
   %i = s32[] parameter(1)
   %w = f32[24,512,1024]{2,1,0} parameter(2)
+  %last = bf16[1,512,1024]{2,1,0} fusion(%w), kind=kLoop, calls=%cast_last
   ROOT %f = bf16[24,512,1024]{2,1,0} fusion(%a, %i, %w), kind=kLoop, calls=%cast_layer
 }
 """
@@ -174,11 +182,13 @@ ENTRY %main (a: bf16[24,512,1024], i: s32[], w: f32[24,512,1024]) -> bf16[24,512
 def test_a_layer_cast_into_a_stack_touches_one_layer():
     """One layer of an fp32 stack sliced, cast and written into a bf16 stack in place (a scan
     saving its layers' cast weights): the kernel reads the f32 layer and writes the bf16 layer,
-    nothing of the two stacks beyond them."""
+    nothing of the two stacks beyond them. The same for the last layer taken by a static slice
+    (a loop's peeled iteration)."""
     costs = overlap._Costs(SLICED_INTO_PLACE, H100)
     main = {i.name: i for i in costs.comps[costs.counter.entry]}
     shapes = {name: i.shape for name, i in main.items()}
     assert costs.memory_bytes(main["f"], shapes) == 512 * 1024 * (4 + 2) + 4  # and the index
+    assert costs.memory_bytes(main["last"], shapes) == 512 * 1024 * (4 + 2)
 
 
 PLACED_THEN_SLICED = """HloModule d, is_scheduled=true, num_partitions=16

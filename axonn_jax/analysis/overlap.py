@@ -156,13 +156,13 @@ class _Costs:
         inner = set().union(*(self.opcodes(c) for c in callees)) if callees else {instr.opcode}
         if len(callees) == 1 and self._root(callees[0]) == "dynamic-slice":
             return result + self._sliced_reads(callees[0], operands, result)
-        if len(callees) == 1 and inner & {"dynamic-update-slice", "dynamic-slice"}:
+        if len(callees) == 1 and inner & {"dynamic-update-slice", "dynamic-slice", "slice"}:
             return self._touched(callees[0], operands)
         return sum(operands) + result
 
     def _touched(self, comp: str, operands: list[float]) -> float:
-        """Bytes a fusion with dynamic slices or updates reads and writes: an operand it only
-        slices, the slices; a buffer one of its outputs updates in place (a dynamic-update-slice),
+        """Bytes a fusion with slices (static or dynamic) or in-place updates reads and writes: an
+        operand it only slices, the slices; a buffer one of its outputs updates in place (a dynamic-update-slice),
         nothing (it writes the update); every other operand and output whole."""
         instrs = self.comps[comp]
         by_name = {i.name: i for i in instrs}
@@ -195,7 +195,7 @@ class _Costs:
             k = int(re.match(r"\s*(\d+)", i.rest).group(1))
             size = operands[k] if k < len(operands) else 0.0
             uses = list(self._uses_through_views(i.name, users))
-            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == view
+            if uses and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == view
                             for u, view in uses):
                 size = min(size, sum(_bytes(u.shape) for u, _ in uses))
             reads += size

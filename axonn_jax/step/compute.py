@@ -59,10 +59,10 @@ class ComputeFunctions:
     _: dataclasses.KW_ONLY  # the modes by name: a field added here must not shift the others
     groups: tuple | None = None
     vary_layers: tuple[str, ...] = ()
-    """Manual axes each layer's parameters are made varying over inside the scan (the stack
-    arrives invariant): autodiff then sums each layer's gradients over them inside the backward
-    scan, as soon as they exist, where the latency-hiding scheduler overlaps the all-reduce with
-    the next layers' backward (`SpmdEngine.layer_reduce`)."""
+    """The manual axis (one) each layer's gradients are summed over inside the backward (the
+    stack arrives invariant over it): the stack's backward is written by hand
+    (`step.layer_exchange`), each layer's sum running while the layer below computes its
+    backward (`SpmdEngine.layer_reduce`)."""
     reduce_dtype: str = "float32"
     """The dtype those sums send (`parallel.exchange`)."""
     fp8: bool = False

@@ -50,9 +50,10 @@ class SpmdEngine:
     manual_axes: frozenset[str]
     microbatches: int = 1
     layer_reduce: bool = False
-    """The blocks' gradients summed over the manual axes layer by layer inside the backward scan
-    (`ComputeFunctions.vary_layers`; they come out invariant, already summed): for an exact
-    reducer over one microbatch, where the reduction is the same sum issued earlier."""
+    """The blocks' gradients summed over the manual axes layer by layer inside the backward
+    (`ComputeFunctions.vary_layers`, `step.layer_exchange`; they come out invariant, already
+    summed): for an exact reducer over one microbatch, where the reduction is the same sum issued
+    earlier."""
     reduce_dtype: str = "float32"
     """The dtype the per-layer sums send (`parallel.exchange`)."""
 

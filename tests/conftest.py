@@ -1,6 +1,7 @@
 """Every test runs on 8 simulated CPU devices; set before JAX starts."""
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -53,6 +54,19 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests need 8 simulated devices, JAX sees {len(devs)}"
     return devs
+
+
+def parse_python(path):
+    """`ast.parse` of a source file. CPython 3.11 can raise a spurious `SystemError: AST
+    constructor recursion depth mismatch` in a process where other threads run (JAX's, orbax's;
+    python/cpython#106905): the parse is tried once more then."""
+    import ast
+
+    source = pathlib.Path(path).read_text()
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
 
 
 def relative_difference(a, b):

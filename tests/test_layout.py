@@ -2,6 +2,8 @@
 import ast
 import pathlib
 
+from conftest import parse_python
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "axonn_jax"
 
 # Lowest first; a module may import only modules of its own layer or below.
@@ -21,7 +23,7 @@ def _imports() -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path)):
             if isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names if a.name.startswith("axonn_jax")}
             elif isinstance(node, ast.ImportFrom):
@@ -75,7 +77,7 @@ def test_analysis_knows_no_model_type():
     configs = ("GPTConfig", "LlamaConfig", "UNetConfig", "ResNetConfig")
     found = []
     for path in (PACKAGE / "analysis").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_python(path)):
             text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Name, ast.Attribute)) else \
                 " ".join(a.name for a in getattr(node, "names", []))
             dispatch = isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"

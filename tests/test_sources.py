@@ -19,6 +19,8 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from axonn_jax.run import data as data_lib
 from axonn_jax.run import loader, packing, sources
 
+from conftest import parse_python
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SEQ = 16  # rows of 17 tokens
 LOREM = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do".split()
@@ -476,7 +478,7 @@ def test_core_package_does_not_need_grain():
     extra = ("grain", "pyarrow", "array_record")
     found = {}
     for path in (REPO / "axonn_jax").rglob("*.py"):
-        body = ast.parse(path.read_text()).body
+        body = parse_python(path).body
         top = [n for stmt in body for n in ast.walk(stmt)
                if isinstance(n, (ast.Import, ast.ImportFrom))
                and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef))]

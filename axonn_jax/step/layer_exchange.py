@@ -28,6 +28,31 @@ def _place(stack, tree, i):
                         stack, tree)
 
 
+def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callable]]:
+    """`(first layer, count, layer function)` of each run of `groups` (`((count, wrap), ...)`:
+    the run's function is `wrap(layer)`, or `layer` for None); ValueError unless the counts
+    cover the stack's layers."""
+    total = jax.tree.leaves(stacked)[0].shape[0]
+    runs, start = [], 0
+    for count, wrap in groups:
+        runs.append((start, count, layer if wrap is None else wrap(layer)))
+        start += count
+    if start != total:
+        raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
+    return runs
+
+
+def scan_runs(runs, stacked, x, prepare: Callable = lambda p: p):
+    """`x` through the stacked layers, one `lax.scan` per run (`layer_runs`), each layer's
+    parameters through `prepare` first. Returns (x, every aux entry stacked over the layers)."""
+    auxes = []
+    for begin, count, f in runs:
+        part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
+        x, aux = lax.scan(lambda h, p, f=f: f(prepare(p), h), x, part)
+        auxes.append(aux)
+    return x, _concatenated(auxes)
+
+
 def _concatenated(auxes: list):
     """The runs' stacked aux entries as one stack."""
     return auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
@@ -56,17 +81,16 @@ def _with_params(saved: list, treedef, where: list, params) -> Callable:
                                         for source, k in where])
 
 
-def scan_exchanging(layer: Callable, stacked, x, groups, exchange: Callable, prepare: Callable):
+def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
     """`x` through the stacked layers (as `step.model.scan_layers`), the gradients of the stack
     exchanged one layer late in the backward (module docstring).
 
     Args:
-      layer: `(prepared layer params, h) -> (h, aux)`, one layer (aux a dict of arrays).
+      runs: `layer_runs` of the layer function `(prepared layer params, h) -> (h, aux)` (aux a
+        dict of arrays).
       stacked: the stack's parameters, every leaf `(layers, ...)`, invariant over the exchange's
         axis.
       x: the stack's input, `(rows, ...)`.
-      groups: `((count, wrap), ...)`: runs of layers, each run's layer function `wrap(layer)`
-        (None: `layer`); counts sum to the layers.
       exchange: one layer's gradients (in the stored dtype, varying over the exchange's axis) ->
         their exchanged value (invariant), e.g. `parallel.exchange.sum_over`.
       prepare: one layer's stored parameters -> what `layer` takes (varying over the exchange's
@@ -76,13 +100,6 @@ def scan_exchanging(layer: Callable, stacked, x, groups, exchange: Callable, pre
       (h, aux): the stack's output and every aux entry stacked on a leading layer axis; the
       gradient of `stacked` is the exchanged one.
     """
-    total = jax.tree.leaves(stacked)[0].shape[0]
-    runs, start = [], 0
-    for count, wrap in groups:
-        runs.append((start, count, layer if wrap is None else wrap(layer)))
-        start += count
-    if start != total:
-        raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
     structure = {}  # per run: the pullback's treedef and residual sources (static, set by fwd)
 
     def forward(stacked, x):
@@ -135,12 +152,7 @@ def scan_exchanging(layer: Callable, stacked, x, groups, exchange: Callable, pre
 
     @jax.custom_vjp
     def run(stacked, x):
-        auxes = []
-        for begin, count, f in runs:
-            part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
-            x, aux = lax.scan(lambda h, p, f=f: f(prepare(p), h), x, part)
-            auxes.append(aux)
-        return x, _concatenated(auxes)
+        return scan_runs(runs, stacked, x, prepare)
 
     run.defvjp(lambda stacked, x: (lambda out, res: (out, (stacked, res)))(*forward(stacked, x)),
                backward)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from .layer_exchange import scan_exchanging
+from .layer_exchange import layer_runs, scan_exchanging, scan_runs
 
 from ..parallel import context as context_lib
 from ..tp.parallelize import parallelize
@@ -266,28 +266,16 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
     backward exchanges each layer's gradients while the layer below runs its backward
     (`step.layer_exchange`). Returns (x, aux): every aux entry stacked on a leading layer axis
     ({} for blocks without auxiliary outputs)."""
-    total = jax.tree.leaves(stacked)[0].shape[0]
-    groups = groups or ((total, None),)
     side = side or {}
-    start, auxes = 0, []
 
     def layer(p, h):
         y, aux = split_aux(block(p, h, **side))
         return y.astype(h.dtype), aux  # activations stay in the dtype they came in
 
+    runs = layer_runs(layer, stacked, groups or ((jax.tree.leaves(stacked)[0].shape[0], None),))
     if exchange is not None:
-        return scan_exchanging(layer, stacked, x, groups, exchange, prepare)
-
-    for count, wrap in groups:
-        f = layer if wrap is None else wrap(layer)
-        part = jax.tree.map(lambda a: a[start:start + count], stacked)
-        x, aux = jax.lax.scan(lambda h, p: f(p, h), x, part)
-        auxes.append(aux)
-        start += count
-    if start != total:
-        raise ValueError(f"layer groups cover {start} layers, the stack has {total}")
-    aux = auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
-    return x, aux
+        return scan_exchanging(runs, stacked, x, exchange, prepare)
+    return scan_runs(runs, stacked, x)
 
 
 def _on_mesh(specs, mesh):

@@ -1,5 +1,6 @@
 # The two set-up commands: `make train` and `make test`. Both create .venv when it is missing.
-PYTHON ?= python3
+# JAX 0.12 needs Python >= 3.12: the first of these that runs and is new enough.
+PYTHON ?= $(firstword $(foreach p,python3.12 python3.13 python3,$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo $(p))))
 VENV := .venv
 BIN := $(VENV)/bin
 DEVICES ?= 8
@@ -7,6 +8,7 @@ DEVICES ?= 8
 .PHONY: train test test-all bench clean
 
 $(BIN)/python:
+	@test -n "$(PYTHON)" || { echo "axonn_jax needs Python >= 3.12 (JAX 0.12): none found; set PYTHON=/path/to/python3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 

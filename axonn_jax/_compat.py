@@ -241,8 +241,15 @@ def all_gather_invariant(x, axis_name):
     """`all_gather` whose result is typed invariant (replicated) over `axis_name`.
 
     Plain `all_gather` returns a value typed varying, which a shard_map cannot return under an
-    unsplit out_spec; the invariant variant is still private in JAX 0.10.
+    unsplit out_spec. JAX 0.12 asks for the invariant type with `all_gather(..., to="invarying")`;
+    before, the invariant variant was private.
     """
+    import inspect
+
+    import jax
+
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+        return jax.lax.all_gather(x, axis_name, to="invarying")
     from jax._src.lax import parallel
 
     return parallel.all_gather_invariant(x, axis_name)

@@ -257,14 +257,23 @@ def all_gather_invariant(x, axis_name):
 
 def jaxpr_internals():
     """What `parallel.backward_split` needs to read and re-run jaxprs: `Literal`, `DropVar` and
-    JAX's dead-code-elimination rules per primitive (`dce_rules`, private in JAX 0.10)."""
+    `dce_eqn`, JAX's dead-code elimination of one equation (its rules are private)."""
+    import inspect
     import types
 
     import jax.extend.core as core
     from jax._src.interpreters import partial_eval as pe
 
+    def dce_eqn(used: list[bool], eqn):
+        """`eqn` computing only its `used` outputs. JAX 0.12's rules also take which inputs are
+        live (references only; every input here)."""
+        rule = pe.dce_rules[eqn.primitive]
+        if len(inspect.signature(rule).parameters) == 3:
+            return rule(used, [True] * len(eqn.invars), eqn)[1]
+        return rule(used, eqn)[1]
+
     return types.SimpleNamespace(Literal=core.Literal, DropVar=core.DropVar, Var=core.Var,
-                                 dce_rules=pe.dce_rules)
+                                 dce_eqn=dce_eqn)
 
 
 def manual_axes() -> tuple[str, ...]:
@@ -323,3 +332,17 @@ def _adopt_cuda_versions() -> None:
         module = sys.modules.get(name)
         if module is not None and getattr(module, "cuda_versions", False) is None:
             module.cuda_versions = lib.cuda_versions
+
+
+def scan_layout(params) -> tuple[int, int, object, list]:
+    """A `scan` equation's `(number of consts, number of carries, body jaxpr, body consts)`.
+
+    JAX 0.12 describes the operands with flat trees (`ft_in`: consts, carries, xs) and binds an
+    open body jaxpr; before, with counts and a closed jaxpr.
+    """
+    if "num_consts" in params:
+        body = params["jaxpr"]
+        return params["num_consts"], params["num_carry"], body.jaxpr, list(body.consts)
+    consts, carry, _ = params["ft_in"].unpack()
+    body = params["jaxpr"]
+    return len(consts), len(carry), body, list(body.consts)

@@ -331,10 +331,14 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
     if targets.cuda_compile_problem() is None:
         h100 = targets.h100_devices(8)
         gpu = make_mesh(ParallelConfig(data=2, depth=2, row=2), h100)
-        assert xo.compiler_options(gpu) == xo.GPU_OPTIONS and xo.GPU_OPTIONS
+        got = xo.compiler_options(gpu)
+        # Each option under its own name or, where this XLA renamed it, its successor's.
+        assert xo.GPU_OPTIONS and all(k in got or xo.SUCCESSORS[k][0] in got
+                                      for k in xo.GPU_OPTIONS)
+        assert got[xo.OVERLAP_LIMIT] == xo.GPU_OPTIONS[xo.OVERLAP_LIMIT] > 1
         # One axis: its collectives share its links, one in flight (XLA's default).
         one_axis = xo.compiler_options(make_mesh(ParallelConfig(data=8), h100))
-        assert one_axis == {**xo.GPU_OPTIONS, xo.OVERLAP_LIMIT: 1}
+        assert one_axis == {**got, xo.OVERLAP_LIMIT: 1}
         assert xo.compiler_options(gpu, "xla") is None
         assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
 
@@ -353,9 +357,9 @@ def test_options_this_xla_refuses_are_renamed_or_dropped_with_a_warning(monkeypa
     with pytest.warns(UserWarning, match="no option xla_gpu_no_such_option"):
         assert xo.accepted(mesh, {**known, "xla_gpu_no_such_option": True}) == known
     monkeypatch.setitem(xo.SUCCESSORS, "xla_gpu_renamed_option",
-                        ("xla_gpu_enable_pipelined_all_gather", True))
+                        ("xla_gpu_memory_limit_slop_factor", 100))
     assert xo.accepted(mesh, {**known, "xla_gpu_renamed_option": True}) == {
-        **known, "xla_gpu_enable_pipelined_all_gather": True}
+        **known, "xla_gpu_memory_limit_slop_factor": 100}
 
 
 def test_data_parallel_gradients_are_reduced_inside_the_backward_scan(devices):

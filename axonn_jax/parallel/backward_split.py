@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from .._compat import jaxpr_internals
+from .._compat import jaxpr_internals, scan_layout
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
 
@@ -211,9 +211,7 @@ class _Plan:
 
 def _dce(eqn, used):
     """`eqn` computing only its `used` outputs (JAX's dead-code elimination rule for it)."""
-    rule = jaxpr_internals().dce_rules[eqn.primitive]
-    _, new = rule(list(used), eqn)
-    return new
+    return jaxpr_internals().dce_eqn(list(used), eqn)
 
 
 class _ScanSplit:
@@ -223,11 +221,10 @@ class _ScanSplit:
         core = flat.core
         self.eqn = eqn
         p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk, body, body_consts = scan_layout(p)
         self.nc, self.nk = nc, nk
-        body = p["jaxpr"]
-        inner = _Flat(body.jaxpr, list(body.consts))
-        n_out = len(body.jaxpr.outvars)
+        inner = _Flat(body, body_consts)
+        n_out = len(body.outvars)
         b_carry = {i for i in range(nk) if used_b[i]}
         while True:
             need = [(i < nk and i in b_carry) or (i >= nk and used_b[i]) for i in range(n_out)]

@@ -48,16 +48,22 @@ def sum_divided(g, axes, divide_by: float = 1):
     return x.astype(low) if low else x
 
 
-def _sum_packed(leaves: list, axis: str, parts: int, divide_by: int) -> list:
-    """The bfloat16 exchange of this device's `leaves` (local blocks) in one buffer."""
+def _scatter_packed(leaves: list, axis: str, parts: int, divide_by: int):
+    """This device's piece of the bfloat16 exchange of its `leaves` (local blocks) packed in one
+    buffer: the all-to-all of the pieces, summed in float32 and rounded once. Returns
+    `(ceil(size / parts),)` bfloat16, varying over `axis`."""
     flat = jnp.concatenate([g.astype(jnp.bfloat16).reshape(-1) for g in leaves])
-    size = flat.shape[0]
-    pieces = jnp.pad(flat, (0, -size % parts)).reshape(parts, -1)
+    pieces = jnp.pad(flat, (0, -flat.shape[0] % parts)).reshape(parts, -1)
     received = jax.lax.all_to_all(pieces, axis, 0, 0, tiled=False)
-    mine = (jnp.sum(received.astype(jnp.float32), axis=0) / divide_by).astype(jnp.bfloat16)
-    whole = all_gather_invariant(mine, axis).reshape(-1)[:size]
+    return (jnp.sum(received.astype(jnp.float32), axis=0) / divide_by).astype(jnp.bfloat16)
+
+
+def _gather_packed(mine, axis: str, like: list) -> list:
+    """Every device's piece (`_scatter_packed`) gathered over `axis` and unpacked into arrays of
+    the shapes and dtypes of `like`, invariant over `axis`."""
+    whole = all_gather_invariant(mine, axis).reshape(-1)
     out, start = [], 0
-    for g in leaves:
+    for g in like:
         out.append(whole[start:start + g.size].reshape(g.shape).astype(g.dtype))
         start += g.size
     return out
@@ -74,36 +80,110 @@ def _automatic(spec: P, manual: set[str]) -> P:
 
 
 def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int = 1):
-    """The sum over the manual mesh axis `axis` of every leaf of `tree` (gradients varying over
-    it), sending `dtype` (module docstring), divided by `divide_by` in float32; each leaf keeps its
-    dtype and comes out invariant over `axis`. specs: a tree of PartitionSpecs like `tree`, how
-    the mesh's automatic axes split each leaf (None: they split none): a bfloat16 exchange packs
-    each device's blocks."""
-    parts = manual_axis_size(axis)
+    """The sum over the manual mesh axis `axis` of every leaf of `tree`, sending `dtype`.
+
+    Args:
+      tree: gradients varying over `axis`; any pytree of arrays.
+      axis: a manual mesh axis (e.g. `data`).
+      dtype: the wire dtype (module docstring).
+      specs: a tree of PartitionSpecs like `tree`, how the mesh's automatic axes split each leaf
+        (None: they split none); a bfloat16 exchange packs each device's blocks.
+      divide_by: the sum is divided by it in float32.
+
+    Returns:
+      `tree`'s sum, each leaf in its own dtype and invariant over `axis`.
+    """
+    stages = sum_over_stages(axis, dtype, specs, divide_by)
+    for stage in stages:
+        tree = stage(tree)
+    return tree
+
+
+def sum_over_stages(axis: str, dtype: str = "float32", specs=None, divide_by: int = 1) -> tuple:
+    """`sum_over` as a sequence of functions whose composition it is, so that a caller can run
+    each stage in its own window of compute (`step.layer_exchange`).
+
+    Args: as `sum_over`'s.
+
+    Returns:
+      The stages, applied in order to a tree of gradients. float32: one, the all-reduce.
+      bfloat16: two, each device's pieces summed into its share (the all-to-all), then the
+      shares gathered (the all-gather); the value between them is a list of shares. The second
+      takes what the first made for a tree of the same structure and shapes.
+    """
+    if dtype == "float32":
+        return (lambda tree: jax.tree.map(lambda g: sum_divided(g, axis, divide_by), tree),)
+    layout = {}  # the first stage's packing, which the second reads (static per tree structure)
+
+    def scatter(tree):
+        layout["plan"] = plan = _packing(tree, axis, specs)
+        if plan is None:
+            return tree
+        parts = manual_axis_size(axis)
+        leaves = jax.tree.leaves(tree)
+        shares = []
+        for split, members, local in plan[1]:
+            mine = [leaves[i] for i in members]
+            if split:
+                shares.append(shard_map(lambda *ls: _scatter_packed(list(ls), axis, parts, divide_by),
+                                        mesh=current_mesh(None), in_specs=local, out_specs=P(split),
+                                        axis_names=set(split))(*mine))
+            else:
+                shares.append(_scatter_packed(mine, axis, parts, divide_by))
+        return shares
+
+    def gather(shares):
+        plan = layout["plan"]
+        if plan is None:
+            return shares
+        treedef, groups, like = plan
+        out = [None] * treedef.num_leaves
+        for (split, members, local), mine in zip(groups, shares):
+            shapes = [like[i] for i in members]
+            if split:
+                summed = shard_map(lambda m, shapes=shapes: tuple(_gather_packed(m, axis, shapes)),
+                                   mesh=current_mesh(None), in_specs=(P(split),), out_specs=local,
+                                   axis_names=set(split))(mine)
+            else:
+                summed = _gather_packed(mine, axis, shapes)
+            for i, g in zip(members, summed):
+                out[i] = g
+        return jax.tree.unflatten(treedef, out)
+
+    return scatter, gather
+
+
+def _packing(tree, axis: str, specs):
+    """How the bfloat16 exchange packs `tree` (None: nothing to exchange): its treedef; one
+    buffer per set of tensor axes that split its leaves and of other manual axes they vary over
+    (a pipeline's embedding gradients over `pipe`: a buffer is typed by all its leaves'), as
+    `(split axes in mesh order, leaf indices, their local specs)`; and each leaf's local shape
+    and dtype (its block on one device)."""
     leaves, treedef = jax.tree.flatten(tree)
-    if dtype == "float32" or parts == 1 or not leaves:
-        return jax.tree.unflatten(treedef, [sum_divided(g, axis, divide_by) for g in leaves])
+    if manual_axis_size(axis) == 1 or not leaves:
+        return None
     manual = set(manual_axes())
     spec_leaves = [P()] * len(leaves) if specs is None else jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))
     local = [_automatic(s, manual) for s in spec_leaves]
-    # One buffer per set of tensor axes that split its leaves and of other manual axes they vary
-    # over (a pipeline's embedding gradients over `pipe`): a buffer is typed by all its leaves'.
+    mesh = current_mesh(None)
     groups: dict[tuple[frozenset, frozenset], list[int]] = {}
     for i, s in enumerate(local):
         split = frozenset(n for e in s for n in (e if isinstance(e, tuple) else (e,)) if n)
         groups.setdefault((split, varying_axes(leaves[i])), []).append(i)
-    out = list(leaves)
-    for (split, _), members in groups.items():
-        mine = [leaves[i] for i in members]
-        if split:
-            specs_in = tuple(local[i] for i in members)
-            summed = shard_map(lambda *ls: tuple(_sum_packed(list(ls), axis, parts, divide_by)),
-                               mesh=current_mesh(None), in_specs=specs_in, out_specs=specs_in,
-                               axis_names=split)(*mine)
-        else:
-            summed = _sum_packed(mine, axis, parts, divide_by)
-        for i, g in zip(members, summed):
-            out[i] = g
-    return jax.tree.unflatten(treedef, out)
+    like = [jax.ShapeDtypeStruct(_block_shape(g.shape, s, mesh), g.dtype)
+            for g, s in zip(leaves, local)]
+    packed = [(tuple(n for n in mesh.axis_names if n in split), members,
+               tuple(local[i] for i in members)) for (split, _), members in groups.items()]
+    return treedef, packed, like
 
+
+def _block_shape(shape, spec: P, mesh) -> tuple[int, ...]:
+    """The shape of one device's block of an array of `shape` split by `spec` over `mesh`."""
+    sizes = dict(mesh.shape)
+    out = list(shape)
+    for d, entry in enumerate(spec):
+        for n in (entry if isinstance(entry, tuple) else (entry,)):
+            if n:
+                out[d] //= sizes[n]
+    return tuple(out)

@@ -101,8 +101,7 @@ class ComputeFunctions:
 
                 return unbatched_gathers(lambda s, x, b: scan_layers(
                     block, s, x, groups, self.fns.model.side(b),
-                    exchange=lambda g: exchange.sum_over(g, axis, self.reduce_dtype,
-                                                         self._layer_specs),
+                    exchange=exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs),
                     prepare=lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)))(
                         stacked, x, batch)
             return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(

@@ -64,6 +64,15 @@ def _unbatched_gather(operand, indices, *, dimension_numbers, **params):
                              dimension_numbers=numbers, **params)
 
 
+def _rewrite_open(jaxpr):
+    """A Jaxpr without constants (JAX 0.12's scan body) computing the same as `jaxpr`, its
+    batched gathers rewritten."""
+    closed = _rewrite_closed(jax.extend.core.ClosedJaxpr(jaxpr, []))
+    if closed.consts:
+        raise NotImplementedError("a loop body whose rewritten gathers need constants")
+    return closed.jaxpr
+
+
 def _rewrite_closed(closed):
     """A ClosedJaxpr computing the same as `closed`, its batched gathers rewritten."""
     if not has_batched_gather(closed.jaxpr):
@@ -86,6 +95,7 @@ def _eval(jaxpr, consts, args):
             out = _eval(sub.jaxpr, sub.consts, invals)  # inlined
         elif eqn.primitive.name in _LOOPS and any(map(has_batched_gather, _subjaxprs(eqn))):
             params = {k: (_rewrite_closed(v) if isinstance(v, jax.extend.core.ClosedJaxpr) else
+                          _rewrite_open(v) if isinstance(v, jax.extend.core.Jaxpr) else
                           tuple(map(_rewrite_closed, v)) if k == "branches" else v)
                       for k, v in params.items()}
             out = eqn.primitive.bind(*invals, **params)

@@ -6,7 +6,9 @@ no compute left to overlap, and XLA issues its start and done back to back. `sca
 writes the stack's backward by hand instead. The reverse loop carries layer i's gradients,
 unexchanged, into the iteration of layer i−1, where their exchange starts from the loop's input and
 ends in its output, with the whole backward of layer i−1 in between; layer 0's are exchanged after
-the loop. The forward is the same scans autodiff would run, each layer's pullback (`jax.vjp`, its
+the loop. An exchange made of stages (the bfloat16 wire's all-to-all, then its all-gather) runs
+each stage in an iteration of its own: layer i's k-th stage beside layer i−1−k's backward, so that
+no stage waits on another inside one window. The forward is the same scans autodiff would run, each layer's pullback (`jax.vjp`, its
 remat wrapping included) saved for the backward without the layer's parameters, which the
 backward slices again from the stack instead of keeping a stacked copy.
 """
@@ -92,7 +94,9 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
         axis.
       x: the stack's input, `(rows, ...)`.
       exchange: one layer's gradients (in the stored dtype, varying over the exchange's axis) ->
-        their exchanged value (invariant), e.g. `parallel.exchange.sum_over`.
+        their exchanged value (invariant), e.g. `parallel.exchange.sum_over`; or a tuple of
+        stages whose composition that is (`parallel.exchange.sum_over_stages`): layer i's stage k
+        then runs beside layer i−1−k's backward.
       prepare: one layer's stored parameters -> what `layer` takes (varying over the exchange's
         axis, cast to the compute dtype); the gradients are cast back to the stored dtype.
 
@@ -118,6 +122,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
             residuals.append(kept)
         return (x, _concatenated(auxes)), residuals
 
+    stages = exchange if isinstance(exchange, tuple) else (exchange,)
+
     def backward(saved, cotangent):
         stacked, residuals = saved
         ct_h, ct_aux = cotangent
@@ -132,23 +138,35 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
             g, ct_in = pullback((ct_h, _index(ct_aux, begin + j)))
             return jax.tree.map(lambda g, q: g.astype(q.dtype), g, p), ct_in
 
-        grads = jax.tree.map(jnp.zeros_like, stacked)
-        pending = None
+        def advance(grads, flight, below):
+            """Every layer in `flight` one exchange stage on (`flight[k]`: layer
+            `below + 1 + k`'s value before stage k, or None), the finished one placed."""
+            moved = [None if v is None else stage(v) for stage, v in zip(stages, flight)]
+            if moved[-1] is not None:
+                grads = _place(grads, moved[-1], below + len(stages))
+            return grads, moved[:-1]
+
+        def one(carry, r, j):
+            """Layer `begin + j`'s backward beside the exchanges of the layers above it."""
+            ct_h, flight, grads = carry
+            grads, moved = advance(grads, flight, runs[r][0] + j)
+            g, ct_h = layer_backward(r, j, ct_h)
+            return ct_h, [g, *moved], grads
+
+        carry = (ct_h, [None] * len(stages), jax.tree.map(jnp.zeros_like, stacked))
         for r in reversed(range(len(runs))):
-            begin, count, _ = runs[r]
-            if pending is None:  # the stack's last layer: nothing to exchange beside it yet
+            count = runs[r][1]
+            while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline
                 count -= 1
-                pending, ct_h = layer_backward(r, count, ct_h)
-
-            def step(carry, j, r=r, begin=begin):
-                ct_h, pending, grads = carry
-                grads = _place(grads, exchange(pending), begin + j + 1)
-                g, ct_h = layer_backward(r, j, ct_h)
-                return (ct_h, g, grads), None
-
-            (ct_h, pending, grads), _ = lax.scan(step, (ct_h, pending, grads), jnp.arange(count),
-                                                 reverse=True)
-        return _place(grads, exchange(pending), 0), ct_h
+                carry = one(carry, r, count)
+            if count:
+                carry, _ = lax.scan(lambda c, j, r=r: (one(c, r, j), None), carry,
+                                    jnp.arange(count), reverse=True)
+        ct_h, flight, grads = carry
+        for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
+            grads, moved = advance(grads, flight, -1 - t)
+            flight = [None, *moved]
+        return grads, ct_h
 
     @jax.custom_vjp
     def run(stacked, x):

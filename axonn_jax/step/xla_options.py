@@ -39,12 +39,13 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # overlapping, on its own estimate of the peak, which is not the buffer assignment's; what
     # the device must hold is still the compiled buffers (`fits`).
     "xla_gpu_memory_limit_slop_factor": 125,
-    # Up to four collectives in flight at once (XLA's default: one) on meshes split over more
-    # than one axis (`compiler_options`): a layer's data-parallel exchange (`step.layer_exchange`)
-    # then runs beside the depth gathers and reduce-scatters of the layer below instead of queueing
-    # behind them. Collectives over one axis share its links, and XLA, free to run several, starts
-    # them all late.
-    OVERLAP_LIMIT: 4,
+    # Up to eight collectives in flight at once (XLA's default: one) on meshes split over more
+    # than one axis (`compiler_options`): a layer's data-parallel exchange (`step.layer_exchange`:
+    # the all-to-all of one layer and the all-gather of the layer above) then runs beside the
+    # depth gathers and reduce-scatters of the layer below instead of queueing behind them.
+    # Collectives over one axis share its links, and XLA, free to run several, starts them all
+    # late.
+    OVERLAP_LIMIT: 8,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Each one's
 measurements, and those of the options left out (the pipelined reduce-scatter, while-loop double

@@ -241,11 +241,14 @@ def all_gather_invariant(x, axis_name):
     """`all_gather` whose result is typed invariant (replicated) over `axis_name`.
 
     Plain `all_gather` returns a value typed varying, which a shard_map cannot return under an
-    unsplit out_spec; the invariant variant is still private in JAX 0.10.
+    unsplit out_spec; the invariant variant is still private in JAX 0.10, and JAX 0.12 renamed
+    it `_all_gather_invariant` with keyword-only `axis` and `tiled`.
     """
     from jax._src.lax import parallel
 
-    return parallel.all_gather_invariant(x, axis_name)
+    if hasattr(parallel, "all_gather_invariant"):
+        return parallel.all_gather_invariant(x, axis_name)
+    return parallel._all_gather_invariant(x, axis_name, axis=0, tiled=False)
 
 
 def jaxpr_internals():

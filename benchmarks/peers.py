@@ -380,10 +380,11 @@ NOTES = [
     "limit). MaxText rows compile with XLA's defaults, and the *A3 recipe* rows with the "
     f"XLA_FLAGS of MaxText's own multi-node H100 recipe (`maxtext/{RECIPE}`, read from the "
     "installed package, `--xla_dump_to` dropped).",
-    "- **Gradient exchange over data**: axonn_jax's main rows send bf16 (`--reduce-dtype "
-    "bfloat16`: an all-to-all and an all-gather, the pieces summed in fp32); MaxText all-reduces "
-    "the fp32 gradients over data (its `grad_dtype` casts after the gradient, so it does not "
-    "change the exchange). The *fp32 gradient exchange* row is axonn_jax like MaxText here.",
+    "- **Gradient exchange over data**: both sides send bf16 gradients over data. MaxText: one "
+    "bf16 all-reduce (XLA sums the bf16 gradients before they become the fp32 parameters' "
+    "`grad_dtype`); axonn_jax's main rows: `--reduce-dtype bfloat16`, an all-to-all and an "
+    "all-gather of bf16 pieces summed in fp32, the same wire bytes. The *fp32 gradient "
+    "exchange* row is axonn_jax's default (`--reduce-dtype float32`): twice those bytes.",
     "- **Remat**: each side's own policies (axonn_jax `selective`/`full`, MaxText "
     "`minimal_with_context`/`full`); FLOPs differ by what each recomputes.",
     "- **Pipelines** (`plan`'s pick where it has `pipe`): the replay runs every `lax.cond`'s "

@@ -254,17 +254,21 @@ def _last_json(stdout: str):
 
 
 def run_maxtext(name: str, label: str, timeout: float) -> dict:
+    """MaxText grid `label` of row `name`, compiled and measured in a child process."""
     got, error, wall = _child([sys.executable, __file__, "--child", name, label], timeout)
     return {"side": "maxtext", "label": label, "wall_s": wall, "error": error, **(got or {})}
 
 
 def axonn_command(row: Row, flags: tuple) -> list[str]:
+    """The `axonn-jax` arguments that compile `row` with grid `flags` and replay it."""
     return ["compile", "--target", "h100", "--model", row.model, "--devices", str(row.devices),
             "--batch-size", str(row.batch), "--seq-len", str(row.seq), *AXONN_COMMON, *flags,
             "--overlap-report", "--json"]
 
 
 def run_axonn(name: str, label: str, timeout: float) -> dict:
+    """axonn_jax grid `label` of row `name`: `axonn-jax compile --overlap-report --json` in a
+    child process; its report's figures."""
     row = ROWS[name]
     cmd = axonn_command(row, row.axonn[label])
     got, error, wall = _child([sys.executable, "-m", "axonn_jax", *cmd], timeout)
@@ -318,6 +322,7 @@ def _cells(r: dict, peak: float) -> list[str]:
 
 
 def markdown(results: dict, meta: dict) -> str:
+    """peers.md from peers.json's `results` and `meta`."""
     from axonn_jax.analysis import comm_model
 
     peak = comm_model.MACHINES[MACHINE].peak_flops

@@ -81,6 +81,17 @@ def test_groups_in_every_spelling_map_to_mesh_axes(attrs, group):
     assert group_axes((1, 4), shape) == ("data", "col")
 
 
+@pytest.mark.parametrize("shape", ["f32[1024]{0}",  # jaxlib 0.10: the result alone
+                                   "((f32[1024]{0}), f32[1024]{0})"])  # 0.12: (operands), result
+def test_all_reduce_start_counts_its_result_once(shape):
+    text = (f"HloModule m, num_partitions=8\n\nENTRY %main (x: f32[1024]) -> f32[1024] {{\n"
+            f"  %x = f32[1024]{{0}} parameter(0)\n"
+            f"  %s = {shape} all-reduce-start(%x), channel_id=1, replica_groups=[1,8]<=[8], "
+            f"to_apply=%add\n"
+            f"  ROOT %d = f32[1024]{{0}} all-reduce-done(%s)\n}}\n")
+    assert collective_bytes(text)["all-reduce"] == 1024 * 4
+
+
 def test_loop_without_trip_count_is_an_error():
     with pytest.raises(ValueError, match="no known_trip_count"):
         collectives(HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""))

@@ -228,13 +228,14 @@ def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int)
     members = _first_group(rest, num_devices)
     group = len(members)
     sizes = _array_bytes(shape)
-    if opcode.endswith("-start") and kind != "all-reduce":
+    if opcode.endswith("-start"):
         # (operands..., results..., [contexts]): keep the results; XLA:GPU's combined starts
-        # hold tuples, `((operands), (results), ...)`
+        # hold tuples, `((operands), (results), ...)`. An all-reduce-start's shape is its result
+        # alone up to jaxlib 0.10, `((operands), results)` in jaxlib 0.12.
         operands = _leading_tuple_arrays(shape)
         if operands:
             sizes = sizes[operands:2 * operands]
-        else:
+        elif kind != "all-reduce":
             sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
     nbytes = sum(sizes) * (group if kind == "reduce-scatter" else 1)
     return Collective(kind, name, nbytes, group, 1, members) if group > 1 and nbytes else None

@@ -1,0 +1,52 @@
+"""mkdocs hooks (`hooks:` in mkdocs.yml): pages made from the repository at build time.
+
+- `reference/config.md` and `reference/cli.md`: generated from the config tree and the CLI's
+  parser by `docs/gen_reference.py`;
+- `results/*.md` (and the figures beside them): the measurement write-ups of `benchmarks/results/`,
+  so the pages link to them where they live in the repository;
+- `changelog.md`: the repository's `CHANGELOG.md`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+from mkdocs.structure.files import File, InclusionLevel
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+RESULT_SUFFIXES = (".md", ".png", ".json")
+SYNOPSIS = "<!-- synopsis: generated from the parser by docs/gen_reference.py (docs/hooks.py) -->"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "docs" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def on_files(files, config):
+    for uri, make in _generator().PAGES.items():
+        files.append(File.generated(config, uri, content=make()))
+    for path in sorted(RESULTS.iterdir()):
+        if path.suffix in RESULT_SUFFIXES:
+            files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path),
+                                        inclusion=InclusionLevel.NOT_IN_NAV))
+    files.append(File.generated(config, "changelog.md", abs_src_path=str(ROOT / "CHANGELOG.md")))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """CHANGELOG.md's links as the site lays the files out. The synopsis of every command where a page asks for it (`SYNOPSIS`). The results pages print pytree paths (`['blocks']['bias']`) outside code spans, which
+    mkdocs-autorefs would read as cross-references: escape them there."""
+    if page.file.src_uri == "changelog.md":  # its links are written from the repository's root
+        markdown = (markdown.replace("](benchmarks/results/)", "](results.md)")
+                    .replace("](benchmarks/results/", "](results/").replace("](docs/", "]("))
+    if SYNOPSIS in markdown:
+        markdown = markdown.replace(SYNOPSIS, "```text\n" + _generator().synopsis() + "\n```")
+    if not page.file.src_uri.startswith("results/"):
+        return markdown
+    parts = markdown.split("`")
+    parts[::2] = [p.replace("][", "]\\[") for p in parts[::2]]
+    return "`".join(parts)

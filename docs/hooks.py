@@ -16,6 +16,7 @@ from mkdocs.structure.files import File, InclusionLevel
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 RESULT_SUFFIXES = (".md", ".png", ".json")
+RESULTS_INDEX = "<!-- results index: generated from benchmarks/results/*.md by docs/hooks.py -->"
 SYNOPSIS = "<!-- synopsis: generated from the parser by docs/gen_reference.py (docs/hooks.py) -->"
 
 
@@ -24,6 +25,15 @@ def _generator():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def results_index() -> str:
+    """A table of every `benchmarks/results/*.md`: its link and its title (first line)."""
+    rows = ["| page | what it measures |", "|---|---|"]
+    for path in sorted(RESULTS.glob("*.md")):
+        title = path.read_text().splitlines()[0].lstrip("#").strip().replace("|", "/")
+        rows.append(f"| [`{path.name}`](results/{path.name}) | {title} |")
+    return "\n".join(rows)
 
 
 def on_files(files, config):
@@ -38,11 +48,14 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    """CHANGELOG.md's links as the site lays the files out. The synopsis of every command where a page asks for it (`SYNOPSIS`). The results pages print pytree paths (`['blocks']['bias']`) outside code spans, which
-    mkdocs-autorefs would read as cross-references: escape them there."""
+    """Generated text where a page asks for it (`RESULTS_INDEX`, `SYNOPSIS`); CHANGELOG.md's links
+    as the site lays the files out. The results pages print pytree paths (`['blocks']['bias']`)
+    outside code spans, which mkdocs-autorefs would read as cross-references: escape them there."""
     if page.file.src_uri == "changelog.md":  # its links are written from the repository's root
         markdown = (markdown.replace("](benchmarks/results/)", "](results.md)")
                     .replace("](benchmarks/results/", "](results/").replace("](docs/", "]("))
+    if RESULTS_INDEX in markdown:
+        markdown = markdown.replace(RESULTS_INDEX, results_index())
     if SYNOPSIS in markdown:
         markdown = markdown.replace(SYNOPSIS, "```text\n" + _generator().synopsis() + "\n```")
     if not page.file.src_uri.startswith("results/"):

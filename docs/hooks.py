@@ -4,7 +4,9 @@
   parser by `docs/gen_reference.py`;
 - `results/*.md` (and the figures beside them): the measurement write-ups of `benchmarks/results/`,
   so the pages link to them where they live in the repository;
-- `changelog.md`: the repository's `CHANGELOG.md`.
+- `changelog.md`: the repository's `CHANGELOG.md`;
+- in hand-written pages, where they hold the marker: the index of the results pages
+  (`RESULTS_INDEX`, docs/results.md) and every command's synopsis (`SYNOPSIS`, docs/cli.md).
 """
 from __future__ import annotations
 

@@ -25,6 +25,11 @@ $(VENV)/.test: $(VENV)/.core
 	bash scripts/install_compile_extra.sh $(VENV)
 	touch $@
 
+# The documentation site's tools (the docs extra); the site imports the package for its references.
+$(VENV)/.docs: $(VENV)/.core
+	$(BIN)/pip install --quiet -e ".[docs]"
+	touch $@
+
 train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
@@ -34,9 +39,15 @@ train: $(VENV)/.core
 test: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 -m "not extended" tests
 
-# CI: also the extended tier (tests/extended.txt): every grid, schedule and process count (~30 minutes).
-test-all: $(VENV)/.test
+# CI: also the extended tier (tests/extended.txt): every grid, schedule and process count (~30 minutes),
+# and the documentation site built strictly (`docs`, first: a broken page fails fast).
+test-all: $(VENV)/.test docs
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 tests
+
+# The documentation site (docs/, mkdocs.yml) into build/site, strictly: any warning fails it.
+.PHONY: docs
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,7 +8,7 @@ simulated CPU devices. Compile only.
 
 (the LLVM optimization level changes neither the HLO nor its buffers, only how long XLA:CPU takes
 to compile.) `--replicated` measures AxoNN's replicated layout instead (every dense layer's
-`split_batch` answers False), for the before/after table in the README.
+`split_batch` answers False), for the before/after table in docs/axes/row-col.md.
 """
 import argparse
 import sys

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-COPIED = ("axonn_jax", "tests", "configs", "README.md", "pyproject.toml")
+COPIED = ("axonn_jax", "tests", "configs", "docs", "README.md", "pyproject.toml")
 
 
 @dataclasses.dataclass(frozen=True)

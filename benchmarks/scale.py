@@ -120,7 +120,7 @@ NOTES: dict[str, str] = {
         "FLOPs 0.93× the ideal: `analysis.hlo.flops` now counts the convolutions (XLA's and "
         "cuDNN's `__cudnn$conv*` calls, as XLA's cost analysis does, padding excluded; before "
         "0.11×, the attention and dense layers only). Bytes: `plan` leaves out GSPMD's "
-        "re-layouts of the down and up paths and the GroupNorms (README, U-Net); the compiled "
+        "re-layouts of the down and up paths and the GroupNorms (docs/models/unet-cnn.md); the compiled "
         "step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, all-reduces 19.5 "
         "GB over row and 6.2 GB over col. Memory 0.95× (0.87× at XLA's default scheduler "
         "memory limit, 64.9 GB; 71.1 at the library's 125%): `UNetConfig` counts three arrays of "
@@ -158,7 +158,7 @@ NOTES: dict[str, str] = {
         "limit for the latency-hiding scheduler, which stopped overlapping the data all-reduces "
         "near it; with the library's limit (`step/xla_options.py`, 125%) 14.06 s (52.9%) in "
         "75.2 GB (75.8 before), against 14.09 s (52.8%) for data 4 × depth 16 × row 4; `plan` "
-        "predicts 53.4% (DGX nodes) and `plan --verify 3` keeps its order (README, Speed). Every "
+        "predicts 53.4% (DGX nodes) and `plan --verify 3` keeps its order (docs/planner.md). Every "
         "collective equals `plan`'s per kind and mesh axes, the collective matmuls' permutes "
         "included.",
     "gpt-20b/1024":

@@ -324,7 +324,7 @@ def test_declared_parameters_are_the_models(name):
 
 
 def test_memory_counts_the_compute_copies_and_the_logits():
-    """What the compiled H100 step showed `plan` leaving out (README, "Compiling for H100"): with
+    """What the compiled H100 step showed `plan` leaving out (docs/compile.md): with
     fp32 parameters computed in bf16, a cast copy and a bf16 gradient of every parameter (none
     with the optimizer offloaded, whose device parameters are bf16 already), and the head's
     logits and their gradient."""

@@ -2,7 +2,8 @@
 sequences) train through every mode of the trainer with their single-device trajectories: data,
 2D/3D tensor, pipeline (GPipe, 1F1B), optimizer offload, remat none/full/offload/auto, CGX
 compression, bf16/fp16, checkpoints, several processes (`launch`, `mpirun --transport mpi`, the MPI
-pipeline); and the README's "Train your own model" example runs as printed."""
+pipeline); and the documentation's examples (docs/train-your-own-model.md, docs/quickstart.md,
+the README's) run as printed."""
 import os
 import pathlib
 import re
@@ -173,11 +174,17 @@ def test_user_script_in_several_processes(reference, tmp_path, name, grid, trans
     assert_steps_match(metrics_file(metrics), reference(name)["history"], RTOL[name])
 
 
-def run_readme_code(section: str, tmp_path, check: str = "") -> str:
-    """The first Python block after README heading `section`, as printed (then `check`), in a
-    fresh interpreter; returns its output."""
-    readme = (REPO / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", readme.split(section, 1)[1], re.S).group(1)
+def python_block(page: str, section: str) -> str:
+    """The first Python block after heading `section` of `page` (a path from the repository root),
+    as printed."""
+    text = (REPO / page).read_text()
+    return re.search(r"```python\n(.*?)```", text.split(section, 1)[1], re.S).group(1)
+
+
+def run_doc_code(page: str, section: str, tmp_path, check: str = "") -> str:
+    """The first Python block after heading `section` of the documentation page `page`, as
+    printed (then `check`), in a fresh interpreter; returns its output."""
+    code = python_block(page, section)
     script = tmp_path / "example.py"
     script.write_text(code + check)
     env = child_env()
@@ -229,8 +236,9 @@ def test_sixteen_devices_four_axes_equal_one_device(reference, tmp_path):
 
 
 def test_readme_example_runs(tmp_path):
-    """The README's "Train your own model" example, as printed, in a fresh interpreter."""
-    out = run_readme_code("## Train your own model", tmp_path)
+    """The "Train your own model" example of the documentation, as printed, in a fresh
+    interpreter."""
+    out = run_doc_code("docs/train-your-own-model.md", "# Train your own model", tmp_path)
     losses = [float(x) for x in re.findall(r"^step \d+: loss (\d+\.\d+)$", out, re.M)]
     assert len(losses) >= 2 and np.isfinite(losses).all() and losses[-1] < losses[0]
 
@@ -243,10 +251,16 @@ print(f"split {len(split)} of {len(leaves)}")
 """
 
 
+def test_readme_example_is_the_quickstart_snippet():
+    """The README's example is the quickstart page's "Python" snippet, which the next test runs."""
+    assert python_block("README.md", "## Example") == python_block("docs/quickstart.md", "## Python")
+
+
 def test_readme_python_snippet_runs_and_creates_sharded_parameters(tmp_path):
-    """The README's "Python" snippet on CPU as pasted: the parameters are created on all 8
-    devices, the matrices split (not built on one device), and the trainer learns."""
-    out = run_readme_code("## Python", tmp_path, SHARDED)
+    """The quickstart's "Python" snippet (the README's example) on CPU as pasted: the parameters
+    are created on all 8 devices, the matrices split (not built on one device), and the trainer
+    learns."""
+    out = run_doc_code("docs/quickstart.md", "## Python", tmp_path, SHARDED)
     first, last = map(float, re.search(r"^loss (\S+) -> (\S+)$", out, re.M).groups())
     assert last < first
     split, total = map(int, re.search(r"^split (\d+) of (\d+)$", out, re.M).groups())

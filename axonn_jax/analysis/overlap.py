@@ -576,7 +576,8 @@ def hbm_bytes(text: str) -> float:
             if op in _ASYNC_KINDS or op == "async-start":  # shape: ((operands), results)
                 total += _bytes(instr.shape)
             elif op in hlo.KINDS:
-                total += sum(_bytes(shapes.get(o, "")) for o in instr.operands) + _bytes(instr.shape)
+                total += sum(_bytes(shapes.get(o, "")) for o in instr.operands)
+                total += _bytes(instr.shape)
             elif op == "while":
                 body, trips = hlo._loop(instr.name, instr.rest, "time")
                 total += trips * walk(body)

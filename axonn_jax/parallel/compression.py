@@ -5,20 +5,25 @@ twice whatever the axis size.
 Quantization of a flat array of `n_buckets · bucket_size` values to `b` bits: each bucket keeps its
 minimum (`offset`) and `scale = (max - min) / (2^b - 1)` in the input's dtype, and each value the
 integer `q = round((x - offset) / scale)` in `[0, 2^b - 1]` (or stochastically rounded, unbiased),
-packed `8/b` values per byte (`b` bytes per 8 values when `b` does not divide 8). Nearest rounding
-is off by at most `scale / 2` per element, stochastic rounding by less than `scale`.
+packed `8/b` values per byte (`b` bytes per 8 values when `b` does not divide 8; the layout is
+`quantizer`'s). Nearest rounding is off by at most `scale / 2` per element, stochastic rounding by
+less than `scale`.
 
 `compressed_psum` runs inside a shard_map that is manual over `axis_name`:
 
-1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width,
-   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps
-   the quantization error as the new residual;
+1. every shard adds its error-feedback residual to each gradient tensor, quantizes it and keeps
+   the quantization error as the new residual, in one pass per tensor (`quantizer.quantize_rows`);
+   the packed tensors form one buffer per bit width, dtype and set of other manual axes varied
+   over (buckets never straddle two tensors);
 2. `all_to_all` sends chunk `j` of the packed buffer (and its bucket scales/offsets) to shard `j`;
 3. shard `j` dequantizes the `n` chunks it received, sums them in fp32 (divides by `n` for the mean)
-   and quantizes that sum once more;
-4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer.
+   and quantizes that sum once more, in one pass (`quantizer.requantize_sum`);
+4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer, which each
+   tensor's result dequantizes from directly.
 
-Small tensors (ndim <= 1 or fewer than `min_size` elements) take an exact `psum`.
+Which tensors are compressed, at which width: rules on the '/'-joined parameter path
+(`parse_rule`: `PATTERN=BITS` or `PATTERN=exact`), else CGX's filter: 1-D tensors and those of
+fewer than `min_size` elements (per layer for stacked layers) take an exact `psum`.
 """
 from __future__ import annotations
 
@@ -396,13 +401,19 @@ def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual
         return compressed_psum(tree, axis_name, residual=residual, **kwargs)
     specs = jax.tree.map(lambda s: _without_axes(s, manual), specs,
                          is_leaf=lambda x: isinstance(x, P))
-    reduce = lambda t, r: compressed_psum(t, axis_name, residual=r, **kwargs)  # noqa: E731
+    # The rounding key enters the inner shard_map as an argument: one closed over would keep the
+    # outer context's mesh type, which JAX refuses to mix with the inner one's.
+    key = kwargs.pop("key", None)
+    reduce = lambda t, r, k: compressed_psum(t, axis_name, residual=r, key=k,  # noqa: E731
+                                             **kwargs)
+    key_spec = None if key is None else P()
     if residual is None:
-        reduce_tree = shard_map(lambda t: reduce(t, None)[0], mesh=context, in_specs=(specs,),
-                                out_specs=specs, axis_names=set(free))
-        return reduce_tree(tree), None
-    return shard_map(reduce, mesh=context, in_specs=(specs, specs), out_specs=(specs, specs),
-                     axis_names=set(free))(tree, residual)
+        reduce_tree = shard_map(lambda t, k: reduce(t, None, k)[0], mesh=context,
+                                in_specs=(specs, key_spec), out_specs=specs,
+                                axis_names=set(free))
+        return reduce_tree(tree, key), None
+    return shard_map(reduce, mesh=context, in_specs=(specs, specs, key_spec),
+                     out_specs=(specs, specs), axis_names=set(free))(tree, residual, key)
 
 
 def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):

@@ -1,22 +1,28 @@
 """CGX quantizer passes: HBM bytes accessed per gradient byte on abstract H100s, and CPU time.
 
-    JAX_PLATFORMS=cpu python benchmarks/bench_quantizer.py [--devices 8] [--elements 16777216]
-        [--bits 4] [--cpu-elements 4194304] [--repeats 20]
+    JAX_PLATFORMS=cpu python benchmarks/bench_quantizer.py [--against REV] [--devices 8]
+        [--elements 16777216] [--tensors 4] [--bits 4] [--cpu-elements 4194304] [--repeats 25]
 
-1. `compressed_psum` (error feedback on) of one float32 gradient over `data` of `--devices`
-   abstract H100s (`analysis.targets.h100_devices`), compiled deviceless; the compiled module's
-   `cost_analysis()['bytes accessed']` per device divided by the gradient's bytes on one device:
-   how many passes over the gradient the quantize + exchange + dequantize costs (reading the
-   gradient and its residual, writing the result and the new residual is 4 passes of an ideal
-   fused error-feedback exchange; 2 without error feedback).
-2. Median CPU time of quantize + dequantize of one shard (one simulated CPU device), per byte.
+1. `compressed_psum` of `--tensors` float32 gradients (`--elements` in all per device) over
+   `data` of `--devices` abstract H100s (`analysis.targets.h100_devices`), compiled deviceless,
+   with and without error feedback: HBM bytes the compiled module reads and writes per device
+   (`analysis.overlap.hbm_bytes`: compile-only devices give no `cost_analysis()`), divided by the
+   gradient's bytes on one device. Reading the gradient (and its residual) and writing the result
+   (and the new residual) is 4 passes with error feedback, 2 without; the rest is the quantizer's.
+2. Median (and minimum) CPU time of quantize + dequantize of `--cpu-elements` values on one CPU
+   device, per gradient byte.
+
+`--against REV` runs both for `parallel/compression.py` as it was at git revision REV too (loaded
+beside the current one, so the CPU timings interleave in one process).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
@@ -24,7 +30,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def h100_passes(n: int, elements: int, bits: int, error_feedback: bool, tensors: int = 4) -> float:
+def compression_at(rev: str | None):
+    """`axonn_jax.parallel.compression`, or its source at git revision `rev` as a module beside it."""
+    from axonn_jax.parallel import compression
+
+    if rev is None:
+        return compression
+    source = subprocess.run(["git", "show", f"{rev}:axonn_jax/parallel/compression.py"],
+                            cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    name = f"axonn_jax.parallel._compression_{rev}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "axonn_jax.parallel"
+    sys.modules[name] = module
+    exec(compile(source, f"{rev}:compression.py", "exec"), module.__dict__)
+    return module
+
+
+def h100_passes(n: int, elements: int, bits: int, error_feedback: bool, tensors: int = 4,
+                C=None) -> float:
+    """HBM bytes per gradient byte of the compiled exchange on `n` abstract H100s (see above)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -32,8 +57,8 @@ def h100_passes(n: int, elements: int, bits: int, error_feedback: bool, tensors:
     from axonn_jax._compat import shard_map
     from axonn_jax.analysis.overlap import hbm_bytes
     from axonn_jax.analysis.targets import h100_devices
-    from axonn_jax.parallel import compression as C
 
+    C = C or compression_at(None)
     mesh = Mesh(h100_devices(n), ("data",))
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
     lead = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
@@ -56,43 +81,50 @@ def h100_passes(n: int, elements: int, bits: int, error_feedback: bool, tensors:
     else:
         f = shard_map(without, mesh=mesh, in_specs=(P("data"),), out_specs=P())
         compiled = jax.jit(f).trace(spec).lower().compile()
-    # Compile-only devices give no cost analysis: count the scheduled module's kernels instead.
     return hbm_bytes(compiled.as_text()) / (tensors * rows * 1024 * 4)
 
 
-def cpu_time_per_byte(elements: int, bits: int, repeats: int) -> float:
+def cpu_times(modules: dict, elements: int, bits: int, repeats: int) -> dict:
+    """{name: (median, min) seconds per gradient byte} of quantize + dequantize, interleaved."""
     import jax
-    import jax.numpy as jnp
-
-    from axonn_jax.parallel import compression as C
 
     x = jax.random.normal(jax.random.key(0), (elements // 1024, 1024))
-    f = jax.jit(lambda x: C.dequantize(C.quantize(x, bits), bits))
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    fns = {name: jax.jit(lambda x, C=C: C.dequantize(C.quantize(x, bits), bits))
+           for name, C in modules.items()}
+    for f in fns.values():
         jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / (elements * 4)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t) / x.nbytes, min(t) / x.nbytes) for name, t in times.items()}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--against", default=None, metavar="REV")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--elements", type=int, default=1 << 24, help="gradient elements per device")
+    p.add_argument("--tensors", type=int, default=4)
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--cpu-elements", type=int, default=1 << 22)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=25)
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    for ef in (True, False):
-        passes = h100_passes(args.devices, args.elements, args.bits, ef)
-        print(f"h100 data={args.devices} bits={args.bits} error_feedback={ef}: "
-              f"{passes:.2f} gradient passes (bytes accessed / gradient bytes)")
-    ns = cpu_time_per_byte(args.cpu_elements, args.bits, args.repeats) * 1e9
-    print(f"cpu quantize+dequantize bits={args.bits}: {ns:.3f} ns per gradient byte "
-          f"({1 / ns:.2f} GB/s)")
+    modules = {"now": compression_at(None)}
+    if args.against:
+        modules = {args.against: compression_at(args.against), **modules}
+    for name, C in modules.items():
+        for ef in (True, False):
+            passes = h100_passes(args.devices, args.elements, args.bits, ef, args.tensors, C)
+            print(f"{name}: h100 data={args.devices} bits={args.bits} tensors={args.tensors} "
+                  f"error_feedback={ef}: {passes:.2f} gradient passes")
+    for name, (med, low) in cpu_times(modules, args.cpu_elements, args.bits,
+                                      args.repeats).items():
+        print(f"{name}: cpu quantize+dequantize bits={args.bits}: median {med * 1e9:.3f} ns, "
+              f"min {low * 1e9:.3f} ns per gradient byte")
 
 
 if __name__ == "__main__":

@@ -157,6 +157,39 @@ def aval_varying_axes(aval) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", None) or ())  # pragma: no cover - other JAX versions
 
 
+def shape_dtype_like(shape, dtype, like) -> "jax.ShapeDtypeStruct":
+    """A ShapeDtypeStruct of `shape` and `dtype` typed varying over the manual axes `like` varies
+    over (what `pallas_call`'s `out_shape` needs inside a shard_map that checks replication)."""
+    import inspect
+
+    import jax
+
+    aval = jax.typeof(like)
+    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
+    if "manual_axis_type" in params:  # JAX 0.10
+        return jax.ShapeDtypeStruct(shape, dtype,
+                                    manual_axis_type=getattr(aval, "manual_axis_type", None))
+    if "vma" in params:  # pragma: no cover - other JAX versions
+        return jax.ShapeDtypeStruct(shape, dtype, vma=getattr(aval, "vma", None))
+    return jax.ShapeDtypeStruct(shape, dtype)  # pragma: no cover
+
+
+def triton_compiler_params():
+    """Pallas compiler parameters that pick the Triton backend on GPUs (JAX 0.10 defaults to
+    Mosaic GPU where it is installed); None where no Triton params exist."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams()
+    except (ImportError, AttributeError):  # pragma: no cover - older JAX
+        try:
+            from jax.experimental.pallas import gpu as plgpu
+
+            return plgpu.TritonCompilerParams()
+        except (ImportError, AttributeError):
+            return None
+
+
 def ensure_varying(tree, axes: tuple[str, ...]):
     """Like `to_varying`, but leaves already varying over some of `axes` (e.g. arrays split over
     `pipe`) are cast over the missing axes only; `pcast` refuses an axis the input already varies in."""

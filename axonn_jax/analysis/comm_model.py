@@ -225,10 +225,12 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     gradient exchange of the parameters they hold over data, and with a pipeline its messages and
     the sum of the gradients every stage holds, each stage's work repeated as the engine runs it."""
     d = declared(work, grid)
+    stage_layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
              *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
                                    param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
-                                   piece_bytes=4 if work.platform == "cpu" else 2),
+                                   piece_bytes=4 if work.platform == "cpu" else 2,
+                                   layers=stage_layers),
              *batch_axes_collectives(d, work.step(grid))]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads

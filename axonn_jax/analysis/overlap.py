@@ -558,3 +558,35 @@ def _hidden(exposed: float, comm: float) -> float:
     """The share of `comm` seconds not waited for (0 when the waits, queueing behind other
     collectives included, add up to more)."""
     return max(0.0, 1.0 - exposed / comm) if comm else 1.0
+
+
+def hbm_bytes(text: str) -> float:
+    """HBM bytes one device reads and writes per call of the compiled module `text`: every
+    kernel's operands and result (`_Costs.memory_bytes`: slices and in-place updates counted as
+    what they touch), each collective's input and output, loop bodies once per trip. What
+    `compiled.cost_analysis()['bytes accessed']` reports where XLA gives one, and also for
+    compile-only devices (whose cost analysis is empty)."""
+    costs = _Costs(text, None)  # no rates needed: bytes only
+
+    def walk(comp: str) -> float:
+        total, shapes = 0.0, {}
+        for instr in costs.comps.get(comp, []):
+            shapes[instr.name] = instr.shape
+            op = instr.opcode
+            if op in _ASYNC_KINDS or op == "async-start":  # shape: ((operands), results)
+                total += _bytes(instr.shape)
+            elif op in hlo.KINDS:
+                total += sum(_bytes(shapes.get(o, "")) for o in instr.operands)
+                total += _bytes(instr.shape)
+            elif op == "while":
+                body, trips = hlo._loop(instr.name, instr.rest, "time")
+                total += trips * walk(body)
+            elif op == "conditional":
+                total += max((walk(b) for b in hlo.branch_names(instr.rest)), default=0.0)
+            elif op == "call":
+                total += sum(walk(c) for c in hlo.called(instr.rest))
+            elif op not in _FREE:
+                total += costs.memory_bytes(instr, shapes)
+        return total
+
+    return walk(costs.counter.entry)

@@ -5,20 +5,25 @@ twice whatever the axis size.
 Quantization of a flat array of `n_buckets · bucket_size` values to `b` bits: each bucket keeps its
 minimum (`offset`) and `scale = (max - min) / (2^b - 1)` in the input's dtype, and each value the
 integer `q = round((x - offset) / scale)` in `[0, 2^b - 1]` (or stochastically rounded, unbiased),
-packed `8/b` values per byte (`b` bytes per 8 values when `b` does not divide 8). Nearest rounding
-is off by at most `scale / 2` per element, stochastic rounding by less than `scale`.
+packed `8/b` values per byte (`b` bytes per 8 values when `b` does not divide 8; the layout is
+`quantizer`'s). Nearest rounding is off by at most `scale / 2` per element, stochastic rounding by
+less than `scale`.
 
 `compressed_psum` runs inside a shard_map that is manual over `axis_name`:
 
-1. every shard adds its error-feedback residual, quantizes its gradients (one buffer per bit width,
-   dtype and set of other manual axes varied over; buckets never straddle two tensors) and keeps
-   the quantization error as the new residual;
+1. every shard adds its error-feedback residual to each gradient tensor, quantizes it and keeps
+   the quantization error as the new residual, in one pass per tensor (`quantizer.quantize_rows`);
+   the packed tensors form one buffer per bit width, dtype and set of other manual axes varied
+   over (buckets never straddle two tensors);
 2. `all_to_all` sends chunk `j` of the packed buffer (and its bucket scales/offsets) to shard `j`;
 3. shard `j` dequantizes the `n` chunks it received, sums them in fp32 (divides by `n` for the mean)
-   and quantizes that sum once more;
-4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer.
+   and quantizes that sum once more, in one pass (`quantizer.requantize_sum`);
+4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer, which each
+   tensor's result dequantizes from directly.
 
-Small tensors (ndim <= 1 or fewer than `min_size` elements) take an exact `psum`.
+Which tensors are compressed, at which width: rules on the '/'-joined parameter path
+(`parse_rule`: `PATTERN=BITS` or `PATTERN=exact`), else CGX's filter: 1-D tensors and those of
+fewer than `min_size` elements (per layer for stacked layers) take an exact `psum`.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from . import quantizer
 from .._compat import (all_gather_invariant, current_mesh, psum, shard_map, to_varying,
                        varying_axes)
 
@@ -60,88 +66,131 @@ def check_args(bits: int, bucket_size: int) -> None:
 def pack_bits(q: jax.Array, bits: int) -> jax.Array:
     """uint8[..., m] holding values < 2^bits -> uint8[..., m · bits / 8]; m must be a multiple of 8.
 
-    Value i occupies bits [i·b, (i+1)·b) of the little-endian bit stream.
-    """
-    q = q.astype(jnp.uint8)
-    if 8 % bits == 0:  # whole values per byte: shift and OR (the bits are disjoint, so sum is OR)
-        per_byte = 8 // bits
-        shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits)
-        grouped = q.reshape(*q.shape[:-1], -1, per_byte)
-        return jnp.sum(grouped << shifts, axis=-1, dtype=jnp.uint8)
-    stream = (q[..., None] >> jnp.arange(bits, dtype=jnp.uint8)) & 1  # [..., m, bits]
-    stream = stream.reshape(*q.shape[:-1], -1, 8)
-    return jnp.sum(stream << jnp.arange(8, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+    The last axis is one bucket in `quantizer`'s segment layout (whole values per byte when
+    `bits` divides 8, bit planes otherwise)."""
+    return quantizer.pack_rows(q, bits)
 
 
 def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
     """Inverse of `pack_bits`: uint8[..., k] -> uint8[..., k · 8 / bits]."""
-    mask = jnp.uint8((1 << bits) - 1)
-    if 8 % bits == 0:
-        shifts = jnp.arange(8 // bits, dtype=jnp.uint8) * bits
-        return ((packed[..., None] >> shifts) & mask).reshape(*packed.shape[:-1], -1)
-    stream = (packed[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1  # [..., k, 8]
-    stream = stream.reshape(*packed.shape[:-1], -1, bits)
-    return jnp.sum(stream << jnp.arange(bits, dtype=jnp.uint8), axis=-1, dtype=jnp.uint8)
+    return quantizer.unpack_rows(packed, bits).astype(jnp.uint8)
 
 
 def quantize(x: jax.Array, bits: int, bucket_size: int = DEFAULT_BUCKET_SIZE, key=None,
-             dtype=None) -> Quantized:
+             dtype=None, impl: str = "auto") -> Quantized:
     """Bucketed max–min quantization of `x` (any shape, size a multiple of `bucket_size`).
 
     Buckets are consecutive runs of `bucket_size` elements of `x.ravel()`. `key=None` rounds to
     nearest; a PRNG key rounds stochastically (unbiased: E[dequantize] = x). Scale and offset are
     stored in `dtype` (default `x.dtype`) and the integers are computed from the stored values, so
-    the error bounds hold for what the receiver sees.
+    the error bounds hold for what the receiver sees. impl: `quantizer.IMPLS` (one fused pass
+    either way; "auto": a Pallas kernel on GPUs).
     """
-    qx, _ = _quantize_with_error(x, bits, bucket_size, key, dtype)
+    qx, _ = _quantize_with_error(x, bits, bucket_size, key, dtype, impl=impl, with_error=False)
     return qx
 
 
-def _quantize_with_error(x, bits, bucket_size, key, dtype):
-    """`quantize(...)` and `x - dequantize(...)` ([n_buckets, bucket_size], fp32), without
-    unpacking the bits again."""
+def _quantize_with_error(x, bits, bucket_size, key, dtype, *, residual=None, impl="auto",
+                         with_error=True):
+    """`quantize(x + residual, ...)` and `x + residual - dequantize(...)` ([n_buckets,
+    bucket_size], fp32, or None without `with_error`), in one pass."""
     check_args(bits, bucket_size)
     if x.size % bucket_size:
         raise ValueError(f"quantize: {x.size} elements is not a multiple of bucket_size {bucket_size}")
-    dtype = dtype or x.dtype
-    levels = (1 << bits) - 1
-    xb = x.reshape(-1, bucket_size).astype(jnp.float32)
-    lo, hi = xb.min(axis=1), xb.max(axis=1)
-    scale = ((hi - lo) / levels).astype(dtype)
-    offset = lo.astype(dtype)
-    s, o = scale.astype(jnp.float32)[:, None], offset.astype(jnp.float32)[:, None]
-    t = jnp.where(s > 0, (xb - o) / jnp.where(s > 0, s, 1.0), 0.0)
-    if key is None:
-        t = jnp.round(t)
-    else:
-        t = jnp.floor(t + jax.random.uniform(key, t.shape, jnp.float32))
-    q = jnp.clip(t, 0, levels)
-    error = xb - (o + q * s)
-    return Quantized(pack_bits(q.astype(jnp.uint8), bits), scale, offset), error
+    rows = x.reshape(-1, bucket_size)
+    noise = None if key is None else jax.random.uniform(key, rows.shape, jnp.float32)
+    packed, scale, offset, error = quantizer.quantize_rows(
+        rows, bits, dtype or x.dtype, residual=None if residual is None else
+        residual.reshape(rows.shape), noise=noise, impl=impl, with_error=with_error)
+    return Quantized(packed, scale, offset), error
 
 
 def dequantize(qx: Quantized, bits: int, dtype=jnp.float32) -> jax.Array:
     """[n_buckets, bucket_size] values `offset + q · scale` in `dtype`."""
-    q = unpack_bits(qx.packed, bits).astype(jnp.float32)
-    values = qx.offset.astype(jnp.float32)[:, None] + q * qx.scale.astype(jnp.float32)[:, None]
-    return values.astype(dtype)
+    return quantizer.dequantize_rows(qx.packed, qx.scale, qx.offset, bits, dtype)
+
+
+ROUNDINGS = ("auto", "nearest", "stochastic")
+"""How values are rounded to their levels: to nearest, stochastically (unbiased, noise from the
+step's key), or `auto`: nearest with error feedback, stochastic without."""
 
 
 def bits_for_leaf(path: str, leaf, bits: int, min_size: int,
-                  overrides: Mapping[str, int] | None = None) -> int:
+                  overrides: Mapping[str, int] | None = None, stacked: bool = False) -> int:
     """Bit width for one gradient tensor; 0 means exact (uncompressed).
 
     `overrides` maps regular expressions to bit widths; the first one found (`re.search`) in the
-    '/'-joined parameter path wins over `bits` and the size rule (0 forces exact).
+    '/'-joined parameter path wins over `bits` and the size rule (0 forces exact). Without one,
+    CGX's filter: 1-D tensors (biases, norm scales) and tensors of fewer than `min_size` elements
+    stay exact, whose exchange costs little and whose quantization error costs accuracy.
+    stacked: `leaf` stacks layers on its leading axis (a `StackedModel`'s blocks), and the filter
+    looks at one layer (a stack of biases is a stack of 1-D tensors).
     """
     for pattern, override in (overrides or {}).items():
         if re.search(pattern, path):
             return override
-    return 0 if leaf.ndim <= 1 or leaf.size < min_size else bits
+    ndim, size = leaf.ndim, leaf.size
+    if stacked and ndim:
+        ndim, size = ndim - 1, size // max(leaf.shape[0], 1)
+    return 0 if ndim <= 1 or size < min_size else bits
 
 
-def _path_str(path) -> str:
+def parse_rule(text: str) -> tuple[str, int]:
+    """`PATTERN=BITS` (BITS 1..8, or `exact`) -> (PATTERN, bits; 0 for exact); ValueError (one
+    line) for anything else or a PATTERN that is no regular expression. The last `=` splits, so
+    a pattern may hold one."""
+    pattern, sep, value = str(text).rpartition("=")
+    if not sep or not pattern:
+        raise ValueError(f"compression rule {text!r} must be PATTERN=BITS (BITS 1..8 or exact)")
+    value = value.strip()
+    if value == "exact":
+        bits = 0
+    elif value.isdigit() and 1 <= int(value) <= 8:
+        bits = int(value)
+    else:
+        raise ValueError(f"compression rule {text!r}: bits must be 1..8 or exact, got {value!r}")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"compression rule {text!r}: {pattern!r} is no regular expression "
+                         f"({e})") from None
+    return pattern, bits
+
+
+def parse_rules(rules) -> dict[str, int]:
+    """`{pattern: bits}` (in order; `bits_for_leaf`'s overrides) of `PATTERN=BITS` rules."""
+    return dict(parse_rule(r) for r in rules or ())
+
+
+def check_rounding(rounding: str) -> None:
+    """ValueError (one line) unless `rounding` is one of `ROUNDINGS`."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"compression rounding must be one of {', '.join(ROUNDINGS)}, "
+                         f"got {rounding!r}")
+
+
+def stochastic(rounding: str, error_feedback: bool) -> bool:
+    """Whether `rounding` (`ROUNDINGS`) rounds stochastically with or without error feedback."""
+    check_rounding(rounding)
+    return rounding == "stochastic" or (rounding == "auto" and not error_feedback)
+
+
+def leaf_path(path) -> str:
+    """The '/'-joined parameter path of a pytree key path (`blocks/attn/qkv/kernel`): what
+    `bits_for_leaf`'s patterns match."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def leaf_widths(tree, bits: int, min_size: int, overrides=None,
+                stacked: tuple[str, ...] = ()) -> list[tuple[str, int]]:
+    """(path, bit width) of every leaf of `tree` (arrays or shapes), in `tree_leaves` order.
+    stacked: top-level keys whose leaves stack layers on their leading axis (`bits_for_leaf`)."""
+    out = []
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        path = leaf_path(p)
+        out.append((path, bits_for_leaf(path, x, bits, min_size, overrides,
+                                        stacked=path.split("/")[0] in stacked)))
+    return out
 
 
 class Collectives(NamedTuple):
@@ -174,25 +223,43 @@ def _key_for(key, group: int, stage: int, index):
     return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, group), stage), index)
 
 
-def _reduce_group(xs: list[jax.Array], comm: Collectives, bits: int, bucket_size: int,
-                  keys: tuple, mean: bool):
+def _leaf_rows(x: jax.Array, bucket_size: int) -> jax.Array:
+    """`x` as [buckets, bucket_size]: a bitcast when its size is whole buckets, else padded with
+    its last value, which leaves the last bucket's range (and so its error bound) unchanged."""
+    flat = x.ravel()
+    if x.size % bucket_size:
+        flat = jnp.pad(flat, (0, -x.size % bucket_size), mode="edge")
+    return flat.reshape(-1, bucket_size)
+
+
+def _reduce_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits: int,
+                  bucket_size: int, keys: tuple, mean: bool, impl: str = "auto"):
     """Compressed all-reduce of the tensors `xs` (one dtype) packed into one buffer.
 
-    Returns (reduced tensors, local quantization errors), both shaped like `xs`.
+    Each tensor (plus its residual) is quantized in one pass of its own (`quantizer.
+    quantize_rows`: no concatenated copy of the gradients); only the packed bytes are
+    concatenated. The owned chunk is dequantized, summed and quantized again in one pass
+    (`quantizer.requantize_sum`), and each result is dequantized straight from the gathered bytes.
+
+    Returns (reduced tensors, local quantization errors or None per tensor), shaped like `xs`.
     """
     dtype, n = xs[0].dtype, comm.size
-    # Each tensor is padded to whole buckets with its last value, which leaves the bucket's range
-    # (and so its error bound) unchanged.
-    sizes = [x.size for x in xs]
-    flat = jnp.concatenate([
-        jnp.pad(x.ravel(), (0, -x.size % bucket_size), mode="edge") for x in xs])
-    n_buckets = flat.size // bucket_size
-    # Whole buckets of zeros so every shard owns the same number of buckets.
-    flat = jnp.pad(flat, (0, (-n_buckets % n) * bucket_size))
-    per_shard = flat.size // bucket_size // n
-
-    q1, error = _quantize_with_error(flat, bits, bucket_size, keys[0], dtype)
-    error = error.astype(dtype).ravel()
+    parts = []
+    for k, (x, r) in enumerate(zip(xs, residuals)):
+        key = None if keys[0] is None else jax.random.fold_in(keys[0], k)
+        rows = _leaf_rows(x, bucket_size)
+        q, err = _quantize_with_error(rows, bits, bucket_size, key, dtype, impl=impl,
+                                      residual=None if r is None else _leaf_rows(r, bucket_size),
+                                      with_error=r is not None)
+        parts.append((q, err))
+    counts = [q.scale.shape[0] for q, _ in parts]
+    # Whole buckets of zeros (what quantizing zeros gives) so every shard owns as many buckets.
+    fill = -sum(counts) % n
+    cat = lambda arrays, pad: jnp.concatenate(  # noqa: E731
+        arrays + ([jnp.zeros((fill, *pad.shape[1:]), pad.dtype)] if fill else []))
+    q1 = Quantized(*(cat([getattr(q, f) for q, _ in parts], getattr(parts[0][0], f))
+                     for f in Quantized._fields))
+    per_shard = q1.scale.shape[0] // n
 
     def exchange(qx: Quantized, collective) -> Quantized:
         packed = collective(qx.packed.reshape(-1, per_shard, qx.packed.shape[-1]))
@@ -202,25 +269,27 @@ def _reduce_group(xs: list[jax.Array], comm: Collectives, bits: int, bucket_size
 
     # received[j]: shard j's quantized copy of the chunk this shard owns.
     received = exchange(q1, comm.all_to_all)
-    owned = dequantize(received, bits).reshape(n, per_shard * bucket_size).sum(axis=0)
-    if mean:
-        owned = owned / n
-    q2 = quantize(owned, bits, bucket_size, keys[1], dtype=dtype)
+    width = received.packed.shape[-1]
+    noise = None if keys[1] is None else \
+        jax.random.uniform(keys[1], (per_shard, bucket_size), jnp.float32)
+    q2 = Quantized(*quantizer.requantize_sum(
+        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
+        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
     gathered = exchange(q2, comm.all_gather)
-    reduced = dequantize(gathered, bits, dtype).ravel()
 
     outs, errs, start = [], [], 0
-    for x, size in zip(xs, sizes):
-        outs.append(reduced[start:start + size].reshape(x.shape))
-        errs.append(error[start:start + size].reshape(x.shape))
-        start += size + (-size % bucket_size)
+    for x, (_, err), count in zip(xs, parts, counts):
+        rows = Quantized(*(a[start:start + count] for a in gathered))
+        outs.append(dequantize(rows, bits, dtype).ravel()[:x.size].reshape(x.shape))
+        errs.append(None if err is None else err.astype(dtype).ravel()[:x.size].reshape(x.shape))
+        start += count
     return outs, errs
 
 
 def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
                     bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
                     key=None, residual=None, overrides: Mapping[str, int] | None = None,
-                    mean: bool = False):
+                    mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = ()):
     """Sum (or mean) `tree` over the manual mesh axis `axis_name` with CGX compression.
 
     Call inside a shard_map manual over `axis_name`, or give `Collectives` for another transport
@@ -230,6 +299,10 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     key: None for nearest rounding, or a PRNG key (the same on every shard; each shard and stage
     folds in its own index) for stochastic rounding.
     overrides: {regex on the '/'-joined path: bits}; 0 means exact.
+    stacked: top-level keys of `tree` whose leaves stack layers on their leading axis: the size
+    filter looks at one layer (`bits_for_leaf`).
+    impl: how the quantizer runs (`quantizer.IMPLS`: "auto" a Pallas kernel on GPUs, jnp that XLA
+    fuses elsewhere); each gradient and residual is read once.
 
     Returns (reduced, new_residual): `reduced` like `tree`, typed invariant over `axis_name` (the
     same on every shard); `new_residual` like `tree`, varying over `axis_name` (what this shard's
@@ -239,28 +312,31 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     """
     check_args(bits, bucket_size)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    widths = [bits_for_leaf(_path_str(p), x, bits, min_size, overrides) for p, x in paths_leaves]
-    for (p, _), w in zip(paths_leaves, widths):
+    named = leaf_widths(tree, bits, min_size, overrides, stacked)
+    for path, w in named:
         if not isinstance(w, int) or not 0 <= w <= 8:
-            raise ValueError(f"bit width for {_path_str(p)!r} must be an integer in 0..8 "
+            raise ValueError(f"bit width for {path!r} must be an integer in 0..8 "
                              f"(0: exact), got {w!r}")
+    widths = [w for _, w in named]
     leaves = [leaf for _, leaf in paths_leaves]
     res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
-    leaves = [x if r is None else x + r.astype(x.dtype) for x, r in zip(leaves, res)]
     if isinstance(axis_name, Collectives):
         comm, axis_name = axis_name, None
     else:
         comm = axis_collectives(axis_name)
-        leaves = [x if axis_name in varying_axes(x) else to_varying(x, (axis_name,))
-                  for x in leaves]
+        vary = lambda x: x if x is None or axis_name in varying_axes(x) else \
+            to_varying(x, (axis_name,))  # noqa: E731
+        leaves, res = [vary(x) for x in leaves], [vary(r) for r in res]
     n = comm.size
 
     out: list[Any] = [None] * len(leaves)
     new_res: list[Any] = [None] * len(leaves)
     exact = [i for i, w in enumerate(widths) if w == 0]
     if exact:
-        for i, y in zip(exact, comm.psum([leaves[i] for i in exact])):
-            out[i], new_res[i] = (y / n if mean else y), jnp.zeros_like(leaves[i])
+        sent = [leaves[i] if res[i] is None else leaves[i] + res[i].astype(leaves[i].dtype)
+                for i in exact]
+        for i, x, y in zip(exact, sent, comm.psum(sent)):
+            out[i], new_res[i] = (y / n if mean else y), jnp.zeros_like(x)
     # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
     # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
     # replicated over `pipe`) would make every result typed varying over `pipe`.
@@ -271,7 +347,8 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
             groups.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
     for g, ((w, _, _), idx) in enumerate(sorted(groups.items())):
         keys = (_key_for(key, g, 0, comm.index), _key_for(key, g, 1, comm.index))
-        ys, errs = _reduce_group([leaves[i] for i in idx], comm, w, bucket_size, keys, mean)
+        ys, errs = _reduce_group([leaves[i] for i in idx], [res[i] for i in idx], comm, w,
+                                 bucket_size, keys, mean, impl)
         for i, y, e in zip(idx, ys, errs):
             out[i], new_res[i] = y, e
     reduced = treedef.unflatten(out)
@@ -324,13 +401,19 @@ def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual
         return compressed_psum(tree, axis_name, residual=residual, **kwargs)
     specs = jax.tree.map(lambda s: _without_axes(s, manual), specs,
                          is_leaf=lambda x: isinstance(x, P))
-    reduce = lambda t, r: compressed_psum(t, axis_name, residual=r, **kwargs)  # noqa: E731
+    # The rounding key enters the inner shard_map as an argument: one closed over would keep the
+    # outer context's mesh type, which JAX refuses to mix with the inner one's.
+    key = kwargs.pop("key", None)
+    reduce = lambda t, r, k: compressed_psum(t, axis_name, residual=r, key=k,  # noqa: E731
+                                             **kwargs)
+    key_spec = None if key is None else P()
     if residual is None:
-        reduce_tree = shard_map(lambda t: reduce(t, None)[0], mesh=context, in_specs=(specs,),
-                                out_specs=specs, axis_names=set(free))
-        return reduce_tree(tree), None
-    return shard_map(reduce, mesh=context, in_specs=(specs, specs), out_specs=(specs, specs),
-                     axis_names=set(free))(tree, residual)
+        reduce_tree = shard_map(lambda t, k: reduce(t, None, k)[0], mesh=context,
+                                in_specs=(specs, key_spec), out_specs=specs,
+                                axis_names=set(free))
+        return reduce_tree(tree, key), None
+    return shard_map(reduce, mesh=context, in_specs=(specs, specs, key_spec),
+                     out_specs=(specs, specs), axis_names=set(free))(tree, residual, key)
 
 
 def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):
@@ -358,6 +441,8 @@ def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> fl
 
 
 __all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits",
-           "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "compressed_psum",
+           "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "parse_rule", "parse_rules",
+           "ROUNDINGS", "check_rounding", "stochastic", "leaf_path", "leaf_widths",
+           "compressed_psum",
            "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
            "init_residual", "bucket_bytes", "wire_bytes_per_element"]

@@ -20,6 +20,7 @@ from ..analysis.flops import compiled_flops, model_flops_per_device, nominal_pea
 from .._compat import DEVICE_MEMORY_KIND, HOST_MEMORY_KIND, memory_kind_of
 from ..offload.precision import DTYPES
 from ..offload.activations import compiled_peak_bytes
+from ..parallel.compression import parse_rules
 from ..step.reducers import compressed_wire_bytes, exact_wire_bytes
 from ..step.model import StackedModel
 from . import data as data_lib
@@ -57,13 +58,16 @@ def state_report(state, compiled) -> dict[str, int | float]:
     }
 
 
-def compression_ratio(params, bits: int, bucket_size: int) -> float:
+def compression_ratio(params, bits: int, bucket_size: int, min_size: int = 1024,
+                      rules=()) -> float:
     """How many times fewer bytes this device sends in CGX's gradient exchange than in an exact
     all-reduce of the same gradients (like `params`; its local shards), as the reducers count
-    their wire bytes (`step.reducers`), with the tensors that the size rule keeps exact."""
+    their wire bytes (`step.reducers`), with the tensors that the size rule (`min_size`) and the
+    `PATTERN=BITS` rules keep exact or set apart."""
     shards = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), params)
-    return exact_wire_bytes(shards) / compressed_wire_bytes(bits, bucket_size)(shards)
+    wire = compressed_wire_bytes(bits, bucket_size, min_size, parse_rules(rules))
+    return exact_wire_bytes(shards) / wire(shards)
 
 
 class Loop:
@@ -291,8 +295,9 @@ def _run(stop: StopRequest, config: RunConfig, trainer: Trainer, feed, eval_feed
                                        outputs, console)
     loop = Loop(trainer, state, feed, built + list(hooks), console, end, stop)
     if config.compression.bits:
+        c = config.compression
         loop.report["compression_ratio"] = compression_ratio(
-            state.params, config.compression.bits, config.compression.bucket)
+            state.params, c.bits, c.bucket, c.min_size, c.rules)
     _describe(loop, trainer, feed.describe(), console)
     state = loop.run()
     if loop.stopped:

@@ -33,6 +33,7 @@ import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..offload.activations import REMAT_MODES
+from ..parallel.compression import ROUNDINGS, parse_rule
 from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
 from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
@@ -172,6 +173,28 @@ class CompressionOptions:
     error_feedback: bool = option(True, "CGX: carry each device's rounding error to the next "
                                   "step", flag="--no-error-feedback", legacy="error_feedback",
                                   switch_off=True)
+    min_size: int = option(1024, "CGX: gradient shards of fewer elements (and 1-D ones: biases, "
+                           "norms) are exchanged exact", flag="--compress-min-size",
+                           legacy="compress_min_size", metavar="N")
+    rules: tuple = option((), "CGX: bits of the parameters whose '/'-joined path matches the "
+                          "regular expression PATTERN (BITS 1..8, or exact); the first matching "
+                          "rule wins over --compress-bits and the size filter; repeat for more "
+                          "(YAML: rules: ['embed=exact', 'mlp=8'])", flag="--compress-rule",
+                          legacy="compress_rules", kind=tuple, metavar="PATTERN=BITS")
+    rounding: str = option("auto", "CGX: round values to their levels to nearest, or "
+                           "stochastically (unbiased; noise from the step's key); auto: nearest "
+                           "with error feedback, stochastic without",
+                           flag="--compress-rounding", legacy="compress_rounding",
+                           choices=ROUNDINGS)
+
+    def __post_init__(self):
+        # YAML may give a rule as a mapping {PATTERN: BITS}: kept as PATTERN=BITS text.
+        value = self.rules
+        listed = (value,) if isinstance(value, (str, dict)) else tuple(value or ())
+        flat = []
+        for rule in listed:
+            flat += [f"{k}={v}" for k, v in rule.items()] if isinstance(rule, dict) else [rule]
+        object.__setattr__(self, "rules", tuple(str(r) for r in flat))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,6 +505,10 @@ def _field_problems(config: RunConfig) -> list[str]:
         from .hooks import parse_step_range
 
         _attempt(found, parse_step_range, r.profile_steps)
+    for rule in config.compression.rules:
+        _attempt(found, parse_rule, rule)
+    if config.compression.min_size < 0:
+        found.append(f"--compress-min-size must be >= 0, got {config.compression.min_size}")
     return found + _data_problems(config)
 
 
@@ -520,6 +547,11 @@ def _ignored(config: RunConfig) -> list[str]:
         if "compression.error_feedback" in config.given and \
                 c.error_feedback != default.error_feedback:
             found.append("--no-error-feedback needs gradient compression (--compress-bits)")
+        for field, flag in (("min_size", "--compress-min-size"), ("rules", "--compress-rule"),
+                            ("rounding", "--compress-rounding")):
+            if f"compression.{field}" in config.given and \
+                    getattr(c, field) != getattr(default, field):
+                found.append(f"{flag} needs gradient compression (--compress-bits)")
     if config.grid.auto:
         explicit = [f"--{a}" for a in AXES[1:] if getattr(config.grid, a) != 1]
         explicit += ["--data-parallel"] if config.grid.data is not None else []
@@ -701,7 +733,9 @@ def step_options(config: RunConfig) -> dict:
     return dict(microbatches=p.microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
                 offload_optimizer=m.offload_optimizer, remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
-                error_feedback=c.error_feedback, reduce_dtype=config.precision.reduce_dtype,
+                error_feedback=c.error_feedback, compress_min_size=c.min_size,
+                compress_rules=c.rules, compress_rounding=c.rounding,
+                reduce_dtype=config.precision.reduce_dtype,
                 dtype=config.precision.dtype,
                 fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,
                 xla_options=config.run.xla_options, collective_matmul=config.grid.collective_matmul)

@@ -201,7 +201,8 @@ def _build_mpi(config, model, optimizer, preset, devices):
     if config.compression.bits:  # between the processes; exact over each process's devices
         c = config.compression
         reducer = mpi.mpi_compressed_mean(comm, bits=c.bits, bucket_size=c.bucket,
-                                          error_feedback=c.error_feedback)
+                                          error_feedback=c.error_feedback, min_size=c.min_size,
+                                          rules=c.rules, rounding=c.rounding)
     else:
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,

@@ -132,14 +132,21 @@ def reshard_residuals(saved, target) -> tuple[Any, str]:
     return placed, f"error-feedback residuals re-split from {old} to {new} data-parallel shards"
 
 
-def compressed_wire_bytes(bits: int, bucket_size: int) -> Callable[[Any], float]:
+STACKED = ("blocks",)
+"""The parts of a `StackedModel`'s parameters that stack layers on their leading axis: CGX's
+size filter looks at one layer of them."""
+
+
+def compressed_wire_bytes(bits: int, bucket_size: int,
+                          min_size: int = compression.DEFAULT_MIN_SIZE,
+                          overrides=None) -> Callable[[Any], float]:
     """`GradientReducer.wire_bytes` of CGX: packed values, a scale and an offset per bucket, for
-    the shards the size rule compresses (`compression.bits_for_leaf`); the rest exact."""
+    the shards the rules compress (`compression.bits_for_leaf` with `min_size` and `overrides`,
+    each at its own width); the rest exact."""
     def wire(shards) -> float:
         sent = 0.0
-        for path, s in jax.tree_util.tree_flatten_with_path(shards)[0]:
-            width = compression.bits_for_leaf(jax.tree_util.keystr(path), s, bits,
-                                              compression.DEFAULT_MIN_SIZE)
+        widths = compression.leaf_widths(shards, bits, min_size, overrides, STACKED)
+        for s, (_, width) in zip(jax.tree.leaves(shards), widths):
             per = compression.wire_bytes_per_element(width, bucket_size, s.dtype.itemsize) \
                 if width else 2 * s.dtype.itemsize
             sent += s.size * per
@@ -149,18 +156,25 @@ def compressed_wire_bytes(bits: int, bucket_size: int) -> Callable[[Any], float]
 
 
 def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
-                    error_feedback: bool = True, axis: str = "data") -> GradientReducer:
+                    error_feedback: bool = True, axis: str = "data",
+                    min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
+                    rounding: str = "auto") -> GradientReducer:
     """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits in
     buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`).
 
     grad_specs: PartitionSpecs like the gradients, how the other mesh axes split them (each device
-    compresses only its own shard). With `error_feedback`, rounding is to nearest and the state is
-    each device's residual: leaves `[size of axis, *param.shape]`, split over `axis` and like the
-    parameter (nearest rounding with feedback was measured better than stochastic with feedback at
-    2 bits). Without it the state is None and rounding is stochastic, its noise drawn from the
-    step's key, which keeps the mean unbiased.
+    compresses only its own shard). With `error_feedback` the state is each device's residual:
+    leaves `[size of axis, *param.shape]`, split over `axis` and like the parameter; without it
+    the state is None. rules: `PATTERN=BITS` strings (`compression.parse_rule`), the first whose
+    regular expression is found in a parameter's '/'-joined path sets its width (`exact`: not
+    compressed); other tensors follow CGX's filter (1-D or below `min_size` elements: exact).
+    rounding (`compression.ROUNDINGS`): `auto` rounds to nearest with error feedback (measured
+    better than stochastic with feedback at 2 bits) and stochastically without (which keeps the
+    mean unbiased); stochastic noise comes from the step's key, so a run is reproducible.
     """
     compression.check_args(bits, bucket_size)
+    overrides = compression.parse_rules(rules)
+    stochastic = compression.stochastic(rounding, error_feedback)
     shards = int(mesh.shape[axis])
 
     def init(params):
@@ -170,19 +184,21 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
         local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
         grads, local = compression.sharded_compressed_pmean(
             grads, grad_specs, mesh, axis, bits=bits, bucket_size=bucket_size,
-            key=None if error_feedback else key, residual=local)
+            min_size=min_size, overrides=overrides, stacked=STACKED,
+            key=key if stochastic else None, residual=local)
         return grads, None if local is None else jax.tree.map(lambda r: r[None], local)
 
     return GradientReducer(init, reduce, mean=lambda tree: pmean(tree, axis),
                            state_spec=lambda spec: P(axis, *spec), reshard=reshard_residuals,
-                           wire_bytes=compressed_wire_bytes(bits, bucket_size))
+                           wire_bytes=compressed_wire_bytes(bits, bucket_size, min_size,
+                                                            overrides))
 
 
 def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int = 4,
                          reduce_dtype: str = "float32", piece_bytes: int = 2,
                          bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                          min_size: int = compression.DEFAULT_MIN_SIZE,
-                         axis: str = "data") -> list[Collective]:
+                         axis: str = "data", layers: int = 1) -> list[Collective]:
     """The collectives one device issues to reduce its gradient shards (`collectives.
     ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s (`bits` 0): an all-reduce of
     `param_bytes` per element in float32, or with `reduce_dtype` bfloat16 an all-to-all and an
@@ -191,20 +207,34 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
     device compressing its own shards): the shards the size rule compresses
     (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes` each) and
     the buffer to `parts` shards, sent by an all-to-all and gathered back; the others in an exact
-    all-reduce."""
+    all-reduce. layers: how many layers a block shard (not `outside_blocks`) stacks; the size
+    rule looks at one, as the reducer does (`STACKED`)."""
     if not bits:
         exchanged = sum(s.elements if s.exchanged is None else s.exchanged for s in shards)
         if reduce_dtype == "bfloat16":
             return [Collective("all-to-all", (axis,), exchanged * piece_bytes),
                     Collective("all-gather", (axis,), exchanged * piece_bytes)]
         return [Collective("all-reduce", (axis,), exchanged * param_bytes)]
-    widths = [compression.bits_for_leaf("", s, bits, min_size) for s in shards]
+    widths = [compression.bits_for_leaf("", _one_layer(s, layers), bits, min_size)
+              for s in shards]
     exact = sum(s.elements for s, w in zip(shards, widths) if not w)
     buckets = sum(math.ceil(s.elements / bucket_size) for s, w in zip(shards, widths) if w)
     packed = math.ceil(buckets / parts) * parts * compression.bucket_bytes(bits, bucket_size,
                                                                             param_bytes)
     return [Collective("all-to-all", (axis,), packed), Collective("all-gather", (axis,), packed),
             Collective("all-reduce", (axis,), exact * param_bytes)]
+
+
+class _Layer(NamedTuple):
+    ndim: int
+    size: float
+
+
+def _one_layer(shard, layers: int):
+    """What the size rule sees of a block shard stacking `layers` layers: one of them."""
+    if getattr(shard, "outside_blocks", True) or layers <= 1 or shard.ndim < 1:
+        return shard
+    return _Layer(shard.ndim - 1, shard.elements / layers)
 
 
 def scalar_collectives(shards, grid) -> list[Collective]:

@@ -58,6 +58,9 @@ class StepOptions:
     compress_bits: int = 0
     compress_bucket: int = 1024
     error_feedback: bool = True
+    compress_min_size: int = 1024
+    compress_rules: tuple = ()
+    compress_rounding: str = "auto"
     reduce_dtype: str = "float32"
     dtype: str = "float32"
     fp8: bool = False
@@ -118,7 +121,10 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
         `optimizer` must then be elementwise (AdamW is).
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
         `offload.activations.Plan`: what each block keeps for the backward.
-      compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`.
+      compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`;
+        compress_min_size, compress_rules (`PATTERN=BITS` on parameter paths), compress_rounding
+        (`nearest` | `stochastic` | `auto`): which tensors at which width, how values round
+        (`step.reducers.compressed_mean`).
       reduce_dtype: what the exact gradient mean over `data` sends: `float32`, or `bfloat16`
         (half the bytes; the received pieces summed in float32: `parallel.exchange`).
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
@@ -191,7 +197,9 @@ class StepParts:
         o = self.options
         if o.compress_bits and self.process_reducer is None:
             return compressed_mean(self.mesh, grad_specs, bits=o.compress_bits,
-                                   bucket_size=o.compress_bucket, error_feedback=o.error_feedback)
+                                   bucket_size=o.compress_bucket, error_feedback=o.error_feedback,
+                                   min_size=o.compress_min_size, rules=o.compress_rules,
+                                   rounding=o.compress_rounding)
         return exact_mean(reduce_dtype=o.reduce_dtype, grad_specs=grad_specs)
 
     def state_reducer(self, grad_specs=None) -> GradientReducer:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ..parallel import compression
-from ..step.reducers import GradientReducer, compressed_wire_bytes, reshard_residuals
+from ..step.reducers import STACKED, GradientReducer, compressed_wire_bytes, reshard_residuals
 
 
 def world():
@@ -68,16 +68,21 @@ def mpi_collectives(comm) -> compression.Collectives:
 
 
 def mpi_compressed_mean(comm, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
-                        error_feedback: bool = True) -> GradientReducer:
+                        error_feedback: bool = True,
+                        min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
+                        rounding: str = "auto") -> GradientReducer:
     """CGX's compressed mean over the processes of `comm`. With `error_feedback` the state is this
-    process's residual (like the parameters) and rounding is to nearest; without it, rounding is
-    stochastic with noise from the step's key.
+    process's residual (like the parameters). rules, min_size, rounding: which tensors are
+    compressed at which width and how values are rounded, as `step.reducers.compressed_mean`
+    takes them (stochastic noise from the step's key).
 
     In a checkpoint the residuals of all processes are one leaf `[processes, *shape]` per
     parameter (the layout of the one-program trainer's residuals, one per data-parallel device),
     gathered to rank 0, which writes; on restore each rank takes its own, re-split as the
     one-program residuals are when the number of processes changed."""
     compression.check_args(bits, bucket_size)
+    overrides = compression.parse_rules(rules)
+    stochastic = compression.stochastic(rounding, error_feedback)
     collectives = mpi_collectives(comm)
     exact = mpi_mean(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -87,7 +92,9 @@ def mpi_compressed_mean(comm, *, bits: int, bucket_size: int = compression.DEFAU
 
     def reduce(grads, residual, key):
         return compression.compressed_pmean(grads, collectives, bits=bits, bucket_size=bucket_size,
-                                            key=None if error_feedback else key, residual=residual)
+                                            min_size=min_size, overrides=overrides,
+                                            stacked=STACKED, key=key if stochastic else None,
+                                            residual=residual)
 
     def saved(residual):
         """`[processes, *shape]` leaves of every rank's residual (ShapeDtypeStructs alike); only
@@ -111,4 +118,5 @@ def mpi_compressed_mean(comm, *, bits: int, bucket_size: int = compression.DEFAU
 
     return exact._replace(init=init, reduce=reduce, saved=saved, from_saved=from_saved,
                           reshard=reshard_residuals,
-                          wire_bytes=compressed_wire_bytes(bits, bucket_size))
+                          wire_bytes=compressed_wire_bytes(bits, bucket_size, min_size,
+                                                           overrides))

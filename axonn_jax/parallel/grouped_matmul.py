@@ -59,31 +59,41 @@ def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, *, routed_rows:
 
     Returns:
       `(M, N)` in `x.dtype`; rows past `Σ sizes` are zero. Differentiable in `x` and `w`.
+      (The kernels take `K` and `N` padded with zeros to whole tiles.)
     """
     w = w.astype(x.dtype)
-    if not (interpret or use_kernel(platform)) or not _fits(x, w):
+    if not (interpret or use_kernel(platform)):
         return jax.lax.ragged_dot(x, w, sizes)
     rows = x.shape[0] if routed_rows is None else routed_rows
+    # Features padded with zeros to whole tiles (outside the custom VJP: JAX slices the
+    # gradients back).
+    k, n = w.shape[1:]
+    k_pad, n_pad = _padded(k, TILE_K), _padded(n, TILE_N)
+    x = jnp.pad(x, ((0, 0), (0, k_pad - k))) if k_pad > k else x
+    w = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, n_pad - n))) if (k_pad, n_pad) != (k, n) else w
     # Inside a shard_map the operands are cast to vary alike before the custom VJP, so JAX
     # transposes the casts (sums a cotangent over the axes its operand was invariant over).
     (x, w, sizes), _ = kernel_operands(x, w, sizes.astype(jnp.int32))
-    return _kernel_matmul(x, w, sizes, rows, interpret)
-
-
-def _fits(x, w) -> bool:
-    """Whether the features divide into the kernels' tiles (else `ragged_dot` serves)."""
-    k, n = w.shape[1:]
-    return all(d % _tile(d, t) == 0 and _tile(d, t) >= 16 for d, t in ((k, TILE_K), (n, TILE_N)))
+    y = _kernel_matmul(x, w, sizes, rows, interpret)
+    return y[:, :n] if n_pad > n else y
 
 
 def _tile(dim: int, tile: int) -> int:
-    """The tile along a dimension of size `dim`: `tile`, or the largest power of two ≤ `dim`."""
-    return min(tile, 1 << (dim.bit_length() - 1))
+    """The tile along a dimension of size `dim`: `tile`, or the smallest power of two ≥ `dim`
+    (at least 16, Triton's smallest matmul block)."""
+    return min(tile, max(16, 1 << (dim - 1).bit_length()))
+
+
+def _padded(dim: int, tile: int) -> int:
+    """`dim` rounded up to whole tiles of `_tile(dim, tile)`."""
+    t = _tile(dim, tile)
+    return -(-dim // t) * t
 
 
 def declared_flops(m: int, k: int, n: int, groups: int, routed_rows: int) -> int:
-    """FLOPs a grouped matmul of `(m, k)` rows by `(groups, k, n)` declares: `2·k·n` per routed
-    row, one tile of rows of padding per group, at most every row."""
+    """FLOPs a grouped matmul of `(m, k)` rows by `(groups, k, n)` declares (`k`, `n` padded to
+    whole tiles, as the kernels run them): `2·k·n` per routed row, one tile of rows of padding
+    per group, at most every row."""
     return 2 * k * n * min(m, routed_rows + groups * TILE_M)
 
 

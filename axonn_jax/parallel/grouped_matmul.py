@@ -11,8 +11,15 @@ is expanded to a dense Triton GEMM; `xla_gpu_experimental_use_ragged_dot_fusion`
 on jaxlib 0.12 and crashes XLA on 0.10). On a GPU mesh `grouped_matmul` runs Pallas (Triton)
 kernels instead, forward, input gradient and weight gradient, whose work is one row tile per
 (row block, group) pair that holds rows: the routed rows plus at most one tile of padding per
-group, whatever `M` is. Empty slots at the end of a padded buffer cost nothing. Elsewhere it is
-`ragged_dot` (CPU: XLA's own is the fastest there); `interpret=True` runs the kernels on CPU.
+group, whatever `M` is: the programs of the empty slots at the end of a padded buffer return at
+once. Elsewhere it is `ragged_dot`; `interpret=True` runs the kernels on CPU.
+
+Why Triton: JAX's Mosaic GPU grouped matmul (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`)
+lowers for sm_90, but compiling it without a GPU needs its host runtime library loaded into the
+process, and it computes every row tile of `M` (padding included) and leaves rows past the
+groups unwritten. The Pallas Triton backend, which these kernels use, compiles for the abstract
+H100s of `analysis.targets` on jaxlib 0.10 and 0.12; jax 0.12 deprecates it (a warning when a
+GPU program lowers).
 
 XLA cannot see the work of a custom call, so each kernel declares the FLOPs it runs in its name
 (`..._flops_<n>`, `analysis.hlo` reads it): `2·K·N·rows`, `rows` being `routed_rows` (the rows the

@@ -28,10 +28,10 @@ and `P_e` is a mean over tokens, so the shards' losses average to the whole batc
 their gradients sum to its gradient, as the train step reduces them. The metrics are the whole
 batch's too.
 
-Experts are computed by `axonn_jax.parallel.experts.routed_swiglu` (dropless with
-`ragged_dot`, or capacity-based), split over the `expert` mesh axis when the layer runs inside a
-shard_map manual over it: its expert weights are then the device's slice, and its parameter
-shapes say so.
+Experts are computed by `axonn_jax.parallel.experts.routed_swiglu` (dropless with grouped
+matmuls: `parallel.grouped_matmul`'s kernels on GPU, `ragged_dot` on CPU; or capacity-based),
+split over the `expert` mesh axis when the layer runs inside a shard_map manual over it: its
+expert weights are then the device's slice, and its parameter shapes say so.
 
 Parameters: `router (d_model, E)` float32; `w_gate (E, d_model, d_ff)`, `w_up (E, d_model,
 d_ff)`, `w_down (E, d_ff, d_model)`; with shared experts

@@ -13,8 +13,10 @@ Two ways to lay out the send buffer:
 
 - **dropless** (`capacity_factor=None`): one chunk of slots per destination device; the
   receiver sorts its rows by expert and runs one grouped matmul per projection
-  (`jax.lax.ragged_dot`; jaxlib 0.10.2 computes it densely, every row against every expert, on CPU
-  and GPU alike: `benchmarks/results/moe.md`). On one device the chunk holds every assignment.
+  (`expert_matmul`): on a GPU mesh the kernels of `parallel.grouped_matmul`, which compute the
+  routed rows only; on CPU `jax.lax.ragged_dot`, which jaxlib computes densely, every row of the
+  buffer against every local expert (`benchmarks/results/moe.md`, `moe_grouped.md`). On one
+  device the chunk holds every assignment.
   With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
   dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
   assignments past a full chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would

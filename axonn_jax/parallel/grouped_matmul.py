@@ -21,10 +21,10 @@ groups unwritten. The Pallas Triton backend, which these kernels use, compiles f
 H100s of `analysis.targets` on jaxlib 0.10 and 0.12; jax 0.12 deprecates it (a warning when a
 GPU program lowers).
 
-XLA cannot see the work of a custom call, so each kernel declares the FLOPs it runs in its name
-(`..._flops_<n>`, `analysis.hlo` reads it): `2·K·N·rows`, `rows` being `routed_rows` (the rows the
-caller routes on average, e.g. the assignments one device sends over an expert axis, which the
-devices receive on average) plus one tile per group, at most `M`. The kernels' grids are sized
+XLA cannot see the work of a custom call, so each kernel declares the FLOPs it runs in its
+name (`..._flops_<n>`, `analysis.hlo` reads it): `2·K·N·rows`, `rows` being `routed_rows` (the
+rows the caller routes on average, e.g. the assignments one device sends over an expert axis,
+which the devices receive on average) plus one tile per group, at most `M`. The kernels' grids are sized
 for the worst case (every row routed) and skip the tiles no group holds.
 """
 from __future__ import annotations

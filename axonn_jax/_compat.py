@@ -202,6 +202,25 @@ def ensure_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
+def kernel_operands(*arrays):
+    """`(arrays, out_struct)` for a Pallas call inside a shard_map with `check_vma`: the arrays
+    cast to vary over every manual axis one of them varies over, and `out_struct(shape, dtype)`,
+    a `ShapeDtypeStruct` that varies over the same axes (what `pallas_call` needs of its
+    `out_shape` there; JAX 0.10 to 0.12 call the field `manual_axis_type`)."""
+    import jax
+
+    axes = tuple(sorted(frozenset().union(*map(varying_axes, arrays))))
+    arrays = tuple(ensure_varying(list(arrays), axes))
+    mat = getattr(jax.typeof(arrays[0]), "manual_axis_type", None) if axes else None
+
+    def out_struct(shape, dtype):
+        if mat is None:
+            return jax.ShapeDtypeStruct(shape, dtype)
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+    return arrays, out_struct
+
+
 def mesh_platform(mesh=None) -> str | None:
     """The platform (`cpu`, `gpu`, `tpu`) of `mesh`'s devices (a `Mesh` or `AbstractMesh`); without
     one, of the mesh in context (inside a shard_map, or under `jax.set_mesh`). None when unknown.

@@ -39,6 +39,9 @@ LONG_SOURCE = ("Llama 3 paper, Table 4: the long-context stage trains 131,072-to
                "context parallelism 16; here 4 sequences on context 16 × row 4")
 MIXTRAL_SOURCE = ("Mixtral of Experts (Jiang et al. 2024) publishes no batch; 64 sequences of 4,096 "
                   "(256K tokens) on expert 8 × row 8")
+DEEPSEEK_SOURCE = ("DeepSeekMoE (Dai et al. 2024) trains the 16B model on 4,096-token sequences; 64 of "
+                   "them here, as the Mixtral row, on data 8 × expert 8 (8 of the 64 routed experts "
+                   "per device), `--remat full`: without it the step needs 203 GB a device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,9 @@ def _published() -> dict:
     rows["mixtral-8x7b/64 expert8"] = Row("mixtral-8x7b", 64, 64, 4096, MIXTRAL_SOURCE,
                                           ("--expert", "8", "--row", "8", "--microbatches", "8",
                                            "--remat", "full"))
+    rows["deepseek-moe-16b/64 expert8"] = Row("deepseek-moe-16b", 64, 64, 4096, DEEPSEEK_SOURCE,
+                                              ("--data-parallel", "8", "--expert", "8",
+                                               "--microbatches", "1", "--remat", "full"))
     return rows
 
 
@@ -112,10 +118,12 @@ NOTES: dict[str, str] = {
         "and the o_proj and expert down-projection sums twice (forward, and again in `--remat "
         "full`'s recompute). Memory: one block's expert buffers at a time (recomputed), per "
         "local expert under the dense `ragged_dot`, and their cotangents in the backward "
-        "(`MoELayers.working_bytes`); `plan` had kept all 32 layers' (109.9 GB). What remains: "
-        "FLOPs 9× the ideal, which `plan` counts: jaxlib 0.10 computes `ragged_dot` densely "
-        "(every token through all 8 experts, `benchmarks/results/moe.md`); the GSPMD baselines "
-        "are not run for this row.",
+        "(`MoELayers.working_bytes`); `plan` had kept all 32 layers' (109.9 GB). FLOPs: 9× the "
+        "ideal while the experts ran jaxlib's `ragged_dot`, which computes every row of the "
+        "padded receive buffer (8 source chunks of every assignment a device could send, one "
+        "local expert); the grouped-matmul kernels (`parallel.grouped_matmul`) run the routed "
+        "rows plus one tile per expert and call: 1.39× (`--remat full` alone makes 1.33×), "
+        "`benchmarks/results/moe_grouped.md`. The GSPMD baselines are not run for this row.",
     "unet-28b/256":
         "FLOPs 0.93× the ideal: `analysis.hlo.flops` now counts the convolutions (XLA's and "
         "cuDNN's `__cudnn$conv*` calls, as XLA's cost analysis does, padding excluded; before "

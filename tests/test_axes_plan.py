@@ -37,8 +37,9 @@ def test_long_sequences_plan_a_context_grid():
 
 def test_experts_split_over_the_expert_axis_and_imbalance_costs_time():
     """Mixtral-8x7B: expert grids are enumerated (dividing the 8 experts); the expert axis
-    divides the experts' parameters; FLOPs executed are what jaxlib's dense ragged_dot runs; a
-    stated imbalance adds exactly the experts' share of compute times (imbalance − 1)."""
+    divides the experts' parameters; FLOPs executed are what the GPU's grouped kernels run (the
+    routed rows), on CPU what jaxlib's dense ragged_dot runs; a stated imbalance adds exactly
+    the experts' share of compute times (imbalance − 1)."""
     work = cm.Workload(mixtral.PRESETS["mixtral-8x7b"], 64, 4096)
     assert "expert" in cm.searched_axes(work)
     grids = cm.candidate_grids(work, 16)
@@ -50,8 +51,12 @@ def test_experts_split_over_the_expert_axis_and_imbalance_costs_time():
     d = cm.declared(work, P(expert=8, pipe=8))
     ideal = 3 * 2 * 3 * 4096 * 14336 * 2 * 64 * 4096 * 32  # top-2 of 3 projections, 32 layers
     assert d.flops - d.executed_flops == pytest.approx(ideal - d.expert_flops, rel=1e-9)
-    if DENSE_RAGGED_DOT:  # every row against each local expert: 8× the routed ones at expert=1
-        assert cm.declared(work, P(row=8)).expert_flops == pytest.approx(8 * ideal, rel=1e-9)
+    # On GPU the grouped kernels run the routed rows (plus a tile of rows per local expert and
+    # call); on CPU, if DENSE_RAGGED_DOT, every row meets each local expert: 8× at expert=1.
+    assert cm.declared(work, P(row=8)).expert_flops == pytest.approx(ideal, rel=2e-3)
+    if DENSE_RAGGED_DOT:
+        on_cpu = dataclasses.replace(work, platform="cpu")
+        assert cm.declared(on_cpu, P(row=8)).expert_flops == pytest.approx(8 * ideal, rel=1e-9)
     grid = P(expert=8, pipe=8)
     base, skewed = (cm.predict(dataclasses.replace(work, microbatches=8, expert_imbalance=x),
                                grid, H100) for x in (1.0, 1.5))

@@ -351,7 +351,8 @@ def flops(hlo_text: str) -> float:
     convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an arithmetic elementwise op one per output
     element, a reduction one per input element not in the output; transcendental functions are
     not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`; a
-    convolution, XLA's or cuDNN's, as its forward, `_convolution_flops`), but
+    convolution, XLA's or cuDNN's, as its forward, `_convolution_flops`; the grouped-matmul
+    kernels of `parallel.grouped_matmul` as they declare, `_DECLARED_FLOPS`), but
     collectives' own sums left out, and instructions inside `while` loops counted once per
     iteration (from `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step
     that scans its layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
@@ -380,7 +381,8 @@ class FlopCounter:
     `computation(name)` (loops and calls included, memoized) and `instruction(shapes, name, shape,
     opcode, rest)` (`shapes`: `{name: shape text}` of the instructions before it in its
     computation). `matmuls_only`: count only matmuls (dots, grouped dots, cuBLAS calls, cuDNN's
-    fused attention, convolutions), the FLOPs that run on tensor cores."""
+    fused attention, convolutions, the declared grouped-matmul kernels), the FLOPs that run on
+    tensor cores."""
 
     def __init__(self, hlo_text: str, matmuls_only: bool = False):
         self.comps, self.entry = _computations(hlo_text)
@@ -417,6 +419,8 @@ class FlopCounter:
         if opcode == "reduce" and not self.matmuls_only:
             operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
             return float(_elements(shapes.get(operand, "")) - _elements(shape))
+        if opcode == "custom-call" and (declared := _DECLARED_FLOPS.search(rest)):
+            return float(declared.group(1))
         if opcode == "custom-call" and "__cudnn$fmha" in rest:
             return _fused_attention_flops(rest)
         if opcode == "custom-call" and _CUBLAS.search(rest):
@@ -431,6 +435,11 @@ class FlopCounter:
         if opcode in ("call", "fusion", "fusion-start", "async-start"):
             return sum(self.computation(c) for c in called(rest))
         return 0.0
+
+
+_DECLARED_FLOPS = re.compile(r"axonn_grouped_matmul_\w+?_flops_(\d+)")
+"""A library kernel that declares its FLOPs in its name (`parallel.grouped_matmul`: a Pallas
+custom call, whose work XLA cannot see), as the call's `op_name` metadata carries it."""
 
 
 def _fused_attention_flops(rest: str) -> float:

@@ -28,10 +28,10 @@ and `P_e` is a mean over tokens, so the shards' losses average to the whole batc
 their gradients sum to its gradient, as the train step reduces them. The metrics are the whole
 batch's too.
 
-Experts are computed by `axonn_jax.parallel.experts.routed_swiglu` (dropless with
-`ragged_dot`, or capacity-based), split over the `expert` mesh axis when the layer runs inside a
-shard_map manual over it: its expert weights are then the device's slice, and its parameter
-shapes say so.
+Experts are computed by `axonn_jax.parallel.experts.routed_swiglu` (dropless with grouped
+matmuls: `parallel.grouped_matmul`'s kernels on GPU, `ragged_dot` on CPU; or capacity-based),
+split over the `expert` mesh axis when the layer runs inside a shard_map manual over it: its
+expert weights are then the device's slice, and its parameter shapes say so.
 
 Parameters: `router (d_model, E)` float32; `w_gate (E, d_model, d_ff)`, `w_up (E, d_model,
 d_ff)`, `w_down (E, d_ff, d_model)`; with shared experts
@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from .._compat import psum, varying_axes
 from ..collectives import Collective, ParameterShard
-from ..parallel import experts as experts_lib
+from ..parallel import experts as experts_lib, grouped_matmul
 
 SCORES = ("softmax", "sigmoid")
 
@@ -209,10 +209,11 @@ class MoE(nn.Module):
 # ----------------------------------------------------------------------------- communication model
 
 DENSE_RAGGED_DOT = True
-"""jaxlib 0.10.2 computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every
-local expert, masked: `benchmarks/results/moe.md`), so a dropless layer runs `num_experts ×`
-the routed experts' FLOPs on one device; `MoELayers.executed_flops` counts what the compiled
-program runs."""
+"""jaxlib computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every local
+expert, masked: `benchmarks/results/moe.md`), so a dropless layer that uses it runs
+`num_experts ×` the routed experts' FLOPs on one device. On GPU the dropless layer runs the
+grouped-matmul kernels instead (`parallel.grouped_matmul`: the routed rows only), on CPU
+`ragged_dot`; `MoELayers.executed_flops` counts what the compiled program runs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,10 +312,15 @@ class MoELayers:
 
     def _local(self, step) -> int:
         """Experts each received row goes through in the compiled program: every local expert
-        under `DENSE_RAGGED_DOT` (dropless), its own (capacity)."""
+        under `DENSE_RAGGED_DOT` (dropless on CPU), its own (capacity, or the GPU's grouped
+        kernels)."""
         c = self.config
         return c.num_experts // step.grid.expert if c.capacity_factor is None \
-            and DENSE_RAGGED_DOT else 1
+            and DENSE_RAGGED_DOT and not self._grouped(step) else 1
+
+    def _grouped(self, step) -> bool:
+        """Whether the layer runs the grouped-matmul kernels (dropless, on a GPU)."""
+        return self.config.capacity_factor is None and step.platform == "gpu"
 
     def metrics(self) -> int:
         """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
@@ -338,9 +344,16 @@ class MoELayers:
     def executed_flops(self, step) -> float:
         """Training FLOPs one device's routed experts run per step in the compiled program:
         every received row of the padded buffer (`_rows`), through each of the device's local
-        experts under `DENSE_RAGGED_DOT` (dropless), through its expert's slots (capacity);
-        the matmuls split over the tensor axes."""
+        experts under `DENSE_RAGGED_DOT` (dropless on CPU), through its expert's slots
+        (capacity); under the GPU's grouped kernels the rows a device receives on average (the
+        assignments it sends) plus one tile of rows per local expert (`parallel.grouped_matmul`,
+        what its kernels declare); the matmuls split over the tensor axes."""
         c, g = self.config, step.grid
         calls = step.microbatches if g.pipe > 1 else 1
         per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)
-        return self.layers * calls * self._rows(step) * self._local(step) * per_row
+        rows = self._rows(step)
+        if self._grouped(step):
+            # `_tokens` holds every microbatch's tokens unless a pipeline calls once for each.
+            tiles = c.num_experts // g.expert * (1 if g.pipe > 1 else step.microbatches)
+            rows = min(rows, self._tokens(step) * c.top_k + tiles * grouped_matmul.TILE_M)
+        return self.layers * calls * rows * self._local(step) * per_row

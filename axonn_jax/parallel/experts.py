@@ -13,8 +13,10 @@ Two ways to lay out the send buffer:
 
 - **dropless** (`capacity_factor=None`): one chunk of slots per destination device; the
   receiver sorts its rows by expert and runs one grouped matmul per projection
-  (`jax.lax.ragged_dot`; jaxlib 0.10.2 computes it densely, every row against every expert, on CPU
-  and GPU alike: `benchmarks/results/moe.md`). On one device the chunk holds every assignment.
+  (`expert_matmul`): on a GPU mesh the kernels of `parallel.grouped_matmul`, which compute the
+  routed rows only; on CPU `jax.lax.ragged_dot`, which jaxlib computes densely, every row of the
+  buffer against every local expert (`benchmarks/results/moe.md`, `moe_grouped.md`). On one
+  device the chunk holds every assignment.
   With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
   dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
   assignments past a full chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would
@@ -32,12 +34,14 @@ choices, then all second ones), so both layouts keep that priority.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from .._compat import manual_axis_size
+from .._compat import manual_axes, manual_axis_size, nested_shard_map
+from . import grouped_matmul
 
 
 def local_experts(num_experts: int, axis: str) -> int:
@@ -96,16 +100,69 @@ def _swiglu(dot, rows, w_gate, w_up, w_down):
     return dot(jax.nn.silu(dot(rows, w_gate)) * dot(rows, w_up), w_down)
 
 
-def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down, *,
+                   routed_rows: int | None = None) -> jax.Array:
     """`rows (R, d)` through expert `ids[r]`'s SwiGLU, `(R, d)`; ids `(R,)` int32, a row with id
     ≥ the number of experts (an empty slot) comes out zero. Weights `(E, d, ff)`, `(E, d, ff)`,
-    `(E, ff, d)`. The rows are sorted by expert for one `ragged_dot` per projection."""
+    `(E, ff, d)`. The rows are sorted by expert for one grouped matmul per projection, the gate
+    and up projections in one (`expert_matmul`); `routed_rows`: the rows routed on average (the
+    kernels' declared FLOPs)."""
     experts = w_gate.shape[0]
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)  # empty slots sort last, uncounted
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(a.dtype), sizes)  # noqa: E731
-    out = _swiglu(dot, rows[order], w_gate, w_up, w_down)
+    gate, up = expert_matmul(rows[order], (w_gate, w_up), sizes, axes=("col", "row"),
+                             routed_rows=routed_rows)
+    (out,) = expert_matmul(jax.nn.silu(gate) * up, (w_down,), sizes, axes=("row", "col"),
+                           routed_rows=routed_rows)
     return jnp.zeros_like(out).at[order].set(out)
+
+
+def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Array, *,
+                  axes: tuple[str, str], routed_rows: int | None = None) -> tuple[jax.Array, ...]:
+    """Projections of the same sorted rows, `(R, N)` each: `jax.lax.ragged_dot(rows, w, sizes)`
+    for each `w` of `weights`.
+
+    Args:
+      rows: `(R, K)` sorted by expert.
+      weights: `(E, K, N)` each, `K` split over `axes[0]` and `N` over `axes[1]` (the experts'
+        partitioning metadata, `models.moe.MoE`) where those mesh axes are automatic.
+      sizes: `(E,)` int32 rows per expert.
+      axes: the mesh axes splitting (contracted, output) features.
+      routed_rows: rows routed on average (`parallel.grouped_matmul`'s declared FLOPs).
+
+    Returns:
+      One `(R, N)` array in `rows.dtype` per weight, laid out by GSPMD (from the kernel path `N`
+      over `axes[1]`).
+
+    On CPU: `ragged_dot` (GSPMD partitions it). On GPU: the grouped-matmul kernels, which GSPMD
+    cannot partition (it would gather the weights and repeat the work on every device), so they
+    run in a shard_map manual over the automatic axes, laid out as AxoNN splits a dense layer:
+    each device multiplies its `K` slice by its `(K, N)` blocks, all weights in one kernel (one
+    input gradient, hence one all-reduce of it), and the partial sums over `axes[0]` are added
+    there in the compute dtype (an all-reduce)."""
+    if not grouped_matmul.use_kernel():
+        return tuple(jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes) for w in weights)
+    count = len(weights)
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = () if mesh.empty else tuple(
+        a for a in mesh.axis_names if a not in manual_axes() and mesh.shape[a] > 1)
+    k_axis, n_axis = (a if a in auto else None for a in axes)
+
+    def local(r, s, *ws):  # (R, count, N_local), summed over the contracted features' axis
+        w = jnp.concatenate([w.astype(r.dtype) for w in ws], axis=-1)
+        y = grouped_matmul.grouped_matmul(r, w, s, routed_rows=routed_rows, platform="gpu")
+        y = y.reshape(y.shape[0], count, -1)
+        # In the compute dtype, an all-reduce (GSPMD adds partial sums handed out of the
+        # shard_map in float32, or by collective permutes where told to add in 16 bits).
+        return jax.lax.psum(y, k_axis) if k_axis else y
+
+    if auto:
+        P = jax.sharding.PartitionSpec
+        local = nested_shard_map(
+            local, mesh=mesh, in_specs=(P(None, k_axis), P(), *[P(None, k_axis, n_axis)] * count),
+            out_specs=P(None, None, n_axis), axis_names=auto)
+    y = local(rows, sizes, *weights)
+    return tuple(y[:, i] for i in range(count))
 
 
 def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
@@ -142,7 +199,9 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
         out = out.reshape(local, n, slots, d).transpose(1, 0, 2, 3).reshape(size, d)
     else:
         local_ids = jnp.full((size,), local, jnp.int32).at[slot].set(ids % local, mode="drop")
-        out = grouped_swiglu(received, exchange(local_ids, axis, n), w_gate, w_up, w_down)
+        # Rows a device receives on average: the assignments it sends (the kernels' FLOPs).
+        out = grouped_swiglu(received, exchange(local_ids, axis, n), w_gate, w_up, w_down,
+                             routed_rows=min(size, t * k))
     rows = exchange(out, axis, n).at[slot].get(mode="fill", fill_value=0)
     y = (rows * weights.T.reshape(-1, 1).astype(rows.dtype)).reshape(k, t, d).sum(0)
     return y, jnp.sum(slot == size, dtype=jnp.int32)

@@ -182,20 +182,31 @@ def test_each_layers_exchange_runs_beside_the_layer_below(wire, kind, tmp_path, 
 
 @needs_cuda
 def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
-    """gpt-tiny on one H100 with `--offload-optimizer`: the replayed schedule's host transfers
-    carry the whole host state in each direction (`host_memory_per_device_bytes`), at the host
-    link's rate, and the step waits for some of them."""
+    """gpt-tiny with `--offload-optimizer` on one H100 and on two data-parallel ones: the
+    replayed schedule's host transfers carry the device's whole host state in each direction
+    (`host_memory_per_device_bytes`), at the host link's rate, and the step waits for some of
+    them. With data 2 each device holds and streams half the state (split over `data`), and the
+    new 16-bit parameters are all-gathered over `data`."""
     from axonn_jax.analysis.comm_model import MACHINES
 
-    assert cli_main(["compile", "--target", "h100", "--devices", "1", "--model", "gpt-tiny",
-                     "--batch-size", "8", "--seq-len", "64", "--dtype", "bfloat16",
-                     "--offload-optimizer", "--overlap-report", "--json"]) == 0
-    (report,) = json.loads(capsys.readouterr().out)
-    host, rows = report["host_memory_per_device_bytes"], report["overlap"]["by_axes"]
-    for kind in ("host-to-device over host", "device-to-host over host"):
-        assert rows[kind]["bytes"] == host > 0, kind
-        assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
-    assert report["overlap"]["exposed_comm_s"] > 0
+    reports = {}
+    for dp in (1, 2):
+        assert cli_main(["compile", "--target", "h100", "--devices", str(dp), "--dp", str(dp),
+                         "--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "64",
+                         "--dtype", "bfloat16", "--offload-optimizer", "--overlap-report",
+                         "--json"]) == 0
+        (reports[dp],) = json.loads(capsys.readouterr().out)
+    for report in reports.values():
+        host, rows = report["host_memory_per_device_bytes"], report["overlap"]["by_axes"]
+        for kind in ("host-to-device over host", "device-to-host over host"):
+            assert rows[kind]["bytes"] == host > 0, kind
+            assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
+        assert report["overlap"]["exposed_comm_s"] > 0
+    one, two = (reports[dp]["host_memory_per_device_bytes"] for dp in (1, 2))
+    assert two == pytest.approx(one / 2, rel=0.02)
+    params = one / 12  # fp32 master, mu and nu per parameter
+    gathered = reports[2]["overlap"]["by_axes"]["all-gather over data"]["bytes"]
+    assert gathered == pytest.approx(params * 2 / 2, rel=0.02)  # bf16, half from the peer
 
 
 @needs_cuda

@@ -48,11 +48,18 @@ def measure(layers: int, batch: int, mode: dict, data: int = 1) -> dict:
                                        capacity_bytes=targets.H100_CAPACITY_BYTES)
     schedule = overlap.report(compiled.as_text(), {"data": data}, MACHINES["h100-dgx"])
     host = {k: v for k, v in overlap.summary(schedule.overlaps).items() if k.endswith("over host")}
-    return {"layers": layers, "batch": batch, "data": data, "peak_gb": report.memory_per_device_bytes / 1e9,
+    import jax
+
+    return {"layers": layers, "batch": batch, "data": data, "jaxlib": jax.__version__, "peak_gb": report.memory_per_device_bytes / 1e9,
             "host_gb": report.host_memory_per_device_bytes / 1e9, "step_s": schedule.step_s,
             "compute_s": schedule.matmul_s + schedule.other_s,
             "host_transfers": {k: {"gb": v["bytes"] / 1e9, "s": v["comm_s"],
                                    "exposed_s": v["exposed_s"]} for k, v in host.items()}}
+
+
+def _jaxlib(row: dict) -> str:
+    """The jaxlib that compiled `row` (rows written before the field existed: 0.10.2)."""
+    return row.get("jaxlib", "0.10.2")
 
 
 def markdown(rows: list[dict]) -> str:
@@ -63,14 +70,14 @@ def markdown(rows: list[dict]) -> str:
     lines = ["# Host memory in the compiled H100 program (replayed with the host link)", "",
              "`python benchmarks/offload_replay.py` (see its docstring). One abstract H100, "
              "GPT of width 4096, sequences of 2,048, bf16 compute, AdamW, fp32 masters; "
-             f"compiled deviceless by jaxlib {jax.__version__} on {datetime.date.today()}, "
-             "replayed on `h100-dgx` (host link 55 GB/s each way). `data`: H100s, one "
+             f"compiled deviceless by the jaxlib of each row (last run {jax.__version__}, "
+             f"{datetime.date.today()}), replayed on `h100-dgx` (host link 55 GB/s each way). `data`: H100s, one "
              "data-parallel copy each; batch: sequences per H100; GB are per H100. A peak above "
              "80 GB does not fit an H100: its replay is a bound, not a runnable step.", "",
-             "| layers | data | batch | mode | peak GB | host GB | replayed step s | vs on device | "
+             "| jaxlib | layers | data | batch | mode | peak GB | host GB | replayed step s | vs on device | "
              "compute s | host→device GB (s, exposed s) | device→host GB (s, exposed s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r["layers"], r.get("data", 1), r["batch"])  # noqa: E731
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    key = lambda r: (_jaxlib(r), r["layers"], r.get("data", 1), r["batch"])  # noqa: E731
     base = {key(r): r["step_s"] for r in rows if r["mode"] == "on device"}
     for r in rows:
         h = r["host_transfers"]
@@ -78,7 +85,7 @@ def markdown(rows: list[dict]) -> str:
                           if k in h else "–")
         ref = base.get(key(r))
         ratio = f"{r['step_s'] / ref:.2f}×" if ref else "–"
-        lines.append(f"| {r['layers']} | {r.get('data', 1)} | {r['batch']} | {r['mode']} | {r['peak_gb']:.1f} | "
+        lines.append(f"| {_jaxlib(r)} | {r['layers']} | {r.get('data', 1)} | {r['batch']} | {r['mode']} | {r['peak_gb']:.1f} | "
                      f"{r['host_gb']:.1f} | {r['step_s']:.3f} | {ratio} | {r['compute_s']:.3f} | "
                      f"{cell('host-to-device over host')} | {cell('device-to-host over host')} |")
     return "\n".join(lines) + "\n"
@@ -104,8 +111,9 @@ def main(argv=None) -> int:
                 row = {"mode": name + args.label,
                        **measure(layers, args.batch, MODES[name], data)}
                 print(json.dumps(row), flush=True)
-                same = lambda r: (r["mode"], r["layers"], r.get("data", 1), r["batch"]) == \
-                    (row["mode"], row["layers"], row["data"], row["batch"])  # noqa: E731
+                same = lambda r: (r["mode"], _jaxlib(r), r["layers"], r.get("data", 1),  # noqa
+                                  r["batch"]) == (row["mode"], row["jaxlib"], row["layers"],
+                                                  row["data"], row["batch"])
                 rows = [r for r in rows if not same(r)] + [row]
     (out / "offload_replay.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "offload_replay.md").write_text(markdown(rows))

@@ -8,8 +8,11 @@ the optimizer), and where the state of `tx` is kept.
 - `host_offload(tx, ...)`: fp32 master weights and `tx`'s state in `pinned_host` memory; the
   parameters the model computes with (`params`, in the compute dtype: bf16 / fp16 / fp32) stay in
   device memory, sharded as the model shards them. Its state is `{'master', 'inner'}`: the fp32
-  masters and `tx`'s state, each leaf with the sharding of its parameter; the state's shared
-  scalars (Adam's `count`) stay on the device.
+  masters and `tx`'s state, each leaf with the sharding of its parameter, and with data
+  parallelism split over `data` as well (ZeRO-Offload, `partition_spec`): each data-parallel
+  copy holds, streams and updates 1/D of the host state, and the new parameters in the compute
+  dtype are all-gathered over `data` (the step constrains them to their own layout). The
+  state's shared scalars (Adam's `count`) stay on the device.
 
 The offloaded update streams the host state through the device in pieces: one `fori_loop`
 iteration per layer of the stacked `blocks` parameters (leading layer axis), then buckets of at most

@@ -73,13 +73,16 @@ def markdown(rows: list[dict]) -> str:
              f"compiled deviceless by the jaxlib of each row (last run {jax.__version__}, "
              f"{datetime.date.today()}), replayed on `h100-dgx` (host link 55 GB/s each way). `data`: H100s, one "
              "data-parallel copy each; batch: sequences per H100; GB are per H100. A peak above "
-             "80 GB does not fit an H100: its replay is a bound, not a runnable step.", "",
+             "80 GB does not fit an H100: its replay is a bound, not a runnable step. With data > 1 "
+             "`offloaded state` splits the host state over `data` (each H100 holds and streams "
+             "1/D of it); a `(before: …)` row is the same step compiled from commit 83c3988, "
+             "where every data-parallel copy streamed all of it.", "",
              "| jaxlib | layers | data | batch | mode | peak GB | host GB | replayed step s | vs on device | "
              "compute s | host→device GB (s, exposed s) | device→host GB (s, exposed s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (_jaxlib(r), r["layers"], r.get("data", 1), r["batch"])  # noqa: E731
     base = {key(r): r["step_s"] for r in rows if r["mode"] == "on device"}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: key(r)[:3]):  # stable: modes stay in run order
         h = r["host_transfers"]
         cell = lambda k: (f"{h[k]['gb']:.2f} ({h[k]['s']:.3f}, {h[k]['exposed_s']:.3f})"  # noqa
                           if k in h else "–")

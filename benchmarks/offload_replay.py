@@ -50,7 +50,8 @@ def measure(layers: int, batch: int, mode: dict, data: int = 1) -> dict:
     host = {k: v for k, v in overlap.summary(schedule.overlaps).items() if k.endswith("over host")}
     import jax
 
-    return {"layers": layers, "batch": batch, "data": data, "jaxlib": jax.__version__, "peak_gb": report.memory_per_device_bytes / 1e9,
+    return {"layers": layers, "batch": batch, "data": data, "jaxlib": jax.__version__,
+            "peak_gb": report.memory_per_device_bytes / 1e9,
             "host_gb": report.host_memory_per_device_bytes / 1e9, "step_s": schedule.step_s,
             "compute_s": schedule.matmul_s + schedule.other_s,
             "host_transfers": {k: {"gb": v["bytes"] / 1e9, "s": v["comm_s"],
@@ -71,14 +72,15 @@ def markdown(rows: list[dict]) -> str:
              "`python benchmarks/offload_replay.py` (see its docstring). One abstract H100, "
              "GPT of width 4096, sequences of 2,048, bf16 compute, AdamW, fp32 masters; "
              f"compiled deviceless by the jaxlib of each row (last run {jax.__version__}, "
-             f"{datetime.date.today()}), replayed on `h100-dgx` (host link 55 GB/s each way). `data`: H100s, one "
-             "data-parallel copy each; batch: sequences per H100; GB are per H100. A peak above "
-             "80 GB does not fit an H100: its replay is a bound, not a runnable step. With data > 1 "
-             "`offloaded state` splits the host state over `data` (each H100 holds and streams "
-             "1/D of it); a `(before: …)` row is the same step compiled from commit 83c3988, "
-             "where every data-parallel copy streamed all of it.", "",
-             "| jaxlib | layers | data | batch | mode | peak GB | host GB | replayed step s | vs on device | "
-             "compute s | host→device GB (s, exposed s) | device→host GB (s, exposed s) |",
+             f"{datetime.date.today()}), replayed on `h100-dgx` (host link 55 GB/s each way). "
+             "`data`: H100s, one data-parallel copy each; batch: sequences per H100; GB are "
+             "per H100. A peak above 80 GB does not fit an H100: its replay is a bound, not a "
+             "runnable step. With data > 1 `offloaded state` splits the host state over `data` "
+             "(each H100 holds and streams 1/D of it); a `(before: …)` row is the same step "
+             "compiled from commit 83c3988, where every data-parallel copy streamed all of it.",
+             "", "| jaxlib | layers | data | batch | mode | peak GB | host GB | replayed step s | "
+             "vs on device | compute s | host→device GB (s, exposed s) | "
+             "device→host GB (s, exposed s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     key = lambda r: (_jaxlib(r), r["layers"], r.get("data", 1), r["batch"])  # noqa: E731
     base = {key(r): r["step_s"] for r in rows if r["mode"] == "on device"}
@@ -88,7 +90,8 @@ def markdown(rows: list[dict]) -> str:
                           if k in h else "–")
         ref = base.get(key(r))
         ratio = f"{r['step_s'] / ref:.2f}×" if ref else "–"
-        lines.append(f"| {_jaxlib(r)} | {r['layers']} | {r.get('data', 1)} | {r['batch']} | {r['mode']} | {r['peak_gb']:.1f} | "
+        lines.append(f"| {_jaxlib(r)} | {r['layers']} | {r.get('data', 1)} | {r['batch']} | "
+                     f"{r['mode']} | {r['peak_gb']:.1f} | "
                      f"{r['host_gb']:.1f} | {r['step_s']:.3f} | {ratio} | {r['compute_s']:.3f} | "
                      f"{cell('host-to-device over host')} | {cell('device-to-host over host')} |")
     return "\n".join(lines) + "\n"

@@ -218,7 +218,8 @@ class _Streamed:
 
     def state_shardings(self, opt_state, param_shardings):
         """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
-        on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
+        on `pinned_host` with the sharding of their parameter (split over `partition_axis` as
+        well, `partition_spec`); shared scalars replicated on device."""
         host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND),
                             self._partitioned(opt_state["master"], param_shardings))
         scalar = _replicated_like(param_shardings)

@@ -69,7 +69,7 @@ def markdown(rows: list[dict]) -> str:
     import jax
 
     lines = ["# Host memory in the compiled H100 program (replayed with the host link)", "",
-             "`python benchmarks/offload_replay.py` (see its docstring). One abstract H100, "
+             "`python benchmarks/offload_replay.py` (see its docstring). Abstract H100s, "
              "GPT of width 4096, sequences of 2,048, bf16 compute, AdamW, fp32 masters; "
              f"compiled deviceless by the jaxlib of each row (last run {jax.__version__}, "
              f"{datetime.date.today()}), replayed on `h100-dgx` (host link 55 GB/s each way). "

@@ -222,3 +222,49 @@ def test_one_device_keeps_cudnn_attention_residuals(tmp_path, capsys):
     text = next(tmp_path.glob("*.txt")).read_text()
     assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == 1
     assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') >= 1
+
+
+@needs_cuda
+def test_the_replay_charges_a_host_update_to_the_hosts_memory():
+    """AdamW run by the host's CPU inside an H100 program (`compute_on('device_host')`, XLA's
+    HostExecute): the replay charges the host memory it streams (fp32 master and moments in and
+    out, 16-bit gradient in, 16-bit parameter out) at `Machine.host_compute_bw`, plus the new
+    parameter's trip to device memory over the host link, instead of a device kernel."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax._compat import compute_on_host, with_memory_kind
+    from axonn_jax.analysis import overlap
+    from axonn_jax.analysis.comm_model import MACHINES
+
+    n = 1 << 20
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def adamw(g, master, mu, nu):
+        g = g.astype(jnp.float32)
+        mu, nu = 0.9 * mu + 0.1 * g, 0.999 * nu + 0.001 * g * g
+        master = master - 1e-4 * (mu / (jnp.sqrt(nu) + 1e-8) + 0.1 * master)
+        return master.astype(jnp.bfloat16), master, mu, nu
+
+    def step(g, master, mu, nu):
+        state = [jax.device_put(x, host) for x in (g, master, mu, nu)]
+        p, *rest = compute_on_host(adamw, (device, host, host, host))(*state)
+        return jax.device_put(p, device), *rest
+
+    mesh = make_mesh(ParallelConfig(), targets.h100_devices(1))
+    on_device = NamedSharding(mesh, P())
+    on_host = with_memory_kind(on_device, "pinned_host")
+    args = [jax.ShapeDtypeStruct((n,), jnp.bfloat16, sharding=on_device)] + \
+        [jax.ShapeDtypeStruct((n,), jnp.float32, sharding=on_host)] * 3
+    with jax.set_mesh(mesh):
+        text = jax.jit(step).trace(*args).lower().compile().as_text()
+    assert 'custom_call_target="HostExecute"' in text
+    machine = MACHINES["h100-dgx"]
+    schedule = overlap.report(text, {}, machine)
+    row = overlap.summary(schedule.overlaps)["host-compute over host"]
+    assert row["bytes"] == pytest.approx(28 * n, rel=0.01)
+    assert row["comm_s"] == pytest.approx(28 * n / machine.host_compute_bw + 2 * n / machine.host_bw,
+                                          rel=0.01)
+    assert schedule.step_s >= row["comm_s"]

@@ -265,6 +265,6 @@ def test_the_replay_charges_a_host_update_to_the_hosts_memory():
     schedule = overlap.report(text, {}, machine)
     row = overlap.summary(schedule.overlaps)["host-compute over host"]
     assert row["bytes"] == pytest.approx(28 * n, rel=0.01)
-    assert row["comm_s"] == pytest.approx(28 * n / machine.host_compute_bw + 2 * n / machine.host_bw,
-                                          rel=0.01)
+    expected = 28 * n / machine.host_compute_bw + 2 * n / machine.host_bw
+    assert row["comm_s"] == pytest.approx(expected, rel=0.01)
     assert schedule.step_s >= row["comm_s"]

@@ -5,6 +5,7 @@ compute_on, memory kinds) are wrapped here so the rest of the package has one sp
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -90,6 +91,26 @@ def with_memory_kind(sharding, kind: str):
         out = jax.sharding.NamedSharding(sharding.mesh.abstract_mesh, sharding.spec,
                                          memory_kind=kind)
     return out
+
+
+def compute_on_host(f: Callable, out_memory_spaces) -> Callable:
+    """`f` (traced under `jax.jit`) run by the host's CPU inside a device program (XLA's
+    HostExecute; on XLA:CPU the same memory).
+
+    Args:
+      f: the function; its array arguments should be in host memory.
+      out_memory_spaces: a `jax.memory.Space` per output of `f` (JAX 0.11+ asks for them;
+        JAX 0.10 takes them from `f`'s own placements).
+
+    Returns:
+      The wrapped function.
+    """
+    from jax.experimental.compute_on import compute_on
+
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(jax.jit(f), compute_type="device_host",
+                          out_memory_spaces=out_memory_spaces)
+    return compute_on("device_host")(jax.jit(f))
 
 
 def memory_kind_of(x: jax.Array) -> str | None:

@@ -182,20 +182,31 @@ def test_each_layers_exchange_runs_beside_the_layer_below(wire, kind, tmp_path, 
 
 @needs_cuda
 def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
-    """gpt-tiny on one H100 with `--offload-optimizer`: the replayed schedule's host transfers
-    carry the whole host state in each direction (`host_memory_per_device_bytes`), at the host
-    link's rate, and the step waits for some of them."""
+    """gpt-tiny with `--offload-optimizer` on one H100 and on two data-parallel ones: the
+    replayed schedule's host transfers carry the device's whole host state in each direction
+    (`host_memory_per_device_bytes`), at the host link's rate, and the step waits for some of
+    them. With data 2 each device holds and streams half the state (split over `data`), and the
+    new 16-bit parameters are all-gathered over `data`."""
     from axonn_jax.analysis.comm_model import MACHINES
 
-    assert cli_main(["compile", "--target", "h100", "--devices", "1", "--model", "gpt-tiny",
-                     "--batch-size", "8", "--seq-len", "64", "--dtype", "bfloat16",
-                     "--offload-optimizer", "--overlap-report", "--json"]) == 0
-    (report,) = json.loads(capsys.readouterr().out)
-    host, rows = report["host_memory_per_device_bytes"], report["overlap"]["by_axes"]
-    for kind in ("host-to-device over host", "device-to-host over host"):
-        assert rows[kind]["bytes"] == host > 0, kind
-        assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
-    assert report["overlap"]["exposed_comm_s"] > 0
+    reports = {}
+    for dp in (1, 2):
+        assert cli_main(["compile", "--target", "h100", "--devices", str(dp), "--dp", str(dp),
+                         "--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "64",
+                         "--dtype", "bfloat16", "--offload-optimizer", "--overlap-report",
+                         "--json"]) == 0
+        (reports[dp],) = json.loads(capsys.readouterr().out)
+    for report in reports.values():
+        host, rows = report["host_memory_per_device_bytes"], report["overlap"]["by_axes"]
+        for kind in ("host-to-device over host", "device-to-host over host"):
+            assert rows[kind]["bytes"] == host > 0, kind
+            assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
+        assert report["overlap"]["exposed_comm_s"] > 0
+    one, two = (reports[dp]["host_memory_per_device_bytes"] for dp in (1, 2))
+    assert two == pytest.approx(one / 2, rel=0.02)
+    params = one / 12  # fp32 master, mu and nu per parameter
+    gathered = reports[2]["overlap"]["by_axes"]["all-gather over data"]["bytes"]
+    assert gathered == pytest.approx(params * 2 / 2, rel=0.02)  # bf16, half from the peer
 
 
 @needs_cuda
@@ -211,3 +222,49 @@ def test_one_device_keeps_cudnn_attention_residuals(tmp_path, capsys):
     text = next(tmp_path.glob("*.txt")).read_text()
     assert text.count('custom_call_target="__cudnn$fmhaSoftmax"') == 1
     assert text.count('custom_call_target="__cudnn$fmhaSoftmaxBackward"') >= 1
+
+
+@needs_cuda
+def test_the_replay_charges_a_host_update_to_the_hosts_memory():
+    """AdamW run by the host's CPU inside an H100 program (`compute_on('device_host')`, XLA's
+    HostExecute): the replay charges the host memory it streams (fp32 master and moments in and
+    out, 16-bit gradient in, 16-bit parameter out) at `Machine.host_compute_bw`, plus the new
+    parameter's trip to device memory over the host link, instead of a device kernel."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from axonn_jax import ParallelConfig, make_mesh
+    from axonn_jax._compat import compute_on_host, with_memory_kind
+    from axonn_jax.analysis import overlap
+    from axonn_jax.analysis.comm_model import MACHINES
+
+    n = 1 << 20
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+
+    def adamw(g, master, mu, nu):
+        g = g.astype(jnp.float32)
+        mu, nu = 0.9 * mu + 0.1 * g, 0.999 * nu + 0.001 * g * g
+        master = master - 1e-4 * (mu / (jnp.sqrt(nu) + 1e-8) + 0.1 * master)
+        return master.astype(jnp.bfloat16), master, mu, nu
+
+    def step(g, master, mu, nu):
+        state = [jax.device_put(x, host) for x in (g, master, mu, nu)]
+        p, *rest = compute_on_host(adamw, (device, host, host, host))(*state)
+        return jax.device_put(p, device), *rest
+
+    mesh = make_mesh(ParallelConfig(), targets.h100_devices(1))
+    on_device = NamedSharding(mesh, P())
+    on_host = with_memory_kind(on_device, "pinned_host")
+    args = [jax.ShapeDtypeStruct((n,), jnp.bfloat16, sharding=on_device)] + \
+        [jax.ShapeDtypeStruct((n,), jnp.float32, sharding=on_host)] * 3
+    with jax.set_mesh(mesh):
+        text = jax.jit(step).trace(*args).lower().compile().as_text()
+    assert 'custom_call_target="HostExecute"' in text
+    machine = MACHINES["h100-dgx"]
+    schedule = overlap.report(text, {}, machine)
+    row = overlap.summary(schedule.overlaps)["host-compute over host"]
+    assert row["bytes"] == pytest.approx(28 * n, rel=0.01)
+    expected = 28 * n / machine.host_compute_bw + 2 * n / machine.host_bw
+    assert row["comm_s"] == pytest.approx(expected, rel=0.01)
+    assert schedule.step_s >= row["comm_s"]

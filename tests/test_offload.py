@@ -6,11 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from axonn_jax import ParallelConfig
 from axonn_jax.models import gpt
 from axonn_jax.offload import activations
-from axonn_jax.offload.optimizer import lowered_for_gpu, on_device, placement_transfers
+from axonn_jax.offload.optimizer import (lowered_for_gpu, on_device, partition_spec,
+                                         placement_transfers)
 from axonn_jax.run.loop import state_report
 from axonn_jax.step.state import TrainState
 from axonn_jax.step.update import make_update, update_chain
@@ -58,13 +60,42 @@ def test_offloaded_optimizer_gives_identical_losses_and_lives_on_host(reference,
     adam = adam_state(state.opt_state["inner"])
     assert kinds(adam.mu) == kinds(adam.nu) == {"pinned_host"}
     assert adam.count.sharding.memory_kind == "device"
-    # Host copies are partitioned exactly like their parameters.
+    # Host copies are partitioned like their parameters and over `data` too where a dimension
+    # allows (ZeRO-Offload): each data-parallel copy holds and streams its share.
+    shard_elements = 0
     for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state["master"])):
-        assert m.sharding.spec == p.sharding.spec and m.dtype == jnp.float32
+        assert m.dtype == jnp.float32
+        unsplit = tuple(None if e == "data" else e for e in m.sharding.spec)
+        assert P(*unsplit) == P(*p.sharding.spec, *[None] * (len(unsplit) - len(p.sharding.spec)))
+        shard_elements += m.addressable_shards[0].data.size
+    assert shard_elements <= 0.55 * sum(p.size for p in jax.tree.leaves(state.params))
     report = state_report(state, compiled)
     n = report["num_params"]
-    assert report["state_bytes_host"] == 3 * 4 * n  # master, mu, nu in fp32
+    # master, mu, nu in fp32, each device's share of the split over data=2
+    assert 0.5 * 3 * 4 * n <= report["state_bytes_host"] <= 0.55 * 3 * 4 * n
     assert report["state_bytes_device"] < 4.1 * n
+
+
+def test_offloaded_optimizer_on_one_device_follows_the_on_device_one(devices):
+    """One device (nothing to split the host state over): fp32 losses, gradient norms, masters
+    and moments equal to the on-device optimizer's."""
+    records, state, trainer, _ = run(devices[:1])
+    off_records, off_state, off_trainer, _ = run(devices[:1], offload_optimizer=True)
+    assert_steps_match(off_records, records, 1e-6)
+    assert_states_match(comparable_state(off_trainer, off_state), comparable_state(trainer, state))
+    for p, m in zip(jax.tree.leaves(off_state.params),
+                    jax.tree.leaves(off_state.opt_state["master"])):
+        assert m.sharding.spec == p.sharding.spec
+
+
+@pytest.mark.parametrize("spec, shape, skip, expected", [
+    (P(), (4, 64, 256), 1, P(None, None, "data")),  # the largest free dimension, not the layers
+    (P(None, "row"), (64, 256), 0, P("data", "row")),  # a dimension another axis splits: kept
+    (P(), (3, 5), 0, P()),  # nothing divisible: replicated over data
+    (P(), (8,), 1, P()),  # a stack of scalars: the layer axis is never split
+])
+def test_partition_spec_splits_the_host_state_over_data(spec, shape, skip, expected):
+    assert partition_spec(spec, shape, "data", 2, skip) == expected
 
 
 def test_update_moves_state_per_layer_not_in_bulk(devices):

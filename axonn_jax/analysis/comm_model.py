@@ -54,7 +54,8 @@ def counts(model) -> bool:
 # 1402.6 TFLOPS (70.9%) — the best a large matmul reaches, which is what an H100 runs a
 # transformer's GEMMs at, at best. [D] NVIDIA H200 Tensor Core GPU datasheet (2024): the H100's
 # compute (dense BF16 989 TFLOPS, same SMs and clocks) with 141 GB of HBM3e at 4.8 TB/s; NVLink
-# 900 GB/s per GPU.
+# 900 GB/s per GPU. [E] Intel Xeon Platinum 8480C: 56 cores, 8 channels of DDR5-4800 (8 × 38.4 GB/s
+# per socket).
 H100_BF16_PEAK = 989.4e12  # [A]
 H100_BF16_MATMUL = 794.5e12  # [C]
 H100_FP8_MATMUL = 1402.6e12  # [C]
@@ -64,6 +65,10 @@ H100_HBM_BW = 3.35e12  # [A]
 # them each way (PCIe packet overhead; the rate issue "Host memory that pays" quotes from public
 # reports, not yet measured on a lent GPU).
 H100_HOST_LINK = 55e9
+# A host computation (the optimizer update run by the CPU, `compute_on('device_host')`) streams
+# host memory: [B]'s two Xeon Platinum 8480C sockets ([E]: 307 GB/s each), shared by the node's
+# 8 GPUs.
+H100_DGX_HOST_MEMORY_PER_GPU = 2 * 307.2e9 / 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +86,9 @@ class Machine:
     device_memory: float = 80e9
     host_bw: float = H100_HOST_LINK
     """Bytes/s between host and device memory in each direction (both run at once)."""
+    host_compute_bw: float = H100_DGX_HOST_MEMORY_PER_GPU
+    """Bytes/s of host memory one device's host computations (XLA's HostExecute) stream: the
+    host's memory bandwidth over its devices (a host update is memory-bound)."""
     efficiency: float = H100_BF16_MATMUL / H100_BF16_PEAK
     """Fraction of `peak_flops` a large 16-bit matmul reaches (measured: [C] for H100)."""
     hbm_bw: float = H100_HBM_BW

@@ -48,6 +48,8 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
 _HOST = ":S(5)}"  # the layout of an array in host memory (XLA's memory space 5)
 HOST_KINDS = ("host-to-device", "device-to-host")
 """The kinds of the replay's host transfers (in `Overlap.kind`, over the axis `host`)."""
+HOST_COMPUTE = "host-compute"
+"""The kind of a computation the host's CPU runs (XLA's HostExecute), over the axis `host`."""
 _DTYPE = re.compile(r"\b(bf16|f16|f32|f64|f8e4m3fn|f8e5m2|f8e4m3|f8e5m2fnuz|f8e4m3fnuz)\[")
 
 
@@ -313,7 +315,8 @@ class _Replay:
         self.mesh_shape, self.machine = mesh_shape, machine
         self.entry = self.costs.counter.entry
         self.found: dict[str, dict] = {}  # key -> accumulated record
-        self.free = {"comm": 0.0, **{kind: 0.0 for kind in HOST_KINDS}}  # when each stream is
+        self.free = {"comm": 0.0, HOST_COMPUTE: 0.0,  # when each stream is
+                     **{kind: 0.0 for kind in HOST_KINDS}}
         self.seconds = {"matmul": 0.0, "other": 0.0}  # compute time by kind of kernel
 
     # ------------------------------------------------------------------ collectives
@@ -345,7 +348,8 @@ class _Replay:
         return key
 
     def _start(self, key: str, t: float) -> _Flight:
-        stream = self.found[key]["kind"] if self.found[key]["kind"] in HOST_KINDS else "comm"
+        kind = self.found[key]["kind"]
+        stream = kind if kind in HOST_KINDS or kind == HOST_COMPUTE else "comm"
         begin = max(t, self.free[stream])
         self.free[stream] = begin + self.found[key]["comm_s"]
         return _Flight(key, self.free[stream])
@@ -363,6 +367,26 @@ class _Replay:
                 kind=kind, name=instr.name, axes=("host",), wire_bytes=size,
                 comm_s=size / self.machine.host_bw, asynchronous=asynchronous,
                 backward="transpose(" in instr.rest, weight=0.0, flops=0.0, matmul=0.0,
+                window_s=0.0, exposed=0.0)
+        return key
+
+    def _host_compute_record(self, comp: str, instr: _Instr) -> str | None:
+        """The record of an asynchronous computation on the host's CPU (a HostExecute start):
+        the host memory it reads and writes at `Machine.host_compute_bw`, then the results it
+        leaves in device memory over the host link; None for other instructions."""
+        if instr.opcode != "custom-call-start" or 'custom_call_target="HostExecute"' not in \
+                instr.rest:
+            return None
+        key = f"{comp}/{instr.name}"
+        if key not in self.found:
+            # shape: ((operands), (results), context); arrays without S(5) are device memory.
+            arrays = re.findall(r"[a-z0-9]+\[[0-9,]*\]\{[^}]*\}", instr.shape)
+            to_device = sum(_bytes(a) for a in arrays[len(arrays) // 2:] if _HOST not in a)
+            size = _bytes(instr.shape)
+            self.found[key] = dict(
+                kind=HOST_COMPUTE, name=instr.name, axes=("host",), wire_bytes=size,
+                comm_s=size / self.machine.host_compute_bw + to_device / self.machine.host_bw,
+                asynchronous=True, backward=False, weight=0.0, flops=0.0, matmul=0.0,
                 window_s=0.0, exposed=0.0)
         return key
 
@@ -397,6 +421,9 @@ class _Replay:
                 c = self._collective(comp, instr)
                 if c is not None:
                     flights[instr.name] = self._start(self._record(comp, instr, c, True), t)
+                continue
+            if (key := self._host_compute_record(comp, instr)) is not None:
+                flights[instr.name] = self._start(key, t)
                 continue
             if op in ("copy-start", "fusion-start") and \
                     (key := self._host_record(comp, instr, shapes, True)) is not None:

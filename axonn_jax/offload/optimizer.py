@@ -8,8 +8,11 @@ the optimizer), and where the state of `tx` is kept.
 - `host_offload(tx, ...)`: fp32 master weights and `tx`'s state in `pinned_host` memory; the
   parameters the model computes with (`params`, in the compute dtype: bf16 / fp16 / fp32) stay in
   device memory, sharded as the model shards them. Its state is `{'master', 'inner'}`: the fp32
-  masters and `tx`'s state, each leaf with the sharding of its parameter; the state's shared
-  scalars (Adam's `count`) stay on the device.
+  masters and `tx`'s state, each leaf with the sharding of its parameter, and with data
+  parallelism split over `data` as well (ZeRO-Offload, `partition_spec`): each data-parallel
+  copy holds, streams and updates 1/D of the host state, and the new parameters in the compute
+  dtype are all-gathered over `data` (the step constrains them to their own layout). The
+  state's shared scalars (Adam's `count`) stay on the device.
 
 The offloaded update streams the host state through the device in pieces: one `fori_loop`
 iteration per layer of the stacked `blocks` parameters (leading layer axis), then buckets of at most
@@ -88,16 +91,26 @@ def on_device(tx: optax.GradientTransformation) -> ParamUpdate:
 
 def host_offload(tx: optax.GradientTransformation, compute_dtype, num_layers: int,
                  num_stages: int = 1, stacked_key: str = "blocks",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParamUpdate:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, partition_axis: str | None = None,
+                 partition_size: int = 1) -> ParamUpdate:
     """`tx` (elementwise apart from shared scalars) streamed per piece over fp32 masters and
     state in `pinned_host` (see the module docstring).
 
-    compute_dtype: dtype of the device parameters (the model's compute dtype).
-    num_layers: length of the leading axis of the stacked `stacked_key` parameters.
-    num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration
-      updates one layer per stage.
+    Args:
+      compute_dtype: dtype of the device parameters (the model's compute dtype).
+      num_layers: length of the leading axis of the stacked `stacked_key` parameters.
+      num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration
+        updates one layer per stage.
+      partition_axis, partition_size: a mesh axis the parameters are replicated over (`data`)
+        and its size; above 1, each host-resident leaf is split over it as well (ZeRO-Offload:
+        each copy streams and updates its share, `partition_spec`) and the new device
+        parameters are all-gathered over it.
+
+    Returns:
+      The `ParamUpdate`.
     """
-    offload = _Streamed(tx, compute_dtype, num_layers, num_stages, stacked_key, bucket_bytes)
+    offload = _Streamed(tx, compute_dtype, num_layers, num_stages, stacked_key, bucket_bytes,
+                        partition_axis if partition_size > 1 else None, partition_size)
     return ParamUpdate(offload.init, offload.apply, offload.state_shardings,
                        offload.canonical, offload.from_canonical)
 
@@ -110,11 +123,22 @@ class _Role:
         self.param = param
 
 
-def _on_device(x, dtype):
-    """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x`."""
+def _without_axis(sharding: NamedSharding, axis: str | None) -> NamedSharding:
+    """`sharding` with mesh `axis` (if any) removed from its spec (memory kind not kept)."""
+    if axis is None:
+        return sharding
+    drop = lambda e: (None if e == axis else e) if not isinstance(e, tuple) else \
+        tuple(a for a in e if a != axis) or None
+    return NamedSharding(sharding.mesh, P(*(drop(e) for e in sharding.spec)))
+
+
+def _on_device(x, dtype, axis: str | None = None):
+    """`x` (e.g. a host-resident fp32 master) as `dtype` in device memory, split like `x` except
+    over `axis` (the axis `host_offload` partitions its state over, not its parameters)."""
+    sharding = with_memory_kind(_without_axis(x.sharding, axis), "device")
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=with_memory_kind(x.sharding, "device"))
-    return jax.device_put(x, with_memory_kind(x.sharding, "device")).astype(dtype)
+        return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
+    return jax.device_put(x, sharding).astype(dtype)
 
 
 def _none_is_leaf(x) -> bool:
@@ -134,6 +158,28 @@ def stacked_mask(params, key: str, num_layers: int) -> list[bool]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return [bool(path) and getattr(path[0], "key", None) == key and x.ndim >= 1
             and x.shape[0] == num_layers for path, x in flat]
+
+
+def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: int) -> P:
+    """`spec` with `axis` added on the largest dimension it leaves unsplit and `size` divides.
+
+    Args:
+      spec: the parameter's PartitionSpec (not naming `axis`).
+      shape: the parameter's global shape.
+      axis, size: the mesh axis to add and its size.
+      skip: leading dimensions never split over `axis` (a stack's layer axis, which the
+        update loop indexes).
+
+    Returns:
+      The host copy's spec; `spec` itself where no dimension qualifies (a small leaf stays
+      replicated over `axis`).
+    """
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    free = [d for d in range(skip, len(shape)) if entries[d] is None and shape[d] % size == 0]
+    if not free:
+        return spec
+    best = max(free, key=lambda d: shape[d])
+    return P(*entries[:best], axis, *entries[best + 1:])
 
 
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -161,6 +207,8 @@ class _Streamed:
     num_stages: int
     stacked_key: str
     bucket_bytes: int
+    partition_axis: str | None = None
+    partition_size: int = 1
 
     def init(self, params):
         """fp32 `params` -> (device params in `compute_dtype`, opt_state {'master', 'inner'})."""
@@ -170,12 +218,26 @@ class _Streamed:
 
     def state_shardings(self, opt_state, param_shardings):
         """Shardings of `opt_state` (arrays or ShapeDtypeStructs): master and per-parameter moments
-        on `pinned_host` with the sharding of their parameter; shared scalars replicated on device."""
-        host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND), param_shardings)
+        on `pinned_host` with the sharding of their parameter (split over `partition_axis` as
+        well, `partition_spec`); shared scalars replicated on device."""
+        host = jax.tree.map(lambda s: with_memory_kind(s, HOST_MEMORY_KIND),
+                            self._partitioned(opt_state["master"], param_shardings))
         scalar = _replicated_like(param_shardings)
         inner = optax.tree_map_params(self.inner, lambda _, s: s, opt_state["inner"], host,
                                       transform_non_params=lambda _: scalar)
         return {"master": host, "inner": inner}
+
+    def _partitioned(self, master, param_shardings):
+        """The parameters' shardings, split over `partition_axis` where one is set."""
+        if self.partition_axis is None:
+            return param_shardings
+        leaves, treedef = jax.tree.flatten(param_shardings)
+        stacked = stacked_mask(master, self.stacked_key, self.num_layers)
+        shapes = [x.shape for x in jax.tree.leaves(master)]
+        return jax.tree.unflatten(treedef, [
+            NamedSharding(s.mesh, partition_spec(s.spec, shape, self.partition_axis,
+                                                 self.partition_size, int(k)))
+            for s, shape, k in zip(leaves, shapes, stacked)])
 
     def canonical(self, params, opt_state):
         """(fp32 masters, `tx`'s state): the tree of a run without offload."""
@@ -183,7 +245,8 @@ class _Streamed:
 
     def from_canonical(self, master, inner):
         """Back from `canonical`: the device parameters are made from the masters."""
-        return jax.tree.map(lambda m: _on_device(m, self.compute_dtype), master), \
+        return jax.tree.map(lambda m: _on_device(m, self.compute_dtype, self.partition_axis),
+                            master), \
             {"master": master, "inner": inner}
 
     def apply(self, grads, opt_state, params, **extra):

@@ -214,7 +214,8 @@ class StepParts:
                           skip_non_finite=loss_scaler(o.dtype).guards)
         if o.offload_optimizer:
             return host_offload(tx, DTYPES[o.dtype], self.model.num_layers,
-                                num_stages=self.grid.pipe)
+                                num_stages=self.grid.pipe, partition_axis="data",
+                                partition_size=self.grid.data)
         return on_device(tx)
 
 
@@ -696,14 +697,30 @@ class BoundStep:
         """Phase 3 (`step.update`) on gradients laid out like their parameters: GSPMD would
         otherwise give a replicated parameter the layout of its gradient (e.g. a position table
         added to feature-split activations), and the state would drift from step to step."""
+        like_params = lambda tree: jax.tree.map(  # noqa: E731
+            lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)), tree, self.specs,
+            is_leaf=lambda x: isinstance(x, P))
         if self.host_engine is None:
-            grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)),
-                                 grads, self.specs, is_leaf=lambda x: isinstance(x, P))
+            grads = like_params(grads)
             sum_squares = lambda s: s  # noqa: E731
         else:
             sum_squares = self.host_engine.sum_over_stages
-        return make_update(self.parts.params_update, scaler=self.scaler,
-                           sum_squares=sum_squares)(state, grads)
+        new, metrics = make_update(self.parts.params_update, scaler=self.scaler,
+                                   sum_squares=sum_squares)(state, grads)
+        if self.host_engine is None:
+            # A host state split over `data` (offload) computes each new parameter split so
+            # too: gathered here back to the parameters' own layout.
+            new = new.replace(params=like_params(new.params),
+                              opt_state=self._laid_out_state(new.opt_state))
+        return new, metrics
+
+    def _laid_out_state(self, opt_state):
+        """`opt_state` constrained to its shardings (`ParamUpdate.state_shardings`), memory kinds
+        left as they are: a piece-wise update leaves the layout of what it writes to GSPMD."""
+        params = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
+        shardings = self.parts.params_update.state_shardings(opt_state, params)
+        return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+            x, NamedSharding(s.mesh, s.spec)), opt_state, shardings)
 
     def _train_step_fn(self, engine) -> Callable:
         def train_step(state: TrainState, batch):

@@ -40,11 +40,9 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # the device must hold is still the compiled buffers (`fits`).
     "xla_gpu_memory_limit_slop_factor": 125,
     # Up to eight collectives in flight at once (XLA's default: one) on meshes split over more
-    # than one axis (`compiler_options`): a layer's data-parallel exchange (`step.layer_exchange`:
+    # than one axis (`overlap_limit`): a layer's data-parallel exchange (`step.layer_exchange`:
     # the all-to-all of one layer and the all-gather of the layer above) then runs beside the
     # depth gathers and reduce-scatters of the layer below instead of queueing behind them.
-    # Collectives over one axis share its links, and XLA, free to run several, starts them all
-    # late.
     OVERLAP_LIMIT: 8,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Each one's
@@ -64,8 +62,22 @@ def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | N
     check_choice(choice)
     if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
         return None
-    split = sum(size > 1 for size in dict(mesh.shape).values())
-    return accepted(mesh, GPU_OPTIONS if split > 1 else {**GPU_OPTIONS, OVERLAP_LIMIT: 1}) or None
+    return accepted(mesh, {**GPU_OPTIONS, OVERLAP_LIMIT: overlap_limit(dict(mesh.shape))}) or None
+
+
+def overlap_limit(shape: dict[str, int]) -> int:
+    """How many collectives XLA may run at once on a mesh of `shape` (`{axis: size}`).
+
+    One on a mesh split over one axis: its collectives share its links, and XLA, free to run
+    several, starts them all late. Four where `row` or `col` split the layers: their all-reduces
+    sit on the critical path, and every collective beside them slows them down. Else
+    `GPU_OPTIONS`' eight (`benchmarks/results/layer_exchange.md`).
+    """
+    if sum(size > 1 for size in shape.values()) <= 1:
+        return 1
+    if shape.get("row", 1) > 1 or shape.get("col", 1) > 1:
+        return min(4, GPU_OPTIONS[OVERLAP_LIMIT])
+    return GPU_OPTIONS[OVERLAP_LIMIT]
 
 
 SUCCESSORS: dict[str, tuple[str, object]] = {

@@ -267,7 +267,7 @@ def test_planner_infeasible_budget_names_the_smallest(block_cost):
 
 def test_auto_plan_end_to_end(devices):
     """`--remat auto` measures the all-recompute step's compiled peak and plans within the budget."""
-    budget_gb = 0.0200
+    budget_gb = 0.0215  # a little above the all-offload peak on XLA:CPU
     trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=16, seq_len=64,
                                          remat="auto", memory_budget_gb=budget_gb), devices[:1])
     plan = trainer.bound.plan
@@ -278,7 +278,7 @@ def test_auto_plan_end_to_end(devices):
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_auto_plan_in_16_bits(devices, dtype):
     """The planner measures the blocks in the compute dtype (it once read it before it was set)."""
-    budget_gb = 0.0200
+    budget_gb = 0.0215
     trainer = build_trainer(TrainOptions(model="gpt-tiny", batch_size=16, seq_len=64, dtype=dtype,
                                          remat="auto", memory_budget_gb=budget_gb), devices[:1])
     assert trainer.bound.plan.predicted_peak <= budget_gb * 1e9

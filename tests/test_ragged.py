@@ -116,3 +116,6 @@ def test_h100_exchange_is_ragged(tmp_path, capsys):
     compiled = hlo.bytes_by_axes(text, report["grid"], buffers=True)
     assert compiled[("all-to-all", ("expert",))] > 0
     assert report["fits"]
+    # The routed rows (and counts and offsets), not the padded buffers: as `plan` models them.
+    assert report["comm_bytes_per_device"]["all-to-all"] == pytest.approx(
+        report["predicted"]["comm_bytes_per_device"]["all-to-all"], rel=1e-9)

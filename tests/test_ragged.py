@@ -71,7 +71,7 @@ def test_chunk_plan_offsets(devices):
     receive sizes are the senders' counts, clipped to the chunk."""
     mesh = Mesh(np.array(devices[:4]), ("expert",))
     counts = np.array([[3, 0, 5, 9], [1, 2, 3, 4], [0, 0, 0, 0], [8, 8, 8, 8]], np.int32)
-    f = shard_map(lambda c: tuple(a[None] for a in dataclasses_astuple(
+    f = shard_map(lambda c: tuple(a[None] for a in _fields(
         ragged.chunk_plan(c[0], 8, "expert"))), mesh=mesh, in_specs=P("expert"),
         out_specs=(P("expert"),) * 4)
     starts, send, lands, recv = (np.asarray(a) for a in jax.jit(f)(counts))
@@ -81,7 +81,8 @@ def test_chunk_plan_offsets(devices):
     np.testing.assert_array_equal(recv, np.minimum(counts, 8).T)
 
 
-def dataclasses_astuple(plan):
+def _fields(plan):
+    """The plan's four arrays, in `jax.lax.ragged_all_to_all`'s order."""
     return plan.input_offsets, plan.send_sizes, plan.output_offsets, plan.recv_sizes
 
 

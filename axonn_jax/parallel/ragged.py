@@ -12,9 +12,9 @@ whole; `jax.lax.ragged_all_to_all` sends the filled part only, once both sides k
   paths of the MoE layer on CPU through `reference`.
 - `use_ragged`: whether the mesh's platform runs the ragged exchange (the padded one elsewhere).
 
-Both `jax.lax.ragged_all_to_all` (JAX 0.11.2 and 0.12: a transpose rule, `_compat`-free) and
-`reference` (a `custom_vjp` that mirrors that rule) differentiate to the ragged all-to-all of the
-cotangent with the roles of the send and receive offsets and sizes swapped.
+Both differentiate to the ragged all-to-all of the cotangent with the roles of the send and
+receive offsets and sizes swapped: `jax.lax.ragged_all_to_all` by JAX's own transpose rule (the
+same in JAX 0.11.2 and 0.12, so no `_compat` shim), `reference` by a `custom_vjp` that mirrors it.
 """
 from __future__ import annotations
 

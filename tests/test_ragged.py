@@ -120,3 +120,15 @@ def test_h100_exchange_is_ragged(tmp_path, capsys):
     # The routed rows (and counts and offsets), not the padded buffers: as `plan` models them.
     assert report["comm_bytes_per_device"]["all-to-all"] == pytest.approx(
         report["predicted"]["comm_bytes_per_device"]["all-to-all"], rel=1e-9)
+
+
+def test_model_counts_routed_rows_times_imbalance():
+    """`experts.collectives`: a ragged exchange moves `tokens·top_k` rows (× the imbalance, capped
+    by the padded buffer of `expert·tokens·top_k` rows); the padded one the whole buffer."""
+    def rows_bytes(**kw):
+        return sorted({b for kind, _, b in experts.collectives(64, 16, 8, 2, 4, dtype_bytes=2, **kw)
+                       if kind == "all-to-all"})[-1]
+    assert rows_bytes() == 4 * 64 * 2 * 16 * 2
+    assert rows_bytes(ragged=True) == 64 * 2 * 16 * 2
+    assert rows_bytes(ragged=True, imbalance=1.5) == 1.5 * 64 * 2 * 16 * 2
+    assert rows_bytes(ragged=True, imbalance=9.0) == rows_bytes()

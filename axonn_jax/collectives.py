@@ -125,6 +125,9 @@ class StepShape:
     rings: bool = False
     """The tensor-parallel layers gather their rows in rings of permutes
     (`tp.tensor.collective_matmuls`)."""
+    expert_imbalance: float = 1.0
+    """Tokens the busiest expert shard takes over the mean (`--expert-imbalance`): scales what
+    the busiest device's ragged expert exchanges move (`parallel.experts.collectives`)."""
 
     @property
     def gathered_bytes(self) -> int:

@@ -504,7 +504,8 @@ def test_hlo_counts_ragged_dot_flops():
 def test_routing_options_reach_the_model_and_the_plan(devices):
     """`--moe-dispatch-factor` / `--moe-capacity-factor` (YAML `model.moe_*`) set the preset's
     routing for the trainer and `plan` alike: over expert = 4 a dispatch factor of 1 drops
-    assignments (counted per layer) and shrinks the planned all-to-all; one of 4 (a whole
+    assignments (counted per layer) and shrinks the planned padded all-to-all (CPU; a GPU's
+    ragged one sends the routed rows either way); one of 4 (a whole
     device's rows may go anywhere) drops none and trains exactly like the dropless default.
     A model without experts, or a factor ≤ 0, is refused in one line."""
     from axonn_jax import ParallelConfig
@@ -521,9 +522,11 @@ def test_routing_options_reach_the_model_and_the_plan(devices):
     assert all(sum(r["dropped_tokens"]) > 0 for r in runs[1.0])
     assert [r["loss"] for r in runs[4.0]] == [r["loss"] for r in runs[None]]
     grid = ParallelConfig(expert=4)
-    a2a = {f: cm.bytes_by_kind(workload(TrainOptions(**base, moe_dispatch_factor=f)), grid)
-           ["all-to-all"] for f in (None, 1.0)}
-    assert 0 < a2a[1.0] < a2a[None]
+    a2a = {(f, p): cm.bytes_by_kind(workload(TrainOptions(**base, moe_dispatch_factor=f), p),
+                                    grid)["all-to-all"] for f in (None, 1.0) for p in ("cpu", "gpu")}
+    assert 0 < a2a[1.0, "cpu"] < a2a[None, "cpu"]  # the padded exchange's chunks shrink
+    # The GPU's ragged exchange sends the routed rows either way (parallel.ragged).
+    assert 0 < a2a[1.0, "gpu"] == a2a[None, "gpu"] < a2a[None, "cpu"]
     for options, message in [(dict(model="gpt-tiny", moe_dispatch_factor=1.0),
                               "--moe-dispatch-factor: gpt-tiny has no mixture-of-experts layers"),
                              (dict(model="mixtral-tiny", moe_capacity_factor=0.0),

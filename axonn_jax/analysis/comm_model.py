@@ -207,7 +207,8 @@ class Workload:
         rings = collective_matmuls_on(self.collective_matmul, self.platform, self.fp8)
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
                          self.param_bytes, context_attention=self.context_attention,
-                         platform=self.platform, rings=rings)
+                         platform=self.platform, rings=rings,
+                         expert_imbalance=self.imbalance(grid))
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:

@@ -13,8 +13,9 @@ collective's result shape is already the per-device buffer. Conventions, per dev
 Collectives inside `while` loops (`lax.scan` over layers or pipeline ticks) count once per
 iteration, from XLA's `known_trip_count` (a loop without one raises ValueError); of a
 `conditional`'s branches only the heaviest counts (the busiest device runs it); asynchronous pairs
-(`all-gather-start` / `-done`) count once. `axonn_jax.analysis.comm_model` predicts the same
-quantities.
+(`all-gather-start` / `-done`) count once. A `ragged-all-to-all` counts as an all-to-all of
+the rows it is expected to send (`_ragged_bytes`), not of its padded buffer.
+`axonn_jax.analysis.comm_model` predicts the same quantities.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import math
 import re
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+OPCODES = {**{k: k for k in KINDS}, "ragged-all-to-all": "all-to-all"}
+"""The kind of each collective opcode (a ragged all-to-all counts as an all-to-all of the rows
+it is expected to send, `_ragged_bytes`)."""
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -221,7 +225,28 @@ def _with_derived_trip(line: str, lines: list[str], comps: dict[str, list[str]])
     return line + f' /*derived*/ "known_trip_count":{{"n":"{trips}"}}'
 
 
+_ROUTED_ROWS = re.compile(r'\baxonn_routed_rows="(\d+)"')
+
+
+def _ragged_bytes(shape: str, rest: str) -> int:
+    """Bytes one device sends by a `ragged-all-to-all` (or its `-start`): the rows the frontend
+    attribute `axonn_routed_rows` declares (`parallel.ragged.routed_rows`: the expected rows,
+    as a balanced router sends them), each of the result's row size; without the attribute the
+    whole result (the most it can send). The operand and result are padded buffers sized for
+    the worst case; what crosses the wire depends on the data, so the count is an expectation."""
+    result = _ARRAY.findall(shape)[-1]  # a start's shape is ((operands), result)
+    dims = [int(d) for d in result[1].split(",") if d]
+    total = _array_bytes(f"{result[0]}[{result[1]}]")[0]
+    rows = _ROUTED_ROWS.search(rest)
+    return total if not rows or not dims else min(total, int(rows.group(1)) * total // dims[0])
+
+
 def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int):
+    if opcode in ("ragged-all-to-all", "ragged-all-to-all-start"):
+        members = _first_group(rest, num_devices)
+        nbytes = _ragged_bytes(shape, rest)
+        return Collective("all-to-all", name, nbytes, len(members), 1, members) \
+            if len(members) > 1 and nbytes else None
     kind = opcode.removesuffix("-start")
     if kind not in KINDS or opcode.endswith("-done"):
         return None

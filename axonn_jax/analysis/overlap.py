@@ -39,11 +39,12 @@ import re
 from . import hlo
 from .comm_model import Machine, link_time
 
-_ASYNC_KINDS = {f"{k}-start": k for k in hlo.KINDS}
+_ASYNC_KINDS = {f"{op}-start": k for op, k in hlo.OPCODES.items()}
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "add-dependency", "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done",
          "send", "recv", "send-done", "recv-done", "all-reduce-done", "all-gather-done",
          "collective-permute-done", "reduce-scatter-done", "all-to-all-done", "async-done",
+         "ragged-all-to-all-done",
          "async-update"}
 _HOST = ":S(5)}"  # the layout of an array in host memory (XLA's memory space 5)
 HOST_KINDS = ("host-to-device", "device-to-host")
@@ -437,7 +438,7 @@ class _Replay:
                 if flight is not None:
                     t = self._finish(flight, t, weight)
                 continue
-            if op in hlo.KINDS:  # synchronous: the compute stream waits for it whole
+            if op in hlo.OPCODES:  # synchronous: the compute stream waits for it whole
                 c = self._collective(comp, instr)
                 if c is not None:
                     t = self._finish(self._start(self._record(comp, instr, c, False), t), t,
@@ -602,7 +603,7 @@ def hbm_bytes(text: str) -> float:
             op = instr.opcode
             if op in _ASYNC_KINDS or op == "async-start":  # shape: ((operands), results)
                 total += _bytes(instr.shape)
-            elif op in hlo.KINDS:
+            elif op in hlo.OPCODES:
                 total += sum(_bytes(shapes.get(o, "")) for o in instr.operands)
                 total += _bytes(instr.shape)
             elif op == "while":

@@ -219,8 +219,8 @@ grouped-matmul kernels instead (`parallel.grouped_matmul`: the routed rows only)
 @dataclasses.dataclass(frozen=True)
 class MoELayers:
     """The MoE layers of one device's `layers` blocks as a model declares them
-    (`collectives.Part`): the token all-to-alls over `expert` and the routing statistics' sum
-    (`parallel.experts.collectives`), and the parameter shards: the router whole, the experts
+    (`collectives.Part`): the token all-to-alls over `expert` (ragged on a GPU, dropless: the
+    routed rows only) and the routing statistics' sum (`parallel.experts.collectives`), and the parameter shards: the router whole, the experts
     split over `expert` and, as their partitioning metadata says, each expert's (in, out)
     features over (`col`, `row`) (the down projection transposed). Shared experts are
     tensor-parallel dense layers (`tp.tensor.DenseLayer`) the model declares beside this part."""
@@ -238,7 +238,8 @@ class MoELayers:
         calls = self.layers * (step.microbatches if g.pipe > 1 else 1)
         batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
         shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
-                     dtype_bytes=step.compute_bytes, batch_axes=batch_axes)
+                     dtype_bytes=step.compute_bytes, batch_axes=batch_axes,
+                     ragged=self._grouped(step), imbalance=step.expert_imbalance)
         args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
         forward = experts_lib.collectives(*args, **shape, backward=False)
         # No remat policy keeps the layer's outputs: `--remat` runs its forward exchange again.
@@ -319,7 +320,8 @@ class MoELayers:
             and DENSE_RAGGED_DOT and not self._grouped(step) else 1
 
     def _grouped(self, step) -> bool:
-        """Whether the layer runs the grouped-matmul kernels (dropless, on a GPU)."""
+        """Whether the layer runs the grouped-matmul kernels and exchanges its rows by ragged
+        all-to-alls (dropless, on a GPU)."""
         return self.config.capacity_factor is None and step.platform == "gpu"
 
     def metrics(self) -> int:

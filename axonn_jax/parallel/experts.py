@@ -19,9 +19,11 @@ Two ways to lay out the send buffer:
   device the chunk holds every assignment.
   With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
   dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
-  assignments past a full chunk are dropped and counted. `jax.lax.ragged_all_to_all` (which would
-  send only the rows used) exists in JAX 0.10 but XLA:CPU cannot run it ("HLO opcode
-  `ragged-all-to-all` is not supported by XLA:CPU"), so the exchange is this padded all-to-all.
+  assignments past a full chunk are dropped and counted. On a GPU mesh the chunks cross the axis
+  by `jax.lax.ragged_all_to_all` (`parallel.ragged`): the counts first (a small all-to-all), then
+  only the rows used, into a receive buffer of the same padded layout. XLA:CPU cannot run it
+  ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so there the exchange is a
+  padded all-to-all of every chunk whole; both give the same result.
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
   assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
   priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import manual_axes, manual_axis_size, nested_shard_map
-from . import grouped_matmul
+from . import grouped_matmul, ragged as ragged_lib
 
 
 def local_experts(num_experts: int, axis: str) -> int:
@@ -174,7 +176,8 @@ def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
 
 def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate, w_up, w_down, *,
                   num_experts: int, axis: str = "expert", capacity_factor: float | None = None,
-                  dispatch_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
+                  dispatch_factor: float | None = None,
+                  ragged: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """`(y, dropped)`: `y (T, d)` = Σ_j weights[t, j]·SwiGLU_{expert_ids[t, j]}(x[t]) over the
     choices that were not dropped, and `dropped`, the number of dropped assignments (int32 scalar,
     this device's).
@@ -182,7 +185,9 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
     x `(T, d)`: this device's tokens; expert_ids `(T, k)` int32 in `[0, num_experts)`; weights
     `(T, k)`. Expert weights `(E_l, d, ff)`, `(E_l, d, ff)`, `(E_l, ff, d)`: all `num_experts`
     outside a shard_map manual over `axis`, inside one the `E_l = num_experts / axis size`
-    experts of this device (split over `axis` on dim 0). Layouts: see the module docstring."""
+    experts of this device (split over `axis` on dim 0). Layouts: see the module docstring.
+    `ragged`: whether a dropless exchange over more than one device sends only the routed rows
+    (`parallel.ragged`; None: on a GPU mesh); on CPU, forced, it runs `ragged.reference`."""
     t, d = x.shape
     k = expert_ids.shape[1]
     n = manual_axis_size(axis)
@@ -192,7 +197,13 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
     token = jnp.tile(jnp.arange(t), k)
     slot = assign_slots(ids, num_experts, groups, slots)
     size = groups * slots
-    received = exchange(jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop"), axis, n)
+    buffer = jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop")
+    if ragged is None:
+        ragged = ragged_lib.use_ragged()
+    if capacity_factor is None and n > 1 and ragged:
+        return _ragged_dropless(buffer, slot, ids, weights, w_gate, w_up, w_down, axis=axis,
+                                slots=slots, local=local, routed_rows=min(size, t * k))
+    received = exchange(buffer, axis, n)
     if capacity_factor is not None:  # (source, expert, slot) -> (expert, source·slot)
         per_expert = received.reshape(n, local, slots, d).transpose(1, 0, 2, 3)
         out = batched_swiglu(per_expert.reshape(local, n * slots, d), w_gate, w_up, w_down)
@@ -203,17 +214,57 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
         out = grouped_swiglu(received, exchange(local_ids, axis, n), w_gate, w_up, w_down,
                              routed_rows=min(size, t * k))
     rows = exchange(out, axis, n).at[slot].get(mode="fill", fill_value=0)
-    y = (rows * weights.T.reshape(-1, 1).astype(rows.dtype)).reshape(k, t, d).sum(0)
-    return y, jnp.sum(slot == size, dtype=jnp.int32)
+    return _combine(rows, weights), jnp.sum(slot == size, dtype=jnp.int32)
+
+
+def _combine(rows: jax.Array, weights: jax.Array) -> jax.Array:
+    """`(T, d)`: each token's returned rows `rows (k·T, d)` (choice-major) summed with its
+    combine weights `weights (T, k)`."""
+    t, k = weights.shape
+    return (rows * weights.T.reshape(-1, 1).astype(rows.dtype)).reshape(k, t, -1).sum(0)
+
+
+def _ragged_dropless(buffer, slot, ids, weights, w_gate, w_up, w_down, *, axis: str, slots: int,
+                     local: int, routed_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The dropless layer over `axis` with ragged exchanges (`routed_swiglu`'s result).
+
+    Args:
+      buffer: `(n·slots, d)` the send buffer, chunk `j` (rows `[j·slots, (j+1)·slots)`) for
+        device `j` of `axis`, filled from its start.
+      slot: `(k·T,)` int32 each assignment's row of `buffer` (`n·slots`: dropped).
+      ids: `(k·T,)` int32 each assignment's expert.
+      weights: `(T, k)` combine weights. Expert weights: as `routed_swiglu`'s, local slices.
+      axis, slots, local: the manual mesh axis, rows per chunk, experts per device.
+      routed_rows: rows one device sends on average (its assignments, the chunk capacity
+        allowing): `analysis.hlo` charges them, not the padded buffer.
+
+    Returns:
+      `(y (T, d), dropped)` as `routed_swiglu`.
+    """
+    size, n = buffer.shape[0], buffer.shape[0] // slots
+    counts = jnp.bincount(jnp.minimum(slot, size) // slots, length=n + 1)[:n]  # dropped: bin n
+    plan = ragged_lib.chunk_plan(counts.astype(jnp.int32), slots, axis)
+    local_ids = jnp.full((size,), local, jnp.int32).at[slot].set(ids % local, mode="drop")
+    with ragged_lib.routed_rows(routed_rows):
+        received = ragged_lib.ragged_all_to_all(buffer, jnp.zeros_like(buffer), plan, axis)
+        # Unfilled rows read as empty slots (id `local`), as in the padded exchange.
+        received_ids = ragged_lib.ragged_all_to_all(
+            local_ids, jnp.full_like(local_ids, local), plan, axis)
+    out = grouped_swiglu(received, received_ids, w_gate, w_up, w_down, routed_rows=routed_rows)
+    with ragged_lib.routed_rows(routed_rows):
+        back = ragged_lib.ragged_all_to_all(out, jnp.zeros_like(out), plan.reverse(), axis)
+    rows = back.at[slot].get(mode="fill", fill_value=0)
+    return _combine(rows, weights), jnp.sum(slot == size, dtype=jnp.int32)
 
 
 def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, expert: int, *,
                 capacity_factor: float | None = None, dispatch_factor: float | None = None,
                 dtype_bytes: int = 4, batch_axes: tuple[str, ...] | None = None,
-                backward: bool = True) -> list[tuple[str, tuple[str, ...], int]]:
+                backward: bool = True, ragged: bool = False,
+                imbalance: float = 1.0) -> list[tuple[str, tuple[str, ...], int]]:
     """The collectives one MoE layer (`models.moe.MoE`) issues per device, `[(kind, axes,
     bytes)]`, for `num_tokens` local tokens of `d_model` features in `dtype_bytes`-byte floats on
-    an expert axis of `expert` devices; bytes as `analysis.hlo` counts them (the full buffer).
+    an expert axis of `expert` devices; bytes as `analysis.hlo` counts them.
 
     Forward: the rows out and back (two all-to-alls of the send buffer, `groups·slots·d_model`
     elements, see `layout`), dropless also the rows' expert ids (int32), and one all-reduce of the
@@ -221,17 +272,39 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
     `batch_axes`, the mesh axes of more than one device that split the tokens (default: `expert`
     when it has more than one device). Backward (`backward`): the two all-to-alls again, carrying
     the rows' gradients. (XLA:CPU widens 16-bit all-to-alls to float32; GPUs send them as they
-    are.)"""
+    are.)
+
+    `ragged` (dropless on a GPU mesh, `parallel.ragged`): each exchange sends the routed rows
+    only, `routed_rows(...)` of them, expected values (the bytes depend on the routing);
+    `imbalance` (the busiest expert shard's load over the mean, `--expert-imbalance`) scales
+    them to the busiest device's, which receives and returns that many more. Beside them the
+    counts cross before the forward exchange, and the transpose rule's send and receive
+    offsets (one all-to-all each) before the backward ones: `expert` int32 each."""
     if batch_axes is None:
         batch_axes = ("expert",) if expert > 1 else ()
     out = []
     if expert > 1:
         groups, slots = layout(num_tokens, top_k, num_experts, expert, capacity_factor,
                                dispatch_factor)
-        rows = groups * slots * d_model * dtype_bytes
-        out += [("all-to-all", ("expert",), rows)] * (4 if backward else 2)
+        rows = groups * slots
+        if ragged and capacity_factor is None:
+            rows = routed_rows(num_tokens, top_k, groups * slots, imbalance)
+            out.append(("all-to-all", ("expert",), expert * 4))  # the counts
+        row_bytes = rows * d_model * dtype_bytes
+        out += [("all-to-all", ("expert",), row_bytes)] * 2
         if capacity_factor is None:
-            out.append(("all-to-all", ("expert",), groups * slots * 4))
+            out.append(("all-to-all", ("expert",), rows * 4))
+        if backward:
+            out += [("all-to-all", ("expert",), row_bytes)] * 2
+            if ragged and capacity_factor is None:
+                out += [("all-to-all", ("expert",), expert * 4)] * 2  # the offsets
     if batch_axes:
         out.append(("all-reduce", tuple(batch_axes), (num_experts + 2) * 4))
     return out
+
+
+def routed_rows(num_tokens: int, top_k: int, buffer_rows: int, imbalance: float = 1.0) -> float:
+    """Rows one dropless ragged exchange moves on a device, on average: its `num_tokens·top_k`
+    assignments (no more than its send buffer's `buffer_rows`), times `imbalance` for the
+    busiest device (again capped by the buffer, which a receiver's chunks also fill)."""
+    return min(buffer_rows, num_tokens * top_k * imbalance)

@@ -177,7 +177,7 @@ def _mpi_wire_bytes(hlo_text: str, nprocs: int) -> dict[str, float]:
     allreduce 2(n-1)/n of the buffer, alltoall and allgather (n-1)/n of the full result)."""
     import re
 
-    from axonn_jax.analysis.hlo import _array_bytes
+    from axonn_jax.analysis.hlo_module import array_bytes
 
     out, seen = {}, set()
     for name, shape, kind in re.findall(r"%(\S+) = \((\w+\[[0-9,]*\])[^)]*\) custom-call\(.*?"
@@ -186,7 +186,7 @@ def _mpi_wire_bytes(hlo_text: str, nprocs: int) -> dict[str, float]:
             continue
         seen.add(name)
         factor = 2 * (nprocs - 1) / nprocs if kind == "allreduce" else (nprocs - 1) / nprocs
-        out[kind] = out.get(kind, 0.0) + factor * _array_bytes(shape)[0]
+        out[kind] = out.get(kind, 0.0) + factor * array_bytes(shape)[0]
     return out
 
 

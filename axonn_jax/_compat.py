@@ -419,3 +419,33 @@ def scan_layout(params) -> tuple[int, int, object, list]:
     consts, carry, _ = params["ft_in"].unpack()
     body = params["jaxpr"]
     return len(consts), len(carry), body, list(body.consts)
+
+
+def detected_cluster() -> str | None:
+    """The cluster `jax.distributed.initialize`'s default detection would join this process to.
+
+    JAX answers "no cluster" only by raising from `initialize`, so its detectors (internal, the
+    same since JAX 0.4) are asked here in its own order, opt-in methods (mpi4py) left out.
+
+    Returns:
+      The detector's name ("slurm", "ompi", "gcetpu", ...; its class name where it has none), or
+      None when no cluster environment is present.
+    """
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.name or env.__name__
+    return None
+
+
+def distributed_grid() -> tuple[str | None, int, int]:
+    """The grid of the distributed runtime this process joined, read without starting a backend.
+
+    Returns:
+      (coordinator `host:port`, process count, process id); (None, 1, 0) before any join.
+    """
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.coordinator_address, state.num_processes, state.process_id

@@ -169,23 +169,19 @@ def kernel_categories(text: str) -> dict[str, str]:
 
     matmuls = hlo.FlopCounter(text, matmuls_only=True)
     out = {}
-    for lines in matmuls.comps.values():
+    for instrs in matmuls.comps.values():
         shapes = {}
-        for line in lines:
-            m = hlo._INSTR.match(line)
-            if not m:
-                continue
-            name, shape, opcode, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-            shapes[name] = shape
-            if "__cudnn$fmha" in rest:
-                out[name] = "attention"
-            elif opcode.removesuffix("-start") in hlo.KINDS:
-                out[name] = "collective"
-            elif opcode not in ("while", "conditional", "call") and \
-                    matmuls.instruction(shapes, name, shape, opcode, rest) > 0:
-                out[name] = "matmul"
+        for instr in instrs:
+            shapes[instr.name] = instr.shape
+            if "__cudnn$fmha" in instr.rest:
+                out[instr.name] = "attention"
+            elif instr.opcode.removesuffix("-start") in hlo.KINDS:
+                out[instr.name] = "collective"
+            elif instr.opcode not in ("while", "conditional", "call") and \
+                    matmuls.instruction(shapes, instr) > 0:
+                out[instr.name] = "matmul"
             else:
-                out[name] = "other"
+                out[instr.name] = "other"
     return out
 
 

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from axonn_jax import ParallelConfig, make_mesh
-from axonn_jax.run.distributed import (ProcessSpec, axes_crossing_processes, detect, first_slurm_host,
-                                   init_distributed)
+from axonn_jax.run.distributed import (ProcessSpec, axes_crossing_processes, cluster_method,
+                                       init_distributed, launcher_grid)
 from axonn_jax.train import TrainOptions, train
 
 from conftest import (PARITY, assert_states_match, assert_steps_match, comparable_state,
@@ -177,7 +177,7 @@ def _mpi_wire_bytes(hlo_text: str, nprocs: int) -> dict[str, float]:
     allreduce 2(n-1)/n of the buffer, alltoall and allgather (n-1)/n of the full result)."""
     import re
 
-    from axonn_jax.analysis.hlo import _array_bytes
+    from axonn_jax.analysis.hlo_module import array_bytes
 
     out, seen = {}, set()
     for name, shape, kind in re.findall(r"%(\S+) = \((\w+\[[0-9,]*\])[^)]*\) custom-call\(.*?"
@@ -186,7 +186,7 @@ def _mpi_wire_bytes(hlo_text: str, nprocs: int) -> dict[str, float]:
             continue
         seen.add(name)
         factor = 2 * (nprocs - 1) / nprocs if kind == "allreduce" else (nprocs - 1) / nprocs
-        out[kind] = out.get(kind, 0.0) + factor * _array_bytes(shape)[0]
+        out[kind] = out.get(kind, 0.0) + factor * array_bytes(shape)[0]
     return out
 
 
@@ -352,37 +352,83 @@ def test_launch_bad_input(argv, message, tmp_path, capsys):
     ({}, None),
     ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "4", "AXONN_PROCESS_ID": "3"},
      ProcessSpec("h:1", 4, 3, "AXONN_*")),
-    ({"JAX_COORDINATOR_ADDRESS": "j:2", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
-     ProcessSpec("j:2", 2, 0, "JAX_*")),
-    ({"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "gpu[007-010]",
-      "SLURM_JOB_ID": "100", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "1"},
-     ProcessSpec("gpu007:41700", 8, 5, "slurm", 1)),
-    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
-     ProcessSpec(None, 4, 1, "openmpi", 1)),
-    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, ProcessSpec(None, 2, 1, "mpich")),
-    # The launcher's variables win over the scheduler's.
+    # The launcher's variables are read whatever scheduler started the launcher.
     ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "2", "AXONN_PROCESS_ID": "1",
       "PMI_SIZE": "4", "PMI_RANK": "3"}, ProcessSpec("h:1", 2, 1, "AXONN_*")),
 ])
-def test_detect(env, expected):
-    assert detect(env) == expected
+def test_launcher_grid(env, expected):
+    assert launcher_grid(env) == expected
 
 
 @pytest.mark.parametrize("env, message", [
     ({"AXONN_COORDINATOR": "h:1", "AXONN_PROCESS_ID": "0"}, "AXONN_NUM_PROCESSES missing"),
-    ({"PMI_SIZE": "two", "PMI_RANK": "0"}, "PMI_SIZE='two' is not an integer"),
+    ({"AXONN_COORDINATOR": "h:1", "AXONN_NUM_PROCESSES": "two", "AXONN_PROCESS_ID": "0"},
+     "AXONN_NUM_PROCESSES='two' is not an integer"),
 ])
-def test_detect_bad_environment(env, message):
+def test_launcher_grid_bad_environment(env, message):
     with pytest.raises(ValueError, match=message):
-        detect(env)
+        launcher_grid(env)
 
 
-def test_init_distributed_checks_the_grid():
-    assert init_distributed(environ={}) == ProcessSpec(None, 1, 0, "single process")
+# The variables JAX's cluster detectors and MPI launchers look at, cleared before each case.
+CLUSTER_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                     "SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
+                     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_VERSION",
+                     "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "KUBERNETES_SERVICE_HOST",
+                     "JAX_COORDINATOR_ADDRESS")
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """os.environ without any cluster's or launcher's variables."""
+    for name in CLUSTER_VARIABLES + ("AXONN_COORDINATOR", "AXONN_NUM_PROCESSES", "AXONN_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env, method", [
+    ({}, None),
+    ({"SLURM_JOB_ID": "100", "SLURM_STEP_NODELIST": "gpu[007-010]", "SLURM_NTASKS": "8",
+      "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}, "slurm"),
+    ({"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:58000", "OMPI_COMM_WORLD_SIZE": "4",
+      "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "ompi"),
+    ({"PMI_SIZE": "2", "PMI_RANK": "1"}, "mpi4py"),  # MPICH's mpirun: JAX's opt-in method
+])
+def test_jax_detects_the_cluster(env, method, no_cluster):
+    from importlib.util import find_spec
+
+    for name, value in env.items():
+        no_cluster.setenv(name, value)
+    if method == "mpi4py" and find_spec("mpi4py") is None:
+        with pytest.raises(RuntimeError, match="mpi4py is not installed"):
+            cluster_method(os.environ)
+    else:
+        assert cluster_method(os.environ) == method
+
+
+def test_slurm_grid_is_jax_s(no_cluster):
+    """Under a SLURM step the grid is JAX's reading of it (the node list parsed by JAX)."""
+    from jax._src.clusters import SlurmCluster
+
+    for name, value in {"SLURM_JOB_ID": "100", "SLURM_STEP_NODELIST": "gpu[007-010,12],cpu1",
+                        "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}.items():
+        no_cluster.setenv(name, value)
+    assert SlurmCluster.get_coordinator_address(None, None).startswith("gpu007:")
+    assert (SlurmCluster.get_process_count(), SlurmCluster.get_process_id()) == (8, 5)
+
+
+def test_init_distributed_checks_the_grid(no_cluster):
+    assert init_distributed() == ProcessSpec(None, 1, 0, "single process")
     with pytest.raises(ValueError, match=r"process_id 4 is not in \[0, num_processes=4\)"):
-        init_distributed("h:1", 4, 4, environ={})
+        init_distributed("h:1", 4, 4)
     with pytest.raises(ValueError, match="coordinator 'h:1' given without num_processes"):
-        init_distributed("h:1", environ={})
+        init_distributed("h:1")
+    no_cluster.setenv("AXONN_COORDINATOR", "h:1")
+    no_cluster.setenv("AXONN_NUM_PROCESSES", "2")
+    no_cluster.setenv("AXONN_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"process_id 2 is not in \[0, num_processes=2\) "
+                                         r"\(from AXONN_\*\)"):
+        init_distributed()
 
 
 class FakeProcess:
@@ -410,13 +456,6 @@ def test_watch_names_the_root_cause(monkeypatch):
     failure = launch._watch([FakeProcess(0, 1), FakeProcess(0, 10**9)])
     assert failure.message == "process 1 was still running 0 s after process 0 finished"
     assert failure.exit_code == 1
-
-
-@pytest.mark.parametrize("nodelist, host", [
-    ("node1", "node1"), ("gpu[007-010,12],cpu1", "gpu007"), ("a[3,5]", "a3"), ("x-y-1,x-y-2", "x-y-1"),
-])
-def test_first_slurm_host(nodelist, host):
-    assert first_slurm_host(nodelist) == host
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ iteration, from XLA's `known_trip_count` (a loop without one raises ValueError);
 `conditional`'s branches only the heaviest counts (the busiest device runs it); asynchronous pairs
 (`all-gather-start` / `-done`) count once. A `ragged-all-to-all` counts as an all-to-all of
 the rows it is expected to send (`_ragged_bytes`), not of its padded buffer.
-`axonn_jax.analysis.comm_model` predicts the same quantities.
+`axonn_jax.analysis.comm_model` predicts the same quantities. Modules, instructions and shapes
+are read by `analysis.hlo_module`; `flops` and `FlopCounter` count FLOPs from the same reading.
 """
 from __future__ import annotations
 
@@ -23,32 +24,14 @@ import dataclasses
 import math
 import re
 
+from .hlo_module import (Instruction, Module, array_bytes, arrays, branch_names, called, dims,
+                         elements, loop, parse_instruction, read_module)
+from .hlo_module import depends_on, instructions  # noqa: F401  (this module's names since before)
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 OPCODES = {**{k: k for k in KINDS}, "ragged-all-to-all": "all-to-all"}
 """The kind of each collective opcode (a ragged all-to-all counts as an all-to-all of the rows
 it is expected to send, `_ragged_bytes`)."""
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
-# A computation's first line: `%name (params) -> shape {` when compiled, `name {` in the HLO of a
-# lowered, not yet compiled program (`Lowered.as_text(dialect="hlo")`).
-_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
-_CALLEE = re.compile(r"\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _loop(name: str, rest: str, what: str) -> tuple[str, int]:
-    """(body computation, trip count) of the while instruction `name` (`rest`: its text after the
-    opcode); ValueError when XLA recorded no trip count (`what` cannot be counted inside it)."""
-    trip = _TRIP.search(rest)
-    if not trip:
-        raise ValueError(f"while loop {name} has no known_trip_count; cannot count the {what} "
-                         "inside it")
-    return re.search(r"\bbody=%?([\w.\-]+)", rest).group(1), int(trip.group(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,35 +56,26 @@ class Collective:
         return factor * self.total_bytes
 
 
-def _array_bytes(shape_text: str) -> list[int]:
-    out = []
-    for dtype, dims in _ARRAY.findall(shape_text):
-        if dtype in _DTYPE_BYTES:
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            out.append(int(n * _DTYPE_BYTES[dtype]))
-    return out
-
-
 def _leading_tuple_arrays(shape_text: str) -> int:
     """Arrays in the first element of a tuple shape `((a, b), (a, b), ...)` when that element is
     itself a tuple, else 0."""
     if not shape_text.startswith("(("):
         return 0
     end = shape_text.index(")", 1)
-    return len(_array_bytes(shape_text[1:end + 1]))
+    return len(array_bytes(shape_text[1:end + 1]))
 
 
 def _iota(spec: str) -> list[int]:
     """The device ids of an iota list `[d0,d1,...]T(p0,p1,...)` (the transpose optional), flat."""
     m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", spec.strip())
-    dims = [int(d) for d in m.group(1).split(",")]
-    perm = [int(p) for p in m.group(2).split(",")] if m.group(2) else list(range(len(dims)))
-    ids = list(range(math.prod(dims)))
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    shape = [int(d) for d in m.group(1).split(",")]
+    perm = [int(p) for p in m.group(2).split(",")] if m.group(2) else list(range(len(shape)))
+    ids = list(range(math.prod(shape)))
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
     out = []
     for flat in ids:  # index in the transposed array -> id in the original
         coords, rest = [], flat
-        for size in reversed([dims[p] for p in perm]):
+        for size in reversed([shape[p] for p in perm]):
             coords.append(rest % size)
             rest //= size
         coords.reverse()
@@ -168,63 +142,6 @@ def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str,
     return tuple(a for a in names if a in varying)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = _COMP_HEADER.match(line)
-        if header:
-            current = header.group(2)
-            comps[current] = []
-            if header.group(1):
-                entry = current
-        elif line.strip() == "}":
-            current = None
-        elif current is not None:
-            comps[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    for lines in comps.values():
-        for i, line in enumerate(lines):
-            if " while(" in line and not _TRIP.search(line):
-                lines[i] = _with_derived_trip(line, lines, comps)
-    return comps, entry
-
-
-def _with_derived_trip(line: str, lines: list[str], comps: dict[str, list[str]]) -> str:
-    """The `while` instruction `line` with the trip count XLA did not record (a loop its passes
-    rewrote, e.g. sunk into a fusion) added as `known_trip_count`, when its condition compares
-    the induction variable (`known_induction_variable`) with a constant, starting from a constant
-    in the loop's initial tuple; `line` unchanged otherwise (then `_loop` refuses to count)."""
-    index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"', line)
-    cond = re.search(r"\bcondition=%?([\w.\-]+)", line)
-    init = re.search(r"\bwhile\(%?([\w.\-]+)\)", line)
-    if not (index and cond and init):
-        return line
-    text = "\n".join(comps.get(cond.group(1), []))
-    for callee in re.findall(r"\bcalls=%?([\w.\-]+)", text):
-        text += "\n" + "\n".join(comps.get(callee, []))
-    bounds = re.findall(r"\bconstant\((-?\d+)\)", text)
-    direction = re.findall(r"\bdirection=(LT|LE)\b", text)
-    tuple_line = next((ln for ln in lines if re.match(rf"\s*%?{re.escape(init.group(1))} = ", ln)),
-                      "")
-    operands = re.search(r"\btuple\(([^)]*)\)", tuple_line)
-    if len(bounds) != 1 or len(direction) != 1 or not operands:
-        return line
-    name = operands.group(1).split(",")[int(index.group(1))].strip().lstrip("%")
-    for _ in range(4):  # through the copies XLA puts in front of a loop's initial value
-        start_line = next((ln for ln in lines if re.match(rf"\s*%?{re.escape(name)} = ", ln)), "")
-        copied = re.search(r"\bcopy\(%?([\w.\-]+)\)", start_line)
-        if not copied:
-            break
-        name = copied.group(1)
-    start = re.search(r"\bconstant\((-?\d+)\)", start_line)
-    if not start:
-        return line
-    trips = int(bounds[0]) - int(start.group(1)) + (direction[0] == "LE")
-    return line + f' /*derived*/ "known_trip_count":{{"n":"{trips}"}}'
-
-
 _ROUTED_ROWS = re.compile(r'\baxonn_routed_rows="(\d+)"')
 
 
@@ -234,43 +151,50 @@ def _ragged_bytes(shape: str, rest: str) -> int:
     as a balanced router sends them), each of the result's row size; without the attribute the
     whole result (the most it can send). The operand and result are padded buffers sized for
     the worst case; what crosses the wire depends on the data, so the count is an expectation."""
-    result = _ARRAY.findall(shape)[-1]  # a start's shape is ((operands), result)
-    dims = [int(d) for d in result[1].split(",") if d]
-    total = _array_bytes(f"{result[0]}[{result[1]}]")[0]
+    result = arrays(shape)[-1]  # a start's shape is ((operands), result)
+    total = result.bytes
     rows = _ROUTED_ROWS.search(rest)
-    return total if not rows or not dims else min(total, int(rows.group(1)) * total // dims[0])
+    return total if not rows or not result.dims else min(total, int(rows.group(1)) * total // result.dims[0])
 
 
-def _collective(name: str, shape: str, opcode: str, rest: str, num_devices: int):
-    if opcode in ("ragged-all-to-all", "ragged-all-to-all-start"):
-        members = _first_group(rest, num_devices)
-        nbytes = _ragged_bytes(shape, rest)
-        return Collective("all-to-all", name, nbytes, len(members), 1, members) \
+def collective(instr: Instruction, num_devices: int) -> Collective | None:
+    """The collective an instruction runs, sized as the module docstring says.
+
+    Args:
+      instr: an instruction of a compiled module.
+      num_devices: the module's devices (the group of a collective that names none).
+
+    Returns:
+      Its `Collective` (one execution), or None for any other instruction, a `*-done`, and a
+      collective that moves nothing (a group of one device, an empty buffer).
+    """
+    if instr.opcode in ("ragged-all-to-all", "ragged-all-to-all-start"):
+        members = _first_group(instr.rest, num_devices)
+        nbytes = _ragged_bytes(instr.shape, instr.rest)
+        return Collective("all-to-all", instr.name, nbytes, len(members), 1, members) \
             if len(members) > 1 and nbytes else None
-    kind = opcode.removesuffix("-start")
-    if kind not in KINDS or opcode.endswith("-done"):
+    kind = instr.opcode.removesuffix("-start")
+    if kind not in KINDS or instr.opcode.endswith("-done"):
         return None
-    members = _first_group(rest, num_devices)
+    members = _first_group(instr.rest, num_devices)
     group = len(members)
-    sizes = _array_bytes(shape)
-    if opcode.endswith("-start"):
+    sizes = array_bytes(instr.shape)
+    if instr.opcode.endswith("-start"):
         # (operands..., results..., [contexts]): keep the results; XLA:GPU's combined starts
         # hold tuples, `((operands), (results), ...)`. An all-reduce-start's shape is its result
         # alone up to jaxlib 0.10, `((operands), results)` in jaxlib 0.12.
-        operands = _leading_tuple_arrays(shape)
+        operands = _leading_tuple_arrays(instr.shape)
         if operands:
             sizes = sizes[operands:2 * operands]
         elif kind != "all-reduce":
             sizes = sizes[len(sizes) // 2:] if kind == "all-gather" else sizes[1:2]
     nbytes = sum(sizes) * (group if kind == "reduce-scatter" else 1)
-    return Collective(kind, name, nbytes, group, 1, members) if group > 1 and nbytes else None
+    return Collective(kind, instr.name, nbytes, group, 1, members) if group > 1 and nbytes else None
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def collectives(hlo_text: str | Module) -> list[Collective]:
     """Every collective of a compiled HLO module with its per-device bytes and execution count."""
-    m = re.search(r"num_partitions=(\d+)", hlo_text)
-    num_devices = int(m.group(1)) if m else 1
-    comps, entry = _computations(hlo_text)
+    module = read_module(hlo_text) if isinstance(hlo_text, str) else hlo_text
     memo: dict[str, list[Collective]] = {}
 
     def scaled(found: list[Collective], times: int) -> list[Collective]:
@@ -279,31 +203,27 @@ def collectives(hlo_text: str) -> list[Collective]:
     def walk(comp: str, stack: tuple[str, ...] = ()) -> list[Collective]:
         if comp in memo:
             return memo[comp]
-        if comp in stack or comp not in comps:
+        if comp in stack or comp not in module.computations:
             return []
         found: list[Collective] = []
-        for line in comps[comp]:
-            instr = _INSTR.match(line)
-            if not instr:
-                continue
-            name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
-            if c := _collective(name, shape, opcode, rest, num_devices):
+        for instr in module.computations[comp]:
+            if c := collective(instr, module.num_devices):
                 found.append(c)
                 continue
             inner = stack + (comp,)
-            if opcode == "while":
-                body, trips = _loop(name, rest, "collectives")
+            if instr.opcode == "while":
+                body, trips = loop(instr, "collectives")
                 found += scaled(walk(body, inner), trips)
-            elif opcode == "conditional":
-                branches = [walk(b, inner) for b in branch_names(rest)]
+            elif instr.opcode == "conditional":
+                branches = [walk(b, inner) for b in branch_names(instr.rest)]
                 found += max(branches, key=lambda b: sum(c.wire_bytes for c in b), default=[])
-            elif opcode in ("call", "fusion", "async-start"):
-                for callee in called(rest):
+            elif instr.opcode in ("call", "fusion", "async-start"):
+                for callee in called(instr.rest):
                     found += walk(callee, inner)
         memo[comp] = found
         return found
 
-    return walk(entry)
+    return walk(module.entry)
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -340,35 +260,20 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "remainder", "maximum",
                 "ceil", "round-nearest-even", "round-nearest-afz", "convert"}
 
 
-def _elements(shape_text: str) -> int:
-    """Elements of the (first) array in an HLO shape."""
-    m = _ARRAY.search(shape_text)
-    if not m:
-        return 0
-    dims = m.group(2)
-    return math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-
-
-def _dims(shape_text: str) -> list[int]:
-    """The dimensions of the (first) array in an HLO shape."""
-    m = _ARRAY.search(shape_text)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
 def _ragged_dot_flops(rest: str, shapes: dict[str, str]) -> float:
     """FLOPs of a `ragged-dot` (a grouped matmul: each row of the ragged dimension meets one
     group's matrix): 2·|lhs|·|rhs| over the contracted, batch and rhs group sizes, i.e. 2·m·k·n for
     `(m, k) × (groups, k, n)` whatever the group sizes, and for its transposes."""
     lhs, rhs = re.match(r"\s*%?([\w.\-]+),\s*%?([\w.\-]+)", rest).groups()
-    dims = {name: _dims(shapes[name]) for name in (lhs, rhs)}
+    sizes = {name: dims(shapes[name]) for name in (lhs, rhs)}
 
     def size(key: str, of: str) -> int:
         m = re.search(key + r"=\{([0-9,]*)\}", rest)
-        return math.prod(dims[of][int(i)] for i in m.group(1).split(",") if i) if m else 1
+        return math.prod(sizes[of][int(i)] for i in m.group(1).split(",") if i) if m else 1
 
     divisor = (size("lhs_contracting_dims", lhs) * size("lhs_batch_dims", lhs)
                * size("rhs_group_dims", rhs))
-    return 2.0 * math.prod(dims[lhs]) * math.prod(dims[rhs]) / divisor
+    return 2.0 * math.prod(sizes[lhs]) * math.prod(sizes[rhs]) / divisor
 
 
 def flops(hlo_text: str) -> float:
@@ -389,33 +294,29 @@ def flops(hlo_text: str) -> float:
     return counter.computation(counter.entry)
 
 
-def branch_names(rest: str) -> list[str]:
-    """The branch computations of a `conditional` (`rest`: its text after the opcode)."""
-    m = _BRANCHES.search(rest)
-    return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
-        [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
-
-
-def called(rest: str) -> list[str]:
-    """The computations a `call`, `fusion` or `async-start` runs (`calls=`, `to_apply=`)."""
-    return [callee for key, callee in _CALLEE.findall(rest) if key in ("calls", "to_apply")]
-
-
 class FlopCounter:
-    """`flops`' count per computation and per instruction of one compiled module:
-    `computation(name)` (loops and calls included, memoized) and `instruction(shapes, name, shape,
-    opcode, rest)` (`shapes`: `{name: shape text}` of the instructions before it in its
+    """`flops`' count per computation and per instruction of one compiled module.
+
+    `computation(name)`: loops and calls included, memoized; `instruction(shapes, instr)`: one
+    instruction (`shapes`: `{name: shape text}` of the instructions before it in its
     computation). `matmuls_only`: count only matmuls (dots, grouped dots, cuBLAS calls, cuDNN's
     fused attention, convolutions, the declared grouped-matmul kernels), the FLOPs that run on
-    tensor cores."""
+    tensor cores.
 
-    def __init__(self, hlo_text: str, matmuls_only: bool = False):
-        self.comps, self.entry = _computations(hlo_text)
+    Args:
+      hlo_text: the module's text, or the module already read (`hlo_module.read_module`).
+      matmuls_only: as above.
+    """
+
+    def __init__(self, hlo_text: str | Module, matmuls_only: bool = False):
+        self.module = read_module(hlo_text) if isinstance(hlo_text, str) else hlo_text
+        self.comps, self.entry = self.module.computations, self.module.entry
         self.matmuls_only = matmuls_only
         self._memo: dict[str, float] = {}
         self._stack: set[str] = set()
 
     def computation(self, comp: str) -> float:
+        """FLOPs of one run of computation `comp` (0 for an unknown or recursive one)."""
         if comp in self._memo:
             return self._memo[comp]
         if comp in self._stack or comp not in self.comps:
@@ -423,27 +324,25 @@ class FlopCounter:
         self._stack.add(comp)
         shapes: dict[str, str] = {}
         total = 0.0
-        for line in self.comps[comp]:
-            instr = _INSTR.match(line)
-            if instr:
-                name, shape, opcode, rest = instr.group(2), instr.group(3), instr.group(4), instr.group(5)
-                shapes[name] = shape
-                total += self.instruction(shapes, name, shape, opcode, rest)
+        for instr in self.comps[comp]:
+            shapes[instr.name] = instr.shape
+            total += self.instruction(shapes, instr)
         self._stack.discard(comp)
         self._memo[comp] = total
         return total
 
-    def instruction(self, shapes: dict[str, str], name: str, shape: str, opcode: str,
-                    rest: str) -> float:
+    def instruction(self, shapes: dict[str, str], instr: Instruction) -> float:
+        """FLOPs of one run of `instr`, the computations it runs included."""
+        opcode, shape, rest = instr.opcode, instr.shape, instr.rest
         if opcode == "dot":
             return _gemm_flops(rest, shape, shapes, r"lhs_contracting_dims=\{([0-9,]*)\}")
         if opcode == "ragged-dot":
             return _ragged_dot_flops(rest, shapes)
         if opcode in _ELEMENTWISE and not self.matmuls_only:
-            return float(_elements(shape))
+            return float(elements(shape))
         if opcode == "reduce" and not self.matmuls_only:
             operand = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-            return float(_elements(shapes.get(operand, "")) - _elements(shape))
+            return float(elements(shapes.get(operand, "")) - elements(shape))
         if opcode == "custom-call" and (declared := _DECLARED_FLOPS.search(rest)):
             return float(declared.group(1))
         if opcode == "custom-call" and "__cudnn$fmha" in rest:
@@ -453,7 +352,7 @@ class FlopCounter:
         if opcode == "convolution" or (opcode == "custom-call" and _CUDNN_CONV.search(rest)):
             return _convolution_flops(rest, shape, shapes)
         if opcode == "while":
-            body, trips = _loop(name, rest, "FLOPs")
+            body, trips = loop(instr, "FLOPs")
             return self.computation(body) * trips
         if opcode == "conditional":
             return max((self.computation(b) for b in branch_names(rest)), default=0.0)
@@ -475,7 +374,7 @@ def _fused_attention_flops(rest: str) -> float:
     if "operand_layout_constraints={" not in rest:
         return 0.0
     constraints = rest.split("operand_layout_constraints={", 1)[1].split("}}", 1)[0]
-    shapes = [[int(d) for d in dims.split(",")] for _, dims in _ARRAY.findall(constraints)]
+    shapes = [a.dims for a in arrays(constraints)]
     (b, t, h, d), s = shapes[0], shapes[1][1]
     return (10.0 if "Backward" in rest.split("custom_call_target=", 1)[1].split(",", 1)[0]
             else 4.0) * b * h * t * s * d
@@ -488,11 +387,11 @@ def _gemm_flops(rest: str, shape: str, shapes: dict[str, str], contracting: str)
     (`__cublas$gemm`, `__cublas$lt$matmul*`: what XLA:GPU's autotuner picks on a real GPU instead
     of a Triton fusion of the dot) `"lhs_contracting_dimensions":[..]` in its backend config."""
     lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-    dims, lhs_dims = re.search(contracting, rest), _dims(shapes.get(lhs, ""))
+    found, lhs_dims = re.search(contracting, rest), dims(shapes.get(lhs, ""))
     k = 1
-    if dims and lhs_dims:
-        k = math.prod(lhs_dims[int(i.strip('" '))] for i in dims.group(1).split(",") if i)
-    return 2.0 * _elements(shape) * k
+    if found and lhs_dims:
+        k = math.prod(lhs_dims[int(i.strip('" '))] for i in found.group(1).split(",") if i)
+    return 2.0 * elements(shape) * k
 
 
 _CUDNN_CONV = re.compile(r'custom_call_target="__cudnn\$conv(\w*)"')
@@ -512,12 +411,12 @@ def _convolution_flops(rest: str, shape: str, shapes: dict[str, str]) -> float:
     if not labels or not window:
         return 0.0
     names = re.findall(r"%?([\w.\-]+)", rest.split(")", 1)[0])[:2]
-    operands = [_dims(shapes.get(n, "")) for n in names] + [[], []]
+    operands = [dims(shapes.get(n, "")) for n in names] + [[], []]
     cudnn = _CUDNN_CONV.search(rest)
     kind = cudnn.group(1) if cudnn else "Forward"
-    roles = {"BackwardInput": (_dims(shape), operands[1], operands[0]),
-             "BackwardFilter": (operands[0], _dims(shape), operands[1])}
-    inputs, kernel, output = roles.get(kind, (operands[0], operands[1], _dims(shape)))
+    roles = {"BackwardInput": (dims(shape), operands[1], operands[0]),
+             "BackwardFilter": (operands[0], dims(shape), operands[1])}
+    inputs, kernel, output = roles.get(kind, (operands[0], operands[1], dims(shape)))
     lhs, rhs, out = labels.groups()
     if [len(inputs), len(kernel), len(output)] != [len(lhs), len(rhs), len(out)]:
         return 0.0
@@ -544,47 +443,6 @@ def _valid_pairs(size: int, out: int, k: int, dim: int, window: str) -> int:
                if 0 <= (p := o * stride + j * rhs_dilate - pad) < extent and p % lhs_dilate == 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One instruction of an HLO computation: its opcode and the instructions it reads."""
-
-    name: str
-    opcode: str
-    operands: tuple[str, ...]
-    text: str  # the whole line (shape, attributes, metadata)
-
-
-def instructions(hlo_text: str, computation: str | None = None) -> dict[str, Instruction]:
-    """`{name: Instruction}` of one computation of a compiled module (default: the entry), in
-    program order."""
-    comps, entry = _computations(hlo_text)
-    out = {}
-    for line in comps[computation or entry]:
-        m = _INSTR.match(line)
-        if m:
-            # Operands are the `%name`s before the closing parenthesis of the operand list.
-            operand_text = m.group(5).split("),", 1)[0]
-            operands = tuple(re.findall(r"%([\w.\-]+)", operand_text))
-            out[m.group(2)] = Instruction(m.group(2), m.group(4), operands, line)
-    return out
-
-
-def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> bool:
-    """Whether instruction `later` reads the result of `earlier`, directly or through others. Two
-    instructions where neither depends on the other may run concurrently: this is what lets a
-    scheduler overlap a collective with a matmul."""
-    seen, todo = set(), [later]
-    while todo:
-        name = todo.pop()
-        for op in program[name].operands if name in program else ():
-            if op == earlier:
-                return True
-            if op not in seen:
-                seen.add(op)
-                todo.append(op)
-    return False
-
-
 _GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*|triton_gemm\S*)_computation \((.*)\) -> ", re.M)
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul[$\w]*)"')
 
@@ -598,16 +456,13 @@ def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
     upcast before the GEMM."""
     found = []
     for _, params in _GEMM_FUSION.findall(hlo_text):
-        types = re.findall(r":\s*([a-z0-9]+)\[", params)
+        types = [a.dtype for a in arrays(params)]
         if len(types) >= 2:
             found.append((types[0], types[1]))
     types = {}
-    for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
-        if m:
-            array = _ARRAY.search(m.group(3))
-            types[m.group(2)] = array.group(1) if array else ""
-            if m.group(4) == "custom-call" and _CUBLAS.search(m.group(5)):
-                operands = re.findall(r"%([\w.\-]+)", m.group(5).split("),", 1)[0])[:2]
-                found.append(tuple(types.get(o, "") for o in operands))
+    for instr in filter(None, map(parse_instruction, hlo_text.splitlines())):
+        result = arrays(instr.shape)
+        types[instr.name] = result[0].dtype if result else ""
+        if instr.opcode == "custom-call" and _CUBLAS.search(instr.rest):
+            found.append(tuple(types.get(o, "") for o in instr.operands[:2]))
     return found

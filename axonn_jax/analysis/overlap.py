@@ -38,6 +38,8 @@ import re
 
 from . import hlo
 from .comm_model import Machine, link_time
+from .hlo_module import (DTYPE_BYTES, FLOAT_DTYPES, Instruction, arrays, branch_names, called,
+                         loop, read_module, shape_bytes)
 
 _ASYNC_KINDS = {f"{op}-start": k for op, k in hlo.OPCODES.items()}
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -51,7 +53,6 @@ HOST_KINDS = ("host-to-device", "device-to-host")
 """The kinds of the replay's host transfers (in `Overlap.kind`, over the axis `host`)."""
 HOST_COMPUTE = "host-compute"
 """The kind of a computation the host's CPU runs (XLA's HostExecute), over the axis `host`."""
-_DTYPE = re.compile(r"\b(bf16|f16|f32|f64|f8e4m3fn|f8e5m2|f8e4m3|f8e5m2fnuz|f8e4m3fnuz)\[")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,37 +82,14 @@ class Overlap:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    rest: str
-    operands: tuple[str, ...]
-
-
-def _parse(lines: list[str]) -> list[_Instr]:
-    out = []
-    for line in lines:
-        m = hlo._INSTR.match(line)
-        if m:
-            operand_text = m.group(5).split("),", 1)[0]
-            out.append(_Instr(m.group(2), m.group(3), m.group(4), m.group(5),
-                              tuple(re.findall(r"%([\w.\-]+)", operand_text))))
-    return out
-
-
-def _bytes(shape: str) -> float:
-    return float(sum(hlo._array_bytes(shape)))
-
-
 class _Costs:
     """FLOPs, matmul FLOPs, HBM bytes and seconds of instructions (`Machine` rates)."""
 
     def __init__(self, text: str, machine: Machine):
-        self.counter = hlo.FlopCounter(text)
-        self.matmuls = hlo.FlopCounter(text, matmuls_only=True)
-        self.comps = {name: _parse(lines) for name, lines in self.counter.comps.items()}
+        self.module = read_module(text)  # read once, for both counters and the replay
+        self.counter = hlo.FlopCounter(self.module)
+        self.matmuls = hlo.FlopCounter(self.module, matmuls_only=True)
+        self.comps = self.module.computations
         self.machine = machine
         self._opcodes: dict[str, set[str]] = {}
         self._wire: dict[str, float] = {}
@@ -122,17 +100,17 @@ class _Costs:
             self._wire[comp] = 0.0
             total = 0.0
             for i in self.comps.get(comp, ()):
-                c = hlo._collective(i.name, i.shape, i.opcode, i.rest, num_devices)
+                c = hlo.collective(i, num_devices)
                 if c:
                     total += c.wire_bytes
                 elif i.opcode == "while":
-                    body, trips = hlo._loop(i.name, i.rest, "collectives")
+                    body, trips = loop(i, "collectives")
                     total += trips * self.wire_bytes(body, num_devices)
                 elif i.opcode == "conditional":
                     total += max((self.wire_bytes(b, num_devices)
-                                  for b in hlo.branch_names(i.rest)), default=0.0)
+                                  for b in branch_names(i.rest)), default=0.0)
                 elif i.opcode in ("call", "async-start"):
-                    total += sum(self.wire_bytes(c, num_devices) for c in hlo.called(i.rest))
+                    total += sum(self.wire_bytes(c, num_devices) for c in called(i.rest))
             self._wire[comp] = total
         return self._wire[comp]
 
@@ -146,15 +124,15 @@ class _Costs:
             self._opcodes[comp] = {i.opcode for i in self.comps.get(comp, ())}
         return self._opcodes[comp]
 
-    def memory_bytes(self, instr: _Instr, shapes: dict[str, str]) -> float:
+    def memory_bytes(self, instr: Instruction, shapes: dict[str, str]) -> float:
         """HBM bytes a kernel reads and writes: its operands and result; a fused dynamic slice
         reads only its slice, a fused dynamic-update-slice writes only its update (in place),
         synchronous or not (`fusion-start`)."""
-        operands = [_bytes(shapes.get(o, "")) for o in instr.operands]
-        callees = hlo.called(instr.rest) if instr.opcode in ("fusion", "fusion-start") else []
+        operands = [shape_bytes(shapes.get(o, "")) for o in instr.operands]
+        callees = called(instr.rest) if instr.opcode in ("fusion", "fusion-start") else []
         # An asynchronous fusion's (`fusion-start`, XLA:GPU in jaxlib 0.11) shape is a tuple of
         # its operands, its result and a context: it writes only its computation's result.
-        result = _bytes(self.comps[callees[0]][-1].shape if instr.opcode == "fusion-start"
+        result = shape_bytes(self.comps[callees[0]][-1].shape if instr.opcode == "fusion-start"
                         and callees and self.comps.get(callees[0]) else instr.shape)
         inner = set().union(*(self.opcodes(c) for c in callees)) if callees else {instr.opcode}
         if len(callees) == 1 and self._root(callees[0]) == "dynamic-slice":
@@ -169,7 +147,7 @@ class _Costs:
         nothing (it writes the update); every other operand and output whole."""
         instrs = self.comps[comp]
         by_name = {i.name: i for i in instrs}
-        users: dict[str, list[_Instr]] = {}
+        users: dict[str, list[Instruction]] = {}
         for i in instrs:
             for o in i.operands:
                 users.setdefault(o, []).append(i)
@@ -188,9 +166,9 @@ class _Costs:
             if out is not None and out.opcode == "dynamic-update-slice" and \
                     len(out.operands) > 1 and out.operands[1] in by_name:
                 in_place.add(through_views(out.operands[0]))
-                written += _bytes(by_name[out.operands[1]].shape)
+                written += shape_bytes(by_name[out.operands[1]].shape)
             else:
-                written += _bytes(by_name[name].shape) if name in by_name else 0.0
+                written += shape_bytes(by_name[name].shape) if name in by_name else 0.0
         reads = 0.0
         for i in instrs:
             if i.opcode != "parameter" or i.name in in_place:
@@ -200,11 +178,11 @@ class _Costs:
             uses = list(self._uses_through_views(i.name, users))
             if uses and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == view
                             for u, view in uses):
-                size = min(size, sum(_bytes(u.shape) for u, _ in uses))
+                size = min(size, sum(shape_bytes(u.shape) for u, _ in uses))
             reads += size
         return reads + written
 
-    def host_transfer(self, instr: _Instr, shapes: dict[str, str]) -> tuple[str, float] | None:
+    def host_transfer(self, instr: Instruction, shapes: dict[str, str]) -> tuple[str, float] | None:
         """(`host-to-device` or `device-to-host`, bytes) of a copy, fusion or slice that reads
         or writes host memory (`S(5)`), as one transfer over the host link; None for others.
         A copy moves its operand; a kernel writing host memory moves what it reads from the
@@ -215,17 +193,17 @@ class _Costs:
             to_host = _HOST in instr.shape and not from_host
             if not (to_host or from_host):
                 return None
-            return ("device-to-host" if to_host else "host-to-device"), _bytes(operands[0])
-        callees = hlo.called(instr.rest) if instr.opcode.startswith("fusion") else []
+            return ("device-to-host" if to_host else "host-to-device"), shape_bytes(operands[0])
+        callees = called(instr.rest) if instr.opcode.startswith("fusion") else []
         result = (self.comps[callees[0]][-1].shape if instr.opcode == "fusion-start" and callees
                   and self.comps.get(callees[0]) else instr.shape)
         if _HOST in result:
-            return "device-to-host", sum(_bytes(shape) for shape in operands  # not indices
+            return "device-to-host", sum(shape_bytes(shape) for shape in operands  # not indices
                                          if _HOST not in shape and "[]" not in shape)
-        return ("host-to-device", _bytes(result)) if from_host else None
+        return ("host-to-device", shape_bytes(result)) if from_host else None
 
     @staticmethod
-    def _uses_through_views(name: str, users: dict[str, list[_Instr]]):
+    def _uses_through_views(name: str, users: dict[str, list[Instruction]]):
         """(instruction, the name it reads) for every use of `name`, bitcasts and copies of it
         followed to their own uses."""
         for user in users.get(name, []):
@@ -266,13 +244,12 @@ class _Costs:
         return plain + sum(min(sum(operands[k] for k in ks if k < len(operands)), result)
                            for ks in chains.values())
 
-    def seconds(self, instr: _Instr, shapes: dict[str, str]) -> tuple[float, float, float]:
+    def seconds(self, instr: Instruction, shapes: dict[str, str]) -> tuple[float, float, float]:
         """(FLOPs, matmul FLOPs, seconds) of one kernel (not a loop, call or collective)."""
         if instr.opcode in _FREE:
             return 0.0, 0.0, 0.0
-        flops = self.counter.instruction(shapes, instr.name, instr.shape, instr.opcode, instr.rest)
-        matmul = self.matmuls.instruction(shapes, instr.name, instr.shape, instr.opcode,
-                                          instr.rest)
+        flops = self.counter.instruction(shapes, instr)
+        matmul = self.matmuls.instruction(shapes, instr)
         return flops, matmul, instruction_seconds(
             flops, matmul, self.memory_bytes(instr, shapes),
             _operand_dtype([shapes.get(o, "") for o in instr.operands]), self.machine)
@@ -281,8 +258,8 @@ class _Costs:
 def _operand_dtype(shapes: list[str]) -> str:
     """The narrowest floating dtype among a kernel's operands: what its matmuls run in (a bf16
     matmul accumulating into an f32 result runs at the bf16 rate)."""
-    found = [m.group(1) for s in shapes for m in _DTYPE.finditer(s)]
-    return min(found, key=lambda d: hlo._DTYPE_BYTES.get(d, 4), default="f32")
+    found = [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
+    return min(found, key=DTYPE_BYTES.__getitem__, default="f32")
 
 
 def instruction_seconds(flops: float, matmul_flops: float, memory_bytes: float, dtype: str,
@@ -310,11 +287,10 @@ class _Replay:
     """Replays a scheduled module on one compute stream and one communication stream."""
 
     def __init__(self, text: str, mesh_shape: dict[str, int], machine: Machine):
-        m = re.search(r"num_partitions=(\d+)", text)
-        self.num_devices = int(m.group(1)) if m else 1
         self.costs = _Costs(text, machine)
+        self.num_devices = self.costs.module.num_devices
         self.mesh_shape, self.machine = mesh_shape, machine
-        self.entry = self.costs.counter.entry
+        self.entry = self.costs.module.entry
         self.found: dict[str, dict] = {}  # key -> accumulated record
         self.free = {"comm": 0.0, HOST_COMPUTE: 0.0,  # when each stream is
                      **{kind: 0.0 for kind in HOST_KINDS}}
@@ -322,19 +298,17 @@ class _Replay:
 
     # ------------------------------------------------------------------ collectives
 
-    def _collective(self, comp: str, instr: _Instr) -> hlo.Collective | None:
+    def _collective(self, comp: str, instr: Instruction) -> hlo.Collective | None:
         if instr.opcode == "async-start":
-            for callee in hlo.called(instr.rest):
+            for callee in called(instr.rest):
                 for inner in self.costs.comps.get(callee, ()):
-                    c = hlo._collective(inner.name, inner.shape, inner.opcode, inner.rest,
-                                        self.num_devices)
+                    c = hlo.collective(inner, self.num_devices)
                     if c:
                         return c
             return None
-        return hlo._collective(instr.name, instr.shape, instr.opcode, instr.rest,
-                               self.num_devices)
+        return hlo.collective(instr, self.num_devices)
 
-    def _record(self, comp: str, instr: _Instr, c: hlo.Collective, asynchronous: bool) -> str:
+    def _record(self, comp: str, instr: Instruction, c: hlo.Collective, asynchronous: bool) -> str:
         key = f"{comp}/{instr.name}"
         if key not in self.found:
             nodes = {d // self.machine.devices_per_node for d in c.group}
@@ -355,7 +329,7 @@ class _Replay:
         self.free[stream] = begin + self.found[key]["comm_s"]
         return _Flight(key, self.free[stream])
 
-    def _host_record(self, comp: str, instr: _Instr, shapes: dict[str, str],
+    def _host_record(self, comp: str, instr: Instruction, shapes: dict[str, str],
                      asynchronous: bool) -> str | None:
         """The record of `instr` when it moves data between host and device memory."""
         transfer = self.costs.host_transfer(instr, shapes)
@@ -371,7 +345,7 @@ class _Replay:
                 window_s=0.0, exposed=0.0)
         return key
 
-    def _host_compute_record(self, comp: str, instr: _Instr) -> str | None:
+    def _host_compute_record(self, comp: str, instr: Instruction) -> str | None:
         """The record of an asynchronous computation on the host's CPU (a HostExecute start):
         the host memory it reads and writes at `Machine.host_compute_bw`, then the results it
         leaves in device memory over the host link; None for other instructions."""
@@ -381,9 +355,9 @@ class _Replay:
         key = f"{comp}/{instr.name}"
         if key not in self.found:
             # shape: ((operands), (results), context); arrays without S(5) are device memory.
-            arrays = re.findall(r"[a-z0-9]+\[[0-9,]*\]\{[^}]*\}", instr.shape)
-            to_device = sum(_bytes(a) for a in arrays[len(arrays) // 2:] if _HOST not in a)
-            size = _bytes(instr.shape)
+            laid_out = [a for a in arrays(instr.shape) if a.has_layout]
+            to_device = sum(a.bytes for a in laid_out[len(laid_out) // 2:] if _HOST not in a.text)
+            size = shape_bytes(instr.shape)
             self.found[key] = dict(
                 kind=HOST_COMPUTE, name=instr.name, axes=("host",), wire_bytes=size,
                 comm_s=size / self.machine.host_compute_bw + to_device / self.machine.host_bw,
@@ -451,21 +425,17 @@ class _Replay:
             t0 = t
             flops = matmul = 0.0
             if op == "while":
-                body, trips = hlo._loop(instr.name, instr.rest, "time")
+                body, trips = loop(instr, "time")
                 t = self._loop(body, trips, t, weight)
-                flops = self.costs.counter.instruction(shapes, instr.name, instr.shape, op,
-                                                       instr.rest)
-                matmul = self.costs.matmuls.instruction(shapes, instr.name, instr.shape, op,
-                                                        instr.rest)
+                flops = self.costs.counter.instruction(shapes, instr)
+                matmul = self.costs.matmuls.instruction(shapes, instr)
             elif op == "conditional":
-                branch = self.costs.heaviest(hlo.branch_names(instr.rest), self.num_devices)
+                branch = self.costs.heaviest(branch_names(instr.rest), self.num_devices)
                 t = self.run(branch, t, weight) if branch else t
-                flops = self.costs.counter.instruction(shapes, instr.name, instr.shape, op,
-                                                       instr.rest)
-                matmul = self.costs.matmuls.instruction(shapes, instr.name, instr.shape, op,
-                                                        instr.rest)
+                flops = self.costs.counter.instruction(shapes, instr)
+                matmul = self.costs.matmuls.instruction(shapes, instr)
             elif op == "call":
-                for callee in hlo.called(instr.rest):
+                for callee in called(instr.rest):
                     t = self.run(callee, t, weight)
             else:
                 flops, matmul, seconds = self.costs.seconds(instr, shapes)
@@ -602,19 +572,19 @@ def hbm_bytes(text: str) -> float:
             shapes[instr.name] = instr.shape
             op = instr.opcode
             if op in _ASYNC_KINDS or op == "async-start":  # shape: ((operands), results)
-                total += _bytes(instr.shape)
+                total += shape_bytes(instr.shape)
             elif op in hlo.OPCODES:
-                total += sum(_bytes(shapes.get(o, "")) for o in instr.operands)
-                total += _bytes(instr.shape)
+                total += sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
+                total += shape_bytes(instr.shape)
             elif op == "while":
-                body, trips = hlo._loop(instr.name, instr.rest, "time")
+                body, trips = loop(instr, "time")
                 total += trips * walk(body)
             elif op == "conditional":
-                total += max((walk(b) for b in hlo.branch_names(instr.rest)), default=0.0)
+                total += max((walk(b) for b in branch_names(instr.rest)), default=0.0)
             elif op == "call":
-                total += sum(walk(c) for c in hlo.called(instr.rest))
+                total += sum(walk(c) for c in called(instr.rest))
             elif op not in _FREE:
                 total += costs.memory_bytes(instr, shapes)
         return total
 
-    return walk(costs.counter.entry)
+    return walk(costs.module.entry)

@@ -92,6 +92,27 @@ def test_sharded_compressed_psum_is_compressed_psum_of_each_shard(devices):
     assert any(len(c) > 1 for c in by_index.values())
 
 
+def test_compressed_stages_compose_to_sharded_compressed_psum(devices):
+    """The two stages (`sharded_compressed_stages`), run one after the other, give bitwise what
+    `sharded_compressed_psum` gives with nearest rounding, residuals included; each stage holds
+    one of the exchange's two collectives over `data`."""
+    n = 2
+    mesh = Mesh(np.asarray(devices).reshape(n, 1, 1, 2, 2), AXES)
+    keys = jax.random.split(jax.random.key(1), 2 * len(SHAPES))
+    tree = {k: jax.random.normal(keys[i], (n, *s)) * (i + 1) for i, (k, s) in enumerate(SHAPES.items())}
+    residual = {k: 0.05 * jax.random.normal(keys[4 + i], (n, *s)) for i, (k, s) in enumerate(SHAPES.items())}
+
+    def staged(t, r):
+        scatter, gather = C.sharded_compressed_stages(SPECS, mesh, "data", **KW)
+        return gather(scatter(t, r))
+
+    want = _compressed(mesh, lambda t, r: C.sharded_compressed_psum(
+        t, SPECS, mesh, "data", residual=r, **KW), SPECS)(tree, residual)
+    got = _compressed(mesh, staged, SPECS)(tree, residual)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # --- training ------------------------------------------------------------------------------------
 
 OPTS = dict(steps=3, batch_size=16, seq_len=32, **PARITY)

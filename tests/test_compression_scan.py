@@ -57,11 +57,10 @@ def test_error_feedback_in_backward_equals_after_backward(devices, corpus, grid)
 def test_stochastic_rounding_in_backward_tracks_after_backward(devices, corpus):
     """Without error feedback (stochastic rounding, each layer's key the step's folded with its
     index): data=2 × row=2 at 4 bits, the in-backward run within the bounds the after-backward
-    one keeps to the exact run (losses 2%, gradient norms 10%), reproducible, and its rounding
-    really differs from the after-backward one's (other keys)."""
+    one keeps to the exact run (losses 2%, gradient norms 10%), and reproducible."""
     grid = dict(data=2, row=2)
     (got, g_state, g_tr), (want, _, _) = _pair(devices, corpus, grid, error_feedback=False)
-    assert g_tr.bound.engine.exchanges_layers and field(g_state, "reducer") is None
+    assert g_tr.bound.engine.exchanges_layers and field(g_state, "reducer", None) is None
     assert 0 < assert_steps_match(got, want, 2e-2, 1e-1)
     again, _, _ = run(TrainOptions(**OPTS, parallel=ParallelConfig(**grid), compress_bits=4,
                                    error_feedback=False), devices, corpus)

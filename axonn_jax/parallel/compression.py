@@ -313,14 +313,12 @@ def _reduce_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits:
 class _Plan(NamedTuple):
     """What the second stage of a compressed exchange needs to know of the first's tensors
     (static): their treedef, shapes and dtypes, the exact ones' indices, each compressed
-    buffer's width and members with their bucket counts, whether residuals came in, and the
-    collectives' group."""
+    buffer's width and members with their bucket counts, and the collectives' group."""
 
     treedef: Any
     like: list
     exact: list
     groups: list  # (bits, member indices, bucket counts) per buffer
-    with_residual: bool
     comm: Collectives
 
 
@@ -331,8 +329,9 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
     """The first stage of `compressed_psum` (same arguments): every tensor quantized with its
     residual and the all-to-all of the packed chunks; the exact tensors' `psum`.
 
-    Returns (value, plan): `value`, a pytree of arrays (what crosses to the second stage:
-    received chunks, exact sums, new residuals, the second rounding's key data); `plan`, static
+    Returns (value, new_residual, plan): `value`, a pytree of arrays (what crosses to the
+    second stage: received chunks, exact sums, the second rounding's key data);
+    `new_residual` as `compressed_psum` returns it (known after this stage); `plan`, static
     (`compressed_gather` reads it).
     """
     check_args(bits, bucket_size)
@@ -358,8 +357,10 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
     sent = [leaves[i] if res[i] is None else leaves[i] + res[i].astype(leaves[i].dtype)
             for i in exact]
     value = {"exact": [y / n if mean else y for y in comm.psum(sent)] if exact else [],
-             "exact_residual": [jnp.zeros_like(x) for x in sent] if residual is not None else [],
              "groups": []}
+    new_res: list[Any] = [None] * len(leaves)
+    for i, x in zip(exact, sent):
+        new_res[i] = jnp.zeros_like(x)
     # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
     # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
     # replicated over `pipe`) would make every result typed varying over `pipe`.
@@ -375,11 +376,13 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
             [leaves[i] for i in idx], [res[i] for i in idx], comm, w, bucket_size,
             _key_for(key, g, 0, comm.index), impl)
         value["groups"].append({
-            "received": received, "residual": errors if residual is not None else [],
-            "key": None if second is None else jax.random.key_data(second)})
+            "received": received, "key": None if second is None else jax.random.key_data(second)})
         groups.append((w, idx, counts))
+        for i, e in zip(idx, errors):
+            new_res[i] = e
     like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    return value, _Plan(treedef, like, exact, groups, residual is not None, comm)
+    return (value, treedef.unflatten(new_res) if residual is not None else None,
+            _Plan(treedef, like, exact, groups, comm))
 
 
 def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -387,24 +390,18 @@ def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE
     """The second stage of `compressed_psum`: each owned chunk's copies summed and quantized
     again, the all-gather, every tensor dequantized. value, plan: `compressed_scatter`'s.
 
-    Returns (reduced, new_residual) as `compressed_psum` does.
+    Returns `reduced` as `compressed_psum` does.
     """
     out: list[Any] = [None] * len(plan.like)
-    new_res: list[Any] = [None] * len(plan.like)
     for k, i in enumerate(plan.exact):
         out[i] = value["exact"][k]
-        if plan.with_residual:
-            new_res[i] = value["exact_residual"][k]
     for (w, idx, counts), part in zip(plan.groups, value["groups"]):
         key = None if part["key"] is None else jax.random.wrap_key_data(part["key"])
         ys = _gather_group(part["received"], [plan.like[i] for i in idx], counts, plan.comm, w,
                            bucket_size, key, mean, impl)
-        for k, (i, y) in enumerate(zip(idx, ys)):
+        for i, y in zip(idx, ys):
             out[i] = y
-            if plan.with_residual:
-                new_res[i] = part["residual"][k]
-    reduced = plan.treedef.unflatten(out)
-    return reduced, (plan.treedef.unflatten(new_res) if plan.with_residual else None)
+    return plan.treedef.unflatten(out)
 
 
 def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
@@ -432,9 +429,9 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     at most sum_i scale_i / 2 + scale_sum / 2 with nearest rounding. The two stages
     (`compressed_scatter`, `compressed_gather`) can run apart, each beside other compute.
     """
-    value, plan = compressed_scatter(tree, axis_name, bits, bucket_size, min_size, key, residual,
-                                     overrides, mean, impl, stacked)
-    return compressed_gather(value, plan, bucket_size, mean, impl)
+    value, new_residual, plan = compressed_scatter(tree, axis_name, bits, bucket_size, min_size,
+                                                   key, residual, overrides, mean, impl, stacked)
+    return compressed_gather(value, plan, bucket_size, mean, impl), new_residual
 
 
 def compressed_pmean(tree, axis_name: str, **kwargs):
@@ -508,21 +505,22 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwarg
     each beside another layer's backward).
 
     Args:
-      specs: PartitionSpecs like the trees the stages take, how the mesh
-        splits each array; axes already manual are ignored.
+      specs: PartitionSpecs like the trees the stages take, how the mesh splits each array; axes
+        already manual are ignored.
       mesh: the mesh (None: the one in context).
       axis_name: the manual axis the sum runs over.
       **kwargs: `compressed_psum`'s options (bits, bucket_size, min_size, overrides, mean, impl,
         stacked).
 
     Returns:
-      (scatter, gather): `scatter(tree, residual=None, key=None) -> value` quantizes and sends
-      (`compressed_scatter`); `gather(value) -> (reduced, new_residual)` sums, re-quantizes,
-      gathers and dequantizes (`compressed_gather`). Each device compresses its own blocks; the
-      tensors are cut into one part per set of tensor axes that split them, each part run in a
-      shard_map manual over exactly those axes (so every result is typed like its spec), and
-      `value` holds each part's arrays stacked over its axes. The gather takes the value of
-      a tree of the same structure and shapes as the last scatter's.
+      (scatter, gather): `scatter(tree, residual=None, key=None) -> (value, new_residual)`
+      quantizes and sends (`compressed_scatter`; the new residual is known there);
+      `gather(value) -> reduced` sums, re-quantizes, gathers and dequantizes
+      (`compressed_gather`). Each device compresses its own blocks; the tensors are cut into one
+      part per set of tensor axes that split them, each part run in a shard_map manual over
+      exactly those axes (so every result is typed like its spec), and `value` holds each part's
+      arrays stacked over its axes. The gather takes the value of a tree of the same structure
+      and shapes as the last scatter's.
     """
     layout = {}  # the last scatter's parts and plans, which the gather reads (static)
 
@@ -531,8 +529,7 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwarg
         manual = frozenset(getattr(context, "manual_axes", ()))
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         spec_leaves = treedef.flatten_up_to(jax.tree.map(
-            lambda s: _without_axes(s, manual), specs, is_leaf=lambda x: isinstance(x, P))) \
-            if not isinstance(specs, P) else [_without_axes(specs, manual)] * len(leaves)
+            lambda s: _without_axes(s, manual), specs, is_leaf=lambda x: isinstance(x, P)))
         parts: dict[tuple, list[int]] = {}
         for i, spec in enumerate(spec_leaves):
             split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
@@ -543,59 +540,56 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwarg
         context, treedef, paths, spec_leaves, parts = parts_of(tree)
         leaves = treedef.flatten_up_to(tree)
         res = None if residual is None else treedef.flatten_up_to(residual)
+        new_res = [None] * len(leaves)
         values, plans = [], []
         for s, (split, idx) in enumerate(parts):
-            part = lambda ls, rs, k, idx=idx: compressed_scatter(  # noqa: E731
-                dict(zip([paths[i] for i in idx], ls)), axis_name,
-                residual=None if res is None else dict(zip([paths[i] for i in idx], rs)),
-                key=k, **kwargs)
-            sub_key = None if key is None else jax.random.fold_in(key, s)
+            names = [paths[i] for i in idx]
+            plans_inner: list = []
+
+            def part(ls, rs, k, names=names, plans_inner=plans_inner):
+                value, r, plan = compressed_scatter(
+                    dict(zip(names, ls)), axis_name, key=k,
+                    residual=dict(zip(names, rs)) if rs else None, **kwargs)
+                plans_inner.append(plan)
+                return value, r or {}
+
             args = ([leaves[i] for i in idx], [] if res is None else [res[i] for i in idx],
-                    sub_key)
+                    None if key is None else jax.random.fold_in(key, s))
             if not split:
-                value, plan = part(*args)
+                value, r = part(*args)
             else:
                 local = [spec_leaves[i] for i in idx]
+                named = {paths[i]: spec_leaves[i] for i in idx}
                 # The key enters as an argument: one closed over would keep the outer mesh type.
-                def stacked(ls, rs, k, part=part):
-                    value, plan = part(ls, rs or None, k)
-                    plans_inner.append(plan)
-                    return jax.tree.map(lambda a: a[None], value)
-
-                plans_inner: list = []
-                value = shard_map(stacked, mesh=context,
-                                  in_specs=(local, [] if res is None else local,
+                value, r = shard_map(
+                    lambda ls, rs, k, part=part: (lambda v, r: (
+                        jax.tree.map(lambda a: a[None], v), r))(*part(ls, rs, k)),
+                    mesh=context, in_specs=(local, [] if res is None else local,
                                             None if key is None else P()),
-                                  out_specs=P(split), axis_names=set(split))(*args)
-                plan = plans_inner[0]
+                    out_specs=(P(split), {} if res is None else named),
+                    axis_names=set(split))(*args)
+            for i, name in zip(idx, names):
+                new_res[i] = r.get(name)
             values.append(value)
-            plans.append((split, idx, plan))
-        layout["parts"] = (context, treedef, paths, spec_leaves, plans, residual is not None)
-        return values
+            plans.append((split, idx, plans_inner[0]))
+        layout["parts"] = (context, treedef, paths, spec_leaves, plans)
+        return values, None if residual is None else treedef.unflatten(new_res)
 
     def gather(values):
-        context, treedef, paths, spec_leaves, plans, with_residual = layout["parts"]
+        context, treedef, paths, spec_leaves, plans = layout["parts"]
         out = [None] * treedef.num_leaves
-        new_res = [None] * treedef.num_leaves
         for value, (split, idx, plan) in zip(values, plans):
             run = lambda v, plan=plan: compressed_gather(v, plan, **kwargs)  # noqa: E731
             if split:
-                local = {paths[i]: spec_leaves[i] for i in idx}
-
-                def unstacked(v, run=run):
-                    reduced, r = run(jax.tree.map(lambda a: a[0], v))
-                    return reduced, r if with_residual else {}
-
-                reduced, r = shard_map(unstacked, mesh=context, in_specs=(P(split),),
-                                       out_specs=(local, local if with_residual else {}),
-                                       axis_names=set(split))(value)
+                reduced = shard_map(lambda v, run=run: run(jax.tree.map(lambda a: a[0], v)),
+                                    mesh=context, in_specs=(P(split),),
+                                    out_specs={paths[i]: spec_leaves[i] for i in idx},
+                                    axis_names=set(split))(value)
             else:
-                reduced, r = run(value)
+                reduced = run(value)
             for i in idx:
                 out[i] = reduced[paths[i]]
-                new_res[i] = r[paths[i]] if with_residual else None
-        return (treedef.unflatten(out),
-                treedef.unflatten(new_res) if with_residual else None)
+        return treedef.unflatten(out)
 
     return scatter, gather
 

@@ -10,8 +10,8 @@ the loop. An exchange made of stages (the bfloat16 wire's all-to-all, then its a
 each stage in an iteration of its own: layer i's k-th stage beside layer i−1−k's backward, so that
 no stage waits on another inside one window. An exchange with state (CGX's: each layer's
 error-feedback residual and rounding key) takes layer i's slice of a state stack in its first
-stage and returns layer i's new slice from its last; the custom backward hands the stack of new
-slices back as the state input's "gradient". The forward is the same scans autodiff would run, each
+stage and returns layer i's new slice from it too, written over the old one in place; the custom
+backward hands the updated stack back as the state input's "gradient". The forward is the same scans autodiff would run, each
 layer's pullback (`jax.vjp`, its
 remat wrapping included) saved for the backward without the layer's parameters, which the
 backward slices again from the stack instead of keeping a stacked copy.
@@ -106,7 +106,7 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
       layer_state: None, or `(state, key)` for an exchange with state: `state` None or a pytree
         of `(layers, ...)` stacks (error-feedback residuals), `key` None or a PRNG key. The
         first stage then takes `(gradients, layer i's slice of state or None, key folded with i
-        or None)` and the last returns `(exchanged gradients, layer i's new slice or None)`.
+        or None)` and returns `(its value, layer i's new slice or None)`.
 
     Returns:
       (h, aux): the stack's output and every aux entry stacked on a leading layer axis; the
@@ -138,13 +138,16 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
         stacked, residuals, state, key_data = saved
         ct_h, ct_aux = cotangent
 
-        def first(v, layer):
-            """Stage 0 of layer `layer`'s gradients `v`, given its state and key."""
+        def first(v, layer, new_state):
+            """Stage 0 of layer `layer`'s gradients `v`, given its state and key; the state stack
+            with the layer's new slice written over its old one (read just before: XLA updates
+            the stack in place)."""
             if not stateful:
-                return stages[0](v)
+                return stages[0](v), new_state
             layer_key = None if key_data is None else \
                 jax.random.fold_in(jax.random.wrap_key_data(key_data), layer)
-            return stages[0](v, None if state is None else _index(state, layer), layer_key)
+            v, new = stages[0](v, None if state is None else _index(new_state, layer), layer_key)
+            return v, None if new is None else _place(new_state, new, layer)
 
         def layer_backward(r, j, ct_h):
             """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
@@ -160,14 +163,13 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
             """Every layer in `flight` one exchange stage on (`flight[k]`: layer
             `below + 1 + k`'s value before stage k, or None), the finished one placed
             (`grads`: the gradient stack and the new state stack or None)."""
-            moved = [None if v is None else first(v, below + 1) if k == 0 else stages[k](v)
-                     for k, v in enumerate(flight)]
+            grads, new_state = grads
+            moved = [None if v is None or k == 0 else stages[k](v) for k, v in enumerate(flight)]
+            if flight[0] is not None:
+                moved[0], new_state = first(flight[0], below + 1, new_state)
             if moved[-1] is not None:
-                done, layer = moved[-1], below + len(stages)
-                g, new = done if stateful else (done, None)
-                grads = (_place(grads[0], g, layer),
-                         None if new is None else _place(grads[1], new, layer))
-            return grads, moved[:-1]
+                grads = _place(grads, moved[-1], below + len(stages))
+            return (grads, new_state), moved[:-1]
 
         def one(carry, r, j):
             """Layer `begin + j`'s backward beside the exchanges of the layers above it."""
@@ -176,8 +178,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
             g, ct_h = layer_backward(r, j, ct_h)
             return ct_h, [g, *moved], grads
 
-        zeros = jax.tree.map(jnp.zeros_like, (stacked, state))
-        carry = (ct_h, [None] * len(stages), zeros)
+        # The state stack starts as the old one: each layer's slice is replaced where it is read.
+        carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state))
         for r in reversed(range(len(runs))):
             count = runs[r][1]
             while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline

@@ -39,8 +39,8 @@ class LayerExchange(NamedTuple):
     (`step.layer_exchange`), with per-layer state.
 
     stages(axis, one layer's specs) -> stages: the first takes `(one layer's gradients, its
-    state slice or None, its key or None)`, the last returns `(their mean over axis, the new
-    slice or None)`. state_in(state, key) -> (the blocks' state stack `(layers, ...)` or None,
+    state slice or None, its key or None)` and returns `(its value, the new slice or None)`,
+    the last returns their mean over axis. state_in(state, key) -> (the blocks' state stack `(layers, ...)` or None,
     key or None): what the backward takes from this device's reducer state (inside the step's
     shard_map) and the step's key. state_out(state, new stack) -> state: the new stack placed.
     """
@@ -226,11 +226,11 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
             {"blocks": layer_specs}, None, axis_name, mean=True, **options)
 
         def first(g, r, k):
-            return scatter({"blocks": g}, None if r is None else {"blocks": r}, k)
+            value, new = scatter({"blocks": g}, None if r is None else {"blocks": r}, k)
+            return value, None if new is None else new["blocks"]
 
         def last(value):
-            out, r = gather(value)
-            return out["blocks"], None if r is None else r["blocks"]
+            return gather(value)["blocks"]
 
         return first, last
 

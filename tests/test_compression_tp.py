@@ -174,14 +174,16 @@ def _axes_of(hlo_text: str, name: str, mesh_shape) -> frozenset:
     `mesh.devices.flat[i]`), from any of XLA's three spellings of the groups."""
     line = next(l for l in hlo_text.splitlines() if re.match(rf"\s*(ROOT\s+)?%?{re.escape(name)} =", l))
     iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\)"
+    # jaxlib 0.12 leaves `device_ids` out when they are the mesh's own order.
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
                      r" \{([^}]*)\}", line)
     if iota:
         group = _iota(iota.group(2), iota.group(3)).reshape(
             [int(d) for d in iota.group(1).split(",")])[0]
     elif mesh:
         sizes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        ids = _iota(mesh.group(2), mesh.group(3)).reshape([int(n) for _, n in sizes])
+        dims = mesh.group(2) or ",".join(n for _, n in sizes)
+        ids = _iota(dims, mesh.group(3)).reshape([int(n) for _, n in sizes])
         spanned = re.findall(r"'(\w+)'", mesh.group(4))
         group = ids[tuple(slice(None) if a in spanned else 0 for a, _ in sizes)]
     else:

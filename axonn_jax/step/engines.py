@@ -112,7 +112,6 @@ class SpmdEngine:
         grads, (losses, metrics) = jax.lax.scan(one, zeros, split)
         return jnp.mean(losses), grads, jax.tree.map(lambda v: jnp.mean(v, axis=0), metrics)
 
-
     @staticmethod
     def _with_layer_state(compute, params, batch, scale, layer_state):
         """`loss_and_grads` of one microbatch whose per-layer exchange has state: the state

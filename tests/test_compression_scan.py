@@ -41,8 +41,8 @@ def _pair(devices, corpus, grid, **kw):
 @pytest.mark.parametrize("grid", GRIDS, ids=["data2", "data2-row2"])
 def test_error_feedback_in_backward_equals_after_backward(devices, corpus, grid):
     """Nearest rounding with error feedback quantizes every bucket the same way in both places:
-    the losses, gradient norms, parameters, optimizer state and residuals agree to float32
-    rounding."""
+    the losses, gradient norms, parameters, optimizer state and residuals agree within 1e-6
+    (bitwise on XLA:CPU with JAX 0.12; another fusion of the same math may round differently)."""
     (got, g_state, g_tr), (want, w_state, w_tr) = _pair(devices, corpus, grid)
     assert g_tr.bound.engine.exchanges_layers and not w_tr.bound.engine.exchanges_layers
     assert_steps_match(got, want, 1e-6)

@@ -181,6 +181,38 @@ def test_each_layers_exchange_runs_beside_the_layer_below(wire, kind, tmp_path, 
 
 
 @needs_cuda
+@pytest.mark.parametrize("where", ["in-backward", "after-backward"])
+def test_compressed_exchange_runs_inside_the_backward_loop(where, tmp_path, capsys):
+    """gpt-small on data 2 × depth 2 with 4-bit CGX, compiled for H100: the compressed
+    exchange's all-to-all and all-gather over `data` sit in the backward's layer loop (executed
+    once per layer), and at least 90% of the all-to-all's bytes have matmuls between its start
+    and done (the all-gather, as the bfloat16 wire's, gets no window at this width); with
+    `--compress-after-backward` each runs once, after the loop."""
+    from axonn_jax.analysis import overlap
+    from axonn_jax.analysis.comm_model import MACHINES
+    from axonn_jax.config import ParallelConfig
+
+    flags = ["--compress-after-backward"] if where == "after-backward" else []
+    assert cli_main(["compile", "--target", "h100", "--devices", "4", "--model", "gpt-small",
+                     "--batch-size", "8", "--seq-len", "256", "--dtype", "bfloat16", "--dp", "2",
+                     "--depth", "2", "--compress-bits", "4", *flags, "--dump-hlo", str(tmp_path),
+                     "--json"]) == 0
+    capsys.readouterr()
+    grid = ParallelConfig(data=2, depth=2)
+    schedule = overlap.report(next(tmp_path.glob("*.txt")).read_text(), grid.as_dict(),
+                              MACHINES["h100-dgx"])
+    for kind in ("all-to-all", "all-gather"):
+        on_data = [o for o in schedule.overlaps if o.kind == kind and o.axes == ("data",)]
+        in_loop = [o for o in on_data if o.executions > 1]
+        if where == "after-backward":
+            assert on_data and not in_loop, on_data
+            continue
+        hidden = sum(o.wire_bytes for o in in_loop if o.with_compute)
+        assert in_loop, (kind, on_data)
+        assert kind == "all-gather" or hidden >= 0.9 * sum(o.wire_bytes for o in in_loop), in_loop
+
+
+@needs_cuda
 def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
     """gpt-tiny with `--offload-optimizer` on one H100 and on two data-parallel ones: the
     replayed schedule's host transfers carry the device's whole host state in each direction

@@ -232,6 +232,67 @@ def _leaf_rows(x: jax.Array, bucket_size: int) -> jax.Array:
     return flat.reshape(-1, bucket_size)
 
 
+def _scatter_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits: int,
+                   bucket_size: int, key, impl: str = "auto"):
+    """The first half of `_reduce_group`: each tensor quantized (its residual added), the packed
+    bytes concatenated into one buffer and cut into one chunk per member, the all-to-all.
+
+    Returns (received, counts, errors): `received[j]`, member j's quantized copy of the chunk
+    this member owns (a `Quantized` of `n · per_shard` buckets); each tensor's bucket count
+    (static); each tensor's local quantization error, or None where it has no residual.
+    """
+    dtype, n = xs[0].dtype, comm.size
+    parts = []
+    for k, (x, r) in enumerate(zip(xs, residuals)):
+        k_key = None if key is None else jax.random.fold_in(key, k)
+        rows = _leaf_rows(x, bucket_size)
+        q, err = _quantize_with_error(rows, bits, bucket_size, k_key, dtype, impl=impl,
+                                      residual=None if r is None else _leaf_rows(r, bucket_size),
+                                      with_error=r is not None)
+        parts.append((q, err))
+    counts = [q.scale.shape[0] for q, _ in parts]
+    # Whole buckets of zeros (what quantizing zeros gives) so every shard owns as many buckets.
+    fill = -sum(counts) % n
+    cat = lambda arrays, pad: jnp.concatenate(  # noqa: E731
+        arrays + ([jnp.zeros((fill, *pad.shape[1:]), pad.dtype)] if fill else []))
+    q1 = Quantized(*(cat([getattr(q, f) for q, _ in parts], getattr(parts[0][0], f))
+                     for f in Quantized._fields))
+    errors = [None if err is None else err.astype(dtype).ravel()[:x.size].reshape(x.shape)
+              for x, (_, err) in zip(xs, parts)]
+    return _exchange(q1, comm.all_to_all, q1.scale.shape[0] // n), counts, errors
+
+
+def _exchange(qx: Quantized, collective, per_shard: int) -> Quantized:
+    """`collective` (all-to-all or all-gather) of a buffer in chunks of `per_shard` whole
+    buckets: its packed bytes, and its scales and offsets (one collective each)."""
+    packed = collective(qx.packed.reshape(-1, per_shard, qx.packed.shape[-1]))
+    meta = collective(jnp.stack([qx.scale, qx.offset], axis=-1).reshape(-1, per_shard, 2))
+    return Quantized(packed.reshape(-1, packed.shape[-1]), meta[..., 0].ravel(),
+                     meta[..., 1].ravel())
+
+
+def _gather_group(received: Quantized, like: list, counts: list[int], comm: Collectives,
+                  bits: int, bucket_size: int, key, mean: bool, impl: str = "auto") -> list:
+    """The second half of `_reduce_group`: the owned chunk's `n` copies dequantized, summed and
+    quantized again in one pass (`quantizer.requantize_sum`), the all-gather, and each tensor
+    (shapes and dtype of `like`, with `counts` buckets) dequantized from the gathered bytes."""
+    n, dtype = comm.size, like[0].dtype
+    per_shard = received.scale.shape[0] // n
+    width = received.packed.shape[-1]
+    noise = None if key is None else \
+        jax.random.uniform(key, (per_shard, bucket_size), jnp.float32)
+    q2 = Quantized(*quantizer.requantize_sum(
+        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
+        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
+    gathered = _exchange(q2, comm.all_gather, per_shard)
+    outs, start = [], 0
+    for x, count in zip(like, counts):
+        rows = Quantized(*(a[start:start + count] for a in gathered))
+        outs.append(dequantize(rows, bits, dtype).ravel()[:x.size].reshape(x.shape))
+        start += count
+    return outs
+
+
 def _reduce_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits: int,
                   bucket_size: int, keys: tuple, mean: bool, impl: str = "auto"):
     """Compressed all-reduce of the tensors `xs` (one dtype) packed into one buffer.
@@ -243,47 +304,104 @@ def _reduce_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits:
 
     Returns (reduced tensors, local quantization errors or None per tensor), shaped like `xs`.
     """
-    dtype, n = xs[0].dtype, comm.size
-    parts = []
-    for k, (x, r) in enumerate(zip(xs, residuals)):
-        key = None if keys[0] is None else jax.random.fold_in(keys[0], k)
-        rows = _leaf_rows(x, bucket_size)
-        q, err = _quantize_with_error(rows, bits, bucket_size, key, dtype, impl=impl,
-                                      residual=None if r is None else _leaf_rows(r, bucket_size),
-                                      with_error=r is not None)
-        parts.append((q, err))
-    counts = [q.scale.shape[0] for q, _ in parts]
-    # Whole buckets of zeros (what quantizing zeros gives) so every shard owns as many buckets.
-    fill = -sum(counts) % n
-    cat = lambda arrays, pad: jnp.concatenate(  # noqa: E731
-        arrays + ([jnp.zeros((fill, *pad.shape[1:]), pad.dtype)] if fill else []))
-    q1 = Quantized(*(cat([getattr(q, f) for q, _ in parts], getattr(parts[0][0], f))
-                     for f in Quantized._fields))
-    per_shard = q1.scale.shape[0] // n
+    received, counts, errors = _scatter_group(xs, residuals, comm, bits, bucket_size, keys[0],
+                                              impl)
+    return _gather_group(received, xs, counts, comm, bits, bucket_size, keys[1], mean,
+                         impl), errors
 
-    def exchange(qx: Quantized, collective) -> Quantized:
-        packed = collective(qx.packed.reshape(-1, per_shard, qx.packed.shape[-1]))
-        meta = collective(jnp.stack([qx.scale, qx.offset], axis=-1).reshape(-1, per_shard, 2))
-        return Quantized(packed.reshape(-1, packed.shape[-1]), meta[..., 0].ravel(),
-                         meta[..., 1].ravel())
 
-    # received[j]: shard j's quantized copy of the chunk this shard owns.
-    received = exchange(q1, comm.all_to_all)
-    width = received.packed.shape[-1]
-    noise = None if keys[1] is None else \
-        jax.random.uniform(keys[1], (per_shard, bucket_size), jnp.float32)
-    q2 = Quantized(*quantizer.requantize_sum(
-        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
-        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
-    gathered = exchange(q2, comm.all_gather)
+class _Plan(NamedTuple):
+    """What the second stage of a compressed exchange needs to know of the first's tensors
+    (static): their treedef, shapes and dtypes, the exact ones' indices, each compressed
+    buffer's width and members with their bucket counts, and the collectives' group."""
 
-    outs, errs, start = [], [], 0
-    for x, (_, err), count in zip(xs, parts, counts):
-        rows = Quantized(*(a[start:start + count] for a in gathered))
-        outs.append(dequantize(rows, bits, dtype).ravel()[:x.size].reshape(x.shape))
-        errs.append(None if err is None else err.astype(dtype).ravel()[:x.size].reshape(x.shape))
-        start += count
-    return outs, errs
+    treedef: Any
+    like: list
+    exact: list
+    groups: list  # (bits, member indices, bucket counts) per buffer
+    comm: Collectives
+
+
+def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
+                       bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
+                       key=None, residual=None, overrides: Mapping[str, int] | None = None,
+                       mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = ()):
+    """The first stage of `compressed_psum` (same arguments): every tensor quantized with its
+    residual and the all-to-all of the packed chunks; the exact tensors' `psum`.
+
+    Returns (value, new_residual, plan): `value`, a pytree of arrays (what crosses to the
+    second stage: received chunks, exact sums, the second rounding's key data);
+    `new_residual` as `compressed_psum` returns it (known after this stage); `plan`, static
+    (`compressed_gather` reads it).
+    """
+    check_args(bits, bucket_size)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    named = leaf_widths(tree, bits, min_size, overrides, stacked)
+    for path, w in named:
+        if not isinstance(w, int) or not 0 <= w <= 8:
+            raise ValueError(f"bit width for {path!r} must be an integer in 0..8 "
+                             f"(0: exact), got {w!r}")
+    widths = [w for _, w in named]
+    leaves = [leaf for _, leaf in paths_leaves]
+    res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
+    if isinstance(axis_name, Collectives):
+        comm, axis_name = axis_name, None
+    else:
+        comm = axis_collectives(axis_name)
+        vary = lambda x: x if x is None or axis_name in varying_axes(x) else \
+            to_varying(x, (axis_name,))  # noqa: E731
+        leaves, res = [vary(x) for x in leaves], [vary(r) for r in res]
+    n = comm.size
+
+    exact = [i for i, w in enumerate(widths) if w == 0]
+    sent = [leaves[i] if res[i] is None else leaves[i] + res[i].astype(leaves[i].dtype)
+            for i in exact]
+    value = {"exact": [y / n if mean else y for y in comm.psum(sent)] if exact else [],
+             "groups": []}
+    new_res: list[Any] = [None] * len(leaves)
+    for i, x in zip(exact, sent):
+        new_res[i] = jnp.zeros_like(x)
+    # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
+    # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
+    # replicated over `pipe`) would make every result typed varying over `pipe`.
+    buffers: dict[tuple, list[int]] = {}
+    for i, w in enumerate(widths):
+        if w:
+            others = tuple(sorted(varying_axes(leaves[i]) - {axis_name}))
+            buffers.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
+    groups = []
+    for g, ((w, _, _), idx) in enumerate(sorted(buffers.items())):
+        second = _key_for(key, g, 1, comm.index)
+        received, counts, errors = _scatter_group(
+            [leaves[i] for i in idx], [res[i] for i in idx], comm, w, bucket_size,
+            _key_for(key, g, 0, comm.index), impl)
+        value["groups"].append({
+            "received": received, "key": None if second is None else jax.random.key_data(second)})
+        groups.append((w, idx, counts))
+        for i, e in zip(idx, errors):
+            new_res[i] = e
+    like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    return (value, treedef.unflatten(new_res) if residual is not None else None,
+            _Plan(treedef, like, exact, groups, comm))
+
+
+def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                      mean: bool = False, impl: str = "auto", **_):
+    """The second stage of `compressed_psum`: each owned chunk's copies summed and quantized
+    again, the all-gather, every tensor dequantized. value, plan: `compressed_scatter`'s.
+
+    Returns `reduced` as `compressed_psum` does.
+    """
+    out: list[Any] = [None] * len(plan.like)
+    for k, i in enumerate(plan.exact):
+        out[i] = value["exact"][k]
+    for (w, idx, counts), part in zip(plan.groups, value["groups"]):
+        key = None if part["key"] is None else jax.random.wrap_key_data(part["key"])
+        ys = _gather_group(part["received"], [plan.like[i] for i in idx], counts, plan.comm, w,
+                           bucket_size, key, mean, impl)
+        for i, y in zip(idx, ys):
+            out[i] = y
+    return plan.treedef.unflatten(out)
 
 
 def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
@@ -308,51 +426,12 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     same on every shard); `new_residual` like `tree`, varying over `axis_name` (what this shard's
     first quantization lost; zeros for exact tensors), or None when `residual` is None.
     Each compressed element is quantized twice (once locally, once after the sum), so it is off by
-    at most sum_i scale_i / 2 + scale_sum / 2 with nearest rounding.
+    at most sum_i scale_i / 2 + scale_sum / 2 with nearest rounding. The two stages
+    (`compressed_scatter`, `compressed_gather`) can run apart, each beside other compute.
     """
-    check_args(bits, bucket_size)
-    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    named = leaf_widths(tree, bits, min_size, overrides, stacked)
-    for path, w in named:
-        if not isinstance(w, int) or not 0 <= w <= 8:
-            raise ValueError(f"bit width for {path!r} must be an integer in 0..8 "
-                             f"(0: exact), got {w!r}")
-    widths = [w for _, w in named]
-    leaves = [leaf for _, leaf in paths_leaves]
-    res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
-    if isinstance(axis_name, Collectives):
-        comm, axis_name = axis_name, None
-    else:
-        comm = axis_collectives(axis_name)
-        vary = lambda x: x if x is None or axis_name in varying_axes(x) else \
-            to_varying(x, (axis_name,))  # noqa: E731
-        leaves, res = [vary(x) for x in leaves], [vary(r) for r in res]
-    n = comm.size
-
-    out: list[Any] = [None] * len(leaves)
-    new_res: list[Any] = [None] * len(leaves)
-    exact = [i for i, w in enumerate(widths) if w == 0]
-    if exact:
-        sent = [leaves[i] if res[i] is None else leaves[i] + res[i].astype(leaves[i].dtype)
-                for i in exact]
-        for i, x, y in zip(exact, sent, comm.psum(sent)):
-            out[i], new_res[i] = (y / n if mean else y), jnp.zeros_like(x)
-    # One buffer per bit width, dtype and set of other manual axes the tensors vary over: a buffer
-    # mixing tensors that vary over `pipe` (a stage's blocks) with ones that do not (embeddings
-    # replicated over `pipe`) would make every result typed varying over `pipe`.
-    groups: dict[tuple, list[int]] = {}
-    for i, w in enumerate(widths):
-        if w:
-            others = tuple(sorted(varying_axes(leaves[i]) - {axis_name}))
-            groups.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
-    for g, ((w, _, _), idx) in enumerate(sorted(groups.items())):
-        keys = (_key_for(key, g, 0, comm.index), _key_for(key, g, 1, comm.index))
-        ys, errs = _reduce_group([leaves[i] for i in idx], [res[i] for i in idx], comm, w,
-                                 bucket_size, keys, mean, impl)
-        for i, y, e in zip(idx, ys, errs):
-            out[i], new_res[i] = y, e
-    reduced = treedef.unflatten(out)
-    return reduced, (treedef.unflatten(new_res) if residual is not None else None)
+    value, new_residual, plan = compressed_scatter(tree, axis_name, bits, bucket_size, min_size,
+                                                   key, residual, overrides, mean, impl, stacked)
+    return compressed_gather(value, plan, bucket_size, mean, impl), new_residual
 
 
 def compressed_pmean(tree, axis_name: str, **kwargs):
@@ -421,6 +500,100 @@ def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwarg
     return sharded_compressed_psum(tree, specs, mesh, axis_name, mean=True, **kwargs)
 
 
+def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwargs) -> tuple:
+    """`sharded_compressed_psum` as two stages that can run apart (`step.layer_exchange` runs
+    each beside another layer's backward).
+
+    Args:
+      specs: PartitionSpecs like the trees the stages take, how the mesh splits each array; axes
+        already manual are ignored.
+      mesh: the mesh (None: the one in context).
+      axis_name: the manual axis the sum runs over.
+      **kwargs: `compressed_psum`'s options (bits, bucket_size, min_size, overrides, mean, impl,
+        stacked).
+
+    Returns:
+      (scatter, gather): `scatter(tree, residual=None, key=None) -> (value, new_residual)`
+      quantizes and sends (`compressed_scatter`; the new residual is known there);
+      `gather(value) -> reduced` sums, re-quantizes, gathers and dequantizes
+      (`compressed_gather`). Each device compresses its own blocks; the tensors are cut into one
+      part per set of tensor axes that split them, each part run in a shard_map manual over
+      exactly those axes (so every result is typed like its spec), and `value` holds each part's
+      arrays stacked over its axes. The gather takes the value of a tree of the same structure
+      and shapes as the last scatter's.
+    """
+    layout = {}  # the last scatter's parts and plans, which the gather reads (static)
+
+    def parts_of(tree):
+        context = current_mesh(mesh)
+        manual = frozenset(getattr(context, "manual_axes", ()))
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        spec_leaves = treedef.flatten_up_to(jax.tree.map(
+            lambda s: _without_axes(s, manual), specs, is_leaf=lambda x: isinstance(x, P)))
+        parts: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(spec_leaves):
+            split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+            parts.setdefault(tuple(a for a in context.axis_names if a in split), []).append(i)
+        return context, treedef, [leaf_path(p) for p, _ in leaves], spec_leaves, list(parts.items())
+
+    def scatter(tree, residual=None, key=None):
+        context, treedef, paths, spec_leaves, parts = parts_of(tree)
+        leaves = treedef.flatten_up_to(tree)
+        res = None if residual is None else treedef.flatten_up_to(residual)
+        new_res = [None] * len(leaves)
+        values, plans = [], []
+        for s, (split, idx) in enumerate(parts):
+            names = [paths[i] for i in idx]
+            plans_inner: list = []
+
+            def part(ls, rs, k, names=names, plans_inner=plans_inner):
+                value, r, plan = compressed_scatter(
+                    dict(zip(names, ls)), axis_name, key=k,
+                    residual=dict(zip(names, rs)) if rs else None, **kwargs)
+                plans_inner.append(plan)
+                return value, r or {}
+
+            args = ([leaves[i] for i in idx], [] if res is None else [res[i] for i in idx],
+                    None if key is None else jax.random.fold_in(key, s))
+            if not split:
+                value, r = part(*args)
+            else:
+                local = [spec_leaves[i] for i in idx]
+                named = {paths[i]: spec_leaves[i] for i in idx}
+                # The key enters as an argument: one closed over would keep the outer mesh type.
+                value, r = shard_map(
+                    lambda ls, rs, k, part=part: (lambda v, r: (
+                        jax.tree.map(lambda a: a[None], v), r))(*part(ls, rs, k)),
+                    mesh=context, in_specs=(local, [] if res is None else local,
+                                            None if key is None else P()),
+                    out_specs=(P(split), {} if res is None else named),
+                    axis_names=set(split))(*args)
+            for i, name in zip(idx, names):
+                new_res[i] = r.get(name)
+            values.append(value)
+            plans.append((split, idx, plans_inner[0]))
+        layout["parts"] = (context, treedef, paths, spec_leaves, plans)
+        return values, None if residual is None else treedef.unflatten(new_res)
+
+    def gather(values):
+        context, treedef, paths, spec_leaves, plans = layout["parts"]
+        out = [None] * treedef.num_leaves
+        for value, (split, idx, plan) in zip(values, plans):
+            run = lambda v, plan=plan: compressed_gather(v, plan, **kwargs)  # noqa: E731
+            if split:
+                reduced = shard_map(lambda v, run=run: run(jax.tree.map(lambda a: a[0], v)),
+                                    mesh=context, in_specs=(P(split),),
+                                    out_specs={paths[i]: spec_leaves[i] for i in idx},
+                                    axis_names=set(split))(value)
+            else:
+                reduced = run(value)
+            for i in idx:
+                out[i] = reduced[paths[i]]
+        return treedef.unflatten(out)
+
+    return scatter, gather
+
+
 def init_residual(params, num_shards: int):
     """Zero error-feedback residuals for `num_shards` data shards: each leaf `[num_shards, *shape]`,
     meant to be split over `data` on its leading axis and like its parameter on the others (one
@@ -445,4 +618,5 @@ __all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_b
            "ROUNDINGS", "check_rounding", "stochastic", "leaf_path", "leaf_widths",
            "compressed_psum",
            "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
+           "compressed_scatter", "compressed_gather", "sharded_compressed_stages",
            "init_residual", "bucket_bytes", "wire_bytes_per_element"]

@@ -186,6 +186,11 @@ class CompressionOptions:
                            "with error feedback, stochastic without",
                            flag="--compress-rounding", legacy="compress_rounding",
                            choices=ROUNDINGS)
+    in_backward: bool = option(True, "CGX: exchange each layer's gradients inside the backward, "
+                               "beside the next layers' compute (where the exact exchange runs "
+                               "there too); off: all of them after the backward",
+                               flag="--compress-after-backward", legacy="compress_in_backward",
+                               switch_off=True)
 
     def __post_init__(self):
         # YAML may give a rule as a mapping {PATTERN: BITS}: kept as PATTERN=BITS text.
@@ -735,6 +740,7 @@ def step_options(config: RunConfig) -> dict:
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, compress_min_size=c.min_size,
                 compress_rules=c.rules, compress_rounding=c.rounding,
+                compress_in_backward=c.in_backward,
                 reduce_dtype=config.precision.reduce_dtype,
                 dtype=config.precision.dtype,
                 fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,

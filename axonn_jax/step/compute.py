@@ -65,6 +65,10 @@ class ComputeFunctions:
     backward (`SpmdEngine.layer_reduce`)."""
     reduce_dtype: str = "float32"
     """The dtype those sums send (`parallel.exchange`)."""
+    layer_stages: Callable | None = None
+    """Another exchange for those layers than the exact sum: `(axis, one layer's specs) ->
+    stages` with state (CGX's, `step.reducers.LayerExchange`), whose per-layer state and key
+    `blocks` takes as `layer_state`; the layers come out with its result (a mean)."""
     fp8: bool = False
     rings: bool = False
 
@@ -89,7 +93,9 @@ class ComputeFunctions:
             return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
                                      .astype(self.dtype))(params, batch)
 
-    def blocks(self, stacked, x, batch, groups: tuple | None = None):
+    def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None):
+        """The stack on `x` with the plan's groups (or `groups`); `layer_state`: the per-layer
+        state and key of `layer_stages` (`(state stacks or None, key or None)`)."""
         groups = self.groups if groups is None else groups
         with self._kernels():
             if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
@@ -99,11 +105,15 @@ class ComputeFunctions:
                     return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(
                         p, h, side)
 
-                return unbatched_gathers(lambda s, x, b: scan_layers(
-                    block, s, x, groups, self.fns.model.side(b),
-                    exchange=exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs),
-                    prepare=lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)))(
-                        stacked, x, batch)
+                if self.layer_stages is None:
+                    stages = exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs)
+                else:
+                    stages = self.layer_stages(axis, self._layer_specs)
+                    layer_state = (None, None) if layer_state is None else layer_state
+                return unbatched_gathers(lambda s, x, b, st: scan_layers(
+                    block, s, x, groups, self.fns.model.side(b), exchange=stages,
+                    prepare=lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype),
+                    layer_state=st))(stacked, x, batch, layer_state)
             return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
                 cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 
@@ -112,10 +122,11 @@ class ComputeFunctions:
             return unbatched_gathers(lambda p, y, b: self.fns.head(
                 cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 
-    def loss_and_metrics(self, params, batch):
-        """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics)."""
+    def loss_and_metrics(self, params, batch, layer_state=None):
+        """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics).
+        layer_state: `blocks`'."""
         x = self.embed(params["embed"], batch)
-        y, aux = self.blocks(params["blocks"], x, batch)
+        y, aux = self.blocks(params["blocks"], x, batch, layer_state=layer_state)
         loss = self.head(self.fns.head_params(params), y, batch) + aux_loss(aux)
         return loss, aux_metrics(aux)
 

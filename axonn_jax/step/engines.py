@@ -21,6 +21,7 @@ The message-driven MPI pipeline (`transport.mpi_pipeline`) is a host-driven engi
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -56,22 +57,36 @@ class SpmdEngine:
     earlier."""
     reduce_dtype: str = "float32"
     """The dtype the per-layer sums send (`parallel.exchange`)."""
+    layer_stages: Callable | None = None
+    """Another per-layer exchange than the exact sum (`ComputeFunctions.layer_stages`: the
+    reducer's `LayerExchange.stages`, CGX's), whose state `loss_and_grads` takes."""
 
     metric_spec = P()
     """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
 
-    def loss_and_grads(self, params, batch, scale):
+    @property
+    def exchanges_layers(self) -> bool:
+        """Whether the blocks' gradients come out reduced over the manual axes (layer by layer
+        inside the backward)."""
+        return self.layer_reduce and self.microbatches == 1 and bool(self.manual_axes)
+
+    def loss_and_grads(self, params, batch, scale, layer_state=None):
+        """(loss, grads, metrics); with `layer_state` (`(state stack or None, key or None)` of
+        `layer_stages`, when `exchanges_layers`) also the new state stack, as a fourth."""
         axes = tuple(sorted(self.manual_axes))
         m = self.microbatches
         compute = self.compute
-        if self.layer_reduce and m == 1 and axes:
+        if self.exchanges_layers:
             compute = dataclasses.replace(compute, vary_layers=axes,
-                                          reduce_dtype=self.reduce_dtype)
+                                          reduce_dtype=self.reduce_dtype,
+                                          layer_stages=self.layer_stages)
             params = {**ensure_varying({k: v for k, v in params.items() if k != "blocks"}, axes),
                       "blocks": params["blocks"]}
         else:
             # Varying over the manual axes: each shard keeps its own gradients until the reduction.
             params = ensure_varying(params, axes)
+        if layer_state is not None:
+            return self._with_layer_state(compute, params, batch, scale, layer_state)
 
         def scaled(p, b, weight):
             loss, metrics = compute.loss_and_metrics(p, b)
@@ -96,6 +111,20 @@ class SpmdEngine:
         zeros = to_varying(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), axes)
         grads, (losses, metrics) = jax.lax.scan(one, zeros, split)
         return jnp.mean(losses), grads, jax.tree.map(lambda v: jnp.mean(v, axis=0), metrics)
+
+    @staticmethod
+    def _with_layer_state(compute, params, batch, scale, layer_state):
+        """`loss_and_grads` of one microbatch whose per-layer exchange has state: the state
+        stack differentiated beside the parameters, its "gradient" the new stack."""
+        state, key = layer_state
+
+        def scaled(p, st, b, weight):
+            loss, metrics = compute.loss_and_metrics(p, b, layer_state=(st, key))
+            return loss * weight, (loss, metrics)
+
+        (_, (loss, metrics)), (grads, new) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True)(params, state, batch, scale)
+        return loss, grads, metrics, new
 
 
 @dataclasses.dataclass(frozen=True)

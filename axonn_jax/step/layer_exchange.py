@@ -8,7 +8,11 @@ unexchanged, into the iteration of layer i−1, where their exchange starts from
 ends in its output, with the whole backward of layer i−1 in between; layer 0's are exchanged after
 the loop. An exchange made of stages (the bfloat16 wire's all-to-all, then its all-gather) runs
 each stage in an iteration of its own: layer i's k-th stage beside layer i−1−k's backward, so that
-no stage waits on another inside one window. The forward is the same scans autodiff would run, each layer's pullback (`jax.vjp`, its
+no stage waits on another inside one window. An exchange with state (CGX's: each layer's
+error-feedback residual and rounding key) takes layer i's slice of a state stack in its first
+stage and returns layer i's new slice from it too, written over the old one in place; the custom
+backward hands the updated stack back as the state input's "gradient". The forward is the same scans autodiff would run, each
+layer's pullback (`jax.vjp`, its
 remat wrapping included) saved for the backward without the layer's parameters, which the
 backward slices again from the stack instead of keeping a stacked copy.
 """
@@ -83,7 +87,7 @@ def _with_params(saved: list, treedef, where: list, params) -> Callable:
                                         for source, k in where])
 
 
-def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
+def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, layer_state=None):
     """`x` through the stacked layers (as `step.model.scan_layers`), the gradients of the stack
     exchanged one layer late in the backward (module docstring).
 
@@ -99,10 +103,14 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
         then runs beside layer i−1−k's backward.
       prepare: one layer's stored parameters -> what `layer` takes (varying over the exchange's
         axis, cast to the compute dtype); the gradients are cast back to the stored dtype.
+      layer_state: None, or `(state, key)` for an exchange with state: `state` None or a pytree
+        of `(layers, ...)` stacks (error-feedback residuals), `key` None or a PRNG key. The
+        first stage then takes `(gradients, layer i's slice of state or None, key folded with i
+        or None)` and returns `(its value, layer i's new slice or None)`.
 
     Returns:
       (h, aux): the stack's output and every aux entry stacked on a leading layer axis; the
-      gradient of `stacked` is the exchanged one.
+      gradient of `stacked` is the exchanged one, that of `state` the stack of new slices.
     """
     structure = {}  # per run: the pullback's treedef and residual sources (static, set by fwd)
 
@@ -123,10 +131,23 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
         return (x, _concatenated(auxes)), residuals
 
     stages = exchange if isinstance(exchange, tuple) else (exchange,)
+    stateful = layer_state is not None
+    state, key = layer_state if stateful else (None, None)
 
     def backward(saved, cotangent):
-        stacked, residuals = saved
+        stacked, residuals, state, key_data = saved
         ct_h, ct_aux = cotangent
+
+        def first(v, layer, new_state):
+            """Stage 0 of layer `layer`'s gradients `v`, given its state and key; the state stack
+            with the layer's new slice written over its old one (read just before: XLA updates
+            the stack in place)."""
+            if not stateful:
+                return stages[0](v), new_state
+            layer_key = None if key_data is None else \
+                jax.random.fold_in(jax.random.wrap_key_data(key_data), layer)
+            v, new = stages[0](v, None if state is None else _index(new_state, layer), layer_key)
+            return v, None if new is None else _place(new_state, new, layer)
 
         def layer_backward(r, j, ct_h):
             """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
@@ -140,11 +161,15 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
 
         def advance(grads, flight, below):
             """Every layer in `flight` one exchange stage on (`flight[k]`: layer
-            `below + 1 + k`'s value before stage k, or None), the finished one placed."""
-            moved = [None if v is None else stage(v) for stage, v in zip(stages, flight)]
+            `below + 1 + k`'s value before stage k, or None), the finished one placed
+            (`grads`: the gradient stack and the new state stack or None)."""
+            grads, new_state = grads
+            moved = [None if v is None or k == 0 else stages[k](v) for k, v in enumerate(flight)]
+            if flight[0] is not None:
+                moved[0], new_state = first(flight[0], below + 1, new_state)
             if moved[-1] is not None:
                 grads = _place(grads, moved[-1], below + len(stages))
-            return grads, moved[:-1]
+            return (grads, new_state), moved[:-1]
 
         def one(carry, r, j):
             """Layer `begin + j`'s backward beside the exchanges of the layers above it."""
@@ -153,7 +178,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
             g, ct_h = layer_backward(r, j, ct_h)
             return ct_h, [g, *moved], grads
 
-        carry = (ct_h, [None] * len(stages), jax.tree.map(jnp.zeros_like, stacked))
+        # The state stack starts as the old one: each layer's slice is replaced where it is read.
+        carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state))
         for r in reversed(range(len(runs))):
             count = runs[r][1]
             while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline
@@ -166,12 +192,17 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable):
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)
             flight = [None, *moved]
-        return grads, ct_h
+        grads, new_state = grads
+        return grads, ct_h, new_state, None
 
     @jax.custom_vjp
-    def run(stacked, x):
+    def run(stacked, x, state, key_data):
         return scan_runs(runs, stacked, x, prepare)
 
-    run.defvjp(lambda stacked, x: (lambda out, res: (out, (stacked, res)))(*forward(stacked, x)),
-               backward)
-    return run(stacked, x)
+    def run_forward(stacked, x, state, key_data):
+        out, res = forward(stacked, x)
+        return out, (stacked, res, state, key_data)
+
+    run.defvjp(run_forward, backward)
+    # The key as its raw data: a custom_vjp's integer inputs take no cotangent.
+    return run(stacked, x, state, None if key is None else jax.random.key_data(key))

@@ -255,7 +255,8 @@ def split_aux(out) -> tuple[Any, dict]:
 
 
 def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None,
-                exchange: Callable | None = None, prepare: Callable | None = None):
+                exchange: Callable | None = None, prepare: Callable | None = None,
+                layer_state=None):
     """`x` through the stacked layers, `block(layer_params, x, **side) -> x | (x, aux)`, as one
     `lax.scan` per group of consecutive layers: groups `((count, wrap), ...)` (counts sum to the
     layers; `wrap` maps the layer function to another, e.g. `jax.checkpoint` with a policy; None
@@ -264,8 +265,9 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
     independent of the plan. With `exchange` (one layer's gradients -> their exchange, e.g. a
     sum over `data`) and `prepare` (one layer's stored parameters -> what `block` takes), the
     backward exchanges each layer's gradients while the layer below runs its backward
-    (`step.layer_exchange`). Returns (x, aux): every aux entry stacked on a leading layer axis
-    ({} for blocks without auxiliary outputs)."""
+    (`step.layer_exchange`; `layer_state`: an exchange's per-layer state and key, as
+    `scan_exchanging` takes them). Returns (x, aux): every aux entry stacked on a leading layer
+    axis ({} for blocks without auxiliary outputs)."""
     side = side or {}
 
     def layer(p, h):
@@ -274,7 +276,7 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
 
     runs = layer_runs(layer, stacked, groups or ((jax.tree.leaves(stacked)[0].shape[0], None),))
     if exchange is not None:
-        return scan_exchanging(runs, stacked, x, exchange, prepare)
+        return scan_exchanging(runs, stacked, x, exchange, prepare, layer_state)
     return scan_runs(runs, stacked, x)
 
 

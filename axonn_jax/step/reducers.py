@@ -34,6 +34,22 @@ def _keep(saved, target):
     return None, ""
 
 
+class LayerExchange(NamedTuple):
+    """A reducer's exchange of the stacked blocks' gradients inside the backward, layer by layer
+    (`step.layer_exchange`), with per-layer state.
+
+    stages(axis, one layer's specs) -> stages: the first takes `(one layer's gradients, its
+    state slice or None, its key or None)` and returns `(its value, the new slice or None)`,
+    the last returns their mean over axis. state_in(state, key) -> (the blocks' state stack `(layers, ...)` or None,
+    key or None): what the backward takes from this device's reducer state (inside the step's
+    shard_map) and the step's key. state_out(state, new stack) -> state: the new stack placed.
+    """
+
+    stages: Callable
+    state_in: Callable
+    state_out: Callable
+
+
 def exact_wire_bytes(shards, reduce_dtype: str = "float32") -> float:
     """Bytes one device sends in the exact exchange of gradient shards (arrays or
     ShapeDtypeStructs of one device's pieces), counted as 2 · (bytes of `reduce_dtype`) per
@@ -54,7 +70,9 @@ class GradientReducer(NamedTuple):
     wire_bytes(shards): bytes one device sends to reduce gradient shards of these shapes.
     between_processes: runs between processes on one device each (see the module docstring);
     process_index / process_count: this process's place among them (which rows of each global
-    batch it trains on)."""
+    batch it trains on). layer_exchange: how the blocks' gradients are reduced inside the
+    backward when the engine does that (`LayerExchange`; None: the exact sum); `reduce` then
+    gets them already reduced (invariant over the axis) and passes them through."""
 
     init: Callable[[Any], Any]
     reduce: Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -67,6 +85,7 @@ class GradientReducer(NamedTuple):
     between_processes: bool = False
     process_index: int = 0
     process_count: int = 1
+    layer_exchange: LayerExchange | None = None
 
 
 def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
@@ -158,7 +177,7 @@ def compressed_wire_bytes(bits: int, bucket_size: int,
 def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                     error_feedback: bool = True, axis: str = "data",
                     min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
-                    rounding: str = "auto") -> GradientReducer:
+                    rounding: str = "auto", in_backward: bool = True) -> GradientReducer:
     """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits in
     buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`).
 
@@ -171,27 +190,62 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     rounding (`compression.ROUNDINGS`): `auto` rounds to nearest with error feedback (measured
     better than stochastic with feedback at 2 bits) and stochastically without (which keeps the
     mean unbiased); stochastic noise comes from the step's key, so a run is reproducible.
+    in_backward: offer the engine the blocks' exchange layer by layer inside the backward
+    (`layer_exchange`: the same rules, each layer's residual, the key folded with the layer
+    index); the engine uses it where it runs the exact exchange there too.
     """
     compression.check_args(bits, bucket_size)
     overrides = compression.parse_rules(rules)
     stochastic = compression.stochastic(rounding, error_feedback)
     shards = int(mesh.shape[axis])
+    options = dict(bits=bits, bucket_size=bucket_size, min_size=min_size, overrides=overrides)
 
     def init(params):
         return compression.init_residual(params, shards) if error_feedback else None
 
     def reduce(grads, residual, key):
-        local = None if residual is None else jax.tree.map(lambda r: r[0], residual)
-        grads, local = compression.sharded_compressed_pmean(
-            grads, grad_specs, mesh, axis, bits=bits, bucket_size=bucket_size,
-            min_size=min_size, overrides=overrides, stacked=STACKED,
-            key=key if stochastic else None, residual=local)
-        return grads, None if local is None else jax.tree.map(lambda r: r[None], local)
+        # Parts already reduced in the backward (invariant over `axis`) pass through; their
+        # residuals were placed by `layer_exchange.state_out`.
+        done = {k for k, g in grads.items() if not any(
+            axis in varying_axes(a) for a in jax.tree.leaves(g))} if isinstance(grads, dict) else ()
+        rest = {k: g for k, g in grads.items() if k not in done} if done else grads
+        pick = (lambda t: {k: t[k] for k in rest}) if done else (lambda t: t)  # noqa: E731
+        local = None if residual is None else jax.tree.map(lambda r: r[0], pick(residual))
+        reduced, local = compression.sharded_compressed_pmean(
+            rest, pick(grad_specs), mesh, axis, stacked=STACKED,
+            key=key if stochastic else None, residual=local, **options)
+        new = None if local is None else jax.tree.map(lambda r: r[None], local)
+        if not done:
+            return reduced, new
+        return ({**grads, **reduced},
+                None if residual is None else {**residual, **new})
 
+    def layer_stages(axis_name, layer_specs):
+        # The paths and size rule of the blocks' leaves as the whole-tree reducer sees them.
+        scatter, gather = compression.sharded_compressed_stages(
+            {"blocks": layer_specs}, None, axis_name, mean=True, **options)
+
+        def first(g, r, k):
+            value, new = scatter({"blocks": g}, None if r is None else {"blocks": r}, k)
+            return value, None if new is None else new["blocks"]
+
+        def last(value):
+            return gather(value)["blocks"]
+
+        return first, last
+
+    layer = LayerExchange(
+        layer_stages,
+        state_in=lambda state, key: (
+            None if state is None else jax.tree.map(lambda r: r[0], state["blocks"]),
+            key if stochastic else None),
+        state_out=lambda state, new: state if new is None else {
+            **state, "blocks": jax.tree.map(lambda r: r[None], new)})
     return GradientReducer(init, reduce, mean=lambda tree: pmean(tree, axis),
                            state_spec=lambda spec: P(axis, *spec), reshard=reshard_residuals,
                            wire_bytes=compressed_wire_bytes(bits, bucket_size, min_size,
-                                                            overrides))
+                                                            overrides),
+                           layer_exchange=layer if in_backward else None)
 
 
 def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int = 4,

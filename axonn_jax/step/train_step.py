@@ -61,6 +61,7 @@ class StepOptions:
     compress_min_size: int = 1024
     compress_rules: tuple = ()
     compress_rounding: str = "auto"
+    compress_in_backward: bool = True
     reduce_dtype: str = "float32"
     dtype: str = "float32"
     fp8: bool = False
@@ -199,7 +200,8 @@ class StepParts:
             return compressed_mean(self.mesh, grad_specs, bits=o.compress_bits,
                                    bucket_size=o.compress_bucket, error_feedback=o.error_feedback,
                                    min_size=o.compress_min_size, rules=o.compress_rules,
-                                   rounding=o.compress_rounding)
+                                   rounding=o.compress_rounding,
+                                   in_backward=o.compress_in_backward)
         return exact_mean(reduce_dtype=o.reduce_dtype, grad_specs=grad_specs)
 
     def state_reducer(self, grad_specs=None) -> GradientReducer:
@@ -513,14 +515,18 @@ class BoundStep:
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
         alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
-        # The exact reduction over `data` issued layer by layer in the backward (not CGX's), for
-        # float32 device parameters: a layer's sum returns in its parameters' dtype, and 16-bit
-        # ones (offloaded state) must be divided by the data size before they are cast back.
-        exact = not (o.compress_bits and self.parts.process_reducer is None)
+        # The reduction over `data` issued layer by layer in the backward (exact, or CGX's where
+        # its reducer offers it), for float32 device parameters: a layer's sum returns in its
+        # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
+        # before they are cast back.
+        in_step = o.compress_bits and self.parts.process_reducer is None
+        layer = self.reducer.layer_exchange if in_step else None
         wide = not o.offload_optimizer or o.dtype == "float32"
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=exact and wide and axes == ("data",),
-                          reduce_dtype=o.reduce_dtype)
+                          layer_reduce=(not in_step or layer is not None) and wide
+                          and axes == ("data",),
+                          reduce_dtype=o.reduce_dtype,
+                          layer_stages=None if layer is None else layer.stages)
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers
@@ -645,9 +651,18 @@ class BoundStep:
         p_specs = _manual_specs(self.specs, manual)
         extra = tuple(a for a in ("expert", "context") if a in manual)
 
+        layer = self.reducer.layer_exchange
+        with_state = layer is not None and getattr(engine, "layer_stages", None) is not None \
+            and engine.exchanges_layers
+
         def local(params, batch, scale, key, red_state):
             batch = self._balanced(batch, manual)
-            loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
+            if with_state:  # the blocks' reduction (and their state's update) in the backward
+                loss, grads, metrics, new = engine.loss_and_grads(
+                    params, batch, scale, layer.state_in(red_state, key))
+                red_state = layer.state_out(red_state, new)
+            else:
+                loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
             grads, red_state = self.reducer.reduce(grads, red_state, key)
             mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731

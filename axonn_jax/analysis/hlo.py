@@ -443,26 +443,34 @@ def _valid_pairs(size: int, out: int, k: int, dim: int, window: str) -> int:
                if 0 <= (p := o * stride + j * rhs_dilate - pad) < extent and p % lhs_dilate == 0)
 
 
-_GEMM_FUSION = re.compile(r"^%(gemm_fusion\S*|triton_gemm\S*)_computation \((.*)\) -> ", re.M)
+_GEMM_FUSION = re.compile(r"(gemm_fusion|triton_gemm)\S*_computation$")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul[$\w]*)"')
 
 
 def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
-    """The element types of the two matrix operands of every GEMM of a compiled GPU module (each
-    fusion XLA made of a dot once, a loop body's once): the Triton GEMM fusions' first two
-    parameters, and the first two operands of each cuBLAS call (`__cublas$gemm`,
-    `__cublas$lt$matmul$f8`, ...: what a module compiled with autotuning on a real GPU may choose
-    instead). E.g. `('f8e4m3fn', 'f8e4m3fn')`: an FP8 GEMM; `('f8e5m2', 'bf16')`: one operand
-    upcast before the GEMM."""
+    """The element types of the two matrix operands of every GEMM of a compiled GPU module.
+
+    Each fusion XLA made of a dot counts once (a loop body's once): the operands of the `dot`
+    inside each Triton GEMM fusion (jaxlib 0.12 fuses the FP8 scales and casts into it, so its
+    parameters need not be the dot's), and the first two operands of each cuBLAS call
+    (`__cublas$gemm`, `__cublas$lt$matmul$f8`, ...: what a module compiled with autotuning on a
+    real GPU may choose instead).
+
+    Args:
+      hlo_text: a compiled module's text.
+
+    Returns:
+      One pair per GEMM, e.g. `('f8e4m3fn', 'f8e4m3fn')`: an FP8 GEMM; `('f8e5m2', 'bf16')`: one
+      operand left in bf16.
+    """
+    module = read_module(hlo_text)
     found = []
-    for _, params in _GEMM_FUSION.findall(hlo_text):
-        types = [a.dtype for a in arrays(params)]
-        if len(types) >= 2:
-            found.append((types[0], types[1]))
-    types = {}
-    for instr in filter(None, map(parse_instruction, hlo_text.splitlines())):
-        result = arrays(instr.shape)
-        types[instr.name] = result[0].dtype if result else ""
-        if instr.opcode == "custom-call" and _CUBLAS.search(instr.rest):
-            found.append(tuple(types.get(o, "") for o in instr.operands[:2]))
+    for name, body in module.computations.items():
+        types = {i.name: (arrays(i.shape) or [None])[0] for i in body}
+        gemm = _GEMM_FUSION.search(name)
+        for instr in body:
+            if (gemm and instr.opcode == "dot") or (
+                    instr.opcode == "custom-call" and _CUBLAS.search(instr.rest)):
+                found.append(tuple(types[o].dtype if types.get(o) else ""
+                                   for o in instr.operands[:2]))
     return found

@@ -263,8 +263,9 @@ def test_llama_modes_follow_one_device(mode, hf_llama, one_device, devices):
     if mode == "compressed-remat":  # 8-bit gradients: close, not equal (measured 1.7e-3 in the
         # losses, 1.9e-2 in the gradient norms)
         assert 0 < assert_trains_like(got, ref, 5e-3, COMPRESSED, norm_rtol=5e-2)
-    elif mode == "bf16":  # bf16 all-reduces round differently from one device's sums
-        assert_trains_like(got, ref, 2e-3)
+    elif mode == "bf16":  # bf16 all-reduces round differently from one device's sums; after
+        # two updates the gradient norm moves by about one bf16 ulp (jaxlib 0.12 fuses differently)
+        assert_trains_like(got, ref, 2e-3, norm_rtol=1e-2)
     else:
         assert_trains_like(got, ref)
 

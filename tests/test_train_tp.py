@@ -13,10 +13,11 @@ OPTS = dict(steps=10, batch_size=16, seq_len=32, eval_batches=1, eval_every=10, 
 SHORT = dict(OPTS, steps=3, batch_size=8, clip_norm=None)
 
 
-def assert_trains_like(got, ref, rtol=1e-5, state=FP32):
+def assert_trains_like(got, ref, rtol=1e-5, state=FP32, norm_rtol=None):
     """Summaries `got` and `ref`: the same losses and gradient norms at every step (within
-    `rtol`), the same final parameters and optimizer state leaf by leaf (tolerances `state`)."""
-    assert_steps_match(got["history"], ref["history"], rtol)
+    `rtol`, `norm_rtol` for the norms), the same final parameters and optimizer state leaf by
+    leaf (tolerances `state`)."""
+    assert_steps_match(got["history"], ref["history"], rtol, norm_rtol)
     assert_states_match(comparable_state(got["trainer"], got["state"]),
                         comparable_state(ref["trainer"], ref["state"]), **state)
 
@@ -65,11 +66,12 @@ def test_collective_matmuls_train_like_data_parallel(devices, data_parallel):
 
 def test_tensor_parallel_bf16_tracks_data_parallel(devices, data_parallel):
     """bf16 compute with TP (its 16-bit all-reduces once aborted XLA:CPU): the losses and gradient
-    norms follow the data-parallel bf16 run's (measured 1e-4 apart), the fp32 masters and moments
-    within bf16's resolution."""
+    follow the data-parallel bf16 run's, the gradient norms within two bf16 ulps (the two grids
+    sum in other orders; jaxlib 0.12 fuses them differently from 0.10), the fp32 masters and
+    moments within bf16's resolution."""
     got = train(TrainOptions(**SHORT, dtype="bfloat16",
                              parallel=ParallelConfig(data=2, row=2, col=2)), devices=devices)
-    assert_trains_like(got, data_parallel("bfloat16"), 2e-3, BF16)
+    assert_trains_like(got, data_parallel("bfloat16"), 2e-3, BF16, norm_rtol=1e-2)
 
 
 def test_tensor_parallel_pipeline_stages(devices, data_parallel):

@@ -16,11 +16,10 @@ from axonn_jax.parallel import compression as C
 from axonn_jax.parallel import quantizer as Q
 from axonn_jax.run.checkpoint import Checkpointer
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.run.data import Corpus
 from axonn_jax.step.state import TrainState
-from axonn_jax.train import TrainOptions, build_trainer
+from axonn_jax.train import TrainOptions
 
-from conftest import PARITY, assert_steps_match, lm_batches, run_steps
+from conftest import assert_steps_match, lm_batches, run_steps
 
 B = 128  # smallest bucket whose segments fit a Pallas block at every width (16 values)
 
@@ -177,20 +176,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
 
 # --- training ------------------------------------------------------------------------------------
 
-OPTS = dict(steps=3, batch_size=16, seq_len=32, **PARITY)
+from test_compression_tp import OPTS, corpus, run as _run  # noqa: E402,F401 (corpus: a fixture)
+
 RULES = dict(compress_rules=("^embed/=exact", "head/kernel=8"), compress_rounding="stochastic")
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return Corpus.load(None, min_tokens=OPTS["seq_len"] + 2).train
-
-
-def _run(options, devices, corpus):
-    trainer = build_trainer(options, devices)
-    state, records = run_steps(trainer, trainer.init_state(), lm_batches(trainer, corpus),
-                               options.run.steps)
-    return records, state, trainer
 
 
 # 4 bits rounded stochastically, without error feedback: each element moves by up to 1/15 of its

@@ -12,8 +12,12 @@ per execution:
 - the collective's own time on its links (`comm_model.link_time`: ring or tree over NVLink within
   a node, over the NICs across nodes, as its replica group lies on the devices);
 - the time it leaves exposed, from a replay of the schedule (`_Replay`): one compute stream runs
-  the instructions in order, one communication stream runs the collectives in the order they
-  start, and a `done` waits for its collective.
+  the instructions in order, two communication streams run the collectives in the order they
+  start, and a `done` waits for its collective. The streams are the two kinds of links: NVLink,
+  for a collective whose group lies inside one node, and the NICs, for one whose group spans
+  nodes. A node's NVLink and its NICs are separate links, and XLA runs collectives that its
+  schedule has in flight together on separate GPU streams (up to `xla_options.overlap_limit`);
+  two collectives on the same links share them, which the replay counts as one after the other.
 - the same for copies between host and device memory (`S(5)` buffers: offloaded optimizer state,
   swapped activations): an asynchronous copy or dynamic slice / update from or to host memory
   runs on the host link, one stream per direction at the machine's `host_bw`, and its `done`
@@ -28,7 +32,8 @@ hides ("hidden"). Synchronous collectives have no window and are exposed whole. 
 device and per step, with loop bodies counted once per iteration (`analysis.hlo`'s convention).
 
 The estimate is as good as its rates (the machine's published figures, `comm_model.MACHINES`) and
-its one-stream model of communication; what it cannot be wrong about is the schedule itself: what
+its model of communication (a collective on either kind of link, at that link's rate, never
+slowed by the compute beside it); what it cannot be wrong about is the schedule itself: what
 XLA placed between a start and its done.
 """
 from __future__ import annotations
@@ -284,7 +289,8 @@ class _Flight:
 
 
 class _Replay:
-    """Replays a scheduled module on one compute stream and one communication stream."""
+    """Replays a scheduled module on one compute stream and a communication stream per kind of
+    link (inside a node, across nodes)."""
 
     def __init__(self, text: str, mesh_shape: dict[str, int], machine: Machine):
         self.costs = _Costs(text, machine)
@@ -292,7 +298,7 @@ class _Replay:
         self.mesh_shape, self.machine = mesh_shape, machine
         self.entry = self.costs.module.entry
         self.found: dict[str, dict] = {}  # key -> accumulated record
-        self.free = {"comm": 0.0, HOST_COMPUTE: 0.0,  # when each stream is
+        self.free = {"intra-node": 0.0, "inter-node": 0.0, HOST_COMPUTE: 0.0,  # when each stream is
                      **{kind: 0.0 for kind in HOST_KINDS}}
         self.seconds = {"matmul": 0.0, "other": 0.0}  # compute time by kind of kernel
 
@@ -319,12 +325,13 @@ class _Replay:
                 axes=hlo.group_axes(c.group, self.mesh_shape), wire_bytes=c.wire_bytes,
                 comm_s=link_time(c.kind, c.bytes, c.group_size, inter, self.machine),
                 asynchronous=asynchronous, backward="transpose(" in instr.rest,
+                link="inter-node" if inter else "intra-node",
                 weight=0.0, flops=0.0, matmul=0.0, window_s=0.0, exposed=0.0)
         return key
 
     def _start(self, key: str, t: float) -> _Flight:
         kind = self.found[key]["kind"]
-        stream = kind if kind in HOST_KINDS or kind == HOST_COMPUTE else "comm"
+        stream = kind if kind in HOST_KINDS or kind == HOST_COMPUTE else self.found[key]["link"]
         begin = max(t, self.free[stream])
         self.free[stream] = begin + self.found[key]["comm_s"]
         return _Flight(key, self.free[stream])

@@ -10,8 +10,8 @@ from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
 from axonn_jax.analysis import hlo
 from axonn_jax.analysis.hlo import collectives
-from axonn_jax.tp.tensor import (collective_matmuls, dense_specs, kernel_spec, split_dims, tp_attend,
-                                 tp_dense, tp_dense_general, tp_embed)
+from axonn_jax.tp.tensor import (collective_matmuls, dense_specs, kernel_spec, looks_up_rows,
+                                 split_dims, tp_attend, tp_dense, tp_dense_general, tp_embed)
 
 from conftest import relative_difference
 
@@ -77,6 +77,8 @@ def test_tp_matches_reference_and_has_the_algorithms_collectives(grid, inputs, d
     # The depth all-gathers rebuild only this device's (row, col) block of a weight; a whole weight
     # only when row = col = 1 (pure ZeRO-3 over depth).
     expected_gathers = {4 * D_IN * D_HID // (row * col), 4 * VOCAB * D_IN // (row * col)}
+    if looks_up_rows(VOCAB, B * T // depth, shape):  # the batched lookup's rows cross depth,
+        expected_gathers |= {4 * B * T, 4 * B * T * D_IN // col}  # not the table: ids, gradients
     if depth > 1:
         assert set(by_axes[("all-gather", ("depth",))]) == expected_gathers
         assert 4 * D_IN * D_HID // (row * col) in by_axes[("reduce-scatter", ("depth",))]
@@ -152,6 +154,32 @@ def test_tp_nested_in_data_parallel_step(inputs, devices):
     x = jax.device_put(inputs["x"], NamedSharding(mesh, P(("data", "depth"))))
     value, pgrads, xgrad = step(params, x, inputs["tokens"])
     check_against_reference(value, (xgrad, *pgrads), inputs)
+
+
+@pytest.mark.parametrize("batch", [8, 64], ids=["rows_cross", "table_crosses"])
+def test_embed_exchanges_the_table_or_the_rows_whichever_is_smaller(batch, inputs, devices):
+    """row 2 × col 2 × depth 2: 8 sequences of 4 tokens put 32 tokens in a depth group, fewer than
+    the 64 vocabulary rows of a row device: the looked-up rows cross depth. 64 sequences (256
+    tokens) gather the table instead. Both equal `table[tokens]` in value and gradient."""
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    tokens = jax.random.randint(jax.random.key(1), (batch, T), 0, VOCAB)
+    dy = jax.random.normal(jax.random.key(2), (batch, T, D_IN))
+
+    def loss(embed):
+        return lambda table: jnp.sum(jnp.sin(embed(tokens, table)) * dy)
+
+    step = jax.jit(jax.value_and_grad(loss(lambda t, w: tp_embed(t, w, mesh))))
+    value, grad = step(inputs["table"])
+    want, want_grad = jax.value_and_grad(loss(lambda t, w: w[t]))(inputs["table"])
+    assert relative_difference(value, want) <= 1e-5
+    assert relative_difference(grad, want_grad) <= 1e-5
+    shape = {"depth": 2, "row": 2, "col": 2}
+    gathers = {c.bytes for c in collectives(step.lower(inputs["table"]).compile().as_text())
+               if c.kind == "all-gather" and hlo.group_axes(c.group, shape) == ("depth",)}
+    crossing = looks_up_rows(VOCAB, batch * T // 2, shape)
+    assert crossing == (batch == 8)
+    assert gathers == ({4 * batch * T, 4 * batch * T * D_IN // 2} if crossing
+                       else {4 * VOCAB * D_IN // 4})
 
 
 def test_bad_shapes_name_the_numbers(inputs, devices):

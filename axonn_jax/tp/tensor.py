@@ -617,30 +617,82 @@ def table_divides(shape, mesh) -> bool:
         and shape[1] % sizes["col"] == 0
 
 
-@functools.lru_cache(maxsize=LAYER_CACHE)
-def _embed_fn(mesh, ndim: int, batched: bool):
-    t_spec = P("depth" if batched else None, *([None] * (ndim - 1)))
-    y_spec = activation_spec(ndim + 1, "col", batch=batched)
+def _vocab_slice(tokens, offset, size):
+    """Where `tokens` fall in the vocabulary slice `[offset, offset + size)`: (indices into the
+    slice, clipped; whether each token is in it)."""
+    local = tokens - offset
+    hit = (local >= 0) & (local < size)
+    return jnp.clip(local, 0, size - 1), hit
 
-    def local_rows(tokens, vocab_local):
-        local = tokens - jax.lax.axis_index("row") * vocab_local
-        hit = (local >= 0) & (local < vocab_local)
-        return jnp.clip(local, 0, vocab_local - 1), hit
 
-    def local_forward(tokens, table):
+def _lookup(table, idx, hit):
+    """`table[idx]`, zero where not `hit`."""
+    return jnp.where(hit[..., None], table[idx], 0)
+
+
+def _scatter_rows(idx, hit, dy, rows: int):
+    """The `(rows, features)` gradient of a lookup: `dy` added at `idx`, where `hit`."""
+    dy = jnp.where(hit[..., None], dy, 0).reshape(-1, dy.shape[-1])
+    return jnp.zeros((rows, dy.shape[-1]), dy.dtype).at[idx.reshape(-1)].add(dy)
+
+
+def looks_up_rows(vocab: int, tokens: int, sizes: Mapping[str, int]) -> bool:
+    """Whether `tp_embed` exchanges looked-up rows over `depth` rather than the table: when the
+    `depth` group's `tokens` (per device, `depth` devices) are fewer than the table rows one
+    `row` device would gather (`vocab / row`). Both kinds of exchange carry `features / col`
+    values per row."""
+    return sizes["depth"] > 1 and sizes["depth"] * tokens < vocab // sizes["row"]
+
+
+def _table_exchange(batched: bool):
+    """`tp_embed`'s per-device parts when the table is gathered over `depth`: (forward, backward)."""
+    def forward(tokens, table):
         table = _gather_depth(table)
-        idx, hit = local_rows(tokens, table.shape[0])
-        return psum(jnp.where(hit[..., None], table[idx], 0), "row")
+        idx, hit = _vocab_slice(tokens, jax.lax.axis_index("row") * table.shape[0], table.shape[0])
+        return psum(_lookup(table, idx, hit), "row")
 
-    def local_backward(tokens, dy, table_shard):
+    def backward(tokens, dy, table_shard):
         vocab_local = table_shard.shape[0] * jax.lax.axis_size("depth")
-        idx, hit = local_rows(tokens, vocab_local)
-        dy = jnp.where(hit[..., None], dy, 0).reshape(-1, dy.shape[-1])
-        dt = jnp.zeros((vocab_local, dy.shape[-1]), dy.dtype).at[idx.reshape(-1)].add(dy)
+        idx, hit = _vocab_slice(tokens, jax.lax.axis_index("row") * vocab_local, vocab_local)
+        dt = _scatter_rows(idx, hit, dy, vocab_local)
         if batched:  # depth devices saw different rows of the batch
             return psum_scatter(dt, "depth", scatter_dimension=0, tiled=True)
         n = table_shard.shape[0]  # every depth device saw all tokens: keep its own block
         return jax.lax.dynamic_slice_in_dim(dt, jax.lax.axis_index("depth") * n, n, axis=0)
+
+    return forward, backward
+
+
+def _row_exchange():
+    """`tp_embed`'s per-device parts when looked-up rows cross `depth` instead of the table
+    (`looks_up_rows`): every device looks up the `depth` group's tokens in its own table shard
+    and a reduce-scatter over `depth` returns each device its rows; the backward all-gathers the
+    group's output gradients and adds the rows each shard owns. (forward, backward)."""
+    def own_slice(tokens, table_shard):
+        n = table_shard.shape[0]
+        shard = jax.lax.axis_index("row") * jax.lax.axis_size("depth") + jax.lax.axis_index("depth")
+        group = jax.lax.all_gather(tokens, "depth", axis=0, tiled=True)
+        return _vocab_slice(group, shard * n, n)
+
+    def forward(tokens, table_shard):
+        idx, hit = own_slice(tokens, table_shard)
+        rows = psum_scatter(_lookup(table_shard, idx, hit), "depth", scatter_dimension=0,
+                            tiled=True)
+        return psum(rows, "row")
+
+    def backward(tokens, dy, table_shard):
+        idx, hit = own_slice(tokens, table_shard)
+        group_dy = jax.lax.all_gather(dy, "depth", axis=0, tiled=True)
+        return _scatter_rows(idx, hit, group_dy, table_shard.shape[0])
+
+    return forward, backward
+
+
+@functools.lru_cache(maxsize=LAYER_CACHE)
+def _embed_fn(mesh, ndim: int, batched: bool, rows_cross: bool = False):
+    t_spec = P("depth" if batched else None, *([None] * (ndim - 1)))
+    y_spec = activation_spec(ndim + 1, "col", batch=batched)
+    local_forward, local_backward = _row_exchange() if rows_cross else _table_exchange(batched)
 
     @jax.custom_vjp
     def embed(tokens, table):
@@ -662,10 +714,20 @@ def _embed_fn(mesh, ndim: int, batched: bool):
 def tp_embed(tokens, table, mesh=None):
     """Vocabulary-parallel lookup `table[tokens]`.
 
-    tokens: int `(batch, ...)`, batch over `depth` (a 1-D `(n,)` array, e.g. positions, is taken as
-    unbatched and replicated); table: `(vocab, features)`, vocab over (`row`, `depth`), features over
-    `col`. Each `row` device looks up the tokens of its vocabulary slice and an all-reduce over `row`
-    combines them. Returns `(*tokens.shape, features)`: batch over `depth`, features over `col`.
+    Each `row` device looks up the tokens of its vocabulary slice and an all-reduce over `row`
+    combines them. Over `depth`, whichever is smaller crosses the links (`looks_up_rows`): the
+    table's `depth` shards (gathered for the lookup, the gradient reduce-scattered back), or the
+    looked-up rows of the `depth` group's tokens (reduce-scattered to their devices, their
+    gradients all-gathered), as for a vocabulary larger than the group's tokens.
+
+    Args:
+      tokens: int `(batch, ...)`, batch over `depth`; a 1-D `(n,)` array (e.g. positions) is
+        taken as unbatched and replicated.
+      table: `(vocab, features)`, vocab over (`row`, `depth`), features over `col`.
+      mesh: the mesh (default: the current one).
+
+    Returns:
+      `(*tokens.shape, features)`: batch over `depth`, features over `col`.
     """
     sizes = dict(current_mesh(mesh).shape)
     batched = tokens.ndim >= 2
@@ -675,7 +737,8 @@ def tp_embed(tokens, table, mesh=None):
     if batched and tokens.shape[0] % sizes["depth"]:
         raise ValueError(f"tp_embed: batch (leading dim of tokens) = {tokens.shape[0]} is not "
                          f"divisible by depth = {sizes['depth']}")
-    return _embed_fn(current_mesh(mesh), tokens.ndim, batched)(tokens, table)
+    rows_cross = batched and looks_up_rows(table.shape[0], tokens.size // sizes["depth"], sizes)
+    return _embed_fn(current_mesh(mesh), tokens.ndim, batched, rows_cross)(tokens, table)
 
 
 def tp_attend(x, table, mesh=None):
@@ -708,15 +771,12 @@ class Table:
         if self.batched:
             lookups = step.tokens * self.features / g.col * cb
             out = [
-                Collective("all-gather", ("depth",), shard, stage_forward=True,
-                           per_microbatch=True, loop_invariant=True),
                 # each row shard looks up the ids it owns (zeros elsewhere); the sum over row
                 # completes the embeddings (XLA:GPU makes the sum of rows that the batch-split
                 # layout then splits over row a reduce-scatter; measured on H100)
                 Collective("reduce-scatter" if step.split and step.platform == "gpu"
                            else "all-reduce", ("row",), lookups, stage_forward=True),
-                # the table's gradient scattered back over depth
-                Collective("reduce-scatter", ("depth",), shard, per_microbatch=True),
+                *self._depth_exchange(step, shard, lookups),
             ]
             if step.split:  # the lookup's output is replicated over row: GSPMD gathers its
                 out.append(Collective("all-gather", ("row",), lookups))  # gradient's rows
@@ -732,6 +792,23 @@ class Table:
                        step.seq_len * self.features / g.col * step.gathered_bytes,
                        per_microbatch=True),
         ]
+
+    def _depth_exchange(self, step: StepShape, shard: float, lookups: float) -> list[Collective]:
+        """What crosses `depth` for a batched lookup (`looks_up_rows`): the table's shards
+        gathered and its gradient reduce-scattered, or the depth group's ids gathered, its
+        looked-up rows reduce-scattered and their gradients gathered."""
+        g = step.grid
+        tokens = step.tokens / step.microbatches  # one lookup's, per device
+        if looks_up_rows(self.rows, tokens, {"depth": g.depth, "row": g.row}):
+            group = g.depth * lookups  # the depth group's rows, per step
+            return [Collective("all-gather", ("depth",), g.depth * step.tokens * 4,
+                               stage_forward=True),
+                    Collective("reduce-scatter", ("depth",), group, stage_forward=True),
+                    Collective("all-gather", ("depth",), group)]
+        return [Collective("all-gather", ("depth",), shard, stage_forward=True,
+                           per_microbatch=True, loop_invariant=True),
+                # the table's gradient scattered back over depth
+                Collective("reduce-scatter", ("depth",), shard, per_microbatch=True)]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
         g = step.grid

@@ -289,6 +289,47 @@ def test_a_cublas_gemm_counts_as_its_dot():
     assert hlo.gemm_operand_dtypes(CUBLAS) == [("bf16", "bf16")]
 
 
+FP8_GEMMS = """HloModule f, is_scheduled=true, num_partitions=16
+
+%upcast (p0: f8e4m3fn[2048,4096], p1: bf16[4096,1024]) -> bf16[2048,1024] {
+  %p0 = f8e4m3fn[2048,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,1024]{1,0} parameter(1)
+  %c = bf16[2048,4096]{1,0} convert(%p0)
+  ROOT %d = bf16[2048,1024]{1,0} dot(%c, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%quantized (p0: bf16[2048,4096], p1: bf16[4096,1024]) -> f32[2048,1024] {
+  %p0 = bf16[2048,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,1024]{1,0} parameter(1)
+  %q0 = f8e4m3fn[2048,4096]{1,0} convert(%p0)
+  %q1 = f8e4m3fn[4096,1024]{1,0} convert(%p1)
+  ROOT %d = f32[2048,1024]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: f8e4m3fn[2048,4096], y: bf16[2048,4096], w: bf16[4096,1024]) -> f32[2048,1024] {
+  %x = f8e4m3fn[2048,4096]{1,0} parameter(0)
+  %y = bf16[2048,4096]{1,0} parameter(1)
+  %w = bf16[4096,1024]{1,0} parameter(2)
+  %a = bf16[2048,1024]{1,0} fusion(%x, %w), kind=kCustom, calls=%upcast
+  ROOT %b = f32[2048,1024]{1,0} fusion(%y, %w), kind=kCustom, calls=%quantized
+}
+"""
+
+
+def test_a_gemm_runs_at_the_rate_of_what_its_dot_reads():
+    """A GEMM fusion is charged at the FP8 rate when its dot reads two float8 operands, whatever
+    its parameters: one upcasting a float8 parameter to bf16 for its dot runs at bf16's rate,
+    one quantizing bf16 parameters to float8 in its prologue at the FP8 rate (within the casts'
+    elementwise FLOPs, 2%)."""
+    flops = 2.0 * 2048 * 1024 * 4096
+    s = overlap.report(FP8_GEMMS, MESH, H100)
+    want = flops / H100.matmul_rate("bf16") + flops / H100.matmul_rate("f8e4m3fn")
+    assert H100.matmul_rate("f8e4m3fn") > 1.5 * H100.matmul_rate("bf16")
+    assert s.matmul_s == pytest.approx(want, rel=2e-2)
+    assert s.kernels["main/a"] == pytest.approx(flops / H100.matmul_rate("bf16"), rel=2e-2)
+    assert s.kernels["main/b"] == pytest.approx(flops / H100.matmul_rate("f8e4m3fn"), rel=2e-2)
+
+
 def test_hidden_shares_per_axis_and_mode():
     """A collective over several axes hides the least of theirs; a pipeline mode falls back to
     the spmd figure of an axis it did not measure; an axis never measured hides nothing."""

@@ -447,6 +447,12 @@ _GEMM_FUSION = re.compile(r"(gemm_fusion|triton_gemm)\S*_computation$")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul[$\w]*)"')
 
 
+def is_cublas_gemm(instr) -> bool:
+    """Whether `instr` (an `Instruction`) is a cuBLAS GEMM call (`__cublas$gemm`,
+    `__cublas$lt$matmul$f8`, ...): its first two operands are the matrices."""
+    return instr.opcode == "custom-call" and bool(_CUBLAS.search(instr.rest))
+
+
 def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
     """The element types of the two matrix operands of every GEMM of a compiled GPU module.
 
@@ -469,8 +475,7 @@ def gemm_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
         types = {i.name: (arrays(i.shape) or [None])[0] for i in body}
         gemm = _GEMM_FUSION.search(name)
         for instr in body:
-            if (gemm and instr.opcode == "dot") or (
-                    instr.opcode == "custom-call" and _CUBLAS.search(instr.rest)):
+            if (gemm and instr.opcode == "dot") or is_cublas_gemm(instr):
                 found.append(tuple(types[o].dtype if types.get(o) else ""
                                    for o in instr.operands[:2]))
     return found

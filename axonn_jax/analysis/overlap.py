@@ -8,7 +8,8 @@ per execution:
 
 - the compute scheduled between start and done: its FLOPs, of which matmul FLOPs (dots, grouped
   dots, cuDNN fused attention), and its time at the machine's rates (`instruction_seconds`: the
-  larger of the FLOPs at the matmul or vector rate and the bytes at HBM bandwidth);
+  larger of the FLOPs at the matmul or vector rate and the bytes at HBM bandwidth; a GEMM at the
+  rate of the dtype its dot reads, FP8's only when both operands are float8);
 - the collective's own time on its links (`comm_model.link_time`: ring or tree over NVLink within
   a node, over the NICs across nodes, as its replica group lies on the devices);
 - the time it leaves exposed, from a replay of the schedule (`_Replay`): one compute stream runs
@@ -255,14 +256,51 @@ class _Costs:
             return 0.0, 0.0, 0.0
         flops = self.counter.instruction(shapes, instr)
         matmul = self.matmuls.instruction(shapes, instr)
+        dtype = self.matmul_dtype(instr, shapes) if matmul else None
         return flops, matmul, instruction_seconds(
             flops, matmul, self.memory_bytes(instr, shapes),
-            _operand_dtype([shapes.get(o, "") for o in instr.operands]), self.machine)
+            dtype or _operand_dtype([shapes.get(o, "") for o in instr.operands]), self.machine)
+
+    def matmul_dtype(self, instr: Instruction, shapes: dict[str, str]) -> str | None:
+        """The dtype a kernel's matmuls run in, from the operands of the dots themselves: a dot
+        reading two float8 operands runs at the FP8 rate, one reading a float8 and a bf16 operand
+        (the float8 upcast inside the fusion) at bf16's, a fusion's quantizing prologue feeding
+        float8 to its dot at the FP8 rate. The widest such dtype over the kernel's dots (a fused
+        GEMM's `dot`, a cuBLAS call's first two operands); None when it holds no dot.
+
+        Args:
+          instr: a fusion or custom call.
+          shapes: the shapes of the instructions of its computation, by name.
+
+        Returns:
+          An HLO dtype such as `f8e4m3fn` or `bf16`, or None.
+        """
+        if instr.opcode == "custom-call" and hlo.is_cublas_gemm(instr):
+            return _widest([shapes.get(o, "") for o in instr.operands[:2]])
+        found = [self._dot_dtype(c) for c in called(instr.rest)
+                 if instr.opcode in ("fusion", "fusion-start")]
+        return max((d for d in found if d), key=DTYPE_BYTES.__getitem__, default=None)
+
+    def _dot_dtype(self, comp: str) -> str | None:
+        """The widest operand dtype of the dots in fused computation `comp` (and those it calls)."""
+        body = self.comps.get(comp, ())
+        types = {i.name: i.shape for i in body}
+        found = [_widest([types.get(o, "") for o in i.operands[:2]])
+                 for i in body if i.opcode == "dot"]
+        found += [self._dot_dtype(c) for i in body if i.opcode == "fusion" for c in called(i.rest)]
+        return max((d for d in found if d), key=DTYPE_BYTES.__getitem__, default=None)
+
+
+def _widest(shapes: list[str]) -> str | None:
+    """The widest floating dtype among a matmul's operands (None when none is floating)."""
+    found = [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
+    return max(found, key=DTYPE_BYTES.__getitem__, default=None)
 
 
 def _operand_dtype(shapes: list[str]) -> str:
-    """The narrowest floating dtype among a kernel's operands: what its matmuls run in (a bf16
-    matmul accumulating into an f32 result runs at the bf16 rate)."""
+    """The narrowest floating dtype among a kernel's operands: what a matmul without a visible
+    dot (cuDNN attention, a grouped GEMM) runs in (a bf16 matmul accumulating into an f32
+    result runs at the bf16 rate)."""
     found = [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
     return min(found, key=DTYPE_BYTES.__getitem__, default="f32")
 
@@ -301,6 +339,7 @@ class _Replay:
         self.free = {"intra-node": 0.0, "inter-node": 0.0, HOST_COMPUTE: 0.0,  # when each stream is
                      **{kind: 0.0 for kind in HOST_KINDS}}
         self.seconds = {"matmul": 0.0, "other": 0.0}  # compute time by kind of kernel
+        self.kernels: dict[str, float] = {}  # "computation/instruction" -> its seconds per step
 
     # ------------------------------------------------------------------ collectives
 
@@ -448,6 +487,9 @@ class _Replay:
                 flops, matmul, seconds = self.costs.seconds(instr, shapes)
                 t += seconds
                 self.seconds["matmul" if matmul else "other"] += weight * seconds
+                if seconds:
+                    key = f"{comp}/{instr.name}"
+                    self.kernels[key] = self.kernels.get(key, 0.0) + weight * seconds
             for flight in flights.values():
                 flight.flops += flops
                 flight.matmul += matmul
@@ -501,6 +543,9 @@ class Schedule:
     step_s: float
     matmul_s: float
     other_s: float
+    kernels: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each kernel's compute seconds per step, by `"computation/instruction"` (loop bodies
+    counted once per iteration)."""
 
     @property
     def exposed_s(self) -> float:
@@ -525,7 +570,8 @@ def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
                            rec["wire_bytes"], rec["comm_s"], rec["flops"] / n, rec["matmul"] / n,
                            rec["window_s"] / n, rec["exposed"] / n, rec["asynchronous"],
                            rec["backward"]))
-    return Schedule(out, seconds, replay.seconds["matmul"], replay.seconds["other"])
+    return Schedule(out, seconds, replay.seconds["matmul"], replay.seconds["other"],
+                    replay.kernels)
 
 
 def summary(overlaps: list[Overlap]) -> dict[str, dict]:

@@ -513,13 +513,14 @@ class BoundStep:
         if grid.pipe > 1:
             return PipelineEngine(compute, pipeline_lib.make_schedule(
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
-        # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
-        alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
+        in_step = o.compress_bits and self.parts.process_reducer is None
+        # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a
+        # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
+        alone = axes == ("data",) and grid.data == 1 and not in_step
         # The reduction over `data` issued layer by layer in the backward (exact, or CGX's where
         # its reducer offers it), for float32 device parameters: a layer's sum returns in its
         # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
         # before they are cast back.
-        in_step = o.compress_bits and self.parts.process_reducer is None
         layer = self.reducer.layer_exchange if in_step else None
         wide = not o.offload_optimizer or o.dtype == "float32"
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,

@@ -37,7 +37,7 @@ from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import context as context_lib, exchange, pipeline as pipeline_lib
 from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
-from .compute import ComputeFunctions
+from .compute import ComputeFunctions, activation_dtype
 from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
@@ -539,10 +539,10 @@ class BoundStep:
 
     def _block_cost(self) -> activations.BlockCost:
         """One block's costs at this device's share of the activations (`data`, `depth` split)."""
-        o, grid = self.parts.options, self.parts.grid
+        grid = self.parts.grid
         x = self.fns.activation
         local = jax.ShapeDtypeStruct((x.shape[0] // (grid.data * grid.depth), *x.shape[1:]),
-                                     self.compute_dtype if o.dtype != "float32" else x.dtype)
+                                     activation_dtype(x.dtype, self.compute_dtype))
         dtype = self.compute_dtype  # the step casts the parameters to it before the blocks
         one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(dtype), p),
                                    jax.eval_shape(self.fns.init, jax.random.key(0))["blocks"])

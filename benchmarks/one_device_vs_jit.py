@@ -101,6 +101,7 @@ def compiled_texts(model_name: str, batch: int, seq_len: int) -> dict[str, str]:
 
 
 def markdown(report: dict, top: int) -> str:
+    """The report as a page: both steps, then the `top` operations whose time or kernels differ."""
     plain, ours = report["steps"]["plain jit"], report["steps"]["axonn_jax"]
     lines = [f"# One device: axonn_jax's step against a plain `jax.jit` step ({report['model']}, "
              f"batch {report['batch']} × {report['seq_len']})", "",
@@ -119,7 +120,11 @@ def markdown(report: dict, top: int) -> str:
              "[one_device_vs_jit_notes.md](one_device_vs_jit_notes.md).", "",
              "The operations whose replayed time differs most (ms per step, kernels per step):", "",
              "| operation | plain jit ms (kernels) | axonn_jax ms (kernels) |", "|---|---|---|"]
-    for row in report["differences"][:top]:
+    differing = [r for r in report["differences"] if r["plain_kernels"] != r["axonn_kernels"]
+                 or abs(r["plain_ms"] - r["axonn_ms"]) > 1e-6]
+    if not differing:
+        lines[-4:] = ["No operation's replayed time or kernel count differs."]
+    for row in differing[:top]:
         lines.append(f"| `{row['operation']}` | {row['plain_ms']:.3f} ({row['plain_kernels']:.0f}) "
                      f"| {row['axonn_ms']:.3f} ({row['axonn_kernels']:.0f}) |")
     return "\n".join(lines) + "\n"

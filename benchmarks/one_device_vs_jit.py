@@ -10,8 +10,9 @@ clipping: `analysis.step_bench.axonn_step` on one device and `analysis.step_benc
 ("gspmd dp" on one device: `jax.value_and_grad` of the loss and the same update). Each compiled
 module is replayed by `analysis.overlap` on `h100-dgx`; every kernel's replayed time is summed
 by the JAX operation it came from (its `op_name`, with the transformation wrappers removed).
-Writes one_device_vs_jit.json and .md: the two steps, their kernel counts, and the operations
-whose time differs most.
+Writes one_device_vs_jit.json and .md: the two steps, their kernel counts and HBM bytes
+(`analysis.overlap.kernel_count`, `hbm_bytes`), how many instructions either module has that the
+other lacks, and the operations whose time differs most.
 """
 from __future__ import annotations
 
@@ -68,13 +69,26 @@ def kernel_times(text: str) -> tuple[float, dict[str, list[float]]]:
     return step, dict(found)
 
 
+def unshared_instructions(a: str, b: str) -> int:
+    """How many instructions of module `a` or `b` the other lacks, instructions taken as (opcode,
+    result shape) over every computation (names and metadata aside)."""
+    from axonn_jax.analysis.hlo_module import read_module
+
+    def bag(text):
+        return collections.Counter((i.opcode, re.sub(r"\{[^}]*\}", "", i.shape))
+                                   for comp in read_module(text).computations.values()
+                                   for i in comp)
+
+    x, y = bag(a), bag(b)
+    return sum(((x - y) + (y - x)).values())
+
+
 def compiled_texts(model_name: str, batch: int, seq_len: int) -> dict[str, str]:
     """{"plain jit": module text, "axonn_jax": module text} for one abstract H100."""
     import jax.numpy as jnp
     import numpy as np
     import optax
 
-    from axonn_jax import ParallelConfig
     from axonn_jax.analysis import step_bench, targets
     from axonn_jax.models import gpt
 
@@ -82,33 +96,35 @@ def compiled_texts(model_name: str, batch: int, seq_len: int) -> dict[str, str]:
     model = gpt.stacked(config, jnp.bfloat16)
     tokens = np.zeros((batch, seq_len + 1), np.int32)
     example = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    devices = targets.h100_devices(1)[:1]
-    builds = {"plain jit": lambda: step_bench.gspmd_step(
-                  "gspmd dp", model, optax.adamw(1e-4), example, devices, 1.0, abstract=True),
-              "axonn_jax": lambda: step_bench.axonn_step(
-                  ParallelConfig(), model, optax.adamw(1e-4), example, devices, 1.0,
-                  abstract=True)}
-    texts = {}
-    for name, build in builds.items():
-        step, state, placed = build()
-        texts[name] = step.lower(state, placed).compile().as_text()
-    return texts
+    return step_bench.one_device_modules(model, optax.adamw(1e-4), example,
+                                         targets.h100_devices(1)[0])
 
 
 def markdown(report: dict, top: int) -> str:
+    """The report as a page: both steps, then the `top` operations whose time or kernels differ."""
     plain, ours = report["steps"]["plain jit"], report["steps"]["axonn_jax"]
     lines = [f"# One device: axonn_jax's step against a plain `jax.jit` step ({report['model']}, "
              f"batch {report['batch']} × {report['seq_len']})", "",
              f"`python benchmarks/one_device_vs_jit.py` (its docstring says how), jaxlib "
              f"{report['jaxlib']}, {report['date']}: compiled for one abstract H100 and replayed "
              "on `h100-dgx`. No GPU ran this.", "",
-             "| step | replayed s | kernels per step |", "|---|---|---|",
-             f"| plain jit | {plain['step_s']:.4f} | {plain['kernels']:.0f} |",
+             "| step | replayed s | kernels per step | HBM GB per step |", "|---|---|---|---|",
+             f"| plain jit | {plain['step_s']:.4f} | {plain['kernels']:.0f} | "
+             f"{plain['hbm_bytes'] / 1e9:.2f} |",
              f"| axonn_jax | {ours['step_s']:.4f} ({ours['step_s'] / plain['step_s']:.3f}×) | "
-             f"{ours['kernels']:.0f} |", "",
+             f"{ours['kernels']:.0f} | {ours['hbm_bytes'] / 1e9:.2f} |", "",
+             "Kernels and HBM bytes: `analysis.overlap.kernel_count` and `hbm_bytes` (loop bodies "
+             "once per trip; what `tests/test_compile_h100.py` compares on a smaller GPT). "
+             f"Instructions of either module the other lacks (opcode and result shape, over every "
+             f"computation): {report['unshared_instructions']}. What differed before and why: "
+             "[one_device_vs_jit_notes.md](one_device_vs_jit_notes.md).", "",
              "The operations whose replayed time differs most (ms per step, kernels per step):", "",
              "| operation | plain jit ms (kernels) | axonn_jax ms (kernels) |", "|---|---|---|"]
-    for row in report["differences"][:top]:
+    differing = [r for r in report["differences"] if r["plain_kernels"] != r["axonn_kernels"]
+                 or abs(r["plain_ms"] - r["axonn_ms"]) > 1e-6]
+    if not differing:
+        lines[-4:] = ["No operation's replayed time or kernel count differs."]
+    for row in differing[:top]:
         lines.append(f"| `{row['operation']}` | {row['plain_ms']:.3f} ({row['plain_kernels']:.0f}) "
                      f"| {row['axonn_ms']:.3f} ({row['axonn_kernels']:.0f}) |")
     return "\n".join(lines) + "\n"
@@ -128,10 +144,14 @@ def main(argv=None) -> int:
 
     import jax
 
+    from axonn_jax.analysis import overlap
+
     steps, ops = {}, {}
-    for name, text in compiled_texts(args.model, args.batch, args.seq_len).items():
+    texts = compiled_texts(args.model, args.batch, args.seq_len)
+    for name, text in texts.items():
         step, ops[name] = kernel_times(text)
-        steps[name] = {"step_s": step, "kernels": sum(k for _, k in ops[name].values())}
+        steps[name] = {"step_s": step, "kernels": overlap.kernel_count(text),
+                       "hbm_bytes": overlap.hbm_bytes(text)}
     plain, ours = ops["plain jit"], ops["axonn_jax"]
     rows = [{"operation": op, "plain_ms": 1e3 * plain.get(op, [0, 0])[0],
              "plain_kernels": plain.get(op, [0, 0])[1], "axonn_ms": 1e3 * ours.get(op, [0, 0])[0],
@@ -139,6 +159,7 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: -abs(r["axonn_ms"] - r["plain_ms"]))
     report = {"model": args.model, "batch": args.batch, "seq_len": args.seq_len,
               "jaxlib": jax.__version__, "date": str(datetime.date.today()), "steps": steps,
+              "unshared_instructions": unshared_instructions(*texts.values()),
               "differences": rows}
     out = pathlib.Path(args.out)
     (out / "one_device_vs_jit.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -221,6 +221,38 @@ def test_a_layer_cast_into_a_stack_touches_one_layer():
     assert costs.memory_bytes(main["last"], shapes) == 512 * 1024 * (4 + 2)
 
 
+ASYNC_UPDATE = """HloModule a, is_scheduled=true
+
+%fused_dus (p0: f32[8,256], p1: s32[], p2: f32[256]) -> f32[8,256] {
+  %p0 = f32[8,256]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[256]{0} parameter(2)
+  %row = f32[1,256]{1,0} bitcast(%p2)
+  %c0 = s32[] constant(0)
+  ROOT %u = f32[8,256]{1,0} dynamic-update-slice(%p0, %row, %p1, %c0)
+}
+
+ENTRY %main (s: f32[8,256], i: s32[], r: f32[256]) -> f32[8,256] {
+  %s = f32[8,256]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %r = f32[256]{0} parameter(2)
+  %fs = ((f32[8,256]{1,0}, s32[], f32[256]{0}), f32[8,256]{1,0}, u32[]) fusion-start(%s, %i, %r), kind=kLoop, calls=%fused_dus
+  ROOT %fd = f32[8,256]{1,0} fusion-done(%fs)
+}
+"""
+
+
+def test_kernels_and_hbm_bytes_per_call():
+    """`kernels` counts each fusion and collective start once per loop trip, the costlier
+    branch of a conditional, no `-done`; an asynchronous fusion (`fusion-start`, whose shape
+    holds its whole operands) costs what it touches, as if run synchronously: the updated row
+    written, the row and the index read."""
+    assert overlap.kernel_count(STRAIGHT) == 4  # all-gather, dot, all-reduce, add
+    assert overlap.kernel_count(PIPELINED) == 4 * 2 + 1  # (dot, all-reduce) per trip; the send
+    assert overlap.kernel_count(ASYNC_UPDATE) == 1
+    assert overlap.hbm_bytes(ASYNC_UPDATE) == 2 * 256 * 4 + 4
+
+
 PLACED_THEN_SLICED = """HloModule d, is_scheduled=true, num_partitions=16
 
 %placed (p0: bf16[256,1024], p1: bf16[256,1024], p2: bf16[256,1024], p3: bf16[256,1024], p4: s32[], p5: s32[], p6: s32[]) -> bf16[256,1024] {

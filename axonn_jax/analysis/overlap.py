@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Callable
 
 from . import hlo
 from .comm_model import Machine, link_time
@@ -611,6 +612,29 @@ def _hidden(exposed: float, comm: float) -> float:
     return max(0.0, 1.0 - exposed / comm) if comm else 1.0
 
 
+def _per_call(costs: _Costs, of: Callable[[Instruction, dict], float]) -> float:
+    """The sum of `of(instruction, shapes so far)` over the kernels and collectives one call of
+    `costs`' module runs: loop bodies once per trip, the costliest branch of a conditional,
+    called computations inlined; parameters, tuples and the like (`_FREE`) and the `-done` of
+    asynchronous ops not counted."""
+    def walk(comp: str) -> float:
+        total, shapes = 0.0, {}
+        for instr in costs.comps.get(comp, []):
+            shapes[instr.name] = instr.shape
+            if instr.opcode == "while":
+                body, trips = loop(instr, "time")
+                total += trips * walk(body)
+            elif instr.opcode == "conditional":
+                total += max((walk(b) for b in branch_names(instr.rest)), default=0.0)
+            elif instr.opcode == "call":
+                total += sum(walk(c) for c in called(instr.rest))
+            elif instr.opcode not in _FREE and not instr.opcode.endswith("-done"):
+                total += of(instr, shapes)  # an asynchronous op's `-done` waits: its start works
+        return total
+
+    return walk(costs.module.entry)
+
+
 def hbm_bytes(text: str) -> float:
     """HBM bytes one device reads and writes per call of the compiled module `text`: every
     kernel's operands and result (`_Costs.memory_bytes`: slices and in-place updates counted as
@@ -619,25 +643,19 @@ def hbm_bytes(text: str) -> float:
     compile-only devices (whose cost analysis is empty)."""
     costs = _Costs(text, None)  # no rates needed: bytes only
 
-    def walk(comp: str) -> float:
-        total, shapes = 0.0, {}
-        for instr in costs.comps.get(comp, []):
-            shapes[instr.name] = instr.shape
-            op = instr.opcode
-            if op in _ASYNC_KINDS or op == "async-start":  # shape: ((operands), results)
-                total += shape_bytes(instr.shape)
-            elif op in hlo.OPCODES:
-                total += sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-                total += shape_bytes(instr.shape)
-            elif op == "while":
-                body, trips = loop(instr, "time")
-                total += trips * walk(body)
-            elif op == "conditional":
-                total += max((walk(b) for b in branch_names(instr.rest)), default=0.0)
-            elif op == "call":
-                total += sum(walk(c) for c in called(instr.rest))
-            elif op not in _FREE:
-                total += costs.memory_bytes(instr, shapes)
-        return total
+    def of(instr: Instruction, shapes: dict) -> float:
+        if instr.opcode in _ASYNC_KINDS or instr.opcode == "async-start":  # ((operands), results)
+            return shape_bytes(instr.shape)
+        if instr.opcode in hlo.OPCODES:
+            return sum(shape_bytes(shapes.get(o, "")) for o in instr.operands) + \
+                shape_bytes(instr.shape)
+        return costs.memory_bytes(instr, shapes)
 
-    return walk(costs.module.entry)
+    return _per_call(costs, of)
+
+
+def kernel_count(text: str) -> float:
+    """How many kernels and collectives one device launches per call of the compiled module
+    `text` (a fusion, a library call, a collective's start: one each; loop bodies once per
+    trip)."""
+    return _per_call(_Costs(text, None), lambda instr, shapes: 1.0)

@@ -192,6 +192,23 @@ def axonn_step(grid: ParallelConfig, model: StackedModel, optimizer, batch, devi
     return step, step.init_state(jax.random.key(0), batch), step.place_batch(batch)
 
 
+def one_device_modules(model: StackedModel, optimizer, batch, device,
+                       clip_norm: float | None = 1.0) -> dict[str, str]:
+    """`{"plain jit": text, "axonn_jax": text}`: the compiled modules of a plain `jax.jit` step
+    ("gspmd dp" on one device: `jax.value_and_grad` of the loss and the same update) and of
+    axonn_jax's step on the grid of one device, both for `device` (abstract state and batch:
+    compile only, e.g. for an abstract H100 of `analysis.targets`)."""
+    builds = {"plain jit": lambda: gspmd_step("gspmd dp", model, optimizer, batch, [device],
+                                              clip_norm, abstract=True),
+              "axonn_jax": lambda: axonn_step(ParallelConfig(), model, optimizer, batch, [device],
+                                              clip_norm, abstract=True)}
+    texts = {}
+    for name, build in builds.items():
+        step, state, placed = build()
+        texts[name] = step.lower(state, placed).compile().as_text()
+    return texts
+
+
 def measure(name: str, step, state, batch, repeats: int) -> dict:
     """Bytes, FLOPs and peak of the compiled step; the first step's loss and the median step
     time (`repeats` 0: compile only, from abstract state: no loss, no time)."""

@@ -1,7 +1,8 @@
 """A model's functions as a train step computes them: parameters cast to the compute dtype for the
-forward (the stored parameters keep theirs), activations in the compute dtype, the loss in float32,
-the blocks given the batch's side inputs and run with an activation plan (`offload.activations`),
-their auxiliary losses added to the loss and their other auxiliary outputs returned as metrics.
+forward (the stored parameters keep theirs), activations in the compute dtype (in the model's own
+where that is narrower: `activation_dtype`), the loss in float32, the blocks given the batch's side
+inputs and run with an activation plan (`offload.activations`), their auxiliary losses added to the
+loss and their other auxiliary outputs returned as metrics.
 Every gradient engine, the in-process ones (`step.engines`) and the message-driven MPI pipeline
 alike, computes through these."""
 from __future__ import annotations
@@ -28,6 +29,15 @@ def cast_floating(tree, dtype):
                         tree)
 
 
+def activation_dtype(model_dtype, dtype):
+    """The dtype activations of `model_dtype` travel between the parts in under compute dtype
+    `dtype`: `dtype`, except that a model computing in a narrower floating dtype keeps its own
+    (widening them would only add bytes: the blocks compute in the model's dtype anyway)."""
+    model_dtype, dtype = jnp.dtype(model_dtype), jnp.dtype(dtype)
+    narrower = jnp.issubdtype(model_dtype, jnp.floating) and model_dtype.itemsize < dtype.itemsize
+    return model_dtype if narrower else dtype
+
+
 def aux_loss(aux: dict) -> jax.Array:
     """The blocks' auxiliary loss (their `aux['loss']` summed over layers), float32."""
     return jnp.sum(aux["loss"]).astype(jnp.float32) if "loss" in aux else jnp.float32(0.0)
@@ -45,7 +55,7 @@ class ComputeFunctions:
     keeps every layer as it is); `fp8`: the tensor-parallel dense layers run FP8 GEMMs (`tp.fp8`;
     `fns` bound with `fp8`); `rings`: they gather their rows in rings (`tp.tensor.collective_matmuls`).
 
-        embed(params['embed'], batch) -> x            x: (rows, ...) in `dtype`
+        embed(params['embed'], batch) -> x            x: (rows, ...) in `activation_dtype`
         blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
         head(head params, y, batch) -> loss           float32 scalar: the mean loss of the rows
         loss_and_metrics(params, batch) -> (loss, metrics)   the three in a row, the blocks'
@@ -90,8 +100,11 @@ class ComputeFunctions:
 
     def embed(self, params, batch):
         with self._kernels():
-            return unbatched_gathers(lambda p, b: self.fns.embed(cast_floating(p, self.dtype), b)
-                                     .astype(self.dtype))(params, batch)
+            def embed(p, b):
+                x = self.fns.embed(cast_floating(p, self.dtype), b)
+                return x.astype(activation_dtype(x.dtype, self.dtype))
+
+            return unbatched_gathers(embed)(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None):
         """The stack on `x` with the plan's groups (or `groups`); `layer_state`: the per-layer

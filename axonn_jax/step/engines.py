@@ -42,10 +42,12 @@ def batch_manual_axes(grid: ParallelConfig) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class SpmdEngine:
-    """Data, expert, context and tensor grids (`pipe` = 1). manual_axes: empty when one
-    data-parallel copy spans tensor-parallel devices and nothing else splits the batch (nothing
-    to reduce, and XLA rejects an all-reduce over the size-1 `data` axis of gradients that come
-    out of the tensor-parallel layers' own shard_maps)."""
+    """Data, expert, context and tensor grids (`pipe` = 1). manual_axes: empty when no batch
+    axis splits the rows and the reduction is exact (one device, or one data-parallel copy
+    spanning tensor-parallel devices): nothing to reduce, so plain autodiff without a shard_map
+    (XLA rejects an all-reduce over the size-1 `data` axis of gradients that come out of the
+    tensor-parallel layers' own shard_maps, and on one device the step is then the plain
+    `jax.jit` step: `benchmarks/results/one_device_vs_jit.md`)."""
 
     compute: ComputeFunctions
     manual_axes: frozenset[str]

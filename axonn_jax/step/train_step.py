@@ -37,7 +37,7 @@ from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import context as context_lib, exchange, pipeline as pipeline_lib
 from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
-from .compute import ComputeFunctions
+from .compute import ComputeFunctions, activation_dtype
 from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
@@ -513,13 +513,14 @@ class BoundStep:
         if grid.pipe > 1:
             return PipelineEngine(compute, pipeline_lib.make_schedule(
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
-        # Nothing to reduce when one data-parallel copy spans tensor-parallel devices.
-        alone = axes == ("data",) and grid.data == 1 and grid.tensor_parallel_size > 1
+        in_step = o.compress_bits and self.parts.process_reducer is None
+        # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a
+        # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
+        alone = axes == ("data",) and grid.data == 1 and not in_step
         # The reduction over `data` issued layer by layer in the backward (exact, or CGX's where
         # its reducer offers it), for float32 device parameters: a layer's sum returns in its
         # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
         # before they are cast back.
-        in_step = o.compress_bits and self.parts.process_reducer is None
         layer = self.reducer.layer_exchange if in_step else None
         wide = not o.offload_optimizer or o.dtype == "float32"
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
@@ -538,10 +539,10 @@ class BoundStep:
 
     def _block_cost(self) -> activations.BlockCost:
         """One block's costs at this device's share of the activations (`data`, `depth` split)."""
-        o, grid = self.parts.options, self.parts.grid
+        grid = self.parts.grid
         x = self.fns.activation
         local = jax.ShapeDtypeStruct((x.shape[0] // (grid.data * grid.depth), *x.shape[1:]),
-                                     self.compute_dtype if o.dtype != "float32" else x.dtype)
+                                     activation_dtype(x.dtype, self.compute_dtype))
         dtype = self.compute_dtype  # the step casts the parameters to it before the blocks
         one_layer = jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0].astype(dtype), p),
                                    jax.eval_shape(self.fns.init, jax.random.key(0))["blocks"])

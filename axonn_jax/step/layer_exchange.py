@@ -186,11 +186,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
                 count -= 1
                 carry = one(carry, r, count)
             if count:
-                # j from the loop's own counter, so that XLA sees each layer's slices indexed by
-                # it and prefetches what they need (weights gathered over `depth`) one iteration
-                # early.
-                carry = lax.fori_loop(0, count, lambda i, c, r=r, n=count: one(c, r, n - 1 - i),
-                                      carry)
+                carry, _ = lax.scan(lambda c, j, r=r: (one(c, r, j), None), carry,
+                                    jnp.arange(count), reverse=True)
         ct_h, flight, grads = carry
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)

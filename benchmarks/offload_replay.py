@@ -23,7 +23,8 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODES = {"on device": {}, "offloaded state": dict(offload_optimizer=True),
          "offloaded state, remat offload": dict(offload_optimizer=True, remat="offload"),
-         "on device, remat full": dict(remat="full")}
+         "on device, remat full": dict(remat="full"),
+         "on device, remat offload": dict(remat="offload")}
 
 
 def measure(layers: int, batch: int, mode: dict, data: int = 1) -> dict:

@@ -396,8 +396,10 @@ NOTES = [
     "heavier branch on every tick, bubble included, so its step time is an upper bound "
     "(benchmarks/results/scale.md).",
     "- **Replay**: `analysis.overlap.report(hlo, {axis: size}, MACHINES['h100-dgx'])` on both "
-    "sides' compiled HLO: one compute and one communication stream, the machine's published "
-    "rates; a collective whose group spans nodes runs at the NIC rate. Not a measurement.",
+    "sides' compiled HLO: one compute stream and a communication stream per kind of link "
+    "(NVLink inside a node, the NICs across nodes: collectives in flight together on different "
+    "links run at once, on the same links one after the other), the machine's published rates; "
+    "a collective whose group spans nodes runs at the NIC rate. Not a measurement.",
 ]
 
 

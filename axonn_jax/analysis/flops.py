@@ -5,8 +5,7 @@ divide by.
   compiled (per-device, SPMD-partitioned) program, matmuls, elementwise ops, reductions and the
   optimizer's update included, counted from its HLO (`hlo.flops`) with XLA's cost-analysis
   conventions but loops multiplied by their trip counts: `compiled.cost_analysis()` counts a
-  `while` body once, so for a step that scans its layers it reports about one layer's worth
-  (0.60× the model's FLOPs for gpt-tiny on one device).
+  `while` body once, so for a step that scans its layers it reports about one layer's worth.
 - `model_flops_per_device(config, tokens, seq_len, devices)`: the model's training FLOPs (forward
   + backward, `flops_per_token`: the matmuls and attention scores) of `tokens` tokens, split
   evenly over `devices`: what an ideal step runs on each device.

@@ -327,8 +327,7 @@ def compiled_peak_bytes(compiled) -> int:
     The live-bytes bound arguments + outputs - aliased + temporaries is used where XLA's
     `peak_memory_in_bytes` falls outside it: the CPU backend's leaves out the temporaries (it can be
     smaller than the temp allocation), and XLA:GPU's counts buffers in host memory too once
-    activations are offloaded (Llama-3-70B on 256 H100s, `--remat offload`: 233 GB against a
-    device bound of 50 GB, with 220 GB of host temporaries beside it).
+    activations are offloaded (it then reports the device bound plus the host temporaries).
     """
     mem = compiled.memory_analysis()
     peak = getattr(mem, "peak_memory_in_bytes", 0)

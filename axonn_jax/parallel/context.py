@@ -610,8 +610,8 @@ class ContextAttention:
     layout (`col`, a normal layer's input axis; None when the rows stay whole). Forward hops or
     gathers are a stage's forward (a pipeline recomputes them) and rematerialized: every
     `--remat` mode runs the kernel's forward again in the backward, its hops included (no
-    policy keeps the attention's inner values; measured, Llama-3.1-8B context 16 on H100: the
-    ring's permutes were 1.23× the count without them); the scheme is the step's
+    policy keeps the attention's inner values, as the compiled H100 step's permutes show); the
+    scheme is the step's
     `context_attention`. No parameters. `heads`: query heads per device (for `working_bytes`)."""
 
     kv_features: float

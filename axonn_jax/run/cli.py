@@ -206,8 +206,8 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine
 
 def _verify(config, shown, args, machine) -> int:
     """`plan --verify K`: the K best grids compiled for abstract H100s and their schedules replayed
-    on `machine` (`analysis.overlap`: within 0.81–0.98× of the step an H200 measured, where the
-    plan's own time was 0.25–0.72×, `benchmarks/results/gpu_calibration.md`), re-ranked by what
+    on `machine` (`analysis.overlap`; its agreement with a measured GPU step, and `plan`'s, are in
+    `benchmarks/results/gpu_calibration.md`), re-ranked by what
     the compiler shows: those that fit first, then by replayed step time; each with the figures
     where model and compiler part by over 10%."""
     import json

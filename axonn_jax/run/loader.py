@@ -144,10 +144,9 @@ class EpochShuffle(grain.MapDataset):
     """The parent's elements in a new order every epoch: element `e·n + i` is the parent's
     `perm_e[i]`, `perm_e` a permutation drawn from (seed, e); `epochs` None: without end.
 
-    (Grain's `shuffle().repeat()` does the same with its Feistel `index_shuffle`, which costs
-    ~1.5 ms per index for a set of 50 and ~0.15 ms for 1000: sets of up to `TABLE_MAX` get a
-    permutation table per epoch instead (4 MiB at most), the last few epochs kept; larger ones
-    use `index_shuffle`, ~5 us per index.)"""
+    (Grain's `shuffle().repeat()` does the same with its Feistel `index_shuffle`, whose cost per
+    index is highest for small sets: sets of up to `TABLE_MAX` get a permutation table per epoch
+    instead (4 MiB at most), the last few epochs kept; larger ones use `index_shuffle`.)"""
 
     TABLE_MAX = 1 << 20
     TABLES_KEPT = 3

@@ -1,5 +1,7 @@
 """CGX's `--compress-scope inter-node`: exact inside each node, compressed between nodes; the 8
 simulated devices stand in for 2 nodes of 4 (or 4 of 2) through `--compress-node-size`."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from axonn_jax import ParallelConfig
 from axonn_jax._compat import shard_map
-from axonn_jax.analysis import comm_model as cm
+from axonn_jax.analysis import comm_model as cm, targets
 from axonn_jax.analysis.hlo import bytes_by_axes
 from axonn_jax.parallel import compression as C
 from axonn_jax.run.cli import main as cli_main
@@ -154,3 +156,23 @@ def test_cli_bad_scope_flags(argv, message, capsys):
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(targets.cuda_compile_problem() is not None, reason="no CUDA compile plugin")
+def test_h100_compile_reports_each_link(capsys):
+    """Compiled for 16 abstract H100s (2 nodes of 8, the default node size on GPUs), data 16, 4
+    bits: the replay puts the exact reduce-scatter on the intra-node link and the all-to-all and
+    all-gather on the inter-node one (`by_link`), and the compiled bytes per kind are the
+    model's."""
+    assert cli_main(["compile", "--target", "h100", "--devices", "16", "--dp", "16",
+                     "--model", "gpt-tiny", "--batch-size", "16", "--seq-len", "64",
+                     "--compress-bits", "4", "--compress-scope", "inter-node",
+                     "--overlap-report", "--json"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    links = {key.split(" on ")[1] for key in report["overlap"]["by_link"]
+             if key.startswith("reduce-scatter over data")}
+    assert links == {"intra-node"}
+    for kind in ("all-to-all", "all-gather"):
+        assert f"{kind} over data on inter-node" in report["overlap"]["by_link"]
+    assert report["comm_bytes_per_device"] == pytest.approx(
+        report["predicted"]["comm_bytes_per_device"], rel=0.05, abs=64)

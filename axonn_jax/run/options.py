@@ -192,7 +192,8 @@ class CompressionOptions:
                         flag="--compress-scope", legacy="compress_scope", choices=SCOPES)
     node_size: int | None = option(None, "CGX: devices per node for --compress-scope "
                                    "inter-node (default: 8 on GPUs, an H100 node; the devices "
-                                   "of one process on CPU)", flag="--compress-node-size",
+                                   "of one process on CPU; in `plan`, the machine's)",
+                                   flag="--compress-node-size",
                                    legacy="compress_node_size", kind=int, metavar="N")
     in_backward: bool = option(True, "CGX: exchange each layer's gradients inside the backward, "
                                "beside the next layers' compute (where the exact exchange runs "

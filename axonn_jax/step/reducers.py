@@ -316,7 +316,8 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
     exact = sum(s.elements for s, w in zip(shards, widths) if not w)
     if node_shards > 1:
         return _inter_node_collectives([s for s, w in zip(shards, widths) if w], parts,
-                                       node_shards, bits, bucket_size, param_bytes, axis) + [
+                                       node_shards, bits, bucket_size, param_bytes, axis,
+                                       layers) + [
             Collective("all-reduce", (axis,), exact * param_bytes)]
     buckets = sum(math.ceil(s.elements / bucket_size) for s, w in zip(shards, widths) if w)
     packed = math.ceil(buckets / parts) * parts * compression.bucket_bytes(bits, bucket_size,
@@ -326,18 +327,22 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
 
 
 def _inter_node_collectives(shards, parts: int, node_shards: int, bits: int, bucket_size: int,
-                            param_bytes: int, axis: str) -> list[Collective]:
-    """The compressed shards' collectives under scope `inter-node`: each shard padded to whole
+                            param_bytes: int, axis: str, layers: int = 1) -> list[Collective]:
+    """The compressed shards' collectives under scope `inter-node`: each tensor padded to whole
     chunks, one per shard of a node, reduce-scattered exactly inside the node (a group of
-    `node_shards` neighbours); the chunks in whole buckets, the buffer in whole parts per node,
+    `node_shards` neighbours); the chunks in whole buckets, each buffer in whole parts per node,
     sent by an all-to-all between the `parts / node_shards` nodes; the packed result all-gathered
-    over the whole axis."""
+    over the whole axis. A block shard is exchanged layer by layer (inside the backward: one
+    buffer per layer), the others in one buffer."""
     nodes = parts // node_shards
-    chunks = [math.ceil(s.elements / node_shards) for s in shards]
-    buckets = sum(math.ceil(c / bucket_size) for c in chunks)
-    packed = math.ceil(buckets / nodes) * nodes * compression.bucket_bytes(bits, bucket_size,
-                                                                            param_bytes)
-    return [Collective("reduce-scatter", (axis,), sum(chunks) * node_shards * param_bytes,
+    elements, parts_sent = 0, 0  # reduce-scattered elements; buckets sent, buffers padded
+    per_layer = [s for s in shards if _one_layer(s, layers) is not s]
+    for group, count in ((per_layer, layers), ([s for s in shards if s not in per_layer], 1)):
+        chunks = [math.ceil(s.elements / count / node_shards) for s in group]
+        elements += count * node_shards * sum(chunks)
+        parts_sent += count * math.ceil(sum(math.ceil(c / bucket_size) for c in chunks) / nodes)
+    packed = parts_sent * nodes * compression.bucket_bytes(bits, bucket_size, param_bytes)
+    return [Collective("reduce-scatter", (axis,), elements * param_bytes,
                        group_size=node_shards, span=node_shards),
             Collective("all-to-all", (axis,), packed, group_size=nodes),
             Collective("all-gather", (axis,), packed * node_shards)]

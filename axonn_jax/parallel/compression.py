@@ -21,6 +21,12 @@ less than `scale`.
 4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer, which each
    tensor's result dequantizes from directly.
 
+Between nodes only (`node_size`, `Nodes`; CGX's hierarchical mode, `--compress-scope inter-node`):
+each compressed tensor is first summed exactly inside its node and reduce-scattered there
+(`psum_scatter` over the node's shards), steps 1–3 run on each shard's chunk among the shards at
+its place in every node, and step 4 all-gathers the packed result over the whole axis (the only
+gather JAX types as replicated over the axis).
+
 Which tensors are compressed, at which width: rules on the '/'-joined parameter path
 (`parse_rule`: `PATTERN=BITS` or `PATTERN=exact`), else CGX's filter: 1-D tensors and those of
 fewer than `min_size` elements (per layer for stacked layers) take an exact `psum`.
@@ -355,12 +361,14 @@ def nodes_of(axis_name: str, node_size: int | None) -> Nodes | None:
 
 def node_collectives(nodes: Nodes) -> Collectives:
     """The collectives between the shards at this shard's place in every node; `index` is the
-    shard's index on the whole axis (its rounding noise differs from every other shard's)."""
+    shard's index on the whole axis (its rounding noise differs from every other shard's). No
+    `psum`: JAX has none over groups of an axis inside shard_map, and the exact tensors take the
+    whole axis's."""
     groups = nodes.across()
     return Collectives(nodes.count, jax.lax.axis_index(nodes.axis), None,
                        lambda a: jax.lax.all_to_all(a, nodes.axis, 0, 0,
                                                     axis_index_groups=groups),
-                       None)
+                       lambda a: jax.lax.all_gather(a, nodes.axis, axis_index_groups=groups))
 
 
 def _node_chunk(x: jax.Array, r, nodes: Nodes) -> jax.Array:
@@ -496,12 +504,13 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
             buffers.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
     groups = []
     for g, ((w, _, _), idx) in enumerate(sorted(buffers.items())):
-        second = _key_for(key, g, 1, comm.index)
-        scatter = _scatter_group if nodes is None else \
-            lambda *a: _node_scatter_group(a[0], a[1], nodes, *a[3:])  # noqa: E731
-        received, counts, errors = scatter(
-            [leaves[i] for i in idx], [res[i] for i in idx], comm, w, bucket_size,
-            _key_for(key, g, 0, comm.index), impl)
+        first, second = (_key_for(key, g, stage, comm.index) for stage in (0, 1))
+        xs, rs = [leaves[i] for i in idx], [res[i] for i in idx]
+        if nodes is None:
+            received, counts, errors = _scatter_group(xs, rs, comm, w, bucket_size, first, impl)
+        else:
+            received, counts, errors = _node_scatter_group(xs, rs, nodes, w, bucket_size, first,
+                                                           impl)
         value["groups"].append({
             "received": received, "key": None if second is None else jax.random.key_data(second)})
         groups.append((w, idx, counts))
@@ -524,10 +533,13 @@ def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE
         out[i] = value["exact"][k]
     for (w, idx, counts), part in zip(plan.groups, value["groups"]):
         key = None if part["key"] is None else jax.random.wrap_key_data(part["key"])
-        gather = _gather_group if plan.nodes is None else \
-            lambda *a: _node_gather_group(a[0], a[1], a[2], plan.nodes, *a[4:])  # noqa: E731
-        ys = gather(part["received"], [plan.like[i] for i in idx], counts, plan.comm, w,
-                    bucket_size, key, mean, impl)
+        like = [plan.like[i] for i in idx]
+        if plan.nodes is None:
+            ys = _gather_group(part["received"], like, counts, plan.comm, w, bucket_size, key,
+                               mean, impl)
+        else:
+            ys = _node_gather_group(part["received"], like, counts, plan.nodes, w, bucket_size,
+                                    key, mean, impl)
         for i, y in zip(idx, ys):
             out[i] = y
     return plan.treedef.unflatten(out)

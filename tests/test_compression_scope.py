@@ -101,8 +101,15 @@ def test_inter_node_8bit_tracks_exact_trajectory(devices, corpus, grid, node_siz
         assert_steps_match(got[0], after[0], 1e-6)
 
 
-def test_scope_checks():
-    """A scope outside `SCOPES` and inter-node between processes (MPI) are refused."""
+def test_scope_from_yaml_and_checks(tmp_path):
+    """`compression.scope` and `compression.node_size` from YAML; a scope outside `SCOPES` and
+    inter-node between processes (MPI) are refused."""
+    from axonn_jax.run import config as run_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("compression:\n  bits: 4\n  scope: inter-node\n  node_size: 4\n")
+    c = run_config.load_file(path).compression
+    assert (c.scope, c.node_size) == ("inter-node", 4)
     with pytest.raises(ValueError, match="--compress-scope must be one of all, inter-node"):
         TrainOptions(compress_bits=4, compress_scope="nodes")
     found = option_problems(ParallelConfig(data=2), schedule="1f1b", microbatches=1,

@@ -78,12 +78,14 @@ def test_inter_node_psum_within_bound_of_node_sums(data_mesh, node_size):
 SCOPED = dict(compress_bits=8, compress_scope="inter-node")
 
 
-@pytest.mark.parametrize("grid, node_size", [(dict(data=8), 4), (dict(data=4, row=2), 4)],
-                         ids=["data8-nodes-of-4", "data4-row2-nodes-of-2-shards"])
+@pytest.mark.parametrize("grid, node_size", [(dict(data=8), 2), (dict(data=4, row=2), 4)],
+                         ids=["data8-4-nodes-of-2", "data4-row2-2-nodes-of-2-shards"])
 def test_inter_node_8bit_tracks_exact_trajectory(devices, corpus, grid, node_size):  # noqa: F811
-    """8 bits between nodes tracks the exact step as closely as 8 bits over all devices does
-    (`assert_tracks`), each layer exchanged inside the backward; the residuals keep the
-    parameters' shapes, split over data; exchanged after the backward, the same losses."""
+    """8 bits between nodes tracks the exact step within the bounds 8 bits over all devices
+    keeps to (`assert_tracks`), each layer exchanged inside the backward; the residuals keep the
+    parameters' shapes, split over data; exchanged after the backward, the same losses. (A
+    node's sum spans a wider range than one device's gradient, so its buckets round coarser than
+    under scope all: docs/modes/compression.md gives the distances.)"""
     grid = ParallelConfig(**grid)
     exact = run(TrainOptions(**OPTS, parallel=grid), devices, corpus)
     got = run(TrainOptions(**OPTS, parallel=grid, compress_node_size=node_size, **SCOPED),

@@ -75,6 +75,31 @@ def test_inter_node_psum_within_bound_of_node_sums(data_mesh, node_size):
     np.testing.assert_allclose(np.asarray(mean["w"]) * n, out["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_inter_node_stochastic_rounding_follows_the_key(data_mesh):
+    """Stochastic rounding between nodes: unbiased noise from the key (two keys, two results),
+    each within twice the nearest-rounding steps of the node sums and their sum."""
+    tree = {"w": jax.random.normal(jax.random.key(2), (8, 4, 64))}
+    zeros = jax.tree.map(jnp.zeros_like, tree)
+    outs = [np.asarray(psum_over(data_mesh, tree, zeros, bits=4, bucket_size=B, min_size=1,
+                                 node_size=4, key=jax.random.key(k))[0]["w"]) for k in range(2)]
+    nodes = np.asarray(tree["w"], np.float64).reshape(2, 4, -1).sum(1)
+    step = sum(np.ptp(f) for f in nodes) / 15 + np.ptp(nodes.sum(0)) * 2 / 15
+    for out in outs:
+        assert np.abs(out.ravel() - nodes.sum(0)).max() <= 2 * step
+    assert np.any(outs[0] != outs[1])
+
+
+def test_residuals_are_laid_out_alike_under_both_scopes(devices):
+    """The error-feedback state has the same shapes and placement under scope all and
+    inter-node, so a checkpoint of one restores (and reshards) under the other."""
+    states = [build_trainer(TrainOptions(parallel=ParallelConfig(data=4, row=2), compress_bits=4,
+                                         compress_scope=scope, compress_node_size=4),
+                            devices).init_state(abstract=True).reducer
+              for scope in ("all", "inter-node")]
+    for a, b in zip(*(jax.tree.leaves(s) for s in states)):
+        assert a.shape == b.shape and a.sharding.is_equivalent_to(b.sharding, len(a.shape))
+
+
 SCOPED = dict(compress_bits=8, compress_scope="inter-node")
 
 

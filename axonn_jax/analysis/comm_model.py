@@ -162,7 +162,8 @@ class Workload:
     compress_bits: int = 0
     compress_scope: str = "all"
     """CGX's `--compress-scope`: `inter-node` sums exactly inside nodes of
-    `compress_node_size` devices (None: `devices_per_node`'s default, `node_devices`)."""
+    `compress_node_size` devices (None: the step's default, `node_shards`; `plan` sets the
+    machine's `devices_per_node`)."""
     compress_node_size: int | None = None
     reduce_dtype: str = "float32"
     """What the exact data-parallel exchange sends (`parallel.exchange`): XLA:CPU runs a bfloat16

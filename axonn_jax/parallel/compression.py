@@ -42,8 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from . import quantizer
 from .._compat import (all_gather_invariant, current_mesh, psum, psum_scatter, shard_map,
-                       to_varying,
-                       varying_axes)
+                       to_varying, varying_axes)
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024

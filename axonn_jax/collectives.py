@@ -68,6 +68,10 @@ class Collective:
     group_size: int = 0
     """Devices per group when the group is part of an axis (GSPMD's sub-groups of `row`);
     0: all the devices of `axes`."""
+    span: int = 0
+    """Consecutive devices of `axes` each group lies within (one node's share of `data` under
+    CGX's inter-node scope: the group is `span` neighbours); 0: a group may spread over all of
+    them (what decides whether it crosses nodes)."""
     copied: float = 0.0
     """HBM bytes read and written per occurrence to put what it brought in place (a collective
     matmul's ring: each block's product and rows copied into the gathered result); `predict`

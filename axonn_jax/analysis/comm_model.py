@@ -160,6 +160,11 @@ class Workload:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # interleaved-1f1b's chunks per stage
     compress_bits: int = 0
+    compress_scope: str = "all"
+    """CGX's `--compress-scope`: `inter-node` sums exactly inside nodes of
+    `compress_node_size` devices (None: the step's default, `node_shards`; `plan` sets the
+    machine's `devices_per_node`)."""
+    compress_node_size: int | None = None
     reduce_dtype: str = "float32"
     """What the exact data-parallel exchange sends (`parallel.exchange`): XLA:CPU runs a bfloat16
     exchange's collectives in float32, so on `platform` cpu it counts 4 bytes an element."""
@@ -202,6 +207,17 @@ class Workload:
         holding every expert takes every token's choices whatever their spread."""
         return self.expert_imbalance if grid.expert > 1 else 1.0
 
+    def node_shards(self, grid: ParallelConfig) -> int:
+        """Data shards per node that CGX's exchange sums exactly (`step.reducers.node_shards`):
+        1 under scope `all`; under `inter-node`, `compress_node_size` devices (default 8 on a
+        GPU, an H100 node; on CPU every device, one process) over those of the axes inside
+        `data`, at most `grid.data` (one node: nothing compressed)."""
+        if not self.compress_bits or self.compress_scope != "inter-node":
+            return 1
+        devices = self.compress_node_size or (8 if self.platform == "gpu" else grid.num_devices)
+        inner = math.prod(getattr(grid, a) for a in AXES[AXES.index("data") + 1:])
+        return min(grid.data, max(1, devices // inner))
+
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
         rings = collective_matmuls_on(self.collective_matmul, self.platform, self.fp8)
@@ -239,7 +255,7 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
              *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
                                    param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
                                    piece_bytes=4 if work.platform == "cpu" else 2,
-                                   layers=stage_layers),
+                                   layers=stage_layers, node_shards=work.node_shards(grid)),
              *batch_axes_collectives(d, work.step(grid))]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
@@ -425,7 +441,7 @@ def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> f
     # An axis group spans nodes when its devices are further apart than one node: the stride of
     # an axis is the product of the sizes of the axes inside it (mesh order, col fastest).
     inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
-    outer_span = inner * math.prod(getattr(grid, a) for a in c.axes)
+    outer_span = inner * (c.span or math.prod(getattr(grid, a) for a in c.axes))
     return c.count * link_time(c.kind, c.size, g, outer_span > machine.devices_per_node, machine)
 
 

@@ -204,13 +204,16 @@ def table(reports: list[CompileReport]) -> list[list[str]]:
 
 
 def overlap_table(report: CompileReport) -> list[list[str]]:
-    """Rows (header first) of a compiled step's overlap (`report.overlap`): per collective kind and
-    mesh axes, the wire bytes, the share of them with matmul compute scheduled between start and
-    done, the communication time and the share of it the schedule hides; then the whole step."""
+    """Rows (header first) of a compiled step's overlap (`report.overlap`): per collective kind,
+    mesh axes and link (inside a node, across nodes, the host's), the wire bytes, the share of
+    them with matmul compute scheduled between start and done, the communication time and the
+    share of it the schedule hides; then the whole step."""
     o = report.overlap
-    rows = [["collectives", "GB", "with compute", "comm ms", "exposed ms", "hidden"]]
-    for key, r in [*o["by_axes"].items(), ("all", o["total"])]:
-        rows.append([key, f"{r['bytes'] / 1e9:.2f}", f"{r['with_compute']:.0%}",
+    rows = [["collectives", "link", "GB", "with compute", "comm ms", "exposed ms", "hidden"]]
+    links = o.get("by_link") or {f"{k} on -": r for k, r in o["by_axes"].items()}
+    for key, r in [*links.items(), ("all on -", o["total"])]:
+        name, _, link = key.rpartition(" on ")
+        rows.append([name, link, f"{r['bytes'] / 1e9:.2f}", f"{r['with_compute']:.0%}",
                      f"{r['comm_s'] * 1e3:.2f}", f"{r['exposed_s'] * 1e3:.2f}",
                      f"{r['hidden']:.0%}"])
     return rows

@@ -79,6 +79,8 @@ class Overlap:
     exposed_s: float
     asynchronous: bool
     backward: bool
+    link: str = ""
+    """What it runs on: `intra-node` (NVLink), `inter-node` (the NICs), or `host`."""
 
     @property
     def with_compute(self) -> bool:
@@ -553,10 +555,12 @@ class Schedule:
         return sum(o.exposed_s * o.executions for o in self.overlaps)
 
     def as_dict(self) -> dict:
-        """The JSON of `axonn-jax compile --overlap-report`: the step's parts and `summary`."""
+        """The JSON of `axonn-jax compile --overlap-report`: the step's parts and `summary`,
+        per kind and axes (`by_axes`) and per kind, axes and link (`by_link`)."""
         return {"step_s": self.step_s, "matmul_s": self.matmul_s, "other_s": self.other_s,
                 "exposed_comm_s": self.exposed_s, "total": totals(self.overlaps),
-                "by_axes": summary(self.overlaps)}
+                "by_axes": summary(self.overlaps),
+                "by_link": summary(self.overlaps, by_link=True)}
 
 
 def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
@@ -570,18 +574,20 @@ def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
         out.append(Overlap(rec["kind"], rec["name"], rec["axes"], round(rec["weight"]),
                            rec["wire_bytes"], rec["comm_s"], rec["flops"] / n, rec["matmul"] / n,
                            rec["window_s"] / n, rec["exposed"] / n, rec["asynchronous"],
-                           rec["backward"]))
+                           rec["backward"], rec.get("link", "host")))
     return Schedule(out, seconds, replay.seconds["matmul"], replay.seconds["other"],
                     replay.kernels)
 
 
-def summary(overlaps: list[Overlap]) -> dict[str, dict]:
-    """`{"kind over axes": figures}` per step: `bytes` (wire), `with_compute` (share of the bytes
-    whose window holds matmul compute), `comm_s`, `exposed_s`, `hidden` (share of the
-    communication time the schedule hides), `collectives` (executions)."""
+def summary(overlaps: list[Overlap], by_link: bool = False) -> dict[str, dict]:
+    """`{"kind over axes": figures}` per step (`by_link`: `{"kind over axes on link": ...}`, the
+    collectives of one kind and axes that run inside nodes apart from those across):
+    `bytes` (wire), `with_compute` (share of the bytes whose window holds matmul compute),
+    `comm_s`, `exposed_s`, `hidden` (share of the communication time the schedule hides),
+    `collectives` (executions)."""
     out: dict[str, dict] = {}
     for o in overlaps:
-        key = f"{o.kind} over {'+'.join(o.axes) or 'none'}"
+        key = f"{o.kind} over {'+'.join(o.axes) or 'none'}" + (f" on {o.link}" if by_link else "")
         row = out.setdefault(key, dict(bytes=0.0, bytes_with_compute=0.0, comm_s=0.0,
                                        exposed_s=0.0, collectives=0))
         row["bytes"] += o.wire_bytes * o.executions

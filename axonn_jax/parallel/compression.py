@@ -21,6 +21,12 @@ less than `scale`.
 4. `all_gather` of the re-quantized chunks gives every shard the whole reduced buffer, which each
    tensor's result dequantizes from directly.
 
+Between nodes only (`node_size`, `Nodes`; CGX's hierarchical mode, `--compress-scope inter-node`):
+each compressed tensor is first summed exactly inside its node and reduce-scattered there
+(`psum_scatter` over the node's shards), steps 1–3 run on each shard's chunk among the shards at
+its place in every node, and step 4 all-gathers the packed result over the whole axis (the only
+gather JAX types as replicated over the axis).
+
 Which tensors are compressed, at which width: rules on the '/'-joined parameter path
 (`parse_rule`: `PATTERN=BITS` or `PATTERN=exact`), else CGX's filter: 1-D tensors and those of
 fewer than `min_size` elements (per layer for stacked layers) take an exact `psum`.
@@ -35,8 +41,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import quantizer
-from .._compat import (all_gather_invariant, current_mesh, psum, shard_map, to_varying,
-                       varying_axes)
+from .._compat import (all_gather_invariant, current_mesh, psum, psum_scatter, shard_map,
+                       to_varying, varying_axes)
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024
@@ -233,13 +239,14 @@ def _leaf_rows(x: jax.Array, bucket_size: int) -> jax.Array:
 
 
 def _scatter_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits: int,
-                   bucket_size: int, key, impl: str = "auto"):
+                   bucket_size: int, key, impl: str = "auto", errors: bool = False):
     """The first half of `_reduce_group`: each tensor quantized (its residual added), the packed
     bytes concatenated into one buffer and cut into one chunk per member, the all-to-all.
 
     Returns (received, counts, errors): `received[j]`, member j's quantized copy of the chunk
     this member owns (a `Quantized` of `n · per_shard` buckets); each tensor's bucket count
-    (static); each tensor's local quantization error, or None where it has no residual.
+    (static); each tensor's local quantization error, or None where it has no residual (and
+    `errors` is off).
     """
     dtype, n = xs[0].dtype, comm.size
     parts = []
@@ -248,7 +255,7 @@ def _scatter_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits
         rows = _leaf_rows(x, bucket_size)
         q, err = _quantize_with_error(rows, bits, bucket_size, k_key, dtype, impl=impl,
                                       residual=None if r is None else _leaf_rows(r, bucket_size),
-                                      with_error=r is not None)
+                                      with_error=errors or r is not None)
         parts.append((q, err))
     counts = [q.scale.shape[0] for q, _ in parts]
     # Whole buckets of zeros (what quantizing zeros gives) so every shard owns as many buckets.
@@ -310,6 +317,125 @@ def _reduce_group(xs: list[jax.Array], residuals: list, comm: Collectives, bits:
                          impl), errors
 
 
+SCOPES = ("all", "inter-node")
+"""Where the exchange compresses: over every shard of the axis (`all`), or only between nodes
+(`inter-node`: exact inside each node, compressed across; `Nodes`)."""
+
+
+def check_scope(scope: str) -> None:
+    """ValueError (one line) unless `scope` is one of `SCOPES`."""
+    if scope not in SCOPES:
+        raise ValueError(f"compression scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+
+
+class Nodes(NamedTuple):
+    """A mesh axis of `count · size` shards seen as `count` nodes of `size` consecutive shards
+    (shard `d` in node `d // size`, at place `d % size` there)."""
+
+    axis: str
+    size: int
+    count: int
+
+    def inside(self) -> list[list[int]]:
+        """The shards of each node (`axis_index_groups`)."""
+        return [[m * self.size + k for k in range(self.size)] for m in range(self.count)]
+
+    def across(self) -> list[list[int]]:
+        """The shards at one place in every node (`axis_index_groups`)."""
+        return [[m * self.size + k for m in range(self.count)] for k in range(self.size)]
+
+
+def nodes_of(axis_name: str, node_size: int | None) -> Nodes | None:
+    """`Nodes` of the manual axis `axis_name` in nodes of `node_size` shards, or None where that
+    is one level (no node size, or nodes of one shard); ValueError (one line) unless the node
+    size divides the axis into two or more nodes."""
+    if not node_size or node_size == 1:
+        return None
+    size = jax.lax.axis_size(axis_name)
+    if node_size < 1 or size % node_size or size == node_size:
+        raise ValueError(f"compression scope inter-node: {size} shards of {axis_name!r} do not "
+                         f"split into 2 or more nodes of {node_size}")
+    return Nodes(axis_name, node_size, size // node_size)
+
+
+def node_collectives(nodes: Nodes) -> Collectives:
+    """The collectives between the shards at this shard's place in every node; `index` is the
+    shard's index on the whole axis (its rounding noise differs from every other shard's). No
+    `psum`: JAX has none over groups of an axis inside shard_map, and the exact tensors take the
+    whole axis's."""
+    groups = nodes.across()
+    return Collectives(nodes.count, jax.lax.axis_index(nodes.axis), None,
+                       lambda a: jax.lax.all_to_all(a, nodes.axis, 0, 0,
+                                                    axis_index_groups=groups),
+                       lambda a: jax.lax.all_gather(a, nodes.axis, axis_index_groups=groups))
+
+
+def _node_chunk(x: jax.Array, r, nodes: Nodes) -> jax.Array:
+    """This shard's `1 / nodes.size` of the exact sum of `x + r` over its node: flat, padded
+    with its last value to whole chunks (`psum_scatter` over the node)."""
+    flat = (x if r is None else x + r.astype(x.dtype)).ravel()
+    flat = jnp.pad(flat, (0, -flat.size % nodes.size), mode="edge")
+    return psum_scatter(flat, nodes.axis, scatter_dimension=0, axis_index_groups=nodes.inside(),
+                        tiled=True)
+
+
+def _node_spread(error: jax.Array, like, nodes: Nodes) -> jax.Array:
+    """The quantization error of this shard's chunk (`_node_chunk`) as a residual shaped like
+    `like`: the error at the chunk's elements, zeros elsewhere (summed over the node before the
+    next quantization, the residuals give each chunk its own error back)."""
+    place = jax.lax.axis_index(nodes.axis) % nodes.size
+    rows = jnp.zeros((nodes.size, error.size), error.dtype)
+    rows = jax.lax.dynamic_update_index_in_dim(rows, error, place, 0)
+    return rows.ravel()[:like.size].reshape(like.shape)
+
+
+def _node_scatter_group(xs: list[jax.Array], residuals: list, nodes: Nodes, bits: int,
+                        bucket_size: int, key, impl: str = "auto"):
+    """`_scatter_group` between nodes: each tensor (its residual added) summed exactly over the
+    node and split (`_node_chunk`), each shard's chunks quantized and exchanged with the shards
+    at its place in the other nodes.
+
+    Returns (received, counts, errors) as `_scatter_group` does, for the chunks; the errors
+    shaped like `xs` (`_node_spread`), or None without residuals.
+    """
+    with_error = any(r is not None for r in residuals)
+    chunks = [_node_chunk(x, r, nodes) for x, r in zip(xs, residuals)]
+    received, counts, errors = _scatter_group(chunks, [None] * len(xs), node_collectives(nodes),
+                                              bits, bucket_size, key, impl, errors=with_error)
+    return received, counts, [None if not with_error else _node_spread(e, x, nodes)
+                              for x, e in zip(xs, errors)]
+
+
+def _node_gather_group(received: Quantized, like: list, counts: list[int], nodes: Nodes,
+                       bits: int, bucket_size: int, key, mean: bool, impl: str = "auto") -> list:
+    """`_gather_group` between nodes: the owned part of this shard's chunks summed over nodes
+    and quantized again, every shard's packed part gathered over the whole axis (what each node
+    gathers across nodes and then inside, in one all-gather), and each tensor put together
+    from its chunks."""
+    n, dtype = nodes.count, like[0].dtype
+    per_shard = received.scale.shape[0] // n
+    width = received.packed.shape[-1]
+    noise = None if key is None else \
+        jax.random.uniform(key, (per_shard, bucket_size), jnp.float32)
+    q2 = Quantized(*quantizer.requantize_sum(
+        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
+        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
+    gathered = _exchange(q2, lambda a: all_gather_invariant(a, nodes.axis), per_shard)
+    # Shard (node m, place k) holds part m of chunk k: chunk k is parts 0..n-1 of place k.
+    by_place = Quantized(*(a.reshape(n, nodes.size, per_shard, *a.shape[1:]).swapaxes(0, 1)
+                           .reshape(nodes.size, n * per_shard, *a.shape[1:]) for a in gathered))
+    outs, start = [], 0
+    for x, count in zip(like, counts):
+        chunk = -(-x.size // nodes.size)
+        rows = Quantized(*(a[:, start:start + count].reshape(-1, *a.shape[2:])
+                           for a in by_place))
+        values = dequantize(rows, bits, dtype).reshape(nodes.size, -1)[:, :chunk]
+        value = values.ravel()[:x.size].reshape(x.shape)
+        outs.append(value / nodes.size if mean else value)
+        start += count
+    return outs
+
+
 class _Plan(NamedTuple):
     """What the second stage of a compressed exchange needs to know of the first's tensors
     (static): their treedef, shapes and dtypes, the exact ones' indices, each compressed
@@ -320,12 +446,14 @@ class _Plan(NamedTuple):
     exact: list
     groups: list  # (bits, member indices, bucket counts) per buffer
     comm: Collectives
+    nodes: Nodes | None = None  # exact inside nodes, compressed between them
 
 
 def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
                        bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
                        key=None, residual=None, overrides: Mapping[str, int] | None = None,
-                       mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = ()):
+                       mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = (),
+                       node_size: int | None = None):
     """The first stage of `compressed_psum` (same arguments): every tensor quantized with its
     residual and the all-to-all of the packed chunks; the exact tensors' `psum`.
 
@@ -345,8 +473,12 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
     leaves = [leaf for _, leaf in paths_leaves]
     res = treedef.flatten_up_to(residual) if residual is not None else [None] * len(leaves)
     if isinstance(axis_name, Collectives):
-        comm, axis_name = axis_name, None
+        if node_size and node_size > 1:
+            raise ValueError("compression scope inter-node runs over a mesh axis, not between "
+                             "processes")
+        comm, axis_name, nodes = axis_name, None, None
     else:
+        nodes = nodes_of(axis_name, node_size)
         comm = axis_collectives(axis_name)
         vary = lambda x: x if x is None or axis_name in varying_axes(x) else \
             to_varying(x, (axis_name,))  # noqa: E731
@@ -371,10 +503,13 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
             buffers.setdefault((w, str(jnp.dtype(leaves[i].dtype)), others), []).append(i)
     groups = []
     for g, ((w, _, _), idx) in enumerate(sorted(buffers.items())):
-        second = _key_for(key, g, 1, comm.index)
-        received, counts, errors = _scatter_group(
-            [leaves[i] for i in idx], [res[i] for i in idx], comm, w, bucket_size,
-            _key_for(key, g, 0, comm.index), impl)
+        first, second = (_key_for(key, g, stage, comm.index) for stage in (0, 1))
+        xs, rs = [leaves[i] for i in idx], [res[i] for i in idx]
+        if nodes is None:
+            received, counts, errors = _scatter_group(xs, rs, comm, w, bucket_size, first, impl)
+        else:
+            received, counts, errors = _node_scatter_group(xs, rs, nodes, w, bucket_size, first,
+                                                           impl)
         value["groups"].append({
             "received": received, "key": None if second is None else jax.random.key_data(second)})
         groups.append((w, idx, counts))
@@ -382,7 +517,7 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
             new_res[i] = e
     like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     return (value, treedef.unflatten(new_res) if residual is not None else None,
-            _Plan(treedef, like, exact, groups, comm))
+            _Plan(treedef, like, exact, groups, comm, nodes))
 
 
 def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -397,8 +532,13 @@ def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE
         out[i] = value["exact"][k]
     for (w, idx, counts), part in zip(plan.groups, value["groups"]):
         key = None if part["key"] is None else jax.random.wrap_key_data(part["key"])
-        ys = _gather_group(part["received"], [plan.like[i] for i in idx], counts, plan.comm, w,
-                           bucket_size, key, mean, impl)
+        like = [plan.like[i] for i in idx]
+        if plan.nodes is None:
+            ys = _gather_group(part["received"], like, counts, plan.comm, w, bucket_size, key,
+                               mean, impl)
+        else:
+            ys = _node_gather_group(part["received"], like, counts, plan.nodes, w, bucket_size,
+                                    key, mean, impl)
         for i, y in zip(idx, ys):
             out[i] = y
     return plan.treedef.unflatten(out)
@@ -407,7 +547,8 @@ def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE
 def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
                     bucket_size: int = DEFAULT_BUCKET_SIZE, min_size: int = DEFAULT_MIN_SIZE,
                     key=None, residual=None, overrides: Mapping[str, int] | None = None,
-                    mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = ()):
+                    mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = (),
+                    node_size: int | None = None):
     """Sum (or mean) `tree` over the manual mesh axis `axis_name` with CGX compression.
 
     Call inside a shard_map manual over `axis_name`, or give `Collectives` for another transport
@@ -421,6 +562,11 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     filter looks at one layer (`bits_for_leaf`).
     impl: how the quantizer runs (`quantizer.IMPLS`: "auto" a Pallas kernel on GPUs, jnp that XLA
     fuses elsewhere); each gradient and residual is read once.
+    node_size: None (compress over the whole axis), or the shards of each node (consecutive
+    along the axis; `Nodes`): compressed tensors (their residual added) are summed exactly and
+    reduce-scattered inside each node, each shard's chunk compressed across nodes with the
+    shards at its place in the others, and the packed result all-gathered over the whole axis;
+    a residual keeps the tensor's shape, nonzero only on the chunk this shard quantizes.
 
     Returns (reduced, new_residual): `reduced` like `tree`, typed invariant over `axis_name` (the
     same on every shard); `new_residual` like `tree`, varying over `axis_name` (what this shard's
@@ -430,7 +576,8 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     (`compressed_scatter`, `compressed_gather`) can run apart, each beside other compute.
     """
     value, new_residual, plan = compressed_scatter(tree, axis_name, bits, bucket_size, min_size,
-                                                   key, residual, overrides, mean, impl, stacked)
+                                                   key, residual, overrides, mean, impl, stacked,
+                                                   node_size)
     return compressed_gather(value, plan, bucket_size, mean, impl), new_residual
 
 
@@ -616,6 +763,7 @@ def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> fl
 __all__ = ["Quantized", "Collectives", "axis_collectives", "check_args", "pack_bits",
            "unpack_bits", "quantize", "dequantize", "bits_for_leaf", "parse_rule", "parse_rules",
            "ROUNDINGS", "check_rounding", "stochastic", "leaf_path", "leaf_widths",
+           "SCOPES", "check_scope", "Nodes", "nodes_of", "node_collectives",
            "compressed_psum",
            "compressed_pmean", "sharded_compressed_psum", "sharded_compressed_pmean",
            "compressed_scatter", "compressed_gather", "sharded_compressed_stages",

@@ -33,7 +33,7 @@ import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..offload.activations import REMAT_MODES
-from ..parallel.compression import ROUNDINGS, parse_rule
+from ..parallel.compression import ROUNDINGS, SCOPES, parse_rule
 from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
 from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
@@ -186,6 +186,15 @@ class CompressionOptions:
                            "with error feedback, stochastic without",
                            flag="--compress-rounding", legacy="compress_rounding",
                            choices=ROUNDINGS)
+    scope: str = option("all", "CGX: compress over every data-parallel device (all), or only "
+                        "between nodes (inter-node: an exact reduce-scatter inside each node, "
+                        "each device's share compressed across nodes)",
+                        flag="--compress-scope", legacy="compress_scope", choices=SCOPES)
+    node_size: int | None = option(None, "CGX: devices per node for --compress-scope "
+                                   "inter-node (default: 8 on GPUs, an H100 node; the devices "
+                                   "of one process on CPU; in `plan`, the machine's)",
+                                   flag="--compress-node-size",
+                                   legacy="compress_node_size", kind=int, metavar="N")
     in_backward: bool = option(True, "CGX: exchange each layer's gradients inside the backward, "
                                "beside the next layers' compute (where the exact exchange runs "
                                "there too); off: all of them after the backward",
@@ -553,7 +562,9 @@ def _ignored(config: RunConfig) -> list[str]:
                 c.error_feedback != default.error_feedback:
             found.append("--no-error-feedback needs gradient compression (--compress-bits)")
         for field, flag in (("min_size", "--compress-min-size"), ("rules", "--compress-rule"),
-                            ("rounding", "--compress-rounding")):
+                            ("rounding", "--compress-rounding"),
+                            ("scope", "--compress-scope"),
+                            ("node_size", "--compress-node-size")):
             if f"compression.{field}" in config.given and \
                     getattr(c, field) != getattr(default, field):
                 found.append(f"{flag} needs gradient compression (--compress-bits)")
@@ -615,7 +626,8 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              memory_budget_gb=config.memory.budget_gb,
                              compress_bits=config.compression.bits, dtype=config.precision.dtype,
                              reduce_dtype=config.precision.reduce_dtype,
-                             num_layers=num_layers, between_processes=mpi)
+                             num_layers=num_layers, between_processes=mpi,
+                             compress_scope=config.compression.scope)
     _attempt(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
              config.precision.fp8)
     return found
@@ -740,7 +752,8 @@ def step_options(config: RunConfig) -> dict:
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, compress_min_size=c.min_size,
                 compress_rules=c.rules, compress_rounding=c.rounding,
-                compress_in_backward=c.in_backward,
+                compress_in_backward=c.in_backward, compress_scope=c.scope,
+                compress_node_size=c.node_size,
                 reduce_dtype=config.precision.reduce_dtype,
                 dtype=config.precision.dtype,
                 fp8=config.precision.fp8, clip_norm=config.optimizer.clip_norm,

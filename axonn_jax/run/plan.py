@@ -21,6 +21,8 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        schedule=config.pipeline.schedule,
                        virtual_stages=config.pipeline.virtual_stages,
                        compress_bits=config.compression.bits,
+                       compress_scope=config.compression.scope,
+                       compress_node_size=config.compression.node_size,
                        reduce_dtype=config.precision.reduce_dtype,
                        offload_optimizer=config.memory.offload_optimizer,
                        context_attention=config.model.context_attention,
@@ -52,12 +54,15 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
     """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
     (only `grid` when given). Microbatches and the remat mode: the config's when it sets them (a
     mode the planner models), else the planner's choice for each grid. `expert_imbalance`:
-    `cm.Workload.expert_imbalance`."""
+    `cm.Workload.expert_imbalance`. CGX's `--compress-scope inter-node` counts nodes of the
+    machine's devices unless `--compress-node-size` says otherwise."""
     if not expert_imbalance >= 1:
         raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
                            "expert shard's tokens over the mean)"])
     work = dataclasses.replace(workload(config, machine.platform),
-                               expert_imbalance=expert_imbalance)
+                               expert_imbalance=expert_imbalance,
+                               compress_node_size=config.compression.node_size
+                               or machine.devices_per_node)
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None

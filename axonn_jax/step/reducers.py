@@ -158,26 +158,57 @@ size filter looks at one layer of them."""
 
 def compressed_wire_bytes(bits: int, bucket_size: int,
                           min_size: int = compression.DEFAULT_MIN_SIZE,
-                          overrides=None) -> Callable[[Any], float]:
+                          overrides=None, node_shards: int = 1) -> Callable[[Any], float]:
     """`GradientReducer.wire_bytes` of CGX: packed values, a scale and an offset per bucket, for
     the shards the rules compress (`compression.bits_for_leaf` with `min_size` and `overrides`,
-    each at its own width); the rest exact."""
+    each at its own width); the rest exact. node_shards: shards per node under scope
+    `inter-node` (1: `all`), whose compressed tensors are reduce-scattered exactly inside the
+    node, each shard's `1 / node_shards` sent compressed, the packed result all-gathered."""
     def wire(shards) -> float:
         sent = 0.0
         widths = compression.leaf_widths(shards, bits, min_size, overrides, STACKED)
         for s, (_, width) in zip(jax.tree.leaves(shards), widths):
-            per = compression.wire_bytes_per_element(width, bucket_size, s.dtype.itemsize) \
-                if width else 2 * s.dtype.itemsize
-            sent += s.size * per
+            if not width:
+                sent += s.size * 2 * s.dtype.itemsize
+                continue
+            packed = compression.bucket_bytes(width, bucket_size, s.dtype.itemsize) / bucket_size
+            inside = (node_shards - 1) / node_shards * s.dtype.itemsize
+            sent += s.size * (inside + packed / node_shards + packed)
         return sent
 
     return wire
 
 
+def node_shards(mesh, axis: str = "data", node_size: int | None = None) -> int:
+    """Shards of the mesh axis `axis` inside one node: `node_size` devices per node (None: 8 on
+    GPUs, an H100 node; on CPU the devices of the mesh's first process) over the devices the
+    axes inside `axis` hold (mesh order: those axes change fastest across device ids).
+
+    Returns at least 1; ValueError (one line) where nodes split the axis's devices unevenly or
+    the whole axis fits in one node (nothing would cross nodes)."""
+    devices = list(mesh.devices.flat)
+    if node_size is None:
+        node_size = 8 if devices[0].platform != "cpu" else sum(
+            d.process_index == devices[0].process_index for d in devices)
+    names = list(mesh.axis_names)
+    inner = math.prod(mesh.shape[a] for a in names[names.index(axis) + 1:])
+    size = int(mesh.shape[axis])
+    shards = max(1, node_size // inner)
+    if node_size < 1 or node_size % inner and inner % node_size or size % shards:
+        raise ValueError(f"compression scope inter-node: nodes of {node_size} devices do not "
+                         f"split {axis}={size} (over {inner} devices each) evenly")
+    if shards >= size:
+        raise ValueError(f"compression scope inter-node: {axis}={size} fits in one node of "
+                         f"{node_size} devices, nothing crosses nodes (use --compress-scope all "
+                         f"or set --compress-node-size)")
+    return shards
+
+
 def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                     error_feedback: bool = True, axis: str = "data",
                     min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
-                    rounding: str = "auto", in_backward: bool = True) -> GradientReducer:
+                    rounding: str = "auto", in_backward: bool = True, scope: str = "all",
+                    node_size: int | None = None) -> GradientReducer:
     """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits in
     buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`).
 
@@ -193,12 +224,18 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     in_backward: offer the engine the blocks' exchange layer by layer inside the backward
     (`layer_exchange`: the same rules, each layer's residual, the key folded with the layer
     index); the engine uses it where it runs the exact exchange there too.
+    scope (`compression.SCOPES`): `inter-node` sums each node's gradients exactly and
+    compresses only between nodes of `node_size` devices (`node_shards`; the residuals keep
+    their shape, each nonzero on the share its device quantizes: `compression.compressed_psum`).
     """
     compression.check_args(bits, bucket_size)
+    compression.check_scope(scope)
     overrides = compression.parse_rules(rules)
     stochastic = compression.stochastic(rounding, error_feedback)
     shards = int(mesh.shape[axis])
-    options = dict(bits=bits, bucket_size=bucket_size, min_size=min_size, overrides=overrides)
+    local = node_shards(mesh, axis, node_size) if scope == "inter-node" else 1
+    options = dict(bits=bits, bucket_size=bucket_size, min_size=min_size, overrides=overrides,
+                   node_size=local if local > 1 else None)
 
     def init(params):
         return compression.init_residual(params, shards) if error_feedback else None
@@ -244,7 +281,7 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
     return GradientReducer(init, reduce, mean=lambda tree: pmean(tree, axis),
                            state_spec=lambda spec: P(axis, *spec), reshard=reshard_residuals,
                            wire_bytes=compressed_wire_bytes(bits, bucket_size, min_size,
-                                                            overrides),
+                                                            overrides, local),
                            layer_exchange=layer if in_backward else None)
 
 
@@ -252,7 +289,8 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
                          reduce_dtype: str = "float32", piece_bytes: int = 2,
                          bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                          min_size: int = compression.DEFAULT_MIN_SIZE,
-                         axis: str = "data", layers: int = 1) -> list[Collective]:
+                         axis: str = "data", layers: int = 1,
+                         node_shards: int = 1) -> list[Collective]:
     """The collectives one device issues to reduce its gradient shards (`collectives.
     ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s (`bits` 0): an all-reduce of
     `param_bytes` per element in float32, or with `reduce_dtype` bfloat16 an all-to-all and an
@@ -262,7 +300,11 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
     (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes` each) and
     the buffer to `parts` shards, sent by an all-to-all and gathered back; the others in an exact
     all-reduce. layers: how many layers a block shard (not `outside_blocks`) stacks; the size
-    rule looks at one, as the reducer does (`STACKED`)."""
+    rule looks at one, as the reducer does (`STACKED`). node_shards: `compressed_mean`'s
+    shards per node under scope `inter-node` (`_inter_node_collectives`; `parts`: one node,
+    nothing compressed)."""
+    if node_shards == parts:
+        bits = 0
     if not bits:
         exchanged = sum(s.elements if s.exchanged is None else s.exchanged for s in shards)
         if reduce_dtype == "bfloat16":
@@ -272,11 +314,38 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
     widths = [compression.bits_for_leaf("", _one_layer(s, layers), bits, min_size)
               for s in shards]
     exact = sum(s.elements for s, w in zip(shards, widths) if not w)
+    if node_shards > 1:
+        return _inter_node_collectives([s for s, w in zip(shards, widths) if w], parts,
+                                       node_shards, bits, bucket_size, param_bytes, axis,
+                                       layers) + [
+            Collective("all-reduce", (axis,), exact * param_bytes)]
     buckets = sum(math.ceil(s.elements / bucket_size) for s, w in zip(shards, widths) if w)
     packed = math.ceil(buckets / parts) * parts * compression.bucket_bytes(bits, bucket_size,
                                                                             param_bytes)
     return [Collective("all-to-all", (axis,), packed), Collective("all-gather", (axis,), packed),
             Collective("all-reduce", (axis,), exact * param_bytes)]
+
+
+def _inter_node_collectives(shards, parts: int, node_shards: int, bits: int, bucket_size: int,
+                            param_bytes: int, axis: str, layers: int = 1) -> list[Collective]:
+    """The compressed shards' collectives under scope `inter-node`: each tensor padded to whole
+    chunks, one per shard of a node, reduce-scattered exactly inside the node (a group of
+    `node_shards` neighbours); the chunks in whole buckets, each buffer in whole parts per node,
+    sent by an all-to-all between the `parts / node_shards` nodes; the packed result all-gathered
+    over the whole axis. A block shard is exchanged layer by layer (inside the backward: one
+    buffer per layer), the others in one buffer."""
+    nodes = parts // node_shards
+    elements, parts_sent = 0, 0  # reduce-scattered elements; buckets sent, buffers padded
+    per_layer = [s for s in shards if _one_layer(s, layers) is not s]
+    for group, count in ((per_layer, layers), ([s for s in shards if s not in per_layer], 1)):
+        chunks = [math.ceil(s.elements / count / node_shards) for s in group]
+        elements += count * node_shards * sum(chunks)
+        parts_sent += count * math.ceil(sum(math.ceil(c / bucket_size) for c in chunks) / nodes)
+    packed = parts_sent * nodes * compression.bucket_bytes(bits, bucket_size, param_bytes)
+    return [Collective("reduce-scatter", (axis,), elements * param_bytes,
+                       group_size=node_shards, span=node_shards),
+            Collective("all-to-all", (axis,), packed, group_size=nodes),
+            Collective("all-gather", (axis,), packed * node_shards)]
 
 
 class _Layer(NamedTuple):

@@ -34,7 +34,7 @@ from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
-from ..parallel import context as context_lib, exchange, pipeline as pipeline_lib
+from ..parallel import compression, context as context_lib, exchange, pipeline as pipeline_lib
 from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
 from .compute import ComputeFunctions, activation_dtype
@@ -62,6 +62,8 @@ class StepOptions:
     compress_rules: tuple = ()
     compress_rounding: str = "auto"
     compress_in_backward: bool = True
+    compress_scope: str = "all"
+    compress_node_size: int | None = None
     reduce_dtype: str = "float32"
     dtype: str = "float32"
     fp8: bool = False
@@ -76,8 +78,8 @@ _NOT_YET = "is not implemented yet"
 def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
                     virtual_stages: int, remat, memory_budget_gb: float | None,
                     compress_bits: int, dtype: str, reduce_dtype: str = "float32",
-                    num_layers: int | None = None,
-                    between_processes: bool = False) -> list[str]:
+                    num_layers: int | None = None, between_processes: bool = False,
+                    compress_scope: str = "all") -> list[str]:
     """Why a step with these options cannot run on `grid`, one line each (empty: it can).
     between_processes: the gradients are reduced between processes (MPI)."""
     found = []
@@ -102,6 +104,10 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
             found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
     elif virtual_stages > 1:
         found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
+    attempt(compression.check_scope, compress_scope)
+    if compress_bits and between_processes and compress_scope != "all":
+        found.append(f"compress_scope={compress_scope} between processes (--transport mpi) "
+                     f"{_NOT_YET}")
     if compress_bits and not between_processes and grid.data == 1:
         found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
@@ -124,8 +130,9 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
         `offload.activations.Plan`: what each block keeps for the backward.
       compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`;
         compress_min_size, compress_rules (`PATTERN=BITS` on parameter paths), compress_rounding
-        (`nearest` | `stochastic` | `auto`): which tensors at which width, how values round
-        (`step.reducers.compressed_mean`).
+        (`nearest` | `stochastic` | `auto`): which tensors at which width, how values round;
+        compress_scope (`all` | `inter-node`), compress_node_size (devices per node): where the
+        exchange compresses (`step.reducers.compressed_mean`).
       reduce_dtype: what the exact gradient mean over `data` sends: `float32`, or `bfloat16`
         (half the bytes; the received pieces summed in float32: `parallel.exchange`).
       dtype: compute dtype (`float32` | `bfloat16` | `float16`): parameters are cast to it for the
@@ -170,7 +177,7 @@ class StepParts:
         checked = {f.name: getattr(options, f.name) for f in dataclasses.fields(StepOptions)
                    if f.name in ("schedule", "microbatches", "virtual_stages", "remat",
                                  "memory_budget_gb", "compress_bits", "dtype",
-                                 "reduce_dtype")}
+                                 "reduce_dtype", "compress_scope")}
         found = option_problems(grid, num_layers=model.num_layers,
                                 between_processes=reducer is not None, **checked)
         try:
@@ -201,7 +208,8 @@ class StepParts:
                                    bucket_size=o.compress_bucket, error_feedback=o.error_feedback,
                                    min_size=o.compress_min_size, rules=o.compress_rules,
                                    rounding=o.compress_rounding,
-                                   in_backward=o.compress_in_backward)
+                                   in_backward=o.compress_in_backward,
+                                   scope=o.compress_scope, node_size=o.compress_node_size)
         return exact_mean(reduce_dtype=o.reduce_dtype, grad_specs=grad_specs)
 
     def state_reducer(self, grad_specs=None) -> GradientReducer:

@@ -6,7 +6,9 @@
   so the pages link to them where they live in the repository;
 - `changelog.md`: the repository's `CHANGELOG.md`;
 - in hand-written pages, where they hold the marker: the index of the results pages
-  (`RESULTS_INDEX`, docs/results.md) and every command's synopsis (`SYNOPSIS`, docs/cli.md).
+  (`RESULTS_INDEX`, docs/results.md) and every command's synopsis (`SYNOPSIS`, docs/cli.md);
+- in every page that repeats a row of the status table, that row as docs/status.md has it
+  (`docs/status_rows.py`).
 """
 from __future__ import annotations
 
@@ -22,11 +24,15 @@ RESULTS_INDEX = "<!-- results index: generated from benchmarks/results/*.md by d
 SYNOPSIS = "<!-- synopsis: generated from the parser by docs/gen_reference.py (docs/hooks.py) -->"
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "docs" / "gen_reference.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _generator():
+    return _load("gen_reference")
 
 
 def results_index() -> str:
@@ -56,6 +62,7 @@ def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri == "changelog.md":  # its links are written from the repository's root
         markdown = (markdown.replace("](benchmarks/results/)", "](results.md)")
                     .replace("](benchmarks/results/", "](results/").replace("](docs/", "]("))
+    markdown = _load("status_rows").synced(markdown, page.file.src_uri)
     if RESULTS_INDEX in markdown:
         markdown = markdown.replace(RESULTS_INDEX, results_index())
     if SYNOPSIS in markdown:

@@ -50,6 +50,20 @@ def test_reference_pages_list_every_field_and_command():
         assert f"## axonn-jax {command}" in cli_page
 
 
+def test_pages_repeat_the_status_rows_as_status_md_has_them():
+    """A page that repeats a row of docs/status.md holds it as status.md does (`python
+    docs/status_rows.py` rewrites them), its links relative to the page."""
+    spec = importlib.util.spec_from_file_location("status_rows", DOCS / "status_rows.py")
+    rows = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rows)
+    table = rows.status_rows()
+    assert rows.synced("| x |\n" + table["data parallelism"], "axes/data.md").endswith(
+        rows._relinked(table["data parallelism"], "axes/data.md"))
+    stale = [page for page in rows.pages()
+             if rows.synced((DOCS / page).read_text(), page, table) != (DOCS / page).read_text()]
+    assert stale == []
+
+
 def test_readme_is_a_landing_page():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 250

@@ -278,19 +278,28 @@ def _exchange(qx: Quantized, collective, per_shard: int) -> Quantized:
                      meta[..., 1].ravel())
 
 
+def _requantized(received: Quantized, n: int, dtype, bits: int, bucket_size: int, key,
+                 mean: bool, impl: str) -> tuple[Quantized, int]:
+    """The owned chunk's `n` received copies dequantized, summed (`mean`: averaged) and quantized
+    again in one pass (`quantizer.requantize_sum`; `key`: stochastic rounding's, or None), and
+    the buckets per copy."""
+    per_shard = received.scale.shape[0] // n
+    width = received.packed.shape[-1]
+    noise = None if key is None else \
+        jax.random.uniform(key, (per_shard, bucket_size), jnp.float32)
+    return Quantized(*quantizer.requantize_sum(
+        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
+        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise,
+        impl=impl)), per_shard
+
+
 def _gather_group(received: Quantized, like: list, counts: list[int], comm: Collectives,
                   bits: int, bucket_size: int, key, mean: bool, impl: str = "auto") -> list:
     """The second half of `_reduce_group`: the owned chunk's `n` copies dequantized, summed and
     quantized again in one pass (`quantizer.requantize_sum`), the all-gather, and each tensor
     (shapes and dtype of `like`, with `counts` buckets) dequantized from the gathered bytes."""
-    n, dtype = comm.size, like[0].dtype
-    per_shard = received.scale.shape[0] // n
-    width = received.packed.shape[-1]
-    noise = None if key is None else \
-        jax.random.uniform(key, (per_shard, bucket_size), jnp.float32)
-    q2 = Quantized(*quantizer.requantize_sum(
-        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
-        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
+    dtype = like[0].dtype
+    q2, per_shard = _requantized(received, comm.size, dtype, bits, bucket_size, key, mean, impl)
     gathered = _exchange(q2, comm.all_gather, per_shard)
     outs, start = [], 0
     for x, count in zip(like, counts):
@@ -413,13 +422,7 @@ def _node_gather_group(received: Quantized, like: list, counts: list[int], nodes
     gathers across nodes and then inside, in one all-gather), and each tensor put together
     from its chunks."""
     n, dtype = nodes.count, like[0].dtype
-    per_shard = received.scale.shape[0] // n
-    width = received.packed.shape[-1]
-    noise = None if key is None else \
-        jax.random.uniform(key, (per_shard, bucket_size), jnp.float32)
-    q2 = Quantized(*quantizer.requantize_sum(
-        received.packed.reshape(n, per_shard, width), received.scale.reshape(n, per_shard),
-        received.offset.reshape(n, per_shard), bits, dtype, mean=mean, noise=noise, impl=impl))
+    q2, per_shard = _requantized(received, n, dtype, bits, bucket_size, key, mean, impl)
     gathered = _exchange(q2, lambda a: all_gather_invariant(a, nodes.axis), per_shard)
     # Shard (node m, place k) holds part m of chunk k: chunk k is parts 0..n-1 of place k.
     by_place = Quantized(*(a.reshape(n, nodes.size, per_shard, *a.shape[1:]).swapaxes(0, 1)

@@ -708,19 +708,26 @@ def stream_utilisation(comm_s: float, compute_s: float) -> float:
 
 
 def exposed_communication(timed: list[tuple[Collective, float]], compute_s: float, rate: float,
-                          mode: str) -> list[tuple[Collective, float]]:
+                          mode: str, links: list[bool] | None = None
+                          ) -> list[tuple[Collective, float]]:
     """(collective, seconds of it the step waits for) of each `(collective, its time)` in
     `timed`, on a step of `compute_s` seconds of compute (matmuls at `rate` FLOP/s) in `mode`
     (`spmd`: no pipeline, rows gathered in rings; `spmd-gathers`, or a pipeline schedule).
 
-    `spmd`: each collective's time × `stream_utilisation`. Other modes: its time less what the
+    `spmd`: each collective's time × `stream_utilisation` of its link's stream: `links` (one
+    flag per entry of `timed`: whether it spans nodes) puts the collectives inside nodes and those
+    across on two streams, as XLA runs them and the replay of a compiled step
+    (`analysis.overlap`) counts them, each busy with its own collectives; None: one stream.
+    Other modes: its time less what the
     compiled schedule hides of its axes' communication (`hidden_shares`), and never more than
     the compute it can hide behind: a tensor-parallel collective that declares the matmul it
     overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
     exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute)."""
     if mode == "spmd":
-        busy = stream_utilisation(sum(t for _, t in timed), compute_s)
-        return [(c, t * busy) for c, t in timed]
+        links = links or [False] * len(timed)
+        busy = {link: stream_utilisation(sum(t for (_, t), on in zip(timed, links) if on == link),
+                                         compute_s) for link in set(links)}
+        return [(c, t * busy[link]) for (c, t), link in zip(timed, links)]
     out = []
     for c, t in timed:
         if not _overlaps_backward(c):
@@ -756,11 +763,17 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     launch = kernels * machine.kernel_s
     compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
         c.count * c.copied for c in found)) / machine.hbm_bw + memory_bound + launch
-    mode = work.schedule if grid.pipe > 1 else "spmd" if work.step(grid).rings else "spmd-gathers"
+    # Rows go round rings only in the batch-split layout; tensor-parallel layers that keep their
+    # rows whole (a microbatch too small to split over row) sum each output before the next
+    # matmul, as rows gathered whole do.
+    whole = grid.row * grid.col > 1 and not declared(work, grid).split
+    mode = work.schedule if grid.pipe > 1 else \
+        "spmd" if work.step(grid).rings and not whole else "spmd-gathers"
     timed = [(c, _collective_time(c, grid, machine)) for c in found]
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
-    for c, t in exposed_communication(timed, compute, rate, mode):
+    links = [spans_nodes(c, grid, machine) for c, _ in timed]
+    for c, t in exposed_communication(timed, compute, rate, mode, links):
         exposed[c.kind] += t
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     bubble = 0.0

@@ -481,7 +481,7 @@ class Prediction:
     """Whether `memory_per_device_bytes` fits the machine's device memory."""
     expert_imbalance_s: float = 0.0
     """Of `compute_s`, what the busiest expert shard adds over balanced routing
-    (`Workload.expert_imbalance`)."""
+    (`Workload.expert_imbalance`): its experts' FLOPs and their memory-bound kernels."""
     remat: str = "none"
     """The `--remat` mode predicted (`Workload.remat`)."""
     memory_bound_s: float = 0.0
@@ -759,6 +759,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     executed = work.executed_flops(grid)
     found = collectives(work, grid)
     memory_bound = sum(memory_bound_bytes(work, grid).values()) / machine.hbm_bw
+    balanced = dataclasses.replace(work, expert_imbalance=1.0)  # what imbalance adds to it
+    skew = memory_bound - sum(memory_bound_bytes(balanced, grid).values()) / machine.hbm_bw \
+        if work.imbalance(grid) != 1.0 else 0.0
     kernels = kernel_count(work, grid)
     launch = kernels * machine.kernel_s
     compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
@@ -790,7 +793,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
                       fits=mem["total"] <= machine.device_memory, remat=work.remat,
                       expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
-                      .expert_flops / devices / rate * recompute, memory_bound_s=memory_bound,
+                      .expert_flops / devices / rate * recompute + skew,
+                      memory_bound_s=memory_bound,
                       launch_s=launch, kernels=kernels)
 
 

@@ -550,14 +550,17 @@ def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
     return n * (cast + work.microbatches * (cast + 3 * pb))
 
 
-KERNELS_PER_LAYER = 150
+KERNELS_PER_LAYER = 200
 """Kernels (fusions, library calls, collective starts) one block launches per step, forward and
-backward together: read off the compiled H100 steps of the scale table
-(`analysis.overlap.kernel_count` on their modules, `benchmarks/results/plan_vs_replay.md`),
-which launch 139–219 a layer (more on grids whose rows go round rings)."""
+backward together: read off compiled H100 steps (`analysis.overlap.kernel_count` on their
+modules; the scale table's in `benchmarks/results/plan_vs_replay.md`): 120 a layer for
+Llama-3.2-1B on one device, 139–191 for the data × depth grids, 219–284 on grids whose rows go
+round rings (their permutes and block copies). A context axis's ring runs each hop's kernels
+apart, which this leaves out."""
 KERNELS_OUTSIDE_LAYERS = 250
 """Kernels of a step outside its blocks (embedding, loss, gradient exchange, the optimizer
-update's fusions), read off the same modules."""
+update's fusions), read off the same modules (about 100 on one device, a few hundred on
+grids)."""
 SOFTMAX_PASSES = (6, 6)
 """(forward, backward) passes over the attention scores of XLA's attention core, in fp32 scores
 (one pass: every score read or written once), besides the probabilities kept for the backward

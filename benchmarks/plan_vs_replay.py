@@ -124,7 +124,9 @@ NOTES = [
     "forward and 6 backward, the stacking of what a block keeps 5 (zeroed, written, read); "
     "XLA's attention 6 + 6 passes over the fp32 scores besides the kept probabilities "
     "(Llama-3.2-1B on one device); a mixture of experts' dispatch 47 + 28 passes over its send "
-    "buffer (mixtral-8x7b/64). Kernel counts: `analysis.overlap.kernel_count` of each module.",
+    "buffer (mixtral-8x7b/64). Kernel counts: `analysis.overlap.kernel_count` of each module: "
+    "per layer 139–191 on the data × depth grids, 219–284 on those whose rows go round rings, "
+    "120 for Llama-3.2-1B on one device (`comm_model.KERNELS_PER_LAYER` takes 200).",
     "- The exposed communication follows each link's stream (`comm_model.stream_utilisation`, "
     "NVLink and the NICs apart, as the replay runs them); layers that keep their rows whole on a "
     "tensor grid (mixtral's microbatches of one sequence) take the measured shares of rows "

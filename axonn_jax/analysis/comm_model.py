@@ -442,9 +442,19 @@ def link_time(kind: str, size: float, group: int, inter: bool, machine: Machine)
 
 
 def spans_nodes(c: Collective, grid: ParallelConfig, machine: Machine) -> bool:
-    """Whether collective `c`'s groups span nodes of `machine` (run on the NICs, not NVLink):
-    their devices lie further apart than one node, the stride of an axis being the product of
-    the sizes of the axes inside it (mesh order, col fastest)."""
+    """Whether collective `c`'s groups span nodes of `machine` (run on the NICs, not NVLink).
+
+    Its devices lie further apart than one node: the stride of an axis is the product of the
+    sizes of the axes inside it (mesh order, col fastest).
+
+    Args:
+      c: the collective (its `axes` and `span`).
+      grid: the mesh.
+      machine: the cluster (`devices_per_node`).
+
+    Returns:
+      True where a group crosses nodes.
+    """
     inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
     outer_span = inner * (c.span or math.prod(getattr(grid, a) for a in c.axes))
     return outer_span > machine.devices_per_node
@@ -553,14 +563,12 @@ def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
 KERNELS_PER_LAYER = 200
 """Kernels (fusions, library calls, collective starts) one block launches per step, forward and
 backward together: read off compiled H100 steps (`analysis.overlap.kernel_count` on their
-modules; the scale table's in `benchmarks/results/plan_vs_replay.md`): 120 a layer for
-Llama-3.2-1B on one device, 139–191 for the data × depth grids, 219–284 on grids whose rows go
-round rings (their permutes and block copies). A context axis's ring runs each hop's kernels
-apart, which this leaves out."""
+modules, each row's count in `benchmarks/results/plan_vs_replay.md`): fewer on one device, more
+on grids whose rows go round rings (their permutes and block copies). A context axis's ring runs
+each hop's kernels apart, which this leaves out."""
 KERNELS_OUTSIDE_LAYERS = 250
 """Kernels of a step outside its blocks (embedding, loss, gradient exchange, the optimizer
-update's fusions), read off the same modules (about 100 on one device, a few hundred on
-grids)."""
+update's fusions), read off the same modules."""
 SOFTMAX_PASSES = (6, 6)
 """(forward, backward) passes over the attention scores of XLA's attention core, in fp32 scores
 (one pass: every score read or written once), besides the probabilities kept for the backward

@@ -143,6 +143,13 @@ NOTES = [
     "of memory-bound kernels replayed, 14.3 s counted); its kernels run per hop (213,653 "
     "launches), which `kernel_count` does not follow (launch time there about 1% of the step "
     "at 1 µs).",
+    "- Ranking (`plan --verify`'s question): `plan`'s three best Llama-3-70B grids on 256 "
+    "(`h100-dgx`, full recompute) are data 8 × depth 8 × row 4, data 4 × depth 16 × row 4 and "
+    "data 2 × depth 32 × row 4 at 13.94, 13.96 and 14.04 s; compiled and replayed today (two "
+    "link streams) 13.45, 13.35 and 13.39 s: 1.04–1.05× each, the three within 1% of each other "
+    "either way, in another order (`axonn-jax compile --target h100 --model llama3-70b --devices "
+    "256 --batch-size 1024 --seq-len 4096 --dtype bfloat16 --dp D --depth P --row 4 --remat full "
+    "--overlap-report --json`).",
     "- The H200 rows: `plan` 0.99–1.09× the measured steps, as close as the replay of the "
     "same step compiled deviceless (0.91–1.20×); memory-bound kernels at the copy rate "
     "measured on that H200 (`h200-dgx`'s `hbm_bw`).",

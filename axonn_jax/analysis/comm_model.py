@@ -815,9 +815,9 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
     An elementwise update (AdamW, `step.update`) reads every parameter, gradient and state leaf
     the device holds and writes the parameters and the state back: 2·params + grads + 2·optimizer
     bytes at HBM bandwidth. With `offload_optimizer` the state streams from host memory and back
-    (`offload.optimizer`): twice the host state over the host link, at best. (The matmul-only
-    compute of `plan` was 0.49× the step measured on an H200 for Llama-3.2-1B, of which this
-    update is 7 ms of 86: `benchmarks/results/gpu_calibration.md`.)"""
+    (`offload.optimizer`): twice the host state over the host link, at best. The layers'
+    memory-bound kernels are `memory_bound_bytes` (against measured steps:
+    `benchmarks/results/plan_vs_replay.md`)."""
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
     return hbm / machine.hbm_bw + 2 * host_memory_per_device(work, grid) / machine.host_bw
 

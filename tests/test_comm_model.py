@@ -3,6 +3,7 @@ the planner's behaviour."""
 import dataclasses
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -432,7 +433,7 @@ def test_one_device_memory_matches_the_h200s_peak(attention, remat, measured):
         measured, rel=0.10)
 
 
-RESULTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 REPLAY_EXCEPTIONS = {"llama3-8b/1024": (0.80, 1.10), "unet-28b/256": (0.55, 1.10),
                      "unet-28b/1024": (0.55, 1.10)}
 """Rows whose replayed step `plan` is not within 10% of, with the bounds it is held to and why

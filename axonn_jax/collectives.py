@@ -207,6 +207,11 @@ class ModelCommunication:
     part_activations: float = 0.0
     """Activation bytes per device that per-block parts keep for the backward beyond that
     estimate, all the stage's layers together (a mixture of experts' dispatch buffers)."""
+    part_traffic: tuple[float, float] = (0.0, 0.0)
+    """HBM bytes per device and step that per-block parts' memory-bound kernels read and write
+    beyond a transformer block's own (`comm_model.memory_bound_bytes`), (one forward, the
+    backward), all the stage's layers together: a mixture of experts' dispatch
+    (`models.moe.MoELayers.traffic`)."""
     metrics: float = 0.0
     """Float32 elements of the per-step metrics the blocks return (averaged over the batch axes)."""
     batch_token_bytes: float = 8.0

@@ -101,6 +101,13 @@ class Machine:
     XLA's default precision on NVIDIA GPUs), at the same fraction of peak."""
     platform: str = "gpu"
     """The XLA backend that compiles its programs (`gpu`, `cpu`): `Workload.platform`."""
+    kernel_s: float = 1e-6
+    """Seconds each kernel launch adds to a step beyond its own work (`kernel_count`): an
+    assumption, not a measurement. XLA:GPU launches a step's kernels asynchronously from command
+    buffers, so launches mostly overlap the kernels before them; the one-device steps measured
+    on an H200 ran below the replay of their own modules, which charges no launch at all
+    (`benchmarks/results/gpu_calibration.md`), so what a launch adds there is below the
+    replay's error."""
 
     def matmul_rate(self, dtype: str = "bf16") -> float:
         """FLOPs/s of a large matmul whose result is `dtype` (an HLO dtype: `bf16`, `f16`, `f32`,
@@ -434,15 +441,30 @@ def link_time(kind: str, size: float, group: int, inter: bool, machine: Machine)
     return ring
 
 
+def spans_nodes(c: Collective, grid: ParallelConfig, machine: Machine) -> bool:
+    """Whether collective `c`'s groups span nodes of `machine` (run on the NICs, not NVLink).
+
+    Its devices lie further apart than one node: the stride of an axis is the product of the
+    sizes of the axes inside it (mesh order, col fastest).
+
+    Args:
+      c: the collective (its `axes` and `span`).
+      grid: the mesh.
+      machine: the cluster (`devices_per_node`).
+
+    Returns:
+      True where a group crosses nodes.
+    """
+    inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
+    outer_span = inner * (c.span or math.prod(getattr(grid, a) for a in c.axes))
+    return outer_span > machine.devices_per_node
+
+
 def _collective_time(c: Collective, grid: ParallelConfig, machine: Machine) -> float:
     g = c.group(grid)
     if g <= 1 or c.count == 0:
         return 0.0
-    # An axis group spans nodes when its devices are further apart than one node: the stride of
-    # an axis is the product of the sizes of the axes inside it (mesh order, col fastest).
-    inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
-    outer_span = inner * (c.span or math.prod(getattr(grid, a) for a in c.axes))
-    return c.count * link_time(c.kind, c.size, g, outer_span > machine.devices_per_node, machine)
+    return c.count * link_time(c.kind, c.size, g, spans_nodes(c, grid, machine), machine)
 
 
 @dataclasses.dataclass
@@ -469,9 +491,15 @@ class Prediction:
     """Whether `memory_per_device_bytes` fits the machine's device memory."""
     expert_imbalance_s: float = 0.0
     """Of `compute_s`, what the busiest expert shard adds over balanced routing
-    (`Workload.expert_imbalance`)."""
+    (`Workload.expert_imbalance`): its experts' FLOPs and their memory-bound kernels."""
     remat: str = "none"
     """The `--remat` mode predicted (`Workload.remat`)."""
+    memory_bound_s: float = 0.0
+    """Of `compute_s`, the memory-bound kernels' time (`memory_bound_bytes` at HBM bandwidth)."""
+    launch_s: float = 0.0
+    """Of `compute_s`, what kernel launches add (`kernel_count` × `Machine.kernel_s`)."""
+    kernels: float = 0.0
+    """Kernel launches per step (`kernel_count`)."""
 
     def as_dict(self) -> dict:
         """Fields named as `axonn-jax compile --json` names the compiled figures."""
@@ -485,7 +513,9 @@ class Prediction:
                 "exposed_comm_by_axis": self.exposed_comm_by_axis,
                 "flops_per_device": self.flops_per_device,
                 "host_memory_per_device_bytes": self.host_memory_per_device_bytes,
-                "fits": self.fits, "expert_imbalance_s": self.expert_imbalance_s}
+                "fits": self.fits, "expert_imbalance_s": self.expert_imbalance_s,
+                "memory_bound_s": self.memory_bound_s, "launch_s": self.launch_s,
+                "kernels": self.kernels}
 
 
 def _overlaps_backward(c: Collective) -> bool:
@@ -530,6 +560,143 @@ def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
     return n * (cast + work.microbatches * (cast + 3 * pb))
 
 
+KERNELS_PER_LAYER = 200
+"""Kernels (fusions, library calls, collective starts) one block launches per step, forward and
+backward together: read off compiled H100 steps (`analysis.overlap.kernel_count` on their
+modules, each row's count in `benchmarks/results/plan_vs_replay.md`): fewer on one device, more
+on grids whose rows go round rings (their permutes and block copies). A context axis's ring runs
+each hop's kernels apart, which this leaves out."""
+KERNELS_OUTSIDE_LAYERS = 250
+"""Kernels of a step outside its blocks (embedding, loss, gradient exchange, the optimizer
+update's fusions), read off the same modules."""
+SOFTMAX_PASSES = (6, 6)
+"""(forward, backward) passes over the attention scores of XLA's attention core, in fp32 scores
+(one pass: every score read or written once), besides the probabilities kept for the backward
+(`memory_bound_bytes`' `stacked`): forward the masked, scaled scores read and written, their
+max and sum of exponentials read, the probabilities written and transposed; backward the
+probabilities and their gradient read, the row sums, the scores' gradient written and
+transposed. Read off the score-sized kernels of the compiled one-device H100 step of
+Llama-3.2-1B with `--attention xla` (`benchmarks/plan_vs_replay.py`)."""
+
+
+def _decoder_widths(m) -> dict[str, float] | None:
+    """The widths a decoder's memory-bound kernels run over (None for another model): `d` the
+    residual stream, `mlp` the hidden width its activation function reads per token (a gated MLP
+    reads two, `gated`; a mixture of experts' `top_k` experts and shared experts), `rotary` the
+    query and key features rotated (0 with learned positions), `heads`."""
+    if not hasattr(m, "d_model") or not hasattr(m, "num_heads"):
+        return None
+    gated = hasattr(m, "num_kv_heads")  # Llama's SwiGLU (and a Mixtral's experts); GPT's GELU
+    experts = getattr(m, "top_k", 0) + getattr(m, "num_shared_experts", 0)
+    d_ff = getattr(m, "d_ff", 4 * m.d_model)
+    rotary = (getattr(m, "q_features", m.d_model) + getattr(m, "kv_features", m.d_model)) \
+        if gated else 0
+    return {"d": m.d_model, "mlp": d_ff * (experts or 1), "gated": gated, "rotary": rotary,
+            "heads": m.num_heads}
+
+
+def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]:
+    """HBM bytes one device's memory-bound kernels read and write per step, by kind.
+
+    Each kernel is counted by what it must read and write once (the roofline the replay of a
+    compiled step, `analysis.overlap`, charges it at `Machine.hbm_bw`); per block, for its
+    tokens on the device (the residual stream's `S` elements: the batch over data, expert,
+    context and depth, features over col, rows over row in the batch-split layout; the inner
+    tensors' rows over row, and over col when split, as `block_residual_bytes` lays them out), in
+    the compute dtype:
+
+    - `norms`: two per block; forward a reduction (read `S`) and the normalization (read `S`,
+      write `S`); backward six passes (the recomputed statistics, the input's and the scale's
+      gradients: read the input and the output gradient, write the input gradient, the residual
+      gradient added in);
+    - `activation`: the MLP's activation over its hidden width `F` (per token: `d_ff`, times
+      `top_k` plus shared experts in a mixture of experts): SwiGLU forward reads gate and up and
+      writes their product (3`F`), backward reads both and the product's gradient and writes two
+      gradients, the SiLU's derivative recomputed (7`F`); GELU forward 2`F`, backward 3`F`;
+    - `rotary`: Llama's rotary embedding of queries and keys, read and written forward and
+      backward;
+    - `softmax`: XLA's attention core (not cuDNN's fused kernel, whose score traffic stays on
+      chip and which the matmul term times): `SOFTMAX_PASSES` over the fp32 scores, every score
+      of the sequence (over context: the ring's share, `parallel.context.flops_share`);
+    - `carry`: the layer loop's residual stream copied in and out of its carry, forward and
+      backward (2`S` each);
+    - `stacked`: what each block keeps for its backward (`kept_per_block`: under `none` its
+      working set, under `selective` its input and named matmul outputs, under `full` its input)
+      is zeroed once, written into the stacked buffer and read back: 5 passes;
+    - `weights`: per parameter of the blocks one device holds, the cast of the fp32 parameter to
+      the compute dtype per forward pass (read 4, write 2) and in the backward its gradient
+      converted to fp32 and stacked (6 fp32 passes);
+    - `loss`: the logits' softmax cross-entropy, 4 passes over the logits (the max, the sum of
+      exponentials, the gradient read and written), in the compute dtype on a GPU without a
+      pipeline (as `memory_per_device` keeps them) else fp32;
+    - `parts`: what per-block parts declare beyond (`ModelCommunication.part_traffic`: a
+      mixture of experts' dispatch), the forward's repeated as recomputed.
+
+    Recompute repeats the forward's kernels: the pipeline's and `full`'s whole forward,
+    `selective`'s all but the MLP activation (whose inputs it keeps). A model that is not a
+    decoder (a U-Net, which counts its own activations) gets five passes over the activations it
+    keeps (written, read, and their gradients). The optimizer update is `update_seconds`, the
+    microbatch loop's gradient accumulation `parameter_traffic`.
+
+    Args:
+      work: the step.
+      grid: the mesh, `data × pipe × expert × context × depth × row × col`.
+
+    Returns:
+      `{kind: bytes per device per step}` for the kinds above.
+    """
+    g, d, m, cb = grid, declared(work, grid), work.model, work.compute_bytes
+    widths = _decoder_widths(m)
+    if widths is None:
+        return {"stacked": 5 * (d.activations or 0.0)}
+    tokens = work.tokens / (g.data * g.expert * g.context * g.depth)  # per step, all microbatches
+    layers = m.num_layers // g.pipe
+    rows = (g.row, g.col) if d.split else (1, 1)
+    stream = tokens * widths["d"] / g.col / rows[0]
+    inner = tokens / rows[1] / g.row
+    mlp = inner * widths["mlp"] * work.imbalance(grid)
+    fwd = {"norms": 2 * 3 * stream * cb, "activation": (3 if widths["gated"] else 2) * mlp * cb,
+           "rotary": 2 * inner * widths["rotary"] * cb, "softmax": 0.0, "carry": 2 * stream * cb}
+    bwd = {"norms": 2 * 6 * stream * cb, "activation": (7 if widths["gated"] else 3) * mlp * cb,
+           "rotary": 2 * inner * widths["rotary"] * cb, "softmax": 0.0, "carry": 2 * stream * cb}
+    if not fused_attention(work) or g.context > 1:
+        from ..parallel.context import flops_share
+        scores = inner * widths["heads"] * work.seq_len * FP32 * (
+            flops_share(g.context) if g.context > 1 else 1.0)
+        fwd["softmax"], bwd["softmax"] = (p * scores for p in SOFTMAX_PASSES)
+    recomputed = (1 if g.pipe > 1 else 0) + (1 if work.remat == "full" else 0)
+    out = {k: layers * (fwd[k] * (1 + recomputed) + bwd[k]) for k in fwd}
+    if work.remat in ("selective", "offload"):
+        out = {k: v + layers * fwd[k] * (k not in ("activation", "carry")) for k, v in out.items()}
+    per_block = block_residual_bytes(work, grid, tokens / work.microbatches, d.split)
+    kept = kept_per_block(work, d, per_block, tokens / work.microbatches / (g.row * g.col))
+    out["stacked"] = 5 * kept * work.microbatches * layers
+    n_blocks = sum(p.elements for p in d.parameters if not p.outside_blocks)
+    cast = work.param_bytes + cb if cb < work.param_bytes else 0
+    out["weights"] = n_blocks * (cast * (1 + recomputed) + 6 * work.param_bytes)
+    logits = tokens / rows[1] * m.vocab_size / g.row
+    out["loss"] = 4 * logits * (cb if g.pipe == 1 and work.platform == "gpu" else FP32)
+    forward, backward = d.part_traffic
+    out["parts"] = forward * (1 + recomputed) * work.imbalance(grid) + backward
+    return out
+
+
+def kernel_count(work: Workload, grid: ParallelConfig) -> float:
+    """Kernels one device launches per step (`KERNELS_PER_LAYER` a block, each pass of a
+    recomputed forward a third more, `KERNELS_OUTSIDE_LAYERS` besides, per microbatch).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The estimated number of kernel launches per step.
+    """
+    layers = getattr(work.model, "num_layers", 1) // grid.pipe
+    return work.microbatches * (layers * KERNELS_PER_LAYER * recompute_factor(work, grid)
+                                + KERNELS_OUTSIDE_LAYERS)
+
+
 def stream_utilisation(comm_s: float, compute_s: float) -> float:
     """The share of a step's compute time its communication stream is busy: `comm_s` (every
     collective's time on its links) over `compute_s`, at most 1.
@@ -552,19 +719,26 @@ def stream_utilisation(comm_s: float, compute_s: float) -> float:
 
 
 def exposed_communication(timed: list[tuple[Collective, float]], compute_s: float, rate: float,
-                          mode: str) -> list[tuple[Collective, float]]:
+                          mode: str, links: list[bool] | None = None
+                          ) -> list[tuple[Collective, float]]:
     """(collective, seconds of it the step waits for) of each `(collective, its time)` in
     `timed`, on a step of `compute_s` seconds of compute (matmuls at `rate` FLOP/s) in `mode`
     (`spmd`: no pipeline, rows gathered in rings; `spmd-gathers`, or a pipeline schedule).
 
-    `spmd`: each collective's time × `stream_utilisation`. Other modes: its time less what the
+    `spmd`: each collective's time × `stream_utilisation` of its link's stream: `links` (one
+    flag per entry of `timed`: whether it spans nodes) puts the collectives inside nodes and those
+    across on two streams, as XLA runs them and the replay of a compiled step
+    (`analysis.overlap`) counts them, each busy with its own collectives; None: one stream.
+    Other modes: its time less what the
     compiled schedule hides of its axes' communication (`hidden_shares`), and never more than
     the compute it can hide behind: a tensor-parallel collective that declares the matmul it
     overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
     exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute)."""
     if mode == "spmd":
-        busy = stream_utilisation(sum(t for _, t in timed), compute_s)
-        return [(c, t * busy) for c, t in timed]
+        links = links or [False] * len(timed)
+        busy = {link: stream_utilisation(sum(t for (_, t), on in zip(timed, links) if on == link),
+                                         compute_s) for link in set(links)}
+        return [(c, t * busy[link]) for (c, t), link in zip(timed, links)]
     out = []
     for c, t in timed:
         if not _overlaps_backward(c):
@@ -595,13 +769,25 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     recompute = recompute_factor(work, grid)
     executed = work.executed_flops(grid)
     found = collectives(work, grid)
+    memory_bound = sum(memory_bound_bytes(work, grid).values()) / machine.hbm_bw
+    balanced = dataclasses.replace(work, expert_imbalance=1.0)  # what imbalance adds to it
+    skew = memory_bound - sum(memory_bound_bytes(balanced, grid).values()) / machine.hbm_bw \
+        if work.imbalance(grid) != 1.0 else 0.0
+    kernels = kernel_count(work, grid)
+    launch = kernels * machine.kernel_s
     compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
-        c.count * c.copied for c in found)) / machine.hbm_bw
-    mode = work.schedule if grid.pipe > 1 else "spmd" if work.step(grid).rings else "spmd-gathers"
+        c.count * c.copied for c in found)) / machine.hbm_bw + memory_bound + launch
+    # Rows go round rings only in the batch-split layout; tensor-parallel layers that keep their
+    # rows whole (a microbatch too small to split over row) sum each output before the next
+    # matmul, as rows gathered whole do.
+    whole = grid.row * grid.col > 1 and not declared(work, grid).split
+    mode = work.schedule if grid.pipe > 1 else \
+        "spmd" if work.step(grid).rings and not whole else "spmd-gathers"
     timed = [(c, _collective_time(c, grid, machine)) for c in found]
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
-    for c, t in exposed_communication(timed, compute, rate, mode):
+    links = [spans_nodes(c, grid, machine) for c, _ in timed]
+    for c, t in exposed_communication(timed, compute, rate, mode, links):
         exposed[c.kind] += t
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     bubble = 0.0
@@ -618,7 +804,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
                       fits=mem["total"] <= machine.device_memory, remat=work.remat,
                       expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
-                      .expert_flops / devices / rate * recompute)
+                      .expert_flops / devices / rate * recompute + skew,
+                      memory_bound_s=memory_bound,
+                      launch_s=launch, kernels=kernels)
 
 
 def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
@@ -627,9 +815,9 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
     An elementwise update (AdamW, `step.update`) reads every parameter, gradient and state leaf
     the device holds and writes the parameters and the state back: 2·params + grads + 2·optimizer
     bytes at HBM bandwidth. With `offload_optimizer` the state streams from host memory and back
-    (`offload.optimizer`): twice the host state over the host link, at best. (The matmul-only
-    compute of `plan` was 0.49× the step measured on an H200 for Llama-3.2-1B, of which this
-    update is 7 ms of 86: `benchmarks/results/gpu_calibration.md`.)"""
+    (`offload.optimizer`): twice the host state over the host link, at best. The layers'
+    memory-bound kernels are `memory_bound_bytes` (against measured steps:
+    `benchmarks/results/plan_vs_replay.md`)."""
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
     return hbm / machine.hbm_bw + 2 * host_memory_per_device(work, grid) / machine.host_bw
 

@@ -81,6 +81,7 @@ def communication(shape: DecoderShape, step: StepShape, flops: float,
     context = ContextAttention(kv, stage, None if shape.replicated else "col",
                                heads=shape.num_heads / g.row)
     kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
+    traffic = [p.traffic(step) for p in shape.parts if hasattr(p, "traffic")]
     working = context.working_bytes(step) + sum(p.working_bytes(step) for p in shape.parts
                                                 if hasattr(p, "working_bytes"))
     return from_parts([*tables, *shape.layers, *shape.replicated, *shape.parts, context, *norms,
@@ -88,6 +89,7 @@ def communication(shape: DecoderShape, step: StepShape, flops: float,
                       head_reads=head_reads, saved_features=saved_features(shape),
                       metrics=shape.metrics, working=working,
                       part_activations=kept,
+                      part_traffic=(sum(f for f, _ in traffic), sum(b for _, b in traffic)),
                       executed_flops=flops - scores + context.executed_flops(step, scores)
                       if g.context > 1 else None)
 

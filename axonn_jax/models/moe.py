@@ -208,6 +208,11 @@ class MoE(nn.Module):
 
 # ----------------------------------------------------------------------------- communication model
 
+DISPATCH_PASSES = (47, 28)
+"""(forward, backward) passes over one layer call's send buffer (`MoELayers._rows` rows of
+`d_model`) of the dispatch's memory-bound kernels: read off the compiled H100 step of
+mixtral-8x7b on expert 8 × row 8 (`benchmarks/plan_vs_replay.py`: its replayed other kernels
+over the buffer's bytes, the forward's loop body and the rest)."""
 DENSE_RAGGED_DOT = True
 """jaxlib computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every local
 expert, masked: `benchmarks/results/moe.md`), so a dropless layer that uses it runs
@@ -294,6 +299,25 @@ class MoELayers:
         rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
         features = 3 * self.d_model / g.col + self._expert_features(step)
         return self.layers * rows * features * step.compute_bytes
+
+    def traffic(self, step) -> tuple[float, float]:
+        """HBM bytes (one forward, the backward) per step of one device's dispatch kernels: the
+        scatters, gathers, selects and copies that place each routed row into the send buffer,
+        bring the received rows to their experts and the results back, and their index and mask
+        arrays, `DISPATCH_PASSES` over the buffer (`_rows` of `d_model` features over col, in the
+        compute dtype) per layer and call.
+
+        Args:
+          step: the step's shape (`collectives.StepShape`).
+
+        Returns:
+          (forward bytes, backward bytes).
+        """
+        g = step.grid
+        # `_rows`: one call's rows under a pipeline, every microbatch's together without one
+        rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
+        buffer = rows * self.d_model / g.col * step.compute_bytes
+        return tuple(self.layers * buffer * p for p in DISPATCH_PASSES)
 
     def working_bytes(self, step) -> float:
         """Temporary bytes one layer's backward holds on one device beside what `activations`

@@ -115,9 +115,10 @@ def test_compressed_trajectory_tracks_exact(reference, devices, name, grid, opti
         assert residual and all(r.shape[0] == grid["data"] for r in residual)
 
 
-# (model, dtype, options, bound of the losses and gradient norms): bf16 within about two bf16 ulps
-# (2^-8 relative; measured 4.0e-3), fp16 within a few fp16 ulps (2^-11; measured 9.3e-4).
-MIXED = [("vit", "bfloat16", dict(offload_optimizer=True), 1e-2),
+# (model, dtype, options, bound of the losses and gradient norms): bf16 within the mode matrix's
+# 16-bit gradient-norm bound (the norm drifts with the grid's sum order over the three steps),
+# fp16 within a few fp16 ulps (2^-11).
+MIXED = [("vit", "bfloat16", dict(offload_optimizer=True), 2e-2),
          ("regressor", "float16", {}, 2e-3)]
 
 

@@ -6,10 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
 
 from axonn_jax import ParallelConfig
-from axonn_jax._compat import shard_map
 from axonn_jax.analysis import comm_model as cm, targets
 from axonn_jax.analysis.hlo import bytes_by_axes
 from axonn_jax.parallel import compression as C
@@ -18,25 +16,12 @@ from axonn_jax.step.train_step import option_problems
 from axonn_jax.train import TrainOptions, build_trainer
 
 from conftest import assert_steps_match
+from test_compression import data_mesh, run_psum as psum_over  # noqa: F401 (fixture)
 from test_compression_tp import OPTS, assert_tracks, corpus, run  # noqa: F401 (fixture)
 
 B = 64
 
 
-@pytest.fixture(scope="module")
-def data_mesh(devices):
-    return Mesh(np.asarray(devices).reshape(8, 1, 1, 1, 1), ("data", "pipe", "depth", "row", "col"))
-
-
-def psum_over(mesh, tree, residual, **kwargs):
-    """compressed_psum over 8 shards; leaves carry a leading shard axis."""
-    def f(t, r):
-        t, r = jax.tree.map(lambda a: a[0], (t, r))
-        out, new_r = C.compressed_psum(t, "data", residual=r, **kwargs)
-        return out, jax.tree.map(lambda a: a[None], new_r)
-
-    return jax.jit(shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")),
-                             out_specs=(P(), P("data")), axis_names={"data"}))(tree, residual)
 
 
 @pytest.mark.parametrize("node_size", [2, 4])

@@ -42,7 +42,8 @@ GPU_OPTIONS: dict[str, bool | int] = {
     # Up to eight collectives in flight at once (XLA's default: one) on meshes split over more
     # than one axis (`overlap_limit`): a layer's data-parallel exchange (`step.layer_exchange`:
     # the all-to-all of one layer and the all-gather of the layer above) then runs beside the
-    # depth gathers and reduce-scatters of the layer below instead of queueing behind them.
+    # depth gathers, reduce-scatters and row/col all-reduces of the layer below instead of
+    # queueing behind them.
     OVERLAP_LIMIT: 8,
 }
 """XLA:GPU `DebugOptions` (names as in `XLA_FLAGS`, without the dashes) -> value. Each one's
@@ -69,14 +70,12 @@ def overlap_limit(shape: dict[str, int]) -> int:
     """How many collectives XLA may run at once on a mesh of `shape` (`{axis: size}`).
 
     One on a mesh split over one axis: its collectives share its links, and XLA, free to run
-    several, starts them all late. Four where `row` or `col` split the layers: their all-reduces
-    sit on the critical path, and every collective beside them slows them down. Else
-    `GPU_OPTIONS`' eight (`benchmarks/results/layer_exchange.md`).
+    several, starts them all late. Else `GPU_OPTIONS`' eight: the collectives of different axes
+    run on different links (NVLink inside a node, the NICs across nodes) or beside each other's
+    compute (`benchmarks/results/layer_exchange.md`).
     """
     if sum(size > 1 for size in shape.values()) <= 1:
         return 1
-    if shape.get("row", 1) > 1 or shape.get("col", 1) > 1:
-        return min(4, GPU_OPTIONS[OVERLAP_LIMIT])
     return GPU_OPTIONS[OVERLAP_LIMIT]
 
 

@@ -438,11 +438,10 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
         # Each option under its own name or, where this XLA renamed it, its successor's.
         assert xo.GPU_OPTIONS and all(k in got or xo.SUCCESSORS[k][0] in got
                                       for k in xo.GPU_OPTIONS)
-        # Row or col split: their all-reduces are on the critical path, four in flight.
-        assert got[xo.OVERLAP_LIMIT] == 4
+        # Several axes, row or col among them or not: their collectives run beside each other.
+        assert got[xo.OVERLAP_LIMIT] == xo.GPU_OPTIONS[xo.OVERLAP_LIMIT] > 1
         no_tensor = xo.compiler_options(make_mesh(ParallelConfig(data=2, depth=4), h100))
-        assert no_tensor == {**got, xo.OVERLAP_LIMIT: xo.GPU_OPTIONS[xo.OVERLAP_LIMIT]}
-        assert xo.GPU_OPTIONS[xo.OVERLAP_LIMIT] > 4
+        assert no_tensor == got
         # One axis: its collectives share its links, one in flight (XLA's default).
         one_axis = xo.compiler_options(make_mesh(ParallelConfig(data=8), h100))
         assert one_axis == {**got, xo.OVERLAP_LIMIT: 1}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """The pipeline timetables (`axonn_jax.parallel.pipeline`), named as `--schedule` takes them."""
@@ -93,6 +94,20 @@ class ParallelConfig:
                 raise ValueError(f"bad grid entry {item!r}: expected NAME=INT with NAME in {AXES}")
             sizes[name] = int(value)
         return cls(**sizes)
+
+
+def devices_inside(sizes, axis: str) -> int:
+    """How many consecutive devices one step along mesh axis `axis` spans: the product of the
+    sizes of the axes after it in `AXES` order (they change fastest across device ids).
+
+    Args:
+      sizes: `{axis: size}` (a mesh's shape or `ParallelConfig.as_dict()`); absent axes are 1.
+      axis: one of `AXES`.
+
+    Returns:
+      The stride of `axis` in devices.
+    """
+    return math.prod(sizes.get(a, 1) for a in AXES[AXES.index(axis) + 1:])
 
 
 def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: ParallelConfig) -> None:

@@ -26,7 +26,7 @@ from typing import Iterable
 
 from ..collectives import (FP32, KINDS, Collective, ModelCommunication, ParameterShard,  # noqa: F401
                            StepShape, ring_bytes)
-from ..config import AXES, ParallelConfig, check_grid
+from ..config import AXES, ParallelConfig, check_grid, devices_inside
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..offload.activations import UNIFORM_REMAT
 from ..parallel.context import check_sequence
@@ -222,8 +222,7 @@ class Workload:
         if not self.compress_bits or self.compress_scope != "inter-node":
             return 1
         devices = self.compress_node_size or (8 if self.platform == "gpu" else grid.num_devices)
-        inner = math.prod(getattr(grid, a) for a in AXES[AXES.index("data") + 1:])
-        return min(grid.data, max(1, devices // inner))
+        return min(grid.data, max(1, devices // devices_inside(grid.as_dict(), "data")))
 
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`."""
@@ -455,8 +454,8 @@ def spans_nodes(c: Collective, grid: ParallelConfig, machine: Machine) -> bool:
     Returns:
       True where a group crosses nodes.
     """
-    inner = math.prod(getattr(grid, a) for a in AXES[AXES.index(c.axes[-1]) + 1:])
-    outer_span = inner * (c.span or math.prod(getattr(grid, a) for a in c.axes))
+    outer_span = devices_inside(grid.as_dict(), c.axes[-1]) * (
+        c.span or math.prod(getattr(grid, a) for a in c.axes))
     return outer_span > machine.devices_per_node
 
 

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import manual_axis_size, pmean, varying_axes
 from ..collectives import FP32, Collective
+from ..config import devices_inside
 from ..parallel import compression, exchange
 
 
@@ -190,8 +191,7 @@ def node_shards(mesh, axis: str = "data", node_size: int | None = None) -> int:
     if node_size is None:
         node_size = 8 if devices[0].platform != "cpu" else sum(
             d.process_index == devices[0].process_index for d in devices)
-    names = list(mesh.axis_names)
-    inner = math.prod(mesh.shape[a] for a in names[names.index(axis) + 1:])
+    inner = devices_inside(dict(mesh.shape), axis)
     size = int(mesh.shape[axis])
     shards = max(1, node_size // inner)
     if node_size < 1 or node_size % inner and inner % node_size or size % shards:

@@ -294,18 +294,21 @@ class _Costs:
         return max((d for d in found if d), key=DTYPE_BYTES.__getitem__, default=None)
 
 
+def _floating(shapes: list[str]) -> list[str]:
+    """The floating dtypes of the arrays in `shapes`."""
+    return [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
+
+
 def _widest(shapes: list[str]) -> str | None:
     """The widest floating dtype among a matmul's operands (None when none is floating)."""
-    found = [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
-    return max(found, key=DTYPE_BYTES.__getitem__, default=None)
+    return max(_floating(shapes), key=DTYPE_BYTES.__getitem__, default=None)
 
 
 def _operand_dtype(shapes: list[str]) -> str:
     """The narrowest floating dtype among a kernel's operands: what a matmul without a visible
     dot (cuDNN attention, a grouped GEMM) runs in (a bf16 matmul accumulating into an f32
     result runs at the bf16 rate)."""
-    found = [a.dtype for s in shapes for a in arrays(s) if a.dtype in FLOAT_DTYPES]
-    return min(found, key=DTYPE_BYTES.__getitem__, default="f32")
+    return min(_floating(shapes), key=DTYPE_BYTES.__getitem__, default="f32")
 
 
 def instruction_seconds(flops: float, matmul_flops: float, memory_bytes: float, dtype: str,

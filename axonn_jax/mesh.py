@@ -77,7 +77,7 @@ def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
       devices: the devices to lay out (None: `jax.devices()`); sorted by (process, id).
 
     Returns:
-      The mesh.
+      mesh (jax.sharding.Mesh): the mesh.
 
     Raises:
       ValueError: the grid does not use exactly as many devices.

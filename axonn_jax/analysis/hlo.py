@@ -209,8 +209,8 @@ def collectives(hlo_text: str | Module) -> list[Collective]:
       hlo_text: the module's text, or the module already read (`hlo_module.read_module`).
 
     Returns:
-      One `Collective` per instruction reached from the entry, loop bodies' executions
-      multiplied by their trip counts.
+      The `Collective`s reached from the entry computation, those in loop bodies with their
+      executions multiplied by the trip counts.
     """
     module = read_module(hlo_text) if isinstance(hlo_text, str) else hlo_text
     memo: dict[str, list[Collective]] = {}

@@ -9,8 +9,8 @@ communication model (`analysis.comm_model`) adds up what they declare.
 
 Byte convention ("wire bytes"): what one device sends for an operation on a buffer of S bytes in a
 group of g devices under the ring algorithm: all-reduce 2(g−1)/g·S; all-gather (g−1)/g·S (S the
-gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute S.
-Groups of one device move nothing. (`analysis.hlo.wire_bytes` counts the compiled program so.)
+gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute
+S. Groups of one device move nothing. (`analysis.hlo.wire_bytes` counts the compiled program so.)
 """
 from __future__ import annotations
 

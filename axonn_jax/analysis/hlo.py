@@ -87,9 +87,9 @@ def _iota(spec: str) -> list[int]:
 
 def _first_group(attrs: str, num_devices: int) -> tuple[int, ...]:
     """The device ids (logical, in the mesh's order) of the collective's group holding the
-    first device of the list: a permute's first source-target pair between two devices, else one replica group in
-    any of HLO's three spellings (explicit, iota `[groups,size]<=[...]`, or over named axes of a
-    mesh). All devices when no groups are given."""
+    first device of the list: a permute's first source-target pair between two devices, else one
+    replica group in any of HLO's three spellings (explicit, iota `[groups,size]<=[...]`, or over
+    named axes of a mesh). All devices when no groups are given."""
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attrs)
     if m:
         size = int(m.group(1).split(",")[-1])

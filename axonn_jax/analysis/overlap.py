@@ -1,4 +1,4 @@
-"""How much of a compiled step's communication the schedule can hide: read from the scheduled module.
+"""How much of a compiled step's communication its schedule hides, read from the scheduled module.
 
 A compiled GPU module is scheduled (`is_scheduled=true`): each computation lists its instructions
 in the order they run, and XLA's latency-hiding scheduler splits every collective it makes
@@ -23,8 +23,8 @@ per execution:
   swapped activations): an asynchronous copy or dynamic slice / update from or to host memory
   runs on the host link, one stream per direction at the machine's `host_bw`, and its `done`
   waits for it; a synchronous one holds the compute stream for its transfer. They are reported
-  as `host-to-device` and `device-to-host` over `host`. Loop bodies replay twice (the first iteration,
-  then the steady state, whose pipelined collectives (a start whose done is in the next
+  as `host-to-device` and `device-to-host` over `host`. Loop bodies replay twice (the first
+  iteration, then the steady state, whose pipelined collectives (a start whose done is in the next
   iteration, through the loop's carried tuple) are matched by tuple index).
 
 `summary(overlaps)` adds them up per (collective kind, mesh axes): bytes, the share of bytes whose
@@ -159,8 +159,9 @@ class _Costs:
 
     def _touched(self, comp: str, operands: list[float]) -> float:
         """Bytes a fusion with slices (static or dynamic) or in-place updates reads and writes: an
-        operand it only slices, the slices; a buffer one of its outputs updates in place (a dynamic-update-slice),
-        nothing (it writes the update); every other operand and output whole."""
+        operand it only slices, the slices; a buffer one of its outputs updates in place (a
+        dynamic-update-slice), nothing (it writes the update); every other operand and output
+        whole."""
         instrs = self.comps[comp]
         by_name = {i.name: i for i in instrs}
         users: dict[str, list[Instruction]] = {}

@@ -1,7 +1,8 @@
-"""Whole train steps: axonn_jax grids against GSPMD ("pjit") baselines of the same model and optimizer.
+"""Whole train steps: axonn_jax grids against GSPMD ("pjit") baselines of the same model.
 
-Every variant trains the same `StackedModel` with the same optimizer, clipping and batch on the same
-devices; only the placement of parameters, optimizer state and batch, and so the collectives, differ:
+Every variant trains the same `StackedModel` with the same optimizer, clipping and batch on the
+same devices; only the placement of parameters, optimizer state and batch, and so the collectives,
+differ:
 
 - axonn_jax: `make_train_step` on a `data × pipe × depth × row × col` grid (AxoNN's tensor-parallel
   layers, explicit data-parallel reduction, the pipeline engine);

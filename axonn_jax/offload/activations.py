@@ -14,14 +14,15 @@ Decisions, per block of a model's stack:
 
 `remat='auto'` is the planner: it measures one block — device and host residual bytes per decision
 (`saved_residuals`), forward matmul FLOPs and the extra backward matmul FLOPs each decision costs
-(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device
-spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
-blocks take each decision; offloaded blocks come first (their activations are needed last in the
-backward, so fetching them back has the most time to overlap), then recomputed, selective and kept
-ones.
-It picks the counts with the least predicted extra step time whose predicted peak fits the budget:
+(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named
+device spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan
+is how many blocks take each decision; offloaded blocks come first (their activations are needed
+last in the backward, so fetching them back has the most time to overlap), then recomputed,
+selective and kept ones. It picks the counts with the least predicted extra step time whose
+predicted peak fits the budget:
 
-    predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
+    predicted_peak(plan) = compiled_peak(all recompute)
+                           + sum_blocks(device_bytes[d] - device_bytes[recompute])
 
 calibrated by compiling the train step with every block recomputed and with every block kept (the
 latter sets a kept block's bytes, so both ends are exact) through a `measure_peak(plan)` callback

@@ -1,4 +1,6 @@
-"""AxoNN's message-driven pipeline over MPI: `mpirun -n S·D axonn-jax train --transport mpi --pipe S`.
+"""AxoNN's message-driven pipeline over MPI.
+
+Launched as `mpirun -n S·D axonn-jax train --transport mpi --pipe S`.
 
 One process per pipeline stage. Rank `r = d·S + s` runs stage `s` of pipeline `d` (D data-parallel
 copies of an S-stage pipeline); it holds only its layers (`L/S` of them, as V chunks of `L/(S·V)`

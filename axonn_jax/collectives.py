@@ -9,8 +9,8 @@ communication model (`analysis.comm_model`) adds up what they declare.
 
 Byte convention ("wire bytes"): what one device sends for an operation on a buffer of S bytes in a
 group of g devices under the ring algorithm: all-reduce 2(g−1)/g·S; all-gather (g−1)/g·S (S the
-gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute S.
-Groups of one device move nothing. (`analysis.hlo.wire_bytes` counts the compiled program so.)
+gathered result); reduce-scatter (g−1)/g·S (S the input); all-to-all (g−1)/g·S; collective-permute
+S. Groups of one device move nothing. (`analysis.hlo.wire_bytes` counts the compiled program so.)
 """
 from __future__ import annotations
 
@@ -31,7 +31,16 @@ _RING = {"all-reduce": lambda g: 2 * (g - 1) / g, "all-gather": lambda g: (g - 1
 
 
 def ring_bytes(kind: str, size: float, group: int) -> float:
-    """Wire bytes one device sends for a collective of buffer `size` over `group` devices."""
+    """Wire bytes one device sends for a collective of buffer `size` over `group` devices.
+
+    Args:
+      kind: the collective kind (`KINDS`).
+      size: the full buffer's bytes.
+      group: devices in the collective's group.
+
+    Returns:
+      The ring algorithm's bytes per device; 0 for a group of one or an empty buffer.
+    """
     if group <= 1 or size == 0:
         return 0.0
     return _RING[kind](group) * size
@@ -78,16 +87,34 @@ class Collective:
     adds their time to the compute."""
 
     def group(self, grid: ParallelConfig) -> int:
+        """Devices per group on `grid`.
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          `group_size`, or the product of the sizes of `axes` where it is 0.
+        """
         return self.group_size or math.prod(getattr(grid, a) for a in self.axes)
 
     def wire_bytes(self, grid: ParallelConfig) -> float:
+        """Wire bytes one device sends for all `count` of them on `grid` (`ring_bytes`).
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          `count` × the ring bytes of one.
+        """
         return self.count * ring_bytes(self.kind, self.size, self.group(grid))
 
 
 @dataclasses.dataclass(frozen=True)
 class ParameterShard:
-    """One parameter tensor as one device of a pipeline stage holds it (block tensors stacked over
-    the stage's layers)."""
+    """One parameter tensor as one device of a pipeline stage holds it.
+
+    Block tensors are stacked over the stage's layers.
+    """
 
     elements: float
     ndim: int
@@ -109,11 +136,14 @@ class ParameterShard:
 
 @dataclasses.dataclass(frozen=True)
 class StepShape:
-    """One train step as the parts count it: the grid, the global batch of `batch` rows
-    (sequences, or images with `seq_len` 1) of `seq_len` positions, `microbatches`, the bytes of
-    a compute value and of a parameter, whether the tensor-parallel layers keep the batch
-    split (`split`, `tp.tensor.split_batch`: the model decides, it knows its layers), and the
-    context axis's attention scheme (`context_attention`, `parallel.context.SCHEMES`)."""
+    """One train step as the parts count it.
+
+    The grid, the global batch of `batch` rows (sequences, or images with `seq_len` 1) of
+    `seq_len` positions, `microbatches`, the bytes of a compute value and of a parameter, whether
+    the tensor-parallel layers keep the batch split (`split`, `tp.tensor.split_batch`: the model
+    decides, it knows its layers), and the context axis's attention scheme
+    (`context_attention`, `parallel.context.SCHEMES`).
+    """
 
     grid: ParallelConfig
     batch: int
@@ -135,56 +165,88 @@ class StepShape:
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes of one kernel element in the depth gathers and gradient reduce-scatters: the
-        compute dtype's (the step casts the parameters before the forward, and XLA:GPU keeps
+        """Bytes of one kernel element in the depth gathers and gradient reduce-scatters.
+
+        The compute dtype's (the step casts the parameters before the forward, and XLA:GPU keeps
         16-bit collectives 16-bit); 4 on XLA:CPU, which runs 16-bit collectives in f32 (measured:
         twice the H100 module's depth bytes on llama-tiny data 2 × depth 2 × row 2, bf16)."""
         return 4 if self.platform == "cpu" else self.compute_bytes
 
     @property
     def rows(self) -> float:
-        """Rows one device's tensor-parallel group works on per step (the batch over
-        data·expert·depth; `context` splits each row's positions instead)."""
+        """Rows one device's tensor-parallel group works on per step.
+
+        The batch over data·expert·depth; `context` splits each row's positions instead.
+        """
         return self.batch / (self.grid.data * self.grid.expert * self.grid.depth)
 
     @property
     def tokens(self) -> float:
-        """Positions one device's tensor-parallel group works on per step (the batch over
-        data·expert·depth, the sequence over context)."""
+        """Positions one device's tensor-parallel group works on per step.
+
+        The batch over data·expert·depth, the sequence over context.
+        """
         return self.rows * self.seq_len / self.grid.context
 
     @property
     def layer_rows(self) -> float:
-        """Rows one layer call sees on a data (and expert) shard: its microbatch, under a
-        pipeline as under gradient accumulation (`step.engines.SpmdEngine` slices the local
-        batch into `microbatches` before the layers run)."""
+        """Rows one layer call sees on a data (and expert) shard.
+
+        Its microbatch, under a pipeline as under gradient accumulation (`step.engines.SpmdEngine`
+        slices the local batch into `microbatches` before the layers run)."""
         return self.batch / (self.grid.data * self.grid.expert * self.microbatches)
 
     def stage_layers(self, num_layers: int) -> int:
-        """Blocks of a stack of `num_layers` one pipeline stage holds."""
+        """Blocks of a stack of `num_layers` one pipeline stage holds.
+
+        Args:
+          num_layers: the blocks of the whole stack.
+
+        Returns:
+          `num_layers // pipe`.
+        """
         return num_layers // self.grid.pipe
 
 
 class Part(Protocol):
     """Anything that declares its collectives and parameters for a step."""
 
-    def collectives(self, step: StepShape) -> list[Collective]: ...
+    def collectives(self, step: StepShape) -> list[Collective]:
+        """The collectives the part issues on one device in one step.
 
-    def parameters(self, step: StepShape) -> list[ParameterShard]: ...
+        Args:
+          step: the step being counted.
+
+        Returns:
+          Its `Collective`s.
+        """
+        ...
+
+    def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The parameter tensors the part holds on one device.
+
+        Args:
+          step: the step being counted.
+
+        Returns:
+          Its `ParameterShard`s.
+        """
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelCommunication:
-    """What a model declares about one train step (`config.communication(step)`), on one device
-    of the most loaded pipeline stage: the collectives of its own layers (tensor-parallel
-    kernels, norms, loss), the parameter shards that device holds (from which the step's
-    gradient exchange, gradient-norm sums and pipeline gradient sums follow), the bytes of one
-    microbatch's activation between two blocks on one device (`boundary`: what a stage sends and
-    stashes), the layout its dense layers run in (`split`), the elements of the embedding's
+    """What a model declares about one train step (`config.communication(step)`).
+
+    On one device of the most loaded pipeline stage: the collectives of its own layers
+    (tensor-parallel kernels, norms, loss), the parameter shards that device holds (from which the
+    step's gradient exchange, gradient-norm sums and pipeline gradient sums follow), the bytes of
+    one microbatch's activation between two blocks on one device (`boundary`: what a stage sends
+    and stashes), the layout its dense layers run in (`split`), the elements of the embedding's
     parameters its head reads (`head_reads`, `StackedModel.head_reads_embed`: the pipeline sums
     their gradient apart), the training FLOPs of the step, and the activation bytes the device
-    keeps (`activations`; None: the planner's estimate for a stack of transformer blocks), and
-    the features per position of one block that `--remat selective` keeps (`saved_features`, the
+    keeps (`activations`; None: the planner's estimate for a stack of transformer blocks), and the
+    features per position of one block that `--remat selective` keeps (`saved_features`, the
     outputs of its named matmuls; 0: not modelled)."""
 
     collectives: tuple[Collective, ...]
@@ -220,7 +282,16 @@ class ModelCommunication:
 
 
 def from_parts(parts: Iterable[Part], step: StepShape, **fields) -> ModelCommunication:
-    """The `ModelCommunication` of a model made of `parts`, with its other `fields`."""
+    """The `ModelCommunication` of a model made of `parts`, with its other `fields`.
+
+    Args:
+      parts: the model's parts (`Part`), in any order.
+      step: the step being counted (its `split` is the layout's).
+      **fields: the other `ModelCommunication` fields (`boundary`, `flops`, ...).
+
+    Returns:
+      The parts' collectives and parameters together.
+    """
     parts = tuple(parts)
     return ModelCommunication(tuple(c for p in parts for c in p.collectives(step)),
                               tuple(s for p in parts for s in p.parameters(step)),

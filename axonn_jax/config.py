@@ -52,11 +52,12 @@ class ParallelConfig:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Axis sizes in mesh order `(data, pipe, depth, row, col)`."""
+        """Axis sizes in mesh order (`AXES`: data, pipe, expert, context, depth, row, col)."""
         return tuple(getattr(self, name) for name in AXES)
 
     @property
     def num_devices(self) -> int:
+        """Devices of the whole grid: the product of its axis sizes."""
         n = 1
         for size in self.shape:
             n *= size
@@ -73,10 +74,22 @@ class ParallelConfig:
         return self.data * self.expert * self.context
 
     def as_dict(self) -> dict[str, int]:
+        """The grid as `{axis: size}` for every axis of `AXES`, in mesh order.
+
+        Returns:
+          A new dict of the seven sizes.
+        """
         return {name: getattr(self, name) for name in AXES}
 
     def validate(self, num_devices: int) -> None:
-        """Raise ValueError unless the grid uses exactly `num_devices` devices."""
+        """Raise ValueError unless the grid uses exactly `num_devices` devices.
+
+        Args:
+          num_devices: the devices available.
+
+        Raises:
+          ValueError: the axis sizes do not multiply to `num_devices`.
+        """
         if self.num_devices != num_devices:
             grid = " × ".join(f"{n}={getattr(self, n)}" for n in AXES)
             raise ValueError(
@@ -86,7 +99,17 @@ class ParallelConfig:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelConfig":
-        """`'data=2,row=4'` -> ParallelConfig(data=2, row=4)."""
+        """Parse a grid of `NAME=INT` entries: `'data=2,row=4'` -> `ParallelConfig(data=2, row=4)`.
+
+        Args:
+          text: comma-separated `NAME=INT` entries, NAME in `AXES`; absent axes are 1.
+
+        Returns:
+          The `ParallelConfig`.
+
+        Raises:
+          ValueError: an entry is not `NAME=INT` with NAME in `AXES`, or a size is not positive.
+        """
         sizes = {}
         for item in filter(None, (s.strip() for s in text.split(","))):
             name, _, value = item.partition("=")
@@ -97,8 +120,10 @@ class ParallelConfig:
 
 
 def devices_inside(sizes, axis: str) -> int:
-    """How many consecutive devices one step along mesh axis `axis` spans: the product of the
-    sizes of the axes after it in `AXES` order (they change fastest across device ids).
+    """How many consecutive devices one step along mesh axis `axis` spans.
+
+    The product of the sizes of the axes after it in `AXES` order (they change fastest across
+    device ids).
 
     Args:
       sizes: `{axis: size}` (a mesh's shape or `ParallelConfig.as_dict()`); absent axes are 1.
@@ -111,7 +136,17 @@ def devices_inside(sizes, axis: str) -> int:
 
 
 def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: ParallelConfig) -> None:
-    """Raise ValueError naming the numbers unless `size` divides evenly over the product of `axes`."""
+    """Raise ValueError naming the numbers unless `size` divides evenly over the product of `axes`.
+
+    Args:
+      what: the quantity's name in the message (`batch size`, `--batch-size`, ...).
+      size: the quantity.
+      axes: a mesh axis or several.
+      config: the grid.
+
+    Raises:
+      ValueError: `size` is not divisible by the product of `axes`' sizes.
+    """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     parts = 1
     for axis in axes:
@@ -123,11 +158,22 @@ def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: P
 
 def check_grid(config: ParallelConfig, *, batch_size: int, microbatches: int = 1,
                num_layers: int | None = None, flags: bool = False) -> None:
-    """Raise ValueError naming the numbers unless the grid can split a step: the batch over `data`
-    and `depth`, each data shard into `microbatches` (a pipeline's, or gradient accumulation's),
-    the layers over `pipe`. The trainer and the planner (`analysis.comm_model`) both check grids
-    with this. flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the
-    messages."""
+    """Raise ValueError naming the numbers unless the grid can split a step.
+
+    The batch over `data`, `expert` and `depth`, each data shard into `microbatches` (a
+    pipeline's, or gradient accumulation's), the layers over `pipe`. The trainer and the planner
+    (`analysis.comm_model`) both check grids with this.
+
+    Args:
+      config: the grid.
+      batch_size: the global batch's rows.
+      microbatches: microbatches per data shard.
+      num_layers: the blocks of the stack (None: not checked).
+      flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the messages.
+
+    Raises:
+      ValueError: `microbatches` is not positive, or a dimension does not divide.
+    """
     batch, mb = ("--batch-size", "--microbatches") if flags else ("batch size", "microbatches")
     if microbatches < 1:
         raise ValueError(f"{mb} must be positive, got {microbatches}")

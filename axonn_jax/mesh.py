@@ -1,4 +1,4 @@
-"""Building the five-axis device mesh, and simulated CPU devices for machines without accelerators."""
+"""Building the device mesh, and simulated CPU devices for machines without accelerators."""
 from __future__ import annotations
 
 import os
@@ -16,11 +16,17 @@ independent collectives at once, the pool runs dry and XLA aborts after 40 s ("T
 
 
 def simulate_cpu_devices(n: int) -> None:
-    """Make the CPU backend expose `n` devices (and schedule their collectives so that they never
-    starve each other of threads: `CPU_SCHEDULER_FLAG`). Must run before JAX initializes its
-    backends.
+    """Make the CPU backend expose `n` devices.
 
-    Raises RuntimeError if JAX has already started with a different device count.
+    It also schedules their collectives so that they never starve each other of threads
+    (`CPU_SCHEDULER_FLAG`). Must run before JAX initializes its backends.
+
+    Args:
+      n: the number of simulated devices.
+
+    Raises:
+      ValueError: `n` is not positive.
+      RuntimeError: JAX has already started with a different device count.
     """
     if n < 1:
         raise ValueError(f"--devices must be positive, got {n}")
@@ -45,10 +51,11 @@ def simulate_cpu_devices(n: int) -> None:
 
 
 def use_cpu_platform() -> None:
-    """Run JAX on its CPU platform only, unless `JAX_PLATFORMS` names platforms: for simulated CPU
-    devices and for compile-only ones (`analysis.targets`), where an installed CUDA plugin would
-    otherwise try to start its own backend (and, without a GPU, fail or print a traceback). Must
-    run before JAX starts its backends."""
+    """Run JAX on its CPU platform only, unless `JAX_PLATFORMS` names platforms.
+
+    For simulated CPU devices and for compile-only ones (`analysis.targets`), where an installed
+    CUDA plugin would otherwise try to start its own backend (and, without a GPU, fail or print a
+    traceback). Must run before JAX starts its backends."""
     if os.environ.get("JAX_PLATFORMS"):
         return
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -58,12 +65,22 @@ def use_cpu_platform() -> None:
 
 
 def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
-    """A `jax.sharding.Mesh` of shape `config.shape` with axes `config.AXES` (data, pipe, expert,
-    context, depth, row, col).
+    """A `jax.sharding.Mesh` of shape `config.shape` with axes `config.AXES`.
 
-    Devices are laid out in id order with the innermost axis (`col`) fastest, so tensor-parallel axes
-    stay inside a process/host and `data`/`pipe` span processes. Axes are `Auto` (GSPMD partitions
-    code outside explicit shard_maps).
+    The axes are data, pipe, expert, context, depth, row, col. Devices are laid out in id order
+    with the innermost axis (`col`) fastest, so tensor-parallel axes stay inside a process/host
+    and `data`/`pipe` span processes. Axes are `Auto` (GSPMD partitions code outside explicit
+    shard_maps).
+
+    Args:
+      config: the grid.
+      devices: the devices to lay out (None: `jax.devices()`); sorted by (process, id).
+
+    Returns:
+      mesh (jax.sharding.Mesh): the mesh.
+
+    Raises:
+      ValueError: the grid does not use exactly as many devices.
     """
     import jax
     import numpy as np
@@ -79,5 +96,12 @@ def make_mesh(config: ParallelConfig, devices: Sequence | None = None):
 
 
 def config_of(mesh) -> ParallelConfig:
-    """The ParallelConfig a mesh was built from."""
+    """The ParallelConfig a mesh was built from.
+
+    Args:
+      mesh: a mesh with axes named as `AXES` (absent axes are 1).
+
+    Returns:
+      The `ParallelConfig` of its axis sizes.
+    """
     return ParallelConfig(**{name: int(mesh.shape.get(name, 1)) for name in AXES})

@@ -39,8 +39,14 @@ from . import hidden_shares
 
 
 def counts(model) -> bool:
-    """Whether the planner counts `model` (a model config): its config declares its parts'
-    communication (`communication(step)`)."""
+    """Whether the planner counts `model`: its config declares its parts' communication.
+
+    Args:
+      model: a model config (`GPTConfig`, `LlamaConfig`, `UNetConfig`, ...).
+
+    Returns:
+      True where the config has a callable `communication(step)`.
+    """
     return callable(getattr(model, "communication", None))
 
 
@@ -73,7 +79,10 @@ H100_DGX_HOST_MEMORY_PER_GPU = 2 * 307.2e9 / 8
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """A cluster's links and devices. Bandwidths are bytes/s one device can send in one direction."""
+    """A cluster's links and devices.
+
+    Bandwidths are bytes/s one device can send in one direction.
+    """
 
     name: str
     devices_per_node: int
@@ -110,8 +119,15 @@ class Machine:
     replay's error."""
 
     def matmul_rate(self, dtype: str = "bf16") -> float:
-        """FLOPs/s of a large matmul whose result is `dtype` (an HLO dtype: `bf16`, `f16`, `f32`,
-        `f8e4m3fn`, ...)."""
+        """FLOPs/s of a large matmul whose result is `dtype`.
+
+        Args:
+          dtype: an HLO dtype: `bf16`, `f16`, `f32`, `f8e4m3fn`, ...
+
+        Returns:
+          `peak_flops × efficiency`, times `fp8_speedup` for an 8-bit float result and
+          `f32_speedup` for `f32`/`f64`.
+        """
         rate = self.peak_flops * self.efficiency
         if dtype.startswith("f8"):
             return rate * self.fp8_speedup
@@ -124,9 +140,9 @@ MACHINES: dict[str, Machine] = {
     # A DGX H100 ([A], [B]): 8 GPUs on NVSwitch, one 400 Gb/s NIC per GPU.
     "h100-dgx": Machine("8× H100 SXM per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9),
     # A DGX H200 ([D], [B]'s network): the H100 node with the H200's memory.
-    # Its memory-bound kernels at the device copy's rate measured on a lent H200 (2,998 GB/s of
-    # the datasheet's 4.8 TB/s, `benchmarks/results/gpu_nvidia_h200.md` (d)); the H100's HBM is
-    # taken at its datasheet rate until one is measured.
+    # Its memory-bound kernels at the device copy's rate measured on a lent H200, below the
+    # datasheet's 4.8 TB/s (the rate: `benchmarks/results/gpu_nvidia_h200.md` (d)); the H100's
+    # HBM is taken at its datasheet rate until one is measured.
     "h200-dgx": Machine("8× H200 per node (DGX), NVSwitch, 400 Gb/s NIC per GPU", 8, 450e9, 50e9,
                         device_memory=141e9, hbm_bw=2.998e12),
     # Perlmutter-like: 4 A100-40GB per node, NVLink 3, 4 × 200 Gb/s Slingshot per node.
@@ -154,9 +170,11 @@ what `full` keeps and recomputes what `selective` recomputes."""
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """What one step computes: a model (a config with `communication(step)`, e.g. `GPTConfig`,
-    `LlamaConfig`, `UNetConfig`), the global batch (sequences or images), sequence length,
-    dtypes."""
+    """What one step computes: a model, the global batch, sequence length, dtypes.
+
+    `model` is a config with `communication(step)`, e.g. `GPTConfig`, `LlamaConfig`,
+    `UNetConfig`; `batch` counts sequences (or images).
+    """
 
     model: object
     batch: int
@@ -195,37 +213,72 @@ class Workload:
 
     @property
     def tokens(self) -> int:
+        """Tokens of the global batch: `batch × seq_len`."""
         return self.batch * self.seq_len
 
     def flops(self) -> float:
-        """Training FLOPs of the whole step (forward + backward, no recompute)."""
+        """Training FLOPs of the whole step (forward + backward, no recompute).
+
+        Returns:
+          The FLOPs the model declares on a one-device grid.
+        """
         return declared(self, ParallelConfig()).flops
 
     def executed_flops(self, grid: ParallelConfig) -> float:
-        """Training FLOPs the compiled step runs (a dropless mixture of experts under jaxlib's
-        dense `ragged_dot` runs more than `flops`), the routed experts' share multiplied by
-        `expert_imbalance` (the busiest device's), as if every device ran the busiest one's."""
+        """Training FLOPs the compiled step runs, as if every device ran the busiest one's.
+
+        A dropless mixture of experts under jaxlib's dense `ragged_dot` runs more than `flops`;
+        the routed experts' share is multiplied by `expert_imbalance` (the busiest device's).
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          FLOPs of the whole step (all devices).
+        """
         d = declared(self, grid)
         executed = d.flops if d.executed_flops is None else d.executed_flops
         return executed + (self.imbalance(grid) - 1) * d.expert_flops
 
     def imbalance(self, grid: ParallelConfig) -> float:
-        """`expert_imbalance` where experts split over devices (`expert > 1`), else 1: a device
-        holding every expert takes every token's choices whatever their spread."""
+        """`expert_imbalance` where experts split over devices (`expert > 1`), else 1.
+
+        A device holding every expert takes every token's choices whatever their spread.
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          The busiest expert shard's tokens over the mean.
+        """
         return self.expert_imbalance if grid.expert > 1 else 1.0
 
     def node_shards(self, grid: ParallelConfig) -> int:
-        """Data shards per node that CGX's exchange sums exactly (`step.reducers.node_shards`):
-        1 under scope `all`; under `inter-node`, `compress_node_size` devices (default 8 on a
-        GPU, an H100 node; on CPU every device, one process) over those of the axes inside
-        `data`, at most `grid.data` (one node: nothing compressed)."""
+        """Data shards per node that CGX's exchange sums exactly (`step.reducers.node_shards`).
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          1 under scope `all` (or without compression); under `inter-node`,
+          `compress_node_size` devices (default 8 on a GPU, an H100 node; on CPU every device,
+          one process) over those of the axes inside `data`, at most `grid.data` (one node:
+          nothing compressed).
+        """
         if not self.compress_bits or self.compress_scope != "inter-node":
             return 1
         devices = self.compress_node_size or (8 if self.platform == "gpu" else grid.num_devices)
         return min(grid.data, max(1, devices // devices_inside(grid.as_dict(), "data")))
 
     def step(self, grid: ParallelConfig) -> StepShape:
-        """The step as its parts count it on `grid`."""
+        """The step as its parts count it on `grid`.
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          The `StepShape` the model's `communication` reads.
+        """
         rings = collective_matmuls_on(self.collective_matmul, self.platform, self.fp8)
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
                          self.param_bytes, context_attention=self.context_attention,
@@ -234,13 +287,28 @@ class Workload:
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
-    """What the model of `work` declares about one step on `grid` (`config.communication`)."""
+    """What the model of `work` declares about one step on `grid` (`config.communication`).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The model's `ModelCommunication` for `work.step(grid)`.
+    """
     return work.model.communication(work.step(grid))
 
 
 def shape_of(model, grid: ParallelConfig):
-    """The communicating parts of a decoder (a GPT or a Llama) on `grid`
-    (`models.decoder.DecoderShape`)."""
+    """The communicating parts of a decoder (a GPT or a Llama) on `grid`.
+
+    Args:
+      model: a decoder config.
+      grid: the mesh.
+
+    Returns:
+      Its `models.decoder.DecoderShape`.
+    """
     return model.shape(grid)
 
 
@@ -250,11 +318,21 @@ def _schedule(work: Workload, grid: ParallelConfig):
 
 
 def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
-    """Every collective of one train step on one device (the most loaded stage for `pipe`), as the
-    compiled axonn_jax train step issues them (checked against its HLO in tests/test_comm_model.py),
-    down to the scalars of the loss and the gradient norm: what the model's layers declare, the
-    gradient exchange of the parameters they hold over data, and with a pipeline its messages and
-    the sum of the gradients every stage holds, each stage's work repeated as the engine runs it."""
+    """Every collective of one train step on one device (the most loaded stage for `pipe`).
+
+    As the compiled axonn_jax train step issues them (checked against its HLO in
+    tests/test_comm_model.py), down to the scalars of the loss and the gradient norm: what the
+    model's layers declare, the gradient exchange of the parameters they hold over data, and with
+    a pipeline its messages and the sum of the gradients every stage holds, each stage's work
+    repeated as the engine runs it.
+
+    Args:
+      work: the step.
+      grid: the mesh, `data × pipe × expert × context × depth × row × col`.
+
+    Returns:
+      The `Collective`s, each with its count per step.
+    """
     d = declared(work, grid)
     stage_layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
@@ -284,7 +362,15 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
 
 
 def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
-    """Wire bytes per device per step, by collective kind."""
+    """Wire bytes per device per step, by collective kind.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      `{kind: wire bytes}` for every kind of `KINDS`.
+    """
     totals = {k: 0.0 for k in KINDS}
     for c in collectives(work, grid):
         totals[c.kind] += c.wire_bytes(grid)
@@ -292,16 +378,32 @@ def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
 
 
 def parameter_shards(work: Workload, grid: ParallelConfig) -> list[ParameterShard]:
-    """Every parameter tensor one device holds, as the model's parts declare them."""
+    """Every parameter tensor one device holds, as the model's parts declare them.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The `ParameterShard`s of one device.
+    """
     return list(declared(work, grid).parameters)
 
 
 def bytes_by_axes(work: Workload, grid: ParallelConfig,
                   buffers: bool = False) -> dict[tuple[str, tuple[str, ...]], float]:
-    """`{(kind, axes): bytes per device per step}`, axes in mesh order (those of size 1 left
-    out): wire bytes (`buffers`:
-    full-buffer bytes, `size × count`), as `axonn_jax.analysis.hlo.bytes_by_axes` measures them
-    in the compiled step."""
+    """Bytes per device per step by collective kind and mesh axes.
+
+    As `axonn_jax.analysis.hlo.bytes_by_axes` measures them in the compiled step.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+      buffers: count full-buffer bytes (`size × count`) instead of wire bytes.
+
+    Returns:
+      `{(kind, axes): bytes}`, axes in mesh order (those of size 1 left out).
+    """
     out: dict[tuple[str, tuple[str, ...]], float] = {}
     for c in collectives(work, grid):
         if c.group(grid) > 1 and c.count and c.size:
@@ -311,37 +413,61 @@ def bytes_by_axes(work: Workload, grid: ParallelConfig,
 
 
 def parameters_per_device(work: Workload, grid: ParallelConfig) -> float:
-    """Parameters one device holds (`parameter_shards`)."""
+    """Parameters one device holds (`parameter_shards`).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The number of parameter elements.
+    """
     return sum(p.elements for p in declared(work, grid).parameters)
 
 
 def fused_attention(work: Workload) -> bool:
-    """Whether the step's attention keeps no probabilities (cuDNN's fused kernel): `--attention
-    cudnn`, or `auto` in 16 bits, which picks cuDNN on a GPU (`models.attention.resolve`)."""
+    """Whether the step's attention keeps no probabilities (cuDNN's fused kernel).
+
+    Args:
+      work: the step.
+
+    Returns:
+      True for `--attention cudnn`, or `auto` in 16 bits, which picks cuDNN on a GPU
+      (`models.attention.resolve`).
+    """
     choice = getattr(work.model, "attention", "auto")
     return choice == "cudnn" or (choice == "auto" and work.compute_bytes < FP32)
 
 
 def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
                          split: bool = False) -> float:
-    """Bytes one transformer block's backward keeps from its forward on one device (no
-    recompute), for `tokens` of a (micro)batch, `split`: the dense layers' batch-split layout
-    (`tp.tensor.split_batch`, rows over col). Read off the memory-usage reports of compiled H100
-    steps (`--dump-hlo` with XLA's dump flags; bf16, cuDNN attention) of Llama-3-8B on
-    data 8 × pipe 8 and Llama-3-405B on pipe 2 × depth 16 × row 8 and on pipe 2 × depth 2 ×
-    row 8 × col 8, per layer:
+    """Bytes one transformer block's backward keeps from its forward on one device (no recompute).
+
+    Read off the memory-usage reports of compiled H100 steps (`--dump-hlo` with XLA's dump
+    flags; bf16, cuDNN attention) of Llama-3-8B on data 8 × pipe 8 and Llama-3-405B on pipe 2 ×
+    depth 16 × row 8 and on pipe 2 × depth 2 × row 8 × col 8, per layer:
 
     - 6 activations of the residual stream's width in fp32 (the norms compute in fp32),
       features over col, rows over row when split; and 3 in the compute dtype whose rows stay
       whole (405B, col 8: three bf16[63, 8·4096, 16384/8]);
     - 6 of the MLP's hidden width (`d_ff`) in the compute dtype, features over row, rows over
-      col when split but for one (405B: bf16[63, 8·4096, 53248/8], 25.6 GiB);
+      col when split but for one (405B: bf16[63, 8·4096, 53248/8]);
     - 4 of the attention heads' width (queries, keys, values, output), heads over row;
     - unfused attention (fp32, or `--attention xla`): the softmax's scores and probabilities,
-      2 per head and key in fp32 (Llama-3.2-1B with XLA's attention on an H200 peaked at 71.2 GB:
-      0.95× what this counts, 0.71× with them in bf16); cuDNN's fused kernel keeps only per-row
+      2 per head and key in fp32 (checked against the peak of Llama-3.2-1B with XLA's attention
+      on an H200, which counting them in bf16 falls well below:
+      `benchmarks/results/gpu_findings.md`); cuDNN's fused kernel keeps only per-row
       statistics, and so does the context-parallel attention (`parallel.context`, whose
       temporaries the model declares as `working`).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+      tokens: positions of a (micro)batch on the device.
+      split: the dense layers' batch-split layout (`tp.tensor.split_batch`, rows over col).
+
+    Returns:
+      Bytes one block keeps on one device.
     """
     m, g, cb = work.model, grid, work.compute_bytes
     d_ff = getattr(m, "d_ff", 4 * m.d_model)
@@ -354,7 +480,15 @@ def block_residual_bytes(work: Workload, grid: ParallelConfig, tokens: float,
 
 
 def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
-    """Bytes one device holds at peak: parameters, gradients, optimizer state and activations."""
+    """Bytes one device holds at peak: parameters, gradients, optimizer state and activations.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      `{"params", "grads", "optimizer", "activations", "total": bytes}`.
+    """
     m, g, d = work.model, grid, declared(work, grid)
     n = sum(p.elements for p in d.parameters)
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
@@ -367,8 +501,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # gradient in the compute dtype before it is added in fp32, where the step materializes
     # them: gathered over depth, or cast once before a microbatch loop (the compiled H100 step
     # of Llama-3-70B on 256 devices holds both at its peak: memory-usage report of --dump-hlo).
-    # Else XLA fuses the casts into the matmuls that read them (Llama-3.2-1B on one H200:
-    # plan 1.09x the measured peak with them counted, 0.95x without).
+    # Else XLA fuses the casts into the matmuls that read them (Llama-3.2-1B on one H200: the
+    # plan is over the measured peak with them counted, `benchmarks/results/plan_vs_replay.md`).
     materialized = g.depth > 1 or g.pipe > 1 or work.microbatches > 1
     copies = 2 * n * work.compute_bytes if materialized and not work.offload_optimizer and \
         work.compute_bytes < work.param_bytes else 0.0
@@ -404,8 +538,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     if work.remat != "none":  # the parts' layers recomputed one block at a time (as `per_block`)
         parts /= m.num_layers // g.pipe
     # The head's backward ends before the last block's recomputed forward begins: the logits and
-    # one recomputed block are never live together (counting both put `plan` 1.35× over the
-    # compiled peak of Llama-3-70B on data 4 × depth 16 × row 4, 1.53× on GPT-20B on depth 64).
+    # one recomputed block are never live together (counting both put `plan` well over the
+    # compiled peak of Llama-3-70B on data 4 × depth 16 × row 4 and of GPT-20B on depth 64).
     transient = max(logits, per_block if work.remat != "none" else 0.0)
     activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
         + transient + stash + copies + d.working + parts
@@ -415,10 +549,19 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
 
 def kept_per_block(work: Workload, declared: ModelCommunication, working_set: float,
                    tokens: float) -> float:
-    """Bytes one block keeps for the backward under `work.remat`: its whole working set (`none`),
-    its input (`full`, `offload`: the rest is recomputed, resp. on the host), or its input and its
-    named matmul outputs (`selective`: `declared.saved_features` per position; the working set when
-    the model declares none). tokens: positions per device and microbatch over the tensor split."""
+    """Bytes one block keeps for the backward under `work.remat`.
+
+    Args:
+      work: the step (its `remat`, `compute_bytes`).
+      declared: what the model declares (`saved_features`, `boundary`).
+      working_set: the block's whole working set (`block_residual_bytes`).
+      tokens: positions per device and microbatch over the tensor split.
+
+    Returns:
+      Its whole working set (`none`), its input (`full`, `offload`: the rest is recomputed,
+      resp. on the host), or its input and its named matmul outputs (`selective`:
+      `declared.saved_features` per position; the working set when the model declares none).
+    """
     if work.remat == "none" or (work.remat == "selective" and not declared.saved_features):
         return working_set
     kept = declared.saved_features * tokens * work.compute_bytes if work.remat == "selective" else 0
@@ -426,9 +569,20 @@ def kept_per_block(work: Workload, declared: ModelCommunication, working_set: fl
 
 
 def link_time(kind: str, size: float, group: int, inter: bool, machine: Machine) -> float:
-    """Seconds one collective takes: `kind` over `group` devices on a buffer of `size` bytes (the
-    full buffer, `axonn_jax.collectives`' convention), across nodes (`inter`) or within one, by
-    the ring algorithm (all-reduce: or the double binary tree, the faster, as NCCL picks)."""
+    """Seconds one collective takes, by the ring algorithm (all-reduce: or the double binary tree).
+
+    An all-reduce takes the faster of the two, as NCCL picks.
+
+    Args:
+      kind: the collective kind (`KINDS`).
+      size: the full buffer's bytes (`axonn_jax.collectives`' convention).
+      group: devices in its group.
+      inter: whether it runs across nodes (else within one).
+      machine: the cluster's links.
+
+    Returns:
+      Seconds; 0 for a group of one.
+    """
     if group <= 1:
         return 0.0
     bw = machine.inter_bw if inter else machine.intra_bw
@@ -501,7 +655,11 @@ class Prediction:
     """Kernel launches per step (`kernel_count`)."""
 
     def as_dict(self) -> dict:
-        """Fields named as `axonn-jax compile --json` names the compiled figures."""
+        """Fields named as `axonn-jax compile --json` names the compiled figures.
+
+        Returns:
+          A JSON-ready dict, the grid as `ParallelConfig.as_dict`.
+        """
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
                 "remat": self.remat,
                 "step_time_s": self.step_time_s,
@@ -528,10 +686,19 @@ BATCH_AXES_ALL = ("data", "expert", "context")
 
 
 def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
-    """FLOPs the step runs over the model's training FLOPs (forward 1, backward 2): the pipeline
-    runs each stage's forward again in its backward tick (+1/3); `--remat full` each block's once
-    more (+1/3); `selective` and `offload` recompute the attention scores (`QKᵀ`, one of the
-    attention core's two matmuls) from the kept projections."""
+    """FLOPs the step runs over the model's training FLOPs (forward 1, backward 2).
+
+    The pipeline runs each stage's forward again in its backward tick (+1/3); `--remat full` each
+    block's once more (+1/3); `selective` and `offload` recompute the attention scores (`QKᵀ`,
+    one of the attention core's two matmuls) from the kept projections.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The factor, at least 1.
+    """
     factor = (4 / 3 if grid.pipe > 1 else 1.0) + (1 / 3 if work.remat == "full" else 0.0)
     m = work.model
     if work.remat in ("selective", "offload") and hasattr(m, "d_model"):
@@ -542,15 +709,24 @@ def recompute_factor(work: Workload, grid: ParallelConfig) -> float:
 
 
 def parameter_traffic(work: Workload, grid: ParallelConfig) -> float:
-    """HBM bytes one device moves per step over its parameters besides the matmuls, when the step
-    runs several microbatches (a pipeline's ticks, gradient accumulation): each fp32 parameter is
-    cast to the compute dtype once per step (read 4, write 2: `step.engines` casts before the
-    microbatch loop), and per microbatch its gradient is converted to fp32 (read 2, write 4) and
-    added to the accumulator (read 8, write 4): 18 bytes per microbatch in bf16, 12 in fp32. (Read
-    off the compiled H100 step of Llama-3-70B on data 4 × pipe 16 × row 4: with the casts in
-    every tick, 30 bytes per microbatch, its tick loop's converts and adds were 3.7 s of the
-    replayed schedule at 256 microbatches; casting once took 1.2 s off the replayed step at
-    128.) One microbatch: once, negligible."""
+    """HBM bytes one device moves per step over its parameters besides the matmuls.
+
+    When the step runs several microbatches (a pipeline's ticks, gradient accumulation): each
+    fp32 parameter is cast to the compute dtype once per step (read 4, write 2: `step.engines`
+    casts before the microbatch loop), and per microbatch its gradient is converted to fp32 (read
+    2, write 4) and added to the accumulator (read 8, write 4): 18 bytes per microbatch in bf16,
+    12 in fp32. (Read off the compiled H100 step of Llama-3-70B on data 4 × pipe 16 × row 4: with
+    the casts in every tick, 30 bytes per microbatch, its tick loop's converts and adds were a
+    large share of the replayed schedule; casting once shortened the replayed step.) One
+    microbatch: once, negligible.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      Bytes per device per step; 0 with one microbatch or `offload_optimizer`.
+    """
     if work.microbatches == 1 or work.offload_optimizer:
         return 0.0
     cb, pb = work.compute_bytes, work.param_bytes
@@ -681,8 +857,10 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
 
 
 def kernel_count(work: Workload, grid: ParallelConfig) -> float:
-    """Kernels one device launches per step (`KERNELS_PER_LAYER` a block, each pass of a
-    recomputed forward a third more, `KERNELS_OUTSIDE_LAYERS` besides, per microbatch).
+    """Kernels one device launches per step.
+
+    `KERNELS_PER_LAYER` a block, each pass of a recomputed forward a third more,
+    `KERNELS_OUTSIDE_LAYERS` besides, per microbatch.
 
     Args:
       work: the step.
@@ -697,8 +875,7 @@ def kernel_count(work: Workload, grid: ParallelConfig) -> float:
 
 
 def stream_utilisation(comm_s: float, compute_s: float) -> float:
-    """The share of a step's compute time its communication stream is busy: `comm_s` (every
-    collective's time on its links) over `compute_s`, at most 1.
+    """The share of a step's compute time its communication stream is busy, at most 1.
 
     Why it is each collective's exposed share: XLA:GPU runs a step's collectives one after
     another on one stream, started as early as the latency-hiding scheduler can (weights
@@ -707,22 +884,28 @@ def stream_utilisation(comm_s: float, compute_s: float) -> float:
     the stream is doing: it finds the stream still busy as often as the stream is busy, and
     waits for about the collective's own time. So a step exposes comm_s · utilisation =
     comm_s² / compute_s (all of comm_s once the stream is busy for the whole step). No measured
-    constant: against the compiled H100 schedules replayed by `analysis.overlap`
-    (`benchmarks/results/overlap_notes.md`, "... one law for the exposed time"), the step it gives
-    is 0.93–1.04× the replayed step on ten grids (Llama-3-70B on 256: five grids, 0.98–1.006×;
-    the 1.9B Llama on 8: data, depth, row, data × row × col, depth × row × col), where the
-    per-axis shares gave 0.96–1.06×. It does not hold for the steps it leaves to the shares: a
-    pipeline's collectives wait at tick boundaries (0.3× the replay's exposed time), and rows
-    gathered whole (`--collective-matmul off`) put each gather before its matmul (0.7×)."""
+    constant: it was checked against the compiled H100 schedules replayed by `analysis.overlap`
+    on ten grids (Llama-3-70B on 256: five grids; the 1.9B Llama on 8: data, depth, row,
+    data × row × col, depth × row × col), as closely as the per-axis shares: the ratios are in
+    `benchmarks/results/overlap_notes.md`, "... one law for the exposed time". It does not hold
+    for the steps it leaves to the shares: a pipeline's collectives wait at tick boundaries (it
+    overstates the replay's exposed time), and rows gathered whole (`--collective-matmul off`)
+    put each gather before its matmul.
+
+    Args:
+      comm_s: every collective's time on its links, in seconds.
+      compute_s: the step's compute time, in seconds.
+
+    Returns:
+      `comm_s / compute_s`, at most 1 (1 without compute).
+    """
     return min(1.0, comm_s / compute_s) if compute_s > 0 else 1.0
 
 
 def exposed_communication(timed: list[tuple[Collective, float]], compute_s: float, rate: float,
                           mode: str, links: list[bool] | None = None
                           ) -> list[tuple[Collective, float]]:
-    """(collective, seconds of it the step waits for) of each `(collective, its time)` in
-    `timed`, on a step of `compute_s` seconds of compute (matmuls at `rate` FLOP/s) in `mode`
-    (`spmd`: no pipeline, rows gathered in rings; `spmd-gathers`, or a pipeline schedule).
+    """The seconds of each collective in `timed` that the step waits for.
 
     `spmd`: each collective's time × `stream_utilisation` of its link's stream: `links` (one
     flag per entry of `timed`: whether it spans nodes) puts the collectives inside nodes and those
@@ -732,7 +915,19 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
     compiled schedule hides of its axes' communication (`hidden_shares`), and never more than
     the compute it can hide behind: a tensor-parallel collective that declares the matmul it
     overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
-    exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute)."""
+    exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute).
+
+    Args:
+      timed: `(collective, its time in seconds)` pairs.
+      compute_s: the step's compute, in seconds.
+      rate: the matmuls' rate, FLOP/s.
+      mode: `spmd` (no pipeline, rows gathered in rings), `spmd-gathers`, or a pipeline
+        schedule.
+      links: for `spmd`, one flag per entry of `timed`: whether it spans nodes.
+
+    Returns:
+      `(collective, exposed seconds)` pairs.
+    """
     if mode == "spmd":
         links = links or [False] * len(timed)
         busy = {link: stream_utilisation(sum(t for (_, t), on in zip(timed, links) if on == link),
@@ -762,6 +957,14 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     source). The bubble adds the schedule's published idle time per unit of
     work ((P−1)/M for 1F1B; V times less interleaved; zb-h1's at the engine's costs: forward 1,
     input gradient 2 (with the recomputed forward), weight gradient 1).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+      machine: the cluster.
+
+    Returns:
+      The grid's `Prediction`.
     """
     rate = machine.peak_flops * machine.efficiency
     devices = grid.num_devices
@@ -810,20 +1013,39 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
 
 def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
                    memory: dict[str, float]) -> float:
-    """The optimizer update's time per step on one device (`memory`: its `memory_per_device`).
+    """The optimizer update's time per step on one device.
+
     An elementwise update (AdamW, `step.update`) reads every parameter, gradient and state leaf
     the device holds and writes the parameters and the state back: 2·params + grads + 2·optimizer
     bytes at HBM bandwidth. With `offload_optimizer` the state streams from host memory and back
     (`offload.optimizer`): twice the host state over the host link, at best. The layers'
     memory-bound kernels are `memory_bound_bytes` (against measured steps:
-    `benchmarks/results/plan_vs_replay.md`)."""
+    `benchmarks/results/plan_vs_replay.md`).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+      machine: the cluster (`hbm_bw`, `host_bw`).
+      memory: the device's `memory_per_device`.
+
+    Returns:
+      Seconds.
+    """
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
     return hbm / machine.hbm_bw + 2 * host_memory_per_device(work, grid) / machine.host_bw
 
 
 def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
-    """Host bytes of one device's optimizer state: with `offload_optimizer`, its parameters' fp32
-    masters and Adam's two fp32 moments (`offload.optimizer`); else none."""
+    """Host bytes of one device's optimizer state.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      With `offload_optimizer`, its parameters' fp32 masters and Adam's two fp32 moments
+      (`offload.optimizer`); else 0.
+    """
     if not work.offload_optimizer:
         return 0.0
     return parameters_per_device(work, grid) * 3 * work.param_bytes
@@ -840,9 +1062,16 @@ def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
 
 
 def searched_axes(work: Workload) -> tuple[str, ...]:
-    """The mesh axes a grid for `work` may split (in `AXES` order): `expert` only for a mixture
-    of experts (a model with `num_experts`), `context` only for a decoder whose attention runs
-    over it (`kv_features`: `parallel.context.ContextAttention`); the others always."""
+    """The mesh axes a grid for `work` may split, in `AXES` order.
+
+    Args:
+      work: the step.
+
+    Returns:
+      `expert` only for a mixture of experts (a model with `num_experts`), `context` only for a
+      decoder whose attention runs over it (`kv_features`: `parallel.context.ContextAttention`);
+      the others always.
+    """
     model = work.model
     allowed = {"expert": getattr(model, "num_experts", 1) > 1,
                "context": getattr(model, "kv_features", 0) > 0 and work.seq_len > 1}
@@ -850,16 +1079,35 @@ def searched_axes(work: Workload) -> tuple[str, ...]:
 
 
 def candidate_grids(work: Workload, num_devices: int) -> list[ParallelConfig]:
-    """Every grid of `num_devices` devices over `searched_axes(work)`: context is tried wherever
-    it is allowed and kept when it ranks best (long sequences need it for memory)."""
+    """Every grid of `num_devices` devices over `searched_axes(work)`.
+
+    Context is tried wherever it is allowed and kept when it ranks best (long sequences need it
+    for memory).
+
+    Args:
+      work: the step.
+      num_devices: the devices to split.
+
+    Returns:
+      Every `ParallelConfig` whose searched axes multiply to `num_devices`.
+    """
     axes = searched_axes(work)
     return [ParallelConfig(**dict(zip(axes, sizes)))
             for sizes in _factorizations(num_devices, len(axes))]
 
 
 def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
-    """Why `grid` cannot run `work` (a dimension that does not divide), or None: the trainer's own
-    checks (`config.check_grid`, `GPTConfig.check_grid`)."""
+    """Why `grid` cannot run `work` (a dimension that does not divide), or None.
+
+    The trainer's own checks (`config.check_grid`, `GPTConfig.check_grid`).
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      The first check's error message, or None where the grid runs.
+    """
     try:
         check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
                    num_layers=work.model.num_layers)
@@ -890,14 +1138,28 @@ PLANNED_REMAT = ("none", "selective", "full")
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
          microbatch_choices: Iterable[int] | None = None,
          remat_choices: Iterable[str] | None = None) -> list[Prediction]:
-    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time
-    (a context grid only where the same grid with data in its place does not run or fit:
-    `_data_instead`).
+    """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
 
-    For each grid the number of microbatches (default: pipe × `MICROBATCH_FACTORS` with a
-    pipeline, 1 without) and the remat mode (default `PLANNED_REMAT`) are chosen as the fastest pair that
-    divides the batch and fits in memory (the least memory among equally fast ones). Grids whose
-    memory exceeds the device are dropped.
+    A context grid only where the same grid with data in its place does not run or fit
+    (`_data_instead`). For each grid the number of microbatches (default: pipe ×
+    `MICROBATCH_FACTORS` with a pipeline, 1 without) and the remat mode (default
+    `PLANNED_REMAT`) are chosen as the fastest pair that divides the batch and fits in memory
+    (the least memory among equally fast ones). Grids whose memory exceeds the device are
+    dropped.
+
+    Args:
+      work: the step.
+      num_devices: the devices to split.
+      machine: the cluster.
+      grid: rank this grid alone (None: every `candidate_grids`).
+      microbatch_choices: microbatch counts to try (None: the default above).
+      remat_choices: `--remat` modes to try (None: `PLANNED_REMAT`).
+
+    Returns:
+      The fitting grids' `Prediction`s, fastest first.
+
+    Raises:
+      ValueError: the model's config declares no communication (`counts`).
     """
     if not counts(work.model):
         raise ValueError(f"the communication model counts models whose config declares their "
@@ -911,12 +1173,12 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
         if _data_instead(g) in fitting:
             continue
         # Without a pipeline one microbatch: the compiled H100 step of Llama-3-70B on data 2 ×
-        # depth 16 × row 4 × col 2 with 4 accumulated microbatches held 136.7 GB against the
-        # 79.2 GB counted (its kept activations as counted, 55 GB, and about as much again that
-        # accumulation leaves live: not modelled), so accumulation is only what a config asks.
+        # depth 16 × row 4 × col 2 with 4 accumulated microbatches held far more than counted
+        # (its kept activations as counted, and about as much again that accumulation leaves
+        # live: not modelled), so accumulation is only what a config asks.
         default = [g.pipe * k for k in MICROBATCH_FACTORS] if g.pipe > 1 else [1]
         # Within pipeline stages only `none` (the compiled Llama-3-405B step on pipe 2 × depth
-        # 16 × row 4 × col 2 with `selective` held 92.7 GB against 66.8 counted: the tick's
+        # 16 × row 4 × col 2 with `selective` held well over what is counted: the tick's
         # recompute under a policy is not modelled); a config's own `--remat` is counted as given.
         modes = remats if g.pipe == 1 or remat_choices else ["none"]
         best = None

@@ -34,8 +34,11 @@ FIELDS = ("memory_per_device_bytes", "host_memory_per_device_bytes", "comm_bytes
 
 @dataclasses.dataclass
 class CompileReport:
-    """One compiled step. Bytes and FLOPs per device per step; `comm_bytes_per_device`:
-    `{kind: wire bytes}`; `comm_bytes_by_axes`: `{"kind over axis+axis": wire bytes}`."""
+    """One compiled step's figures: bytes and FLOPs per device per step.
+
+    `comm_bytes_per_device`: `{kind: wire bytes}`; `comm_bytes_by_axes`:
+    `{"kind over axis+axis": wire bytes}`.
+    """
 
     target: str
     devices: int
@@ -58,15 +61,25 @@ class CompileReport:
 
     @property
     def fits(self) -> bool:
+        """Whether the device peak fits `capacity_bytes`."""
         return self.memory_per_device_bytes <= self.capacity_bytes
 
     def as_dict(self) -> dict:
+        """The report's fields and `fits`, as `axonn-jax compile --json` writes them.
+
+        Returns:
+          A JSON-ready dict.
+        """
         out = dataclasses.asdict(self)
         out["fits"] = self.fits
         return out
 
     def verdict(self) -> str | None:
-        """One line when the step does not fit (None when it does)."""
+        """One line when the step does not fit (None when it does).
+
+        Returns:
+          The grid, its peak and its parts against the target's memory, or None.
+        """
         if self.fits:
             return None
         grid = ",".join(f"{k}={v}" for k, v in self.grid.items() if v > 1) or "one device"
@@ -77,7 +90,15 @@ class CompileReport:
 
 
 def memory(compiled) -> dict:
-    """Bytes per device of a compiled program: device peak, host total and their parts."""
+    """Bytes per device of a compiled program: device peak, host total and their parts.
+
+    Args:
+      compiled: a `jax.stages.Compiled`.
+
+    Returns:
+      `{"peak": bytes, "host": bytes, "breakdown": {part: bytes}}` from its
+      `memory_analysis()` (peak: `offload.activations.compiled_peak_bytes`).
+    """
     m = compiled.memory_analysis()
     host = (m.host_argument_size_in_bytes + m.host_output_size_in_bytes
             - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes)
@@ -91,7 +112,15 @@ def memory(compiled) -> dict:
 
 
 def communication(text: str, mesh_shape: dict[str, int]) -> tuple[dict, dict]:
-    """(`{kind: wire bytes}`, `{"kind over axes": wire bytes}`) per device of a compiled module."""
+    """Wire bytes per device of a compiled module, by kind and by kind and mesh axes.
+
+    Args:
+      text: the compiled module's HLO text.
+      mesh_shape: `{axis: size}` of its mesh.
+
+    Returns:
+      (`{kind: wire bytes}`, `{"kind over axes": wire bytes}`).
+    """
     by_axes = {f"{kind} over {'+'.join(axes) or 'none'}": b
                for (kind, axes), b in sorted(hlo.bytes_by_axes(text, mesh_shape).items())}
     return hlo.wire_bytes(text), by_axes
@@ -99,10 +128,19 @@ def communication(text: str, mesh_shape: dict[str, int]) -> tuple[dict, dict]:
 
 def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = None,
                  name: str = "train_step", machine=None) -> tuple[CompileReport, Any]:
-    """Compile `step` (a `TrainStep`) for batches like `batch` (this process's share: arrays or
-    ShapeDtypeStructs) on its mesh, from abstract state; returns (report, compiled program).
-    `dump_hlo`: a directory for the compiled module's text (`NAME.txt`); `machine`: replay the
-    schedule on it (`analysis.overlap`, the report's `overlap`)."""
+    """Compile `step` for batches like `batch` on its mesh, from abstract state.
+
+    Args:
+      step: a `TrainStep`.
+      batch: this process's share of a batch: arrays or ShapeDtypeStructs.
+      capacity_bytes: the target device's memory (what `fits` compares to).
+      dump_hlo: a directory for the compiled module's text (`NAME.txt`), or None.
+      name: the module's file name without `.txt`.
+      machine: replay the schedule on it (`analysis.overlap`, the report's `overlap`), or None.
+
+    Returns:
+      (report, compiled program).
+    """
     bound = step.bind(batch)
     state, abstract = bound.abstract_state(), bound.abstract_batch()
     t0 = time.perf_counter()
@@ -130,15 +168,29 @@ def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = N
 
 
 def predicted(prediction) -> dict:
-    """The `FIELDS` of a `comm_model.Prediction` (and its breakdown), as `plan --json` gives them."""
+    """The `FIELDS` of a `comm_model.Prediction` (and its breakdown), as `plan --json` gives them.
+
+    Args:
+      prediction: a `comm_model.Prediction`.
+
+    Returns:
+      `FIELDS`, `memory_breakdown`, `step_time_s` and `mfu` of its `as_dict`.
+    """
     out = prediction.as_dict()
     return {k: out[k] for k in (*FIELDS, "memory_breakdown", "step_time_s", "mfu")}
 
 
 def disagreements(report: CompileReport, tolerance: float = 0.10) -> list[str]:
-    """Each figure where `plan`'s prediction and the compiler differ by more than `tolerance`
-    (relative to the compiled figure), one line each: memory, host memory, FLOPs, and the bytes
-    of every collective kind either side has."""
+    """Each figure where `plan`'s prediction and the compiler differ by more than `tolerance`.
+
+    Args:
+      report: a compile report with its `predicted` figures.
+      tolerance: the largest relative difference (to the compiled figure) let pass.
+
+    Returns:
+      One line each: memory, host memory, FLOPs, and the bytes of every collective kind either
+      side has; none without a prediction.
+    """
     p = report.predicted
     if p is None:
         return []
@@ -160,11 +212,20 @@ def disagreements(report: CompileReport, tolerance: float = 0.10) -> list[str]:
 def compile_grids(build: Callable, grids: Iterable[tuple], *, capacity_bytes: float,
                   predict: Callable | None = None, model_flops: float | None = None,
                   dump_hlo: str | None = None, machine=None) -> list[CompileReport]:
-    """Compile the step of each choice `(grid, microbatches, remat mode)` of `grids`:
-    `build(*choice) -> (TrainStep, batch)` builds it on the target's devices; `predict(*choice)`:
-    `plan`'s `Prediction` for it (None: no prediction); `model_flops`: the model's ideal FLOPs of
-    the whole step (divided by the devices). `dump_hlo`: one module per grid, named by the grid;
-    `machine`: replay each schedule on it (`compile_step`)."""
+    """Compile the step of each choice `(grid, microbatches, remat mode)` of `grids`.
+
+    Args:
+      build: `build(*choice) -> (TrainStep, batch)` builds it on the target's devices.
+      grids: the choices, each `(ParallelConfig, microbatches, remat mode)`.
+      capacity_bytes: the target device's memory.
+      predict: `predict(*choice)`: `plan`'s `Prediction` for it (None: no prediction).
+      model_flops: the model's ideal FLOPs of the whole step (divided by the devices), or None.
+      dump_hlo: a directory for one module per grid, named by the grid, or None.
+      machine: replay each schedule on it (`compile_step`), or None.
+
+    Returns:
+      One `CompileReport` per choice, in order.
+    """
     reports = []
     for choice in grids:
         grid = choice[0]
@@ -181,7 +242,14 @@ def compile_grids(build: Callable, grids: Iterable[tuple], *, capacity_bytes: fl
 
 
 def table(reports: list[CompileReport]) -> list[list[str]]:
-    """Rows (header first) of a text table of compiled figures beside `plan`'s (in brackets)."""
+    """Rows (header first) of a text table of compiled figures beside `plan`'s (in brackets).
+
+    Args:
+      reports: compile reports.
+
+    Returns:
+      The rows, one per report after the header.
+    """
     def gb(x):
         return f"{x / 1e9:.2f}"
 
@@ -204,10 +272,16 @@ def table(reports: list[CompileReport]) -> list[list[str]]:
 
 
 def overlap_table(report: CompileReport) -> list[list[str]]:
-    """Rows (header first) of a compiled step's overlap (`report.overlap`): per collective kind,
-    mesh axes and link (inside a node, across nodes, the host's), the wire bytes, the share of
-    them with matmul compute scheduled between start and done, the communication time and the
-    share of it the schedule hides; then the whole step."""
+    """Rows (header first) of a compiled step's overlap (`report.overlap`).
+
+    Args:
+      report: a compile report whose schedule was replayed (`overlap` set).
+
+    Returns:
+      Per collective kind, mesh axes and link (inside a node, across nodes, the host's), the
+      wire bytes, the share of them with matmul compute scheduled between start and done, the
+      communication time and the share of it the schedule hides; then the whole step.
+    """
     o = report.overlap
     rows = [["collectives", "link", "GB", "with compute", "comm ms", "exposed ms", "hidden"]]
     links = o.get("by_link") or {f"{k} on -": r for k, r in o["by_axes"].items()}

@@ -1,5 +1,6 @@
-"""FLOPs of a train step: what the compiled program does, what the model needs, and the peak to
-divide by.
+"""FLOPs of a train step: what the compiled program does, what the model needs, the peak.
+
+The peak is what MFU divides by.
 
 - `compiled_flops(compiled)`: the floating-point operations one device runs per call of a
   compiled (per-device, SPMD-partitioned) program, matmuls, elementwise ops, reductions and the
@@ -24,20 +25,43 @@ NOMINAL_BF16_PEAK = {"h100": 989e12, "h200": 989e12, "a100": 312e12}
 
 
 def compiled_flops(compiled) -> float:
-    """FLOPs one device runs per call of `compiled` (`jax.stages.Compiled`), loops by trip count
-    (`hlo.flops` of its optimized HLO)."""
+    """FLOPs one device runs per call of `compiled`, loops by trip count.
+
+    Args:
+      compiled: a `jax.stages.Compiled`.
+
+    Returns:
+      `hlo.flops` of its optimized HLO.
+    """
     return flops(compiled.as_text())
 
 
 def model_flops_per_device(config, tokens: int, seq_len: int, devices: int) -> float:
-    """Training FLOPs of `tokens` tokens of `config` (a model config with `flops_per_token`) per
-    device of `devices`."""
+    """Training FLOPs of `tokens` tokens of `config` per device of `devices`.
+
+    Args:
+      config: a model config with `flops_per_token`.
+      tokens: the tokens of the step.
+      seq_len: positions per sequence.
+      devices: the devices that share the work evenly.
+
+    Returns:
+      FLOPs per device.
+    """
     return config.flops_per_token(seq_len) * tokens / devices
 
 
 def nominal_peak_flops(device, dtype) -> float | None:
-    """The nominal dense peak FLOP/s of `device` (a `jax.Device`) computing in `dtype`, or None
-    when not known: only GPUs of `NOMINAL_BF16_PEAK` in bfloat16 or float16."""
+    """The nominal dense peak FLOP/s of `device` computing in `dtype`, or None when not known.
+
+    Args:
+      device: a `jax.Device`.
+      dtype: the compute dtype.
+
+    Returns:
+      The peak of `NOMINAL_BF16_PEAK` for a GPU of a known kind in bfloat16 or float16; None
+      otherwise.
+    """
     import jax.numpy as jnp
 
     if device.platform != "gpu" or jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),

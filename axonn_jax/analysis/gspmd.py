@@ -1,7 +1,7 @@
 """AxoNN's tensor-parallel grids against GSPMD baselines on a stack of GPT blocks.
 
-BlockShape: `layers` scanned GPT blocks (`axonn_jax.models.gpt.Block`, hidden `d_model`, MLP 4×) on a
-`(batch, seq, d_model)` input; one step = loss `mean(y²)` and the gradients of every parameter,
+BlockShape: `layers` scanned GPT blocks (`axonn_jax.models.gpt.Block`, hidden `d_model`, MLP 4×) on
+a `(batch, seq, d_model)` input; one step = loss `mean(y²)` and the gradients of every parameter,
 returned sharded like the parameters. Every variant computes the same function; only placement and
 collectives differ.
 
@@ -46,6 +46,8 @@ AXONN_GRIDS = [(8, 1, 1), (1, 8, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (2, 1, 4),
 
 @dataclasses.dataclass(frozen=True)
 class BlockShape:
+    """The stack of GPT blocks every variant runs: its sizes and the input's."""
+
     d_model: int = 1024
     layers: int = 2
     heads: int = 16
@@ -54,6 +56,7 @@ class BlockShape:
 
     @property
     def config(self) -> gpt.GPTConfig:
+        """The `GPTConfig` of `layers` blocks of width `d_model` (`max_seq_len` at least 8)."""
         return gpt.GPTConfig(num_layers=self.layers, d_model=self.d_model, num_heads=self.heads,
                              max_seq_len=max(self.seq, 8))
 
@@ -76,14 +79,25 @@ def _loss(model):
 
 def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1,
                    platform: str = "cpu") -> dict[str, int]:
-    """Per-device collective bytes per step of AxoNN's algorithm (HLO byte convention of
-    `axonn_jax.analysis.hlo`: full buffers, fp32), as the blocks' parts declare them
-    (`GPTConfig.shape`: the dense layers, `tp.tensor.DenseLayer`; the two LayerNorms,
-    `tp.layers.Norms`), in the layout `tp.tensor.split_batch` picks for the batch. With data > 1
+    """Per-device collective bytes per step of AxoNN's algorithm, as the blocks' parts declare them.
+
+    HLO byte convention of `axonn_jax.analysis.hlo` (full buffers, fp32). The parts are the
+    dense layers (`GPTConfig.shape`, `tp.tensor.DenseLayer`) and the two LayerNorms
+    (`tp.layers.Norms`), in the layout `tp.tensor.split_batch` picks for the batch. With data > 1
     the batch is split `data` ways more and each device's gradient shards are all-reduced over
     `data` (`step.reducers.exchange_collectives`), and the loss averaged. No embedding, head or
-    gradient norm: the step is the blocks' alone. `platform`: the backend that compiles the step
-    (`collectives.StepShape.platform`).
+    gradient norm: the step is the blocks' alone.
+
+    Args:
+      w: the blocks' shape.
+      row: devices of `row`.
+      col: devices of `col`.
+      depth: devices of `depth`.
+      data: devices of `data`.
+      platform: the backend that compiles the step (`collectives.StepShape.platform`).
+
+    Returns:
+      `{kind: bytes}` for every kind of `KINDS`.
     """
     grid = ParallelConfig(data=data, depth=depth, row=row, col=col)
     step = StepShape(grid, w.batch, w.seq, compute_bytes=4, param_bytes=4, platform=platform)
@@ -112,8 +126,19 @@ def _init_placed(model, mesh, specs_fn, w: BlockShape):
 
 
 def axonn_variant(w: BlockShape, grid: tuple[int, ...], devices):
-    """(name, jitted step, params, x) for AxoNN on grid (row, col, depth[, data]); with data > 1 the
-    step is the trainer's: manual over `data`, gradients all-reduced explicitly."""
+    """A variant for AxoNN on grid (row, col, depth[, data]).
+
+    With data > 1 the step is the trainer's: manual over `data`, gradients all-reduced explicitly.
+
+    Args:
+      w: the blocks' shape.
+      grid: `(row, col, depth)` or `(row, col, depth, data)`.
+      devices: the 8 devices.
+
+    Returns:
+      (name, jitted step, params, x): `x` of shape `(batch, seq, d_model)`, batch split over
+      `data` and `depth`, features over `col`.
+    """
     row, col, depth, data = (*grid, 1)[:4]
     mesh = make_mesh(ParallelConfig(data=data, row=row, col=col, depth=depth), devices)
     model = parallelize(Blocks(w.config), mesh)
@@ -169,6 +194,17 @@ GSPMD_BASELINES = {  # name: (mesh shape, axis names, tp axis, fsdp axis, batch 
 
 
 def gspmd_variant(w: BlockShape, name: str, devices):
+    """A GSPMD baseline variant: `jax.jit` and `NamedSharding` only.
+
+    Args:
+      w: the blocks' shape.
+      name: a key of `GSPMD_BASELINES`.
+      devices: the 8 devices.
+
+    Returns:
+      (name, jitted step, params, x): `x` of shape `(batch, seq, d_model)`, batch split over the
+      baseline's batch axis.
+    """
     shape, axes, tp, fsdp, batch = GSPMD_BASELINES[name]
     mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), axes)
     model = Blocks(w.config)
@@ -181,6 +217,19 @@ def gspmd_variant(w: BlockShape, name: str, devices):
 
 
 def measure(name, step, params, x, repeats: int) -> dict:
+    """Compile a variant's step and measure its collective bytes, peak memory and step time.
+
+    Args:
+      name: the variant's name.
+      step: its jitted step.
+      params: its placed parameters.
+      x: its placed input.
+      repeats: timed runs after one warm-up (0: bytes and memory only, nothing runs).
+
+    Returns:
+      `{"name", "collective_bytes", "total_bytes", "wire_bytes", "peak_bytes",
+      "flops_per_device", "step_time_s", "loss"}` (the median step time; None without runs).
+    """
     compiled = step.lower(params, x).compile()
     text = compiled.as_text()
     mem = compiled.memory_analysis()
@@ -202,7 +251,23 @@ def measure(name, step, params, x, repeats: int) -> dict:
 
 
 def run(w: BlockShape, devices=None, repeats: int = 3, grids=None, baselines=None, log=print) -> dict:
-    """Measure every variant; returns the JSON-able results."""
+    """Measure every variant.
+
+    Args:
+      w: the blocks' shape.
+      devices: 8 devices (None: `jax.devices()`).
+      repeats: timed runs per variant (`measure`).
+      grids: AxoNN's grids (None: `AXONN_GRIDS`).
+      baselines: names of `GSPMD_BASELINES` (None: all).
+      log: prints one line per variant.
+
+    Returns:
+      The JSON-able results: device, workload, repeats and one row per variant.
+
+    Raises:
+      ValueError: not 8 devices.
+      RuntimeError: the variants disagree on the loss.
+    """
     devices = list(devices or jax.devices())
     if len(devices) != 8:
         raise ValueError(f"the benchmark compares layouts on 8 devices, got {len(devices)}")
@@ -228,6 +293,14 @@ def run(w: BlockShape, devices=None, repeats: int = 3, grids=None, baselines=Non
 
 
 def markdown(report: dict) -> str:
+    """The results page of a `run` report: one table row per variant, bytes in MiB.
+
+    Args:
+      report: what `run` returns.
+
+    Returns:
+      The page's markdown.
+    """
     w = report["workload"]
     lines = [f"# Tensor parallelism: axonn_jax vs GSPMD ({report['device']})", "",
              f"{w['layers']} GPT block(s), d_model={w['d_model']}, heads={w['heads']}, batch={w['batch']}, "
@@ -251,7 +324,12 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    """Bar chart of per-device collective bytes (full buffers and ring wire bytes) per variant."""
+    """Bar chart of per-device collective bytes (full buffers and ring wire bytes) per variant.
+
+    Args:
+      report: what `run` returns.
+      path: the image file to write.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,7 +353,16 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 
 def write(report: dict, out_dir: str, stem: str = "tp_vs_gspmd") -> tuple[pathlib.Path, pathlib.Path]:
-    """Write `stem.json`, `stem.md` and (when matplotlib is installed) `stem.png` under out_dir."""
+    """Write `stem.json`, `stem.md` and (when matplotlib is installed) `stem.png` under out_dir.
+
+    Args:
+      report: what `run` returns.
+      out_dir: the directory (created if missing).
+      stem: the files' name without extension.
+
+    Returns:
+      The paths of the JSON and markdown files.
+    """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / f"{stem}.json", out / f"{stem}.md"

@@ -1,4 +1,6 @@
-"""What the compiled H100 schedule hides of each mesh axis's communication: measured, with its source.
+"""What the compiled H100 schedule hides of each mesh axis's communication, with its source.
+
+The shares are measured.
 
 `plan`'s time model (`comm_model.exposed_communication`) takes the exposed share of each
 collective from here for the steps its parameter-free law (`comm_model.stream_utilisation`) does
@@ -13,9 +15,9 @@ when the step or the XLA options change.
 
 Per mode: `spmd` (no pipeline) from Llama-3-70B on 256 H100s (batch 1,024 × 4,096, bf16, full
 recompute, collective matmuls), on data 4 × depth 16 × row 2 × col 2 and data 4 × depth 32 × row
-2: an axis both measure takes the smaller share (depth hides 78% of its time on the first, 53% on
-the second, whose gathers move twice the bytes and hide the same time; row 60% and 43%), so that
-`plan` promises no grid more than a measured one hides. Measured at the scale `plan` is asked
+2: an axis both measure takes the smaller share (depth hides less of its time on the second,
+whose gathers move twice the bytes and hide the same time; so does row), so that `plan` promises
+no grid more than a measured one hides. Measured at the scale `plan` is asked
 about: the 1.9B-on-8 shares (overlap.md) over-promised 70B's step. Each pipeline schedule
 (`1f1b`, `zb-h1`) from the 1.9B Llama on `data=2,pipe=2,row=2`, 4 microbatches. An axis a mode's
 case does not cross takes the `spmd` figure; a collective over several axes takes the smallest of
@@ -39,8 +41,15 @@ SHARES: dict[str, dict[str, float]] = {
 
 
 def hidden_share(axes: tuple[str, ...], mode: str = "spmd") -> float:
-    """The share of a collective's time over `axes` the compiled schedule hides in `mode`
-    (`spmd` or a pipeline schedule; one not measured falls back to `spmd`)."""
+    """The share of a collective's time over `axes` the compiled schedule hides in `mode`.
+
+    Args:
+      axes: the mesh axes the collective crosses.
+      mode: `spmd`, `spmd-gathers` or a pipeline schedule; one not measured falls back to `spmd`.
+
+    Returns:
+      The smallest share of `axes` (0 for an axis never measured, or no axes).
+    """
     if not axes:
         return 0.0
     measured = {**SHARES.get("spmd", {}), **SHARES.get(mode, {})}
@@ -48,8 +57,16 @@ def hidden_share(axes: tuple[str, ...], mode: str = "spmd") -> float:
 
 
 def axis_shares(by_axes: dict[str, dict]) -> dict[str, float]:
-    """`{axis: hidden share}` of one overlap report's `by_axes` rows (`analysis.overlap.summary`):
-    per single mesh axis, 1 − exposed / communication time over its collectives."""
+    """`{axis: hidden share}` of one overlap report's `by_axes` rows.
+
+    Args:
+      by_axes: `{"kind over axes": row}` (`analysis.overlap.summary`), each row with `comm_s`
+        and `exposed_s`.
+
+    Returns:
+      Per single mesh axis, 1 − exposed / communication time over its collectives, rounded to
+      3 places.
+    """
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
     for key, row in by_axes.items():

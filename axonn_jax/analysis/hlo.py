@@ -47,10 +47,12 @@ class Collective:
 
     @property
     def total_bytes(self) -> int:
+        """Full-buffer bytes of all its executions: `bytes × executions`."""
         return self.bytes * self.executions
 
     @property
     def wire_bytes(self) -> float:
+        """Bytes a ring algorithm sends per device over all its executions."""
         n = self.group_size
         factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(self.kind, (n - 1) / n)
         return factor * self.total_bytes
@@ -85,9 +87,9 @@ def _iota(spec: str) -> list[int]:
 
 def _first_group(attrs: str, num_devices: int) -> tuple[int, ...]:
     """The device ids (logical, in the mesh's order) of the collective's group holding the
-    first device of the list: a permute's first source-target pair between two devices, else one replica group in
-    any of HLO's three spellings (explicit, iota `[groups,size]<=[...]`, or over named axes of a
-    mesh). All devices when no groups are given."""
+    first device of the list: a permute's first source-target pair between two devices, else one
+    replica group in any of HLO's three spellings (explicit, iota `[groups,size]<=[...]`, or over
+    named axes of a mesh). All devices when no groups are given."""
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=(\[[0-9,]+\](?:T\([0-9,]+\))?)", attrs)
     if m:
         size = int(m.group(1).split(",")[-1])
@@ -124,8 +126,16 @@ def _first_group(attrs: str, num_devices: int) -> tuple[int, ...]:
 
 
 def group_axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes (in mesh order) along which the devices of `group` differ, for a mesh of
-    `mesh_shape` (`{axis: size}`, outermost first) whose devices are numbered in its order."""
+    """The mesh axes (in mesh order) along which the devices of `group` differ.
+
+    Args:
+      group: device ids of one group.
+      mesh_shape: `{axis: size}`, outermost first, of a mesh whose devices are numbered in its
+        order.
+
+    Returns:
+      The axis names.
+    """
     names, sizes = list(mesh_shape), list(mesh_shape.values())
 
     def coords(i):
@@ -193,7 +203,15 @@ def collective(instr: Instruction, num_devices: int) -> Collective | None:
 
 
 def collectives(hlo_text: str | Module) -> list[Collective]:
-    """Every collective of a compiled HLO module with its per-device bytes and execution count."""
+    """Every collective of a compiled HLO module with its per-device bytes and execution count.
+
+    Args:
+      hlo_text: the module's text, or the module already read (`hlo_module.read_module`).
+
+    Returns:
+      The `Collective`s reached from the entry computation, those in loop bodies with their
+      executions multiplied by the trip counts.
+    """
     module = read_module(hlo_text) if isinstance(hlo_text, str) else hlo_text
     memo: dict[str, list[Collective]] = {}
 
@@ -227,7 +245,14 @@ def collectives(hlo_text: str | Module) -> list[Collective]:
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-    """`{kind: full-buffer bytes per device per program run}` for every kind in KINDS (0 if absent)."""
+    """Full-buffer bytes per device per program run, by collective kind.
+
+    Args:
+      hlo_text: a compiled module's text.
+
+    Returns:
+      `{kind: bytes}` for every kind in KINDS (0 if absent).
+    """
     out = dict.fromkeys(KINDS, 0)
     for c in collectives(hlo_text):
         out[c.kind] += c.total_bytes
@@ -236,10 +261,18 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
 def bytes_by_axes(hlo_text: str, mesh_shape: dict[str, int],
                   buffers: bool = False) -> dict[tuple[str, tuple[str, ...]], float]:
-    """`{(kind, axes): bytes per device per program run}`: `wire_bytes` (or, with `buffers`, the
-    full-buffer bytes of `collective_bytes`) split by the mesh axes each collective's groups span
-    (`group_axes`; `mesh_shape` `{axis: size}` in mesh order, e.g. `ParallelConfig.as_dict()`).
-    `comm_model.bytes_by_axes` predicts the same table."""
+    """Bytes per device per program run, split by kind and the mesh axes each collective spans.
+
+    `comm_model.bytes_by_axes` predicts the same table.
+
+    Args:
+      hlo_text: a compiled module's text.
+      mesh_shape: `{axis: size}` in mesh order, e.g. `ParallelConfig.as_dict()`.
+      buffers: count the full-buffer bytes of `collective_bytes` instead of `wire_bytes`.
+
+    Returns:
+      `{(kind, axes): bytes}`, axes as `group_axes` gives them.
+    """
     out: dict[tuple[str, tuple[str, ...]], float] = {}
     for c in collectives(hlo_text):
         key = (c.kind, group_axes(c.group, mesh_shape))
@@ -248,7 +281,14 @@ def bytes_by_axes(hlo_text: str, mesh_shape: dict[str, int],
 
 
 def wire_bytes(hlo_text: str) -> dict[str, float]:
-    """`{kind: bytes a ring algorithm sends per device per program run}`."""
+    """Bytes a ring algorithm sends per device per program run, by collective kind.
+
+    Args:
+      hlo_text: a compiled module's text.
+
+    Returns:
+      `{kind: bytes}` for every kind in KINDS (0 if absent).
+    """
     out = dict.fromkeys(KINDS, 0.0)
     for c in collectives(hlo_text):
         out[c.kind] += c.wire_bytes
@@ -277,16 +317,25 @@ def _ragged_dot_flops(rest: str, shapes: dict[str, str]) -> float:
 
 
 def flops(hlo_text: str) -> float:
-    """Floating-point operations one device runs per call of a compiled HLO module, with the
-    convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an arithmetic elementwise op one per output
-    element, a reduction one per input element not in the output; transcendental functions are
-    not FLOPs there; cuDNN's fused attention as its matmuls, `_fused_attention_flops`; a
-    convolution, XLA's or cuDNN's, as its forward, `_convolution_flops`; the grouped-matmul
-    kernels of `parallel.grouped_matmul` as they declare, `_DECLARED_FLOPS`), but
-    collectives' own sums left out, and instructions inside `while` loops counted once per
-    iteration (from `known_trip_count`; XLA's `cost_analysis()` counts a loop body once, so a step
-    that scans its layers shows the FLOPs of one layer). Of a `conditional`'s branches the heaviest counts.
-    Several modules in one text (a step of several programs) add up."""
+    """Floating-point operations one device runs per call of a compiled HLO module.
+
+    With the convention of XLA's cost analysis (a dot 2·M·N·K, a grouped `ragged-dot` 2·M·N·K, an
+    arithmetic elementwise op one per output element, a reduction one per input element not in
+    the output; transcendental functions are not FLOPs there; cuDNN's fused attention as its
+    matmuls, `_fused_attention_flops`; a convolution, XLA's or cuDNN's, as its forward,
+    `_convolution_flops`; the grouped-matmul kernels of `parallel.grouped_matmul` as they
+    declare, `_DECLARED_FLOPS`), but collectives' own sums left out, and instructions inside
+    `while` loops counted once per iteration (from `known_trip_count`; XLA's `cost_analysis()`
+    counts a loop body once, so a step that scans its layers shows the FLOPs of one layer). Of a
+    `conditional`'s branches the heaviest counts. Several modules in one text (a step of several
+    programs) add up.
+
+    Args:
+      hlo_text: the compiled module's text (or several modules').
+
+    Returns:
+      FLOPs per device per call.
+    """
     modules = [m for m in re.split(r"(?m)^(?=HloModule )", hlo_text) if m.strip()]
     if len(modules) > 1:
         return sum(flops(m) for m in modules)
@@ -316,7 +365,14 @@ class FlopCounter:
         self._stack: set[str] = set()
 
     def computation(self, comp: str) -> float:
-        """FLOPs of one run of computation `comp` (0 for an unknown or recursive one)."""
+        """FLOPs of one run of computation `comp`, loops and calls included, memoized.
+
+        Args:
+          comp: the computation's name.
+
+        Returns:
+          Its FLOPs (0 for an unknown or recursive one).
+        """
         if comp in self._memo:
             return self._memo[comp]
         if comp in self._stack or comp not in self.comps:
@@ -332,7 +388,15 @@ class FlopCounter:
         return total
 
     def instruction(self, shapes: dict[str, str], instr: Instruction) -> float:
-        """FLOPs of one run of `instr`, the computations it runs included."""
+        """FLOPs of one run of `instr`, the computations it runs included.
+
+        Args:
+          shapes: `{name: shape text}` of the instructions before it in its computation.
+          instr: the instruction.
+
+        Returns:
+          Its FLOPs.
+        """
         opcode, shape, rest = instr.opcode, instr.shape, instr.rest
         if opcode == "dot":
             return _gemm_flops(rest, shape, shapes, r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -448,8 +512,16 @@ _CUBLAS = re.compile(r'custom_call_target="__cublas\$(gemm|lt\$matmul[$\w]*)"')
 
 
 def is_cublas_gemm(instr) -> bool:
-    """Whether `instr` (an `Instruction`) is a cuBLAS GEMM call (`__cublas$gemm`,
-    `__cublas$lt$matmul$f8`, ...): its first two operands are the matrices."""
+    """Whether `instr` is a cuBLAS GEMM call (`__cublas$gemm`, `__cublas$lt$matmul$f8`, ...).
+
+    Its first two operands are the matrices.
+
+    Args:
+      instr: an `Instruction`.
+
+    Returns:
+      True for a custom call to a cuBLAS GEMM target.
+    """
     return instr.opcode == "custom-call" and bool(_CUBLAS.search(instr.rest))
 
 

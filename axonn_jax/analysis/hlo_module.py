@@ -42,6 +42,7 @@ class Array:
 
     @property
     def elements(self) -> int:
+        """Its number of elements: the product of `dims`."""
         return math.prod(self.dims)
 
     @property
@@ -51,6 +52,7 @@ class Array:
 
     @property
     def has_layout(self) -> bool:
+        """Whether its text carries a layout (`{1,0}`)."""
         return self.text.endswith("}")
 
 
@@ -68,23 +70,51 @@ def arrays(shape_text: str) -> list[Array]:
 
 
 def array_bytes(shape_text: str) -> list[int]:
-    """The bytes of each array of a shape whose element type has a size, in order."""
+    """The bytes of each array of a shape whose element type has a size, in order.
+
+    Args:
+      shape_text: a shape as HLO prints it.
+
+    Returns:
+      One size per array with a sized element type (`token`s and unknown types left out).
+    """
     return [a.bytes for a in arrays(shape_text) if a.dtype in DTYPE_BYTES]
 
 
 def shape_bytes(shape_text: str) -> float:
-    """The bytes of a whole shape (a tuple's arrays added up)."""
+    """The bytes of a whole shape (a tuple's arrays added up).
+
+    Args:
+      shape_text: a shape as HLO prints it.
+
+    Returns:
+      The sum of `array_bytes`.
+    """
     return float(sum(array_bytes(shape_text)))
 
 
 def dims(shape_text: str) -> list[int]:
-    """The dimensions of the (first) array of a shape; [] when it has none."""
+    """The dimensions of the (first) array of a shape.
+
+    Args:
+      shape_text: a shape as HLO prints it.
+
+    Returns:
+      Its dimensions; [] when it has no array.
+    """
     found = _ARRAY.search(shape_text)
     return [int(d) for d in found.group(2).split(",") if d] if found else []
 
 
 def elements(shape_text: str) -> int:
-    """The elements of the (first) array of a shape; 0 when it has none."""
+    """The elements of the (first) array of a shape.
+
+    Args:
+      shape_text: a shape as HLO prints it.
+
+    Returns:
+      The product of its dimensions; 0 when it has no array.
+    """
     return math.prod(dims(shape_text)) if _ARRAY.search(shape_text) else 0
 
 
@@ -101,7 +131,14 @@ class Instruction:
 
 
 def parse_instruction(line: str) -> Instruction | None:
-    """The instruction on one line of a computation's body; None for any other line."""
+    """The instruction on one line of a computation's body.
+
+    Args:
+      line: one line of HLO text.
+
+    Returns:
+      Its `Instruction` (operands: the `%name`s of its operand list); None for any other line.
+    """
     m = _INSTR.match(line)
     if not m:
         return None
@@ -213,27 +250,59 @@ def loop(instr: Instruction, what: str) -> tuple[str, int]:
 
 
 def branch_names(rest: str) -> list[str]:
-    """The branch computations of a `conditional` (`rest`: its text after the opcode)."""
+    """The branch computations of a `conditional`.
+
+    Args:
+      rest: its text after the opcode.
+
+    Returns:
+      The names of `branch_computations=` (or of its `*_computation=` callees), in order.
+    """
     m = _BRANCHES.search(rest)
     return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else \
         [c for k, c in _CALLEE.findall(rest) if k.endswith("_computation")]
 
 
 def called(rest: str) -> list[str]:
-    """The computations a `call`, `fusion` or `async-start` runs (`calls=`, `to_apply=`)."""
+    """The computations a `call`, `fusion` or `async-start` runs.
+
+    Args:
+      rest: its text after the opcode.
+
+    Returns:
+      The names its `calls=` and `to_apply=` attributes give.
+    """
     return [callee for key, callee in _CALLEE.findall(rest) if key in ("calls", "to_apply")]
 
 
 def instructions(hlo_text: str, computation: str | None = None) -> dict[str, Instruction]:
-    """`{name: Instruction}` of one computation of a module (default: the entry), in program order."""
+    """The instructions of one computation of a module, in program order.
+
+    Args:
+      hlo_text: the module's text.
+      computation: the computation's name (None: the entry).
+
+    Returns:
+      `{name: Instruction}`.
+    """
     module = read_module(hlo_text)
     return {i.name: i for i in module.computations[computation or module.entry]}
 
 
 def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> bool:
-    """Whether instruction `later` reads the result of `earlier`, directly or through others. Two
-    instructions where neither depends on the other may run concurrently: this is what lets a
-    scheduler overlap a collective with a matmul."""
+    """Whether instruction `later` reads the result of `earlier`, directly or through others.
+
+    Two instructions where neither depends on the other may run concurrently: this is what lets a
+    scheduler overlap a collective with a matmul.
+
+    Args:
+      program: `{name: Instruction}` of one computation (`instructions`).
+      later: the reading instruction's name.
+      earlier: the read instruction's name.
+
+    Returns:
+      True where a chain of operands leads from `later` to `earlier`.
+    """
     seen, todo = set(), [later]
     while todo:
         name = todo.pop()

@@ -1,4 +1,4 @@
-"""How much of a compiled step's communication the schedule can hide: read from the scheduled module.
+"""How much of a compiled step's communication its schedule hides, read from the scheduled module.
 
 A compiled GPU module is scheduled (`is_scheduled=true`): each computation lists its instructions
 in the order they run, and XLA's latency-hiding scheduler splits every collective it makes
@@ -23,8 +23,8 @@ per execution:
   swapped activations): an asynchronous copy or dynamic slice / update from or to host memory
   runs on the host link, one stream per direction at the machine's `host_bw`, and its `done`
   waits for it; a synchronous one holds the compute stream for its transfer. They are reported
-  as `host-to-device` and `device-to-host` over `host`. Loop bodies replay twice (the first iteration,
-  then the steady state, whose pipelined collectives (a start whose done is in the next
+  as `host-to-device` and `device-to-host` over `host`. Loop bodies replay twice (the first
+  iteration, then the steady state, whose pipelined collectives (a start whose done is in the next
   iteration, through the loop's carried tuple) are matched by tuple index).
 
 `summary(overlaps)` adds them up per (collective kind, mesh axes): bytes, the share of bytes whose
@@ -64,8 +64,10 @@ HOST_COMPUTE = "host-compute"
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """One asynchronous (or synchronous) collective of the module and what hides it, per
-    execution; `executions`: how often it runs per step (loop trips multiplied)."""
+    """One asynchronous (or synchronous) collective of the module and what hides it, per execution.
+
+    `executions`: how often it runs per step (loop trips multiplied).
+    """
 
     kind: str
     name: str
@@ -88,6 +90,11 @@ class Overlap:
         return self.window_matmul_flops > 0
 
     def as_dict(self) -> dict:
+        """Its fields as a dict (`dataclasses.asdict`).
+
+        Returns:
+          `{field: value}`.
+        """
         return dataclasses.asdict(self)
 
 
@@ -152,8 +159,9 @@ class _Costs:
 
     def _touched(self, comp: str, operands: list[float]) -> float:
         """Bytes a fusion with slices (static or dynamic) or in-place updates reads and writes: an
-        operand it only slices, the slices; a buffer one of its outputs updates in place (a dynamic-update-slice),
-        nothing (it writes the update); every other operand and output whole."""
+        operand it only slices, the slices; a buffer one of its outputs updates in place (a
+        dynamic-update-slice), nothing (it writes the update); every other operand and output
+        whole."""
         instrs = self.comps[comp]
         by_name = {i.name: i for i in instrs}
         users: dict[str, list[Instruction]] = {}
@@ -313,9 +321,22 @@ def _operand_dtype(shapes: list[str]) -> str:
 
 def instruction_seconds(flops: float, matmul_flops: float, memory_bytes: float, dtype: str,
                         machine: Machine) -> float:
-    """A kernel's time on `machine`: its matmul FLOPs at the matmul rate of its result's `dtype`
-    (`Machine.matmul_rate`) plus its other FLOPs at the vector rate, or its HBM traffic at the
-    memory bandwidth, whichever is longer (a roofline)."""
+    """A kernel's time on `machine`, by a roofline.
+
+    Its matmul FLOPs at the matmul rate of its result's `dtype` (`Machine.matmul_rate`) plus its
+    other FLOPs at the vector rate, or its HBM traffic at the memory bandwidth, whichever is
+    longer.
+
+    Args:
+      flops: all its FLOPs.
+      matmul_flops: of them, the matmuls'.
+      memory_bytes: the HBM bytes it reads and writes.
+      dtype: its result's HLO dtype (`bf16`, `f32`, ...).
+      machine: the device's rates.
+
+    Returns:
+      Seconds.
+    """
     compute = matmul_flops / machine.matmul_rate(dtype) + \
         max(flops - matmul_flops, 0.0) / machine.vector_flops
     return max(compute, memory_bytes / machine.hbm_bw)
@@ -541,9 +562,11 @@ class _Replay:
 
 @dataclasses.dataclass
 class Schedule:
-    """A compiled step's schedule, replayed: every collective with what hides it, and the step's
-    time per device (seconds) in its parts: kernels with matmuls, the other kernels
-    (memory-bound: norms, softmax, elementwise, copies), and the waits for communication."""
+    """A compiled step's schedule replayed: each collective, what hides it, and the step's time.
+
+    The step's time per device (seconds) in its parts: kernels with matmuls, the other kernels
+    (memory-bound: norms, softmax, elementwise, copies), and the waits for communication.
+    """
 
     overlaps: list[Overlap]
     step_s: float
@@ -555,11 +578,16 @@ class Schedule:
 
     @property
     def exposed_s(self) -> float:
+        """Seconds per step the step waits for communication, every execution counted."""
         return sum(o.exposed_s * o.executions for o in self.overlaps)
 
     def as_dict(self) -> dict:
-        """The JSON of `axonn-jax compile --overlap-report`: the step's parts and `summary`,
-        per kind and axes (`by_axes`) and per kind, axes and link (`by_link`)."""
+        """The JSON of `axonn-jax compile --overlap-report`.
+
+        Returns:
+          The step's parts and `summary`, per kind and axes (`by_axes`) and per kind, axes and
+          link (`by_link`), and `totals` (`total`).
+        """
         return {"step_s": self.step_s, "matmul_s": self.matmul_s, "other_s": self.other_s,
                 "exposed_comm_s": self.exposed_s, "total": totals(self.overlaps),
                 "by_axes": summary(self.overlaps),
@@ -567,8 +595,16 @@ class Schedule:
 
 
 def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
-    """The schedule of the compiled module `text` replayed on `machine` (`Schedule`).
-    `mesh_shape`: `{axis: size}` in mesh order (`ParallelConfig.as_dict()`)."""
+    """The schedule of the compiled module `text` replayed on `machine`.
+
+    Args:
+      text: the compiled module's HLO text.
+      mesh_shape: `{axis: size}` in mesh order (`ParallelConfig.as_dict()`).
+      machine: the cluster's rates and links.
+
+    Returns:
+      The `Schedule`.
+    """
     replay = _Replay(text, mesh_shape, machine)
     seconds = replay.run(replay.entry, 0.0, 1.0)
     out = []
@@ -583,11 +619,18 @@ def report(text: str, mesh_shape: dict[str, int], machine: Machine) -> Schedule:
 
 
 def summary(overlaps: list[Overlap], by_link: bool = False) -> dict[str, dict]:
-    """`{"kind over axes": figures}` per step (`by_link`: `{"kind over axes on link": ...}`, the
-    collectives of one kind and axes that run inside nodes apart from those across):
-    `bytes` (wire), `with_compute` (share of the bytes whose window holds matmul compute),
-    `comm_s`, `exposed_s`, `hidden` (share of the communication time the schedule hides),
-    `collectives` (executions)."""
+    """The collectives' figures per step, by kind and mesh axes.
+
+    Args:
+      overlaps: a schedule's collectives.
+      by_link: key by `"kind over axes on link"`: the collectives of one kind and axes that run
+        inside nodes apart from those across.
+
+    Returns:
+      `{"kind over axes": figures}`, sorted by key: `bytes` (wire), `with_compute` (share of the
+      bytes whose window holds matmul compute), `comm_s`, `exposed_s`, `hidden` (share of the
+      communication time the schedule hides), `collectives` (executions).
+    """
     out: dict[str, dict] = {}
     for o in overlaps:
         key = f"{o.kind} over {'+'.join(o.axes) or 'none'}" + (f" on {o.link}" if by_link else "")
@@ -605,7 +648,14 @@ def summary(overlaps: list[Overlap], by_link: bool = False) -> dict[str, dict]:
 
 
 def totals(overlaps: list[Overlap]) -> dict:
-    """The whole step's figures of `summary` (one row)."""
+    """The whole step's figures of `summary` (one row).
+
+    Args:
+      overlaps: a schedule's collectives.
+
+    Returns:
+      `{"bytes", "with_compute", "comm_s", "exposed_s", "hidden"}`.
+    """
     rows = summary(overlaps).values()
     b = sum(r["bytes"] for r in rows)
     comm = sum(r["comm_s"] for r in rows)
@@ -645,11 +695,19 @@ def _per_call(costs: _Costs, of: Callable[[Instruction, dict], float]) -> float:
 
 
 def hbm_bytes(text: str) -> float:
-    """HBM bytes one device reads and writes per call of the compiled module `text`: every
-    kernel's operands and result (`_Costs.memory_bytes`: slices and in-place updates counted as
-    what they touch), each collective's input and output, loop bodies once per trip. What
+    """HBM bytes one device reads and writes per call of the compiled module `text`.
+
+    Every kernel's operands and result (`_Costs.memory_bytes`: slices and in-place updates counted
+    as what they touch), each collective's input and output, loop bodies once per trip. What
     `compiled.cost_analysis()['bytes accessed']` reports where XLA gives one, and also for
-    compile-only devices (whose cost analysis is empty)."""
+    compile-only devices (whose cost analysis is empty).
+
+    Args:
+      text: the compiled module's HLO text.
+
+    Returns:
+      Bytes per call.
+    """
     costs = _Costs(text, None)  # no rates needed: bytes only
 
     def of(instr: Instruction, shapes: dict) -> float:
@@ -664,7 +722,14 @@ def hbm_bytes(text: str) -> float:
 
 
 def kernel_count(text: str) -> float:
-    """How many kernels and collectives one device launches per call of the compiled module
-    `text` (a fusion, a library call, a collective's start: one each; loop bodies once per
-    trip)."""
+    """How many kernels and collectives one device launches per call of the compiled module.
+
+    A fusion, a library call, a collective's start: one each; loop bodies once per trip.
+
+    Args:
+      text: the compiled module's HLO text.
+
+    Returns:
+      The launches per call.
+    """
     return _per_call(_Costs(text, None), lambda instr, shapes: 1.0)

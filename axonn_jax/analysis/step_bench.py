@@ -1,7 +1,8 @@
-"""Whole train steps: axonn_jax grids against GSPMD ("pjit") baselines of the same model and optimizer.
+"""Whole train steps: axonn_jax grids against GSPMD ("pjit") baselines of the same model.
 
-Every variant trains the same `StackedModel` with the same optimizer, clipping and batch on the same
-devices; only the placement of parameters, optimizer state and batch, and so the collectives, differ:
+Every variant trains the same `StackedModel` with the same optimizer, clipping and batch on the
+same devices; only the placement of parameters, optimizer state and batch, and so the collectives,
+differ:
 
 - axonn_jax: `make_train_step` on a `data × pipe × depth × row × col` grid (AxoNN's tensor-parallel
   layers, explicit data-parallel reduction, the pipeline engine);
@@ -56,9 +57,20 @@ GSPMD_LAYOUTS = {  # name: (mesh shape as a function of n devices, axis names)
 
 def gspmd_layouts_for(n: int, batch_rows: int, check_grid=None,
                       layouts=GSPMD_LAYOUTS) -> tuple[tuple, dict]:
-    """(names of the `layouts` that fit `n` devices and a batch of `batch_rows`, {name: why not}
-    for the others): the mesh must hold the `n` devices, its batch axes split the batch and
-    `check_grid(ParallelConfig(row=tp))` (the model's) accept its Megatron axis."""
+    """The GSPMD `layouts` that fit `n` devices and a batch of `batch_rows`, and why others do not.
+
+    A layout fits where its mesh holds the `n` devices, its batch axes split the batch and
+    `check_grid(ParallelConfig(row=tp))` (the model's) accepts its Megatron axis.
+
+    Args:
+      n: the devices.
+      batch_rows: the global batch's rows.
+      check_grid: the model's grid check (raises ValueError), or None.
+      layouts: `{name: (mesh shape of n, axis names)}` (`GSPMD_LAYOUTS`).
+
+    Returns:
+      (names of the fitting layouts, `{name: why not}` for the others).
+    """
     usable, dropped = [], {}
     for name, (shape_of, axes) in layouts.items():
         shape = shape_of(n)
@@ -84,8 +96,17 @@ def _tp_problem(check_grid, tp: int) -> str | None:
 
 
 def scaled_grids(texts, n: int, batch_rows: int, check=None) -> list[ParallelConfig]:
-    """The grids `texts` (`data=..,row=..`) with `data` scaled so that each holds `n` devices,
-    keeping those whose batch shards split `batch_rows` and that `check(grid)` accepts."""
+    """The grids `texts` with `data` scaled so that each holds `n` devices.
+
+    Args:
+      texts: grids as `ParallelConfig.parse` reads them (`data=..,row=..`).
+      n: the devices.
+      batch_rows: the global batch's rows.
+      check: the model's grid check (raises ValueError), or None.
+
+    Returns:
+      The scaled grids whose batch shards split `batch_rows` and that `check(grid)` accepts.
+    """
     out = []
     for text in texts:
         g = ParallelConfig.parse(text)
@@ -140,8 +161,20 @@ def _placed(shapes, shardings):
 
 def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_norm,
                abstract: bool = False):
-    """(jitted step, placed state, placed batch) of GSPMD baseline `name` (see GSPMD_LAYOUTS);
-    `abstract`: state and batch as ShapeDtypeStructs with their shardings (compile only)."""
+    """The jitted step, placed state and placed batch of GSPMD baseline `name`.
+
+    Args:
+      name: a key of `GSPMD_LAYOUTS`.
+      model: the model.
+      optimizer: an optax optimizer.
+      batch: one global batch (a host pytree).
+      devices: the devices of its mesh.
+      clip_norm: the gradient-norm clip (None: none).
+      abstract: state and batch as ShapeDtypeStructs with their shardings (compile only).
+
+    Returns:
+      (jitted step, placed state, placed batch).
+    """
     shape_of, axes = GSPMD_LAYOUTS[name]
     n = len(devices)
     mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape_of(n)), axes)
@@ -182,8 +215,21 @@ def gspmd_step(name: str, model: StackedModel, optimizer, batch, devices, clip_n
 
 def axonn_step(grid: ParallelConfig, model: StackedModel, optimizer, batch, devices, clip_norm,
                microbatches: int = 1, abstract: bool = False):
-    """(step, placed state, placed batch) of axonn_jax's trainer on `grid` (`abstract`: as
-    ShapeDtypeStructs with their shardings, nothing allocated)."""
+    """The step, placed state and placed batch of axonn_jax's trainer on `grid`.
+
+    Args:
+      grid: the mesh's sizes.
+      model: the model.
+      optimizer: an optax optimizer.
+      batch: one global batch (a host pytree).
+      devices: the devices of its mesh.
+      clip_norm: the gradient-norm clip (None: none).
+      microbatches: microbatches per step.
+      abstract: state and batch as ShapeDtypeStructs with their shardings, nothing allocated.
+
+    Returns:
+      (step, placed state, placed batch).
+    """
     step = make_train_step(model, optimizer, make_mesh(grid, devices), clip_norm=clip_norm,
                            microbatches=microbatches)
     if abstract:
@@ -194,10 +240,22 @@ def axonn_step(grid: ParallelConfig, model: StackedModel, optimizer, batch, devi
 
 def one_device_modules(model: StackedModel, optimizer, batch, device,
                        clip_norm: float | None = 1.0) -> dict[str, str]:
-    """`{"plain jit": text, "axonn_jax": text}`: the compiled modules of a plain `jax.jit` step
-    ("gspmd dp" on one device: `jax.value_and_grad` of the loss and the same update) and of
-    axonn_jax's step on the grid of one device, both for `device` (abstract state and batch:
-    compile only, e.g. for an abstract H100 of `analysis.targets`)."""
+    """The compiled modules of a plain `jax.jit` step and of axonn_jax's step on one device.
+
+    The plain step is "gspmd dp" on one device (`jax.value_and_grad` of the loss and the same
+    update); both compile for `device` from abstract state and batch (compile only, e.g. for an
+    abstract H100 of `analysis.targets`).
+
+    Args:
+      model: the model.
+      optimizer: an optax optimizer.
+      batch: one global batch (a host pytree).
+      device: the device.
+      clip_norm: the gradient-norm clip (None: none).
+
+    Returns:
+      `{"plain jit": text, "axonn_jax": text}`.
+    """
     builds = {"plain jit": lambda: gspmd_step("gspmd dp", model, optimizer, batch, [device],
                                               clip_norm, abstract=True),
               "axonn_jax": lambda: axonn_step(ParallelConfig(), model, optimizer, batch, [device],
@@ -210,8 +268,20 @@ def one_device_modules(model: StackedModel, optimizer, batch, device,
 
 
 def measure(name: str, step, state, batch, repeats: int) -> dict:
-    """Bytes, FLOPs and peak of the compiled step; the first step's loss and the median step
-    time (`repeats` 0: compile only, from abstract state: no loss, no time)."""
+    """Bytes, FLOPs and peak of the compiled step; the first step's loss and the median step time.
+
+    Args:
+      name: the variant's name.
+      step: its step (jitted, or a `TrainStep`).
+      state: its placed (or abstract) state.
+      batch: its placed (or abstract) batch.
+      repeats: timed steps after the first (0: compile only, from abstract state: no loss, no
+        time).
+
+    Returns:
+      `{"name", "wire_bytes_by_kind", "wire_bytes", "flops_per_device", "peak_bytes", "loss",
+      "step_time_s"}`.
+    """
     compiled = step.lower(state, batch).compile()
     by_kind = wire_bytes(compiled.as_text())
     loss, times = None, []
@@ -232,10 +302,29 @@ def measure(name: str, step, state, batch, repeats: int) -> dict:
 def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, repeats: int = 3,
         clip_norm: float | None = 1.0, baselines=tuple(GSPMD_LAYOUTS), microbatches: int = 1,
         log=print, loss_rtol: float = 1e-4) -> dict:
-    """Compare axonn_jax on `grids` with the GSPMD `baselines` for one global `batch` (a host
-    pytree). Returns JSON-able results; raises when the variants disagree on the first loss by
-    more than `loss_rtol` (relative; a 16-bit model on a GPU, whose kernels sum in other orders
-    per program, needs about 1e-2)."""
+    """Compare axonn_jax on `grids` with the GSPMD `baselines` for one global `batch`.
+
+    Args:
+      model: the model.
+      batch: one global batch (a host pytree).
+      optimizer: an optax optimizer (None: `optax.adamw(1e-3)`).
+      grids: axonn_jax's grids (`ParallelConfig`s).
+      devices: the devices (None: `jax.devices()`).
+      repeats: timed steps per variant (0: compile only).
+      clip_norm: the gradient-norm clip (None: none).
+      baselines: names of `GSPMD_LAYOUTS`.
+      microbatches: microbatches of the grids with a pipeline.
+      log: prints one line per variant.
+      loss_rtol: the largest relative spread of the first losses (a 16-bit model on a GPU, whose
+        kernels sum in other orders per program, needs about 1e-2).
+
+    Returns:
+      JSON-able results: device, repeats and one row per variant (`measure`'s, with
+      `time_vs_best_gspmd`).
+
+    Raises:
+      RuntimeError: the variants disagree on the first loss by more than `loss_rtol`.
+    """
     devices = list(devices or jax.devices())
     optimizer = optimizer or optax.adamw(1e-3)
     rows = []
@@ -267,6 +356,15 @@ def _line(r: dict) -> str:
 
 
 def markdown(report: dict, title: str) -> str:
+    """The results page of a `run` report: one table row per variant.
+
+    Args:
+      report: what `run` returns.
+      title: the page's title (the device is appended).
+
+    Returns:
+      The page's markdown.
+    """
     lines = [f"# {title} ({report['device']})", "",
              "Per device, one train step (loss, gradients, clipping, AdamW). Time: median of "
              f"{report['repeats']} steps, as a ratio to the fastest GSPMD baseline in the same run.",
@@ -281,7 +379,13 @@ def markdown(report: dict, title: str) -> str:
 
 
 def plot(report: dict, path: pathlib.Path, title: str) -> None:
-    """Bars of wire bytes, FLOPs and peak memory per device for every variant."""
+    """Bars of wire bytes, FLOPs and peak memory per device for every variant.
+
+    Args:
+      report: what `run` returns.
+      path: the image file to write.
+      title: the figure's title.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,6 +408,17 @@ def plot(report: dict, path: pathlib.Path, title: str) -> None:
 
 
 def write(report: dict, out_dir: str, stem: str, title: str) -> list[pathlib.Path]:
+    """Write `stem.json`, `stem.md` and `stem.png` under `out_dir`.
+
+    Args:
+      report: what `run` returns.
+      out_dir: the directory (created if missing).
+      stem: the files' name without extension.
+      title: the page's and the figure's title.
+
+    Returns:
+      The three paths.
+    """
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]

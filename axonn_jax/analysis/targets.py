@@ -73,12 +73,22 @@ process's stderr. `load_cuda_plugin` adds it to sys.path when compiling for H100
 
 
 def plugin_dir() -> pathlib.Path:
+    """The side directory of the CUDA plugin (`PLUGIN_DIR_VARIABLE`, else `cuda-plugin`).
+
+    Returns:
+      Its path; the default lies inside the virtual environment (`sys.prefix`).
+    """
     return pathlib.Path(os.environ.get(PLUGIN_DIR_VARIABLE) or pathlib.Path(sys.prefix) / "cuda-plugin")
 
 
 def load_cuda_plugin() -> bool:
-    """Make the CUDA plugin importable (from `plugin_dir()` unless it is installed in
-    site-packages) and registered with JAX; True when JAX can then make CUDA topologies."""
+    """Make the CUDA plugin importable and registered with JAX.
+
+    From `plugin_dir()` unless it is installed in site-packages.
+
+    Returns:
+      True when JAX can then make CUDA topologies.
+    """
     import importlib.util
 
     import jax
@@ -104,9 +114,12 @@ def _version(package: str) -> tuple[int, ...] | None:
 
 
 def cuda_compile_problem() -> str | None:
-    """Why H100 programs cannot be compiled in this process (None: they can): a missing wheel of
-    the `compile` extra, a plugin of another version than jaxlib's, or JAX running on a platform
-    other than the CPU."""
+    """Why H100 programs cannot be compiled in this process (None: they can).
+
+    Returns:
+      A missing wheel of the `compile` extra, a plugin of another version than jaxlib's, or JAX
+      running on a platform other than the CPU; None where nothing is in the way.
+    """
     import jax
     import jaxlib
 
@@ -124,8 +137,12 @@ def cuda_compile_problem() -> str | None:
 
 
 def h100_target_config() -> str:
-    """`GpuTargetConfigProto` text for the H100 SXM (`H100_SXM`), with the cuDNN and CUDA versions
-    of the installed wheels (what XLA may assume the toolkit offers)."""
+    """`GpuTargetConfigProto` text for the H100 SXM (`H100_SXM`).
+
+    Returns:
+      The proto's text, with the cuDNN and CUDA versions of the installed wheels (what XLA may
+      assume the toolkit offers).
+    """
     info = []
     for field, value in H100_SXM.items():
         if field == "cuda_compute_capability":
@@ -144,9 +161,17 @@ def h100_target_config() -> str:
 
 
 def h100_topology(n: int) -> str:
-    """The CUDA plugin's topology string for `n` GPUs: `1x1xn` within a node (n ≤ 8), else
-    `1x<n/8>x8` (partitions × hosts × GPUs per host). ValueError for a count that fills no
-    whole nodes."""
+    """The CUDA plugin's topology string for `n` GPUs.
+
+    Args:
+      n: the GPUs.
+
+    Returns:
+      `1x1xn` within a node (n ≤ 8), else `1x<n/8>x8` (partitions × hosts × GPUs per host).
+
+    Raises:
+      ValueError: a count that fills no whole nodes.
+    """
     if n < 1 or (n > GPUS_PER_NODE and n % GPUS_PER_NODE):
         raise ValueError(f"--devices {n}: H100 targets come in nodes of {GPUS_PER_NODE} GPUs "
                          f"(1 to {GPUS_PER_NODE}, or a multiple of {GPUS_PER_NODE})")
@@ -157,8 +182,17 @@ def h100_topology(n: int) -> str:
 
 @functools.lru_cache(maxsize=8)  # a topology's devices, reused by every compile of that size
 def h100_devices(n: int) -> tuple:
-    """`n` compile-only H100 devices (`jax.Device`s of platform `gpu` that own no memory), in nodes
-    of 8; ValueError (`cuda_compile_problem`) where they cannot be made. Tried up to 8192."""
+    """`n` compile-only H100 devices, in nodes of 8. Tried up to 8192.
+
+    Args:
+      n: the GPUs (`h100_topology`).
+
+    Returns:
+      `jax.Device`s of platform `gpu` that own no memory.
+
+    Raises:
+      ValueError: they cannot be made (`cuda_compile_problem`), or `n` fills no whole nodes.
+    """
     from jax.experimental import topologies
 
     if problem := cuda_compile_problem():
@@ -170,8 +204,18 @@ def h100_devices(n: int) -> tuple:
 
 
 def cpu_devices(n: int) -> tuple:
-    """`n` of this process's simulated CPU devices; ValueError naming the numbers when it has
-    fewer (start it with `--devices N`: XLA:CPU has no compile-only topology)."""
+    """`n` of this process's simulated CPU devices.
+
+    Args:
+      n: the devices.
+
+    Returns:
+      The first `n` CPU devices.
+
+    Raises:
+      ValueError: naming the numbers when the process has fewer (start it with `--devices N`:
+        XLA:CPU has no compile-only topology).
+    """
     import jax
 
     devices = jax.devices("cpu")
@@ -183,9 +227,11 @@ def cpu_devices(n: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A compile target: `devices(n)`, and the memory each device has (`capacity_bytes`, what
-    `fits` compares with: for CPU devices, the accelerator's they stand in for, an H100's by
-    default)."""
+    """A compile target: `devices(n)`, and the memory each device has.
+
+    `capacity_bytes` is what `fits` compares with: for CPU devices, the accelerator's they stand
+    in for, an H100's by default.
+    """
 
     name: str
     devices: callable
@@ -196,6 +242,17 @@ TARGETS = {"h100": Target("h100", h100_devices), "cpu": Target("cpu", cpu_device
 
 
 def target(name: str) -> Target:
+    """The compile target named `name`.
+
+    Args:
+      name: a key of `TARGETS` (`h100`, `cpu`).
+
+    Returns:
+      The `Target`.
+
+    Raises:
+      ValueError: an unknown name.
+    """
     if name not in TARGETS:
         raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {name!r}")
     return TARGETS[name]

@@ -14,14 +14,15 @@ Decisions, per block of a model's stack:
 
 `remat='auto'` is the planner: it measures one block — device and host residual bytes per decision
 (`saved_residuals`), forward matmul FLOPs and the extra backward matmul FLOPs each decision costs
-(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named device
-spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan is how many
-blocks take each decision; offloaded blocks come first (their activations are needed last in the
-backward, so fetching them back has the most time to overlap), then recomputed, selective and kept
-ones.
-It picks the counts with the least predicted extra step time whose predicted peak fits the budget:
+(counted on the jaxprs) — and takes the device FLOP rate and host-link bandwidth from a named
+device spec (GPUs) or a short calibration (CPU). All blocks of the stack are identical, so a plan
+is how many blocks take each decision; offloaded blocks come first (their activations are needed
+last in the backward, so fetching them back has the most time to overlap), then recomputed,
+selective and kept ones. It picks the counts with the least predicted extra step time whose
+predicted peak fits the budget:
 
-    predicted_peak(plan) = compiled_peak(all recompute) + sum_blocks(device_bytes[d] - device_bytes[recompute])
+    predicted_peak(plan) = compiled_peak(all recompute)
+                           + sum_blocks(device_bytes[d] - device_bytes[recompute])
 
 calibrated by compiling the train step with every block recomputed and with every block kept (the
 latter sets a kept block's bytes, so both ends are exact) through a `measure_peak(plan)` callback
@@ -51,9 +52,19 @@ _UNIFORM = {"full": "recompute", "selective": "selective", "offload": "offload"}
 
 def policy(decision: str, offload_names: tuple[str, ...] | None = None):
     """The `jax.checkpoint` policy of a decision (None for `keep`: no checkpoint at all).
-    offload_names: what `offload` moves to the host and `selective` keeps (see the module
-    docstring); None: the tensor-parallel dense layers' outputs and matmuls without batch
-    dimensions."""
+
+    Args:
+      decision: one of `DECISIONS`.
+      offload_names: what `offload` moves to the host and `selective` keeps (see the module
+        docstring); None: the tensor-parallel dense layers' outputs and matmuls without batch
+        dimensions.
+
+    Returns:
+      The policy, or None for `keep`.
+
+    Raises:
+      ValueError: an unknown decision.
+    """
     cp = jax.checkpoint_policies
     if decision == "keep":
         return None
@@ -81,7 +92,16 @@ def policy(decision: str, offload_names: tuple[str, ...] | None = None):
 
 
 def wrapper(decision: str, offload_names: tuple[str, ...] | None = None):
-    """`f(params, x) -> x` wrapper of a layer function for a decision (None for `keep`)."""
+    """`f(params, x) -> x` wrapper of a layer function for a decision (None for `keep`).
+
+    Args:
+      decision: one of `DECISIONS`.
+      offload_names: as `policy` takes them.
+
+    Returns:
+      A function that wraps a layer function in `jax.checkpoint` with the decision's policy, or
+      None for `keep`.
+    """
     pol = policy(decision, offload_names)
     return None if pol is None else (lambda f: jax.checkpoint(f, policy=pol))
 
@@ -96,14 +116,23 @@ class DeviceSpec:
 
 
 SPECS = {
-    # Dense bf16 peak and PCIe Gen5 x16 (~55 GB/s achievable per direction).
+    # Dense bf16 peak and PCIe Gen5 x16 (~55 GB/s achievable per direction, the rate public
+    # reports give: `analysis.comm_model.H100_HOST_LINK`).
     "h100": DeviceSpec("h100", 989e12, 55e9),
     "h200": DeviceSpec("h200", 989e12, 55e9),
 }
 
 
 def calibrate(size: int = 512, repeats: int = 4) -> DeviceSpec:
-    """Measure the default device: a `size`² f32 matmul's FLOP rate, a `pinned_host` round trip."""
+    """Measure the default device: a `size`² f32 matmul's FLOP rate, a `pinned_host` round trip.
+
+    Args:
+      size: the matmul's side.
+      repeats: timed runs of each.
+
+    Returns:
+      A `DeviceSpec` of the measured FLOP rate and host-copy bandwidth (a 16 MiB array).
+    """
     dev = jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
     mm = jax.jit(lambda x: x @ x)
@@ -124,9 +153,20 @@ def calibrate(size: int = 512, repeats: int = 4) -> DeviceSpec:
 
 
 def device_spec(device=None) -> DeviceSpec:
-    """The named spec of `device`'s kind (default: the default device; the step passes its mesh's
-    first device), else a calibration of the default device, which must then be of the same
-    platform (a program compiled for abstract GPUs is never calibrated on this host's CPU)."""
+    """The named spec of `device`'s kind, else a calibration of the default device.
+
+    The default device must then be of the same platform (a program compiled for abstract GPUs is
+    never calibrated on this host's CPU).
+
+    Args:
+      device: a `jax.Device` (None: the default device; the step passes its mesh's first device).
+
+    Returns:
+      The `DeviceSpec` of `SPECS` whose name is in its kind, or `calibrate()`.
+
+    Raises:
+      ValueError: no spec for its kind and another platform than this process's default.
+    """
     device = device or jax.devices()[0]
     kind = device.device_kind.lower()
     for name, spec in SPECS.items():
@@ -141,8 +181,11 @@ def device_spec(device=None) -> DeviceSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BlockCost:
-    """One block's measured costs per decision: device and host residual bytes, extra backward FLOPs
-    over `keep`; and its forward FLOPs. Bytes are per device (the local batch)."""
+    """One block's measured costs per decision, and its forward FLOPs.
+
+    Per decision: device and host residual bytes, extra backward FLOPs over `keep`. Bytes are per
+    device (the local batch).
+    """
 
     device_bytes: dict
     host_bytes: dict
@@ -161,7 +204,14 @@ def matmul_flops(jaxpr) -> float:
     """FLOPs of the `dot_general`s of a jaxpr, sub-jaxprs (jit, scan, remat, custom rules) included.
 
     Counted on the jaxpr rather than the compiled program because XLA's CSE may merge a recomputed
-    forward with the original one in a small test program, hiding the cost of recomputation."""
+    forward with the original one in a small test program, hiding the cost of recomputation.
+
+    Args:
+      jaxpr: a `jax.core.Jaxpr` (a closed jaxpr's `.jaxpr`).
+
+    Returns:
+      2 × output elements × contracted size, summed; a scan's body times its length.
+    """
     total = 0.0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
@@ -178,8 +228,18 @@ def matmul_flops(jaxpr) -> float:
 
 
 def block_cost(block: Callable, params, x, offload_names: tuple[str, ...] | None = None) -> BlockCost:
-    """Measure one block `block(params, x) -> x` (abstract `params` and `x`, this device's share of
-    the activations, in the dtypes the step computes in)."""
+    """Measure one block's residual bytes and FLOPs under every decision.
+
+    Args:
+      block: `block(params, x) -> x`.
+      params: its parameters, abstract.
+      x: its input, abstract: this device's share of the activations, in the dtypes the step
+        computes in.
+      offload_names: as `policy` takes them.
+
+    Returns:
+      The block's `BlockCost`.
+    """
     dev, host, extra = {}, {}, {}
     grad_flops = {}
     for d in DECISIONS:
@@ -214,7 +274,11 @@ class Plan:
     budget: int | None = None
 
     def groups(self) -> tuple[tuple[int, str], ...]:
-        """Runs of equal decisions: `((count, decision), ...)`."""
+        """Runs of equal decisions, first layer first.
+
+        Returns:
+          `((count, decision), ...)`.
+        """
         out: list[list] = []
         for d in self.decisions:
             if out and out[-1][1] == d:
@@ -224,10 +288,25 @@ class Plan:
         return tuple((n, d) for n, d in out)
 
     def layer_groups(self, offload_names: tuple[str, ...] | None = None):
-        """`((count, wrap), ...)` for `step.model.scan_layers`."""
+        """The runs of `groups` with each decision's layer wrapper, for `step.model.scan_layers`.
+
+        Args:
+          offload_names: as `policy` takes them.
+
+        Returns:
+          `((count, wrap), ...)`, `wrap` as `wrapper` gives it.
+        """
         return tuple((n, wrapper(d, offload_names)) for n, d in self.groups())
 
     def describe(self, compiled_peak: int | None = None) -> str:
+        """One line of the plan's groups, its predictions and budget.
+
+        Args:
+          compiled_peak: the compiled step's peak bytes per device, shown beside (None: not).
+
+        Returns:
+          The line, bytes in MiB and time in ms.
+        """
         text = "activation plan: " + ", ".join(f"{n}×{d}" for n, d in self.groups())
         if self.predicted_peak is not None:
             text += (f"; predicted peak {self.predicted_peak / 2**20:.1f} MiB"
@@ -240,9 +319,19 @@ class Plan:
 
 
 def extra_time(cost: BlockCost, decision: str, spec: DeviceSpec) -> float:
-    """Predicted extra step time of one block taking `decision`: its extra FLOPs, plus the part of
-    its host transfers (out in the forward, back in the backward) that the block's own forward
-    (resp. ~2× longer backward) compute does not hide."""
+    """Predicted extra step time of one block taking `decision`.
+
+    Its extra FLOPs, plus the part of its host transfers (out in the forward, back in the
+    backward) that the block's own forward (resp. twice as long backward) compute does not hide.
+
+    Args:
+      cost: the block's costs.
+      decision: one of `DECISIONS`.
+      spec: the device's rates.
+
+    Returns:
+      Seconds per step.
+    """
     t = cost.extra_flops[decision] / spec.flops_per_s
     move = cost.host_bytes[decision] / spec.host_bytes_per_s
     compute = cost.forward_flops / spec.flops_per_s
@@ -264,8 +353,18 @@ def _compositions(total: int, parts: int) -> np.ndarray:
 def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: DeviceSpec) -> Plan:
     """The fastest plan whose predicted peak fits `budget` bytes.
 
-    base_peak: compiled peak with every block recomputed. Raises ValueError naming the smallest
-    feasible budget when none fits.
+    Args:
+      cost: one block's costs.
+      num_layers: the blocks of the stack.
+      budget: bytes per device.
+      base_peak: compiled peak with every block recomputed.
+      spec: the device's rates.
+
+    Returns:
+      The plan of the least predicted time (then the least peak), blocks in `PLAN_ORDER`.
+
+    Raises:
+      ValueError: naming the smallest feasible budget when none fits.
     """
     per = {d: cost.device_bytes[d] - cost.device_bytes["recompute"] for d in DECISIONS}
     counts = _compositions(num_layers, len(PLAN_ORDER))
@@ -284,8 +383,18 @@ def plan(cost: BlockCost, num_layers: int, budget: int, base_peak: int, spec: De
 
 
 def uniform_plan(remat, num_layers: int) -> Plan | None:
-    """The plan of `remat` = `none` (None), `full`, `selective`, `offload`, or a `Plan` (returned as
-    it is)."""
+    """The plan of a uniform `--remat` mode, or a given `Plan`.
+
+    Args:
+      remat: `none`, `full`, `selective`, `offload`, or a `Plan`.
+      num_layers: the blocks of the stack.
+
+    Returns:
+      None for `none`; the `Plan` as it is; else every block taking the mode's decision.
+
+    Raises:
+      ValueError: a `Plan` of another number of layers.
+    """
     if isinstance(remat, Plan):
         if len(remat.decisions) != num_layers:
             raise ValueError(f"activation plan of {len(remat.decisions)} layers for a model of "
@@ -297,7 +406,15 @@ def uniform_plan(remat, num_layers: int) -> Plan | None:
 
 
 def check_options(remat, memory_budget_gb: float | None) -> None:
-    """Reject flag combinations that would be silently ignored."""
+    """Reject flag combinations that would be silently ignored.
+
+    Args:
+      remat: a `--remat` mode (`REMAT_MODES`) or a `Plan`.
+      memory_budget_gb: `--memory-budget` in GB, or None.
+
+    Raises:
+      ValueError: an unknown mode, a budget without `auto`, or `auto` without a positive budget.
+    """
     if isinstance(remat, Plan):
         return
     if remat not in REMAT_MODES:
@@ -310,8 +427,22 @@ def check_options(remat, memory_budget_gb: float | None) -> None:
 
 def make_plan(num_layers: int, budget: int, cost: BlockCost, measure_peak: Callable[[Plan], int],
               spec: DeviceSpec) -> Plan:
-    """KARMA's plan for `budget` bytes per device: `measure_peak(plan)` compiles the train step with
-    a plan and returns its peak bytes per device; it calibrates both ends (all recompute, all keep)."""
+    """KARMA's plan for `budget` bytes per device.
+
+    Args:
+      num_layers: the blocks of the stack.
+      budget: bytes per device.
+      cost: one block's costs (`block_cost`).
+      measure_peak: compiles the train step with a plan and returns its peak bytes per device;
+        it calibrates both ends (all recompute, all keep).
+      spec: the device's rates.
+
+    Returns:
+      The `plan` for `budget`.
+
+    Raises:
+      ValueError: no plan fits `budget`.
+    """
     base_peak = measure_peak(Plan(("recompute",) * num_layers))
     keep_peak = measure_peak(Plan(("keep",) * num_layers))
     # What a kept block adds in the whole program (XLA's buffers, not only autodiff's residuals),
@@ -328,6 +459,12 @@ def compiled_peak_bytes(compiled) -> int:
     `peak_memory_in_bytes` falls outside it: the CPU backend's leaves out the temporaries (it can be
     smaller than the temp allocation), and XLA:GPU's counts buffers in host memory too once
     activations are offloaded (it then reports the device bound plus the host temporaries).
+
+    Args:
+      compiled: a `jax.stages.Compiled`.
+
+    Returns:
+      Bytes per device.
     """
     mem = compiled.memory_analysis()
     peak = getattr(mem, "peak_memory_in_bytes", 0)

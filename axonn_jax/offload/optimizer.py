@@ -70,8 +70,16 @@ def _replicated_like(param_shardings):
 
 
 def on_device(tx: optax.GradientTransformation) -> ParamUpdate:
-    """`tx` with its state on the device, each leaf placed like its parameter (replicated when it
-    is shaped otherwise, e.g. a count)."""
+    """`tx` with its state on the device, each leaf placed like its parameter.
+
+    A state leaf shaped otherwise (e.g. a count) is replicated.
+
+    Args:
+      tx: an optax transformation.
+
+    Returns:
+      The `ParamUpdate`.
+    """
     def init(params):
         return params, tx.init(params)
 
@@ -93,18 +101,22 @@ def host_offload(tx: optax.GradientTransformation, compute_dtype, num_layers: in
                  num_stages: int = 1, stacked_key: str = "blocks",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, partition_axis: str | None = None,
                  partition_size: int = 1) -> ParamUpdate:
-    """`tx` (elementwise apart from shared scalars) streamed per piece over fp32 masters and
-    state in `pinned_host` (see the module docstring).
+    """`tx` streamed per piece over fp32 masters and state in `pinned_host`.
+
+    See the module docstring.
 
     Args:
+      tx: an optax transformation, elementwise apart from shared scalars.
       compute_dtype: dtype of the device parameters (the model's compute dtype).
       num_layers: length of the leading axis of the stacked `stacked_key` parameters.
       num_stages: pipeline stages the layer axis is split over (`pipe`); each loop iteration
         updates one layer per stage.
-      partition_axis, partition_size: a mesh axis the parameters are replicated over (`data`)
-        and its size; above 1, each host-resident leaf is split over it as well (ZeRO-Offload:
-        each copy streams and updates its share, `partition_spec`) and the new device
-        parameters are all-gathered over it.
+      stacked_key: the top-level key of the stacked layer parameters.
+      bucket_bytes: the most fp32 master bytes one streamed piece holds (`buckets`).
+      partition_axis: a mesh axis the parameters are replicated over (`data`).
+      partition_size: its size; above 1, each host-resident leaf is split over it as well
+        (ZeRO-Offload: each copy streams and updates its share, `partition_spec`) and the new
+        device parameters are all-gathered over it.
 
     Returns:
       The `ParamUpdate`.
@@ -154,7 +166,16 @@ def _roles(inner: optax.GradientTransformation, state, params) -> list[_Role]:
 
 
 def stacked_mask(params, key: str, num_layers: int) -> list[bool]:
-    """Per parameter leaf: True for leaves under `key` whose leading axis is the layer axis."""
+    """Per parameter leaf: True for leaves under `key` whose leading axis is the layer axis.
+
+    Args:
+      params: the parameter pytree.
+      key: the top-level key of the stacked layers.
+      num_layers: the length of the layer axis.
+
+    Returns:
+      One flag per leaf, in `tree_flatten` order.
+    """
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return [bool(path) and getattr(path[0], "key", None) == key and x.ndim >= 1
             and x.shape[0] == num_layers for path, x in flat]
@@ -183,8 +204,16 @@ def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: 
 
 
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Group parameter `indices` greedily, in order, into lists of at most `bucket_bytes` bytes
-    (by fp32 master size `sizes[i]`); a leaf larger than a bucket is a bucket of its own."""
+    """Group parameter `indices` greedily, in order, into lists of at most `bucket_bytes` bytes.
+
+    Args:
+      sizes: each leaf's fp32 master bytes, by leaf index.
+      indices: the leaves to group, in order.
+      bucket_bytes: the most bytes of one bucket.
+
+    Returns:
+      The buckets; a leaf larger than a bucket is a bucket of its own.
+    """
     groups: list[list[int]] = []
     used = 0
     for i in indices:
@@ -332,13 +361,30 @@ class _Streamed:
 
 
 def lowered_for_gpu(jitted, *args) -> str:
-    """StableHLO text of `jitted(*args)` lowered for CUDA, where in-jit `device_put`s between memory
-    kinds appear as `annotate_device_placement` custom calls (CPU drops them)."""
+    """StableHLO text of `jitted(*args)` lowered for CUDA.
+
+    There in-jit `device_put`s between memory kinds appear as `annotate_device_placement` custom
+    calls (CPU drops them).
+
+    Args:
+      jitted: a jitted function.
+      *args: its arguments (arrays or ShapeDtypeStructs).
+
+    Returns:
+      The lowered module's text.
+    """
     return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def placement_transfers(hlo_text: str) -> list[tuple[str, str]]:
-    """(destination memory kind, tensor type) of every placement annotation in lowered StableHLO."""
+    """(destination memory kind, tensor type) of every placement annotation in lowered StableHLO.
+
+    Args:
+      hlo_text: StableHLO text (`lowered_for_gpu`).
+
+    Returns:
+      The pairs, in order.
+    """
     import re
 
     pattern = re.compile(r"annotate_device_placement.*_xla_buffer_placement = \"(\w+)\".*"

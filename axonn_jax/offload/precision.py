@@ -21,14 +21,25 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def check_dtype(dtype: str) -> None:
+    """Raise ValueError unless `dtype` names a compute dtype of `DTYPES`.
+
+    Args:
+      dtype: `float32`, `bfloat16` or `float16`.
+
+    Raises:
+      ValueError: another name.
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
 
 
 class LossScaler(NamedTuple):
-    """`init() -> state | None` (replicated scalars: `scale` f32, `good_steps`, `skipped_steps`
+    """A loss scaler's `init` and `update` functions, and whether it guards steps.
+
+    `init() -> state | None` (replicated scalars: `scale` f32, `good_steps`, `skipped_steps`
     int32; None: no precision state) and `update(state, finite) -> state` after a step whose
-    gradients were `finite` (bool scalar). `guards`: steps with non-finite gradients are skipped."""
+    gradients were `finite` (bool scalar). `guards`: steps with non-finite gradients are skipped.
+    """
 
     init: Callable[[], dict | None]
     update: Callable[[dict, jax.Array], dict]
@@ -36,8 +47,17 @@ class LossScaler(NamedTuple):
 
 
 def loss_scaler(dtype: str) -> LossScaler:
-    """The loss scaler of compute `dtype`: dynamic for float16, a skip counter for bfloat16,
-    nothing for float32."""
+    """The loss scaler of compute `dtype`.
+
+    Args:
+      dtype: `float32`, `bfloat16` or `float16`.
+
+    Returns:
+      Dynamic scaling for float16, a skip counter for bfloat16, nothing for float32.
+
+    Raises:
+      ValueError: another dtype name.
+    """
     check_dtype(dtype)
     if dtype == "float32":
         return LossScaler(lambda: None, lambda state, finite: state, guards=False)
@@ -63,11 +83,27 @@ def loss_scaler(dtype: str) -> LossScaler:
 
 
 def scale_of(state: dict):
-    """The loss scale of a train state (1.0 when it has no precision state)."""
+    """The loss scale of a train state.
+
+    Args:
+      state: a train state (a mapping with an optional `precision` entry).
+
+    Returns:
+      Its f32 scale (1.0 when it has no precision state).
+    """
     mp = state.get("precision")
     return jnp.float32(1.0) if mp is None else mp["scale"]
 
 
 def keep_if_finite(finite, new, old):
-    """`new` where `finite` (a bool scalar), else `old`, leaf by leaf: the one non-finite guard."""
+    """`new` where `finite`, else `old`, leaf by leaf: the one non-finite guard.
+
+    Args:
+      finite: a bool scalar.
+      new: the pytree to take where finite.
+      old: a pytree of the same structure, kept otherwise.
+
+    Returns:
+      The chosen pytree.
+    """
     return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)

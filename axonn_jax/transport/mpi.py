@@ -25,7 +25,14 @@ from ..step.reducers import STACKED, GradientReducer, compressed_wire_bytes, res
 
 
 def world():
-    """`(comm, rank, size)` of MPI's COMM_WORLD; a clear error when mpi4py/mpi4jax are missing."""
+    """`(comm, rank, size)` of MPI's COMM_WORLD; a clear error when mpi4py/mpi4jax are missing.
+
+    Returns:
+      (the communicator, this process's rank, the number of processes).
+
+    Raises:
+      ValueError: mpi4py or mpi4jax cannot be imported.
+    """
     try:
         import mpi4jax  # noqa: F401  (checked here so a missing build fails before any work)
         from mpi4py import MPI
@@ -36,7 +43,15 @@ def world():
 
 
 def allreduce_sum(tree, comm):
-    """The sum of a pytree over the processes of `comm`, as one message (traceable, one device)."""
+    """The sum of a pytree over the processes of `comm`, as one message (traceable, one device).
+
+    Args:
+      tree: a pytree of arrays on this process's one device.
+      comm: an MPI communicator.
+
+    Returns:
+      The summed pytree (`tree` itself with one process).
+    """
     import mpi4jax
     from mpi4py import MPI
 
@@ -47,7 +62,14 @@ def allreduce_sum(tree, comm):
 
 
 def mpi_mean(comm) -> GradientReducer:
-    """The exact mean over the processes of `comm`: one allreduce of the flattened gradients."""
+    """The exact mean over the processes of `comm`: one allreduce of the flattened gradients.
+
+    Args:
+      comm: an MPI communicator.
+
+    Returns:
+      The `GradientReducer` (no state).
+    """
     size = comm.Get_size()
     mean = lambda tree: jax.tree.map(lambda x: x / size, allreduce_sum(tree, comm))  # noqa: E731
     return GradientReducer(init=lambda params: None,
@@ -57,8 +79,14 @@ def mpi_mean(comm) -> GradientReducer:
 
 
 def mpi_collectives(comm) -> compression.Collectives:
-    """The collectives `compression.compressed_psum` needs, between the processes of `comm`, on
-    single-device arrays (this process is member `rank`)."""
+    """The collectives `compression.compressed_psum` needs, between the processes of `comm`.
+
+    Args:
+      comm: an MPI communicator.
+
+    Returns:
+      Sum, all-to-all and all-gather on single-device arrays (this process is member `rank`).
+    """
     import mpi4jax
 
     return compression.Collectives(comm.Get_size(), comm.Get_rank(),
@@ -71,15 +99,29 @@ def mpi_compressed_mean(comm, *, bits: int, bucket_size: int = compression.DEFAU
                         error_feedback: bool = True,
                         min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
                         rounding: str = "auto") -> GradientReducer:
-    """CGX's compressed mean over the processes of `comm`. With `error_feedback` the state is this
-    process's residual (like the parameters). rules, min_size, rounding: which tensors are
-    compressed at which width and how values are rounded, as `step.reducers.compressed_mean`
-    takes them (stochastic noise from the step's key).
+    """CGX's compressed mean over the processes of `comm`.
 
     In a checkpoint the residuals of all processes are one leaf `[processes, *shape]` per
     parameter (the layout of the one-program trainer's residuals, one per data-parallel device),
     gathered to rank 0, which writes; on restore each rank takes its own, re-split as the
-    one-program residuals are when the number of processes changed."""
+    one-program residuals are when the number of processes changed.
+
+    Args:
+      comm: an MPI communicator.
+      bits: the compressed width.
+      bucket_size: values per quantization bucket.
+      error_feedback: keep this process's residual (like the parameters) as the reducer state.
+      min_size: with `rules` and `rounding`: which tensors are compressed at which width and how
+        values are rounded, as `step.reducers.compressed_mean` takes them.
+      rules: see `min_size`.
+      rounding: see `min_size` (stochastic noise from the step's key).
+
+    Returns:
+      The `GradientReducer`.
+
+    Raises:
+      ValueError: bad `bits`, `bucket_size`, `rules` or `rounding` (`compression`'s checks).
+    """
     compression.check_args(bits, bucket_size)
     overrides = compression.parse_rules(rules)
     stochastic = compression.stochastic(rounding, error_feedback)

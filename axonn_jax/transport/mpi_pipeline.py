@@ -1,4 +1,6 @@
-"""AxoNN's message-driven pipeline over MPI: `mpirun -n S·D axonn-jax train --transport mpi --pipe S`.
+"""AxoNN's message-driven pipeline over MPI.
+
+Launched as `mpirun -n S·D axonn-jax train --transport mpi --pipe S`.
 
 One process per pipeline stage. Rank `r = d·S + s` runs stage `s` of pipeline `d` (D data-parallel
 copies of an S-stage pipeline); it holds only its layers (`L/S` of them, as V chunks of `L/(S·V)`
@@ -74,23 +76,47 @@ ACT, GRAD = 0, 1  # message kinds: activation forward, its gradient backward
 
 
 def tag(microbatch: int, virtual_stage: int, num_virtual: int) -> int:
-    """The tag of a message to `virtual_stage` about `microbatch` (its kind is its communicator)."""
+    """The tag of a message to `virtual_stage` about `microbatch` (its kind is its communicator).
+
+    Args:
+      microbatch: the microbatch's index.
+      virtual_stage: the receiving virtual stage (chunk × stages + stage).
+      num_virtual: virtual stages of the pipeline.
+
+    Returns:
+      `microbatch × num_virtual + virtual_stage`.
+    """
     return microbatch * num_virtual + virtual_stage
 
 
 def permitted(schedule: str, num_stages: int, num_microbatches: int, stage: int,
               forwards: int, backwards: int, weights: int = 0,
               virtual_stages: int = 1) -> list[tuple[str, int, int]]:
-    """The operations `(kind, microbatch, chunk)` stage `stage` may run next, after `forwards`
-    forwards, `backwards` backwards and `weights` weight-gradient operations: at most one of each
-    kind, an F and a B in the order the static schedule runs them, a W last. Each kind goes through
-    its operations in the order of `parallel.pipeline.stage_order` (asynchronous warm-up).
+    """The operations `(kind, microbatch, chunk)` stage `stage` may run next.
+
+    After `forwards` forwards, `backwards` backwards and `weights` weight-gradient operations: at
+    most one of each kind, an F and a B in the order the static schedule runs them, a W last. Each
+    kind goes through its operations in the order of `parallel.pipeline.stage_order`
+    (asynchronous warm-up).
 
     gpipe: every forward, then every backward. 1f1b / zb-h1: a backward once its forward ran, a
     forward while fewer than `num_stages − stage` microbatches are in flight (the static order's
     warm-up + 1), which bounds a stage's stashed inputs by `num_stages`; interleaved-1f1b: likewise
     with its (longer) warm-up, in chunk operations. zb-h1: a W of each microbatch whose B ran, and
     no forward while `num_stages` microbatches wait for their W.
+
+    Args:
+      schedule: `gpipe`, `1f1b`, `interleaved-1f1b` or `zb-h1`.
+      num_stages: the pipeline's stages.
+      num_microbatches: microbatches per step.
+      stage: this stage.
+      forwards: forward operations run so far.
+      backwards: backward operations run so far.
+      weights: weight-gradient operations run so far (zb-h1).
+      virtual_stages: chunks per stage (interleaved-1f1b).
+
+    Returns:
+      The permitted operations, F and B in static order, W last.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     order = pipeline_lib.stage_order(schedule, p, m, stage, lockstep=False, virtual_stages=v)
@@ -115,9 +141,11 @@ def permitted(schedule: str, num_stages: int, num_microbatches: int, stage: int,
 
 @dataclasses.dataclass(frozen=True)
 class StagePosition:
-    """Where this process sits: stage `stage` of `num_stages`, data group `group` of `num_groups`;
-    `pipe_comm` joins the stages of its pipeline (rank = stage), `data_comm` the copies of its
-    stage (rank = group)."""
+    """Where this process sits: its stage, its data group, and their communicators.
+
+    Stage `stage` of `num_stages`, data group `group` of `num_groups`; `pipe_comm` joins the
+    stages of its pipeline (rank = stage), `data_comm` the copies of its stage (rank = group).
+    """
 
     stage: int
     num_stages: int
@@ -128,15 +156,28 @@ class StagePosition:
 
     @property
     def first(self) -> bool:
+        """Whether this is the first stage (it holds the embedding)."""
         return self.stage == 0
 
     @property
     def last(self) -> bool:
+        """Whether this is the last stage (it holds the head and computes the loss)."""
         return self.stage == self.num_stages - 1
 
 
 def stage_position(comm, num_stages: int) -> StagePosition:
-    """Split `comm` (size S·D) into pipelines of `num_stages` consecutive ranks."""
+    """Split `comm` (size S·D) into pipelines of `num_stages` consecutive ranks.
+
+    Args:
+      comm: an MPI communicator of S·D processes.
+      num_stages: S, at least 2.
+
+    Returns:
+      This process's `StagePosition`.
+
+    Raises:
+      ValueError: fewer than 2 stages, or a size that is not a multiple of `num_stages`.
+    """
     size, rank = comm.Get_size(), comm.Get_rank()
     if num_stages < 2 or size % num_stages:
         raise ValueError(f"--transport mpi --pipe {num_stages} needs a multiple of {num_stages} MPI "
@@ -148,8 +189,21 @@ def stage_position(comm, num_stages: int) -> StagePosition:
 
 def mpi_pipeline(position: StagePosition, schedule: str, num_microbatches: int,
                  virtual_stages: int = 1):
-    """`(reducer, engine)` for `step.make_train_step`: the mean over the data-parallel copies of
-    this stage, and the factory of this process's `StageEngine`."""
+    """`(reducer, engine)` for `step.make_train_step`.
+
+    Args:
+      position: this process's `StagePosition`.
+      schedule: the pipeline schedule (`config.SCHEDULES`).
+      num_microbatches: microbatches per step.
+      virtual_stages: chunks per stage (interleaved-1f1b).
+
+    Returns:
+      The mean over the data-parallel copies of this stage, and the factory of this process's
+      `StageEngine`.
+
+    Raises:
+      ValueError: the schedule cannot run these stages and microbatches.
+    """
     pipeline_lib.check_schedule(schedule, position.num_stages, num_microbatches, virtual_stages)
     return mpi_mean(position.data_comm), PipelineEngine(position, schedule, num_microbatches,
                                                         virtual_stages)
@@ -157,8 +211,10 @@ def mpi_pipeline(position: StagePosition, schedule: str, num_microbatches: int,
 
 @dataclasses.dataclass(frozen=True)
 class PipelineEngine:
-    """Builds this process's `StageEngine` for a bound train step; `batch_share`: this pipeline
-    trains on rows [g·B/D, (g+1)·B/D) of each global batch of B rows."""
+    """Builds this process's `StageEngine` for a bound train step.
+
+    `batch_share`: this pipeline trains on rows [g·B/D, (g+1)·B/D) of each global batch of B rows.
+    """
 
     position: StagePosition
     schedule: str
@@ -167,6 +223,7 @@ class PipelineEngine:
 
     @property
     def batch_share(self) -> tuple[int, int]:
+        """(this pipeline's data group g, the number of groups D)."""
         return self.position.group, self.position.num_groups
 
     def __call__(self, bound) -> "StageEngine":
@@ -175,8 +232,9 @@ class PipelineEngine:
 
 
 class StageEngine:
-    """The jitted operations of one stage and the message-driven loop that runs them: the gradient
-    phase of this process's train step.
+    """The jitted operations of one stage and the message-driven loop that runs them.
+
+    The gradient phase of this process's train step.
 
     bound: the train step bound to this pipeline's batch shape (`step.train_step.BoundStep`: its
     `compute` functions, which cast the parameters to the compute dtype, and its abstract batch of
@@ -335,9 +393,16 @@ class StageEngine:
     # ------------------------------------------------------------------ parameters, reductions
 
     def stage_params(self, params: dict) -> dict:
-        """This stage's part of the model's parameters (in the model's layer order): its layers,
-        chunk by chunk (`parallel.pipeline.interleave_order`), plus the embedding on the first
-        stage and the head on the last."""
+        """This stage's part of the model's parameters (in the model's layer order).
+
+        Args:
+          params: the whole model's parameters (`blocks` stacked over all layers, `embed`,
+            `head`).
+
+        Returns:
+          Its layers, chunk by chunk (`parallel.pipeline.interleave_order`), plus the embedding
+          on the first stage and the head on the last.
+        """
         lo = self.position.stage * self.layers
         layers = jax.tree.leaves(params["blocks"])[0].shape[0]
         index = pipeline_lib.interleave_order(layers, self.position.num_stages, self.v)
@@ -350,12 +415,26 @@ class StageEngine:
         return mine
 
     def sum_over_stages(self, x):
-        """`x` summed over the stages of this pipeline (traceable)."""
+        """`x` summed over the stages of this pipeline (traceable).
+
+        Args:
+          x: a pytree of arrays on this process's device.
+
+        Returns:
+          The sum over the pipeline's processes.
+        """
         return allreduce_sum(x, self.position.pipe_comm)
 
     def reduce_metrics(self, extra: dict) -> dict:
-        """The engine's metrics over the pipeline: the most chunk inputs any stage held, the
-        operations its stages ran out of the static order (traceable)."""
+        """The engine's metrics over the pipeline (traceable).
+
+        Args:
+          extra: this stage's `stash_peak` and `reordered_ops` (`run`'s third result).
+
+        Returns:
+          The most chunk inputs any stage held, and the operations its stages ran out of the
+          static order, summed.
+        """
         import mpi4jax
         from mpi4py import MPI
 
@@ -413,11 +492,19 @@ class StageEngine:
     # ------------------------------------------------------------------ the step
 
     def run(self, params, batch, scale=None) -> tuple[jax.Array, Any, dict]:
-        """Every operation of every microbatch, each as soon as its message is there and the
-        schedule permits. Returns (mean microbatch loss (0 except on the last stage), summed
-        gradients like `params` (scaled by `scale`, the loss scale), {'stash_peak': most chunk
-        inputs stashed at once, 'reordered_ops': forwards and backwards run earlier than the
-        static order would have (a message arrived before the one the static order waits for)})."""
+        """Run every operation of every microbatch, each once its message is there and permitted.
+
+        Args:
+          params: this stage's parameters (`stage_params`).
+          batch: this pipeline's batch.
+          scale: the loss scale (None: 1).
+
+        Returns:
+          (mean microbatch loss (0 except on the last stage), summed gradients like `params`
+          (scaled by `scale`), {'stash_peak': most chunk inputs stashed at once,
+          'reordered_ops': forwards and backwards run earlier than the static order would have
+          (a message arrived before the one the static order waits for)}).
+        """
         s, p, m, v = self.position.stage, self.position.num_stages, self.m, self.v
         scale = jnp.float32(1.0) if scale is None else scale
         static = pipeline_lib.stage_order(self.schedule, p, m, s, lockstep=False, virtual_stages=v)
@@ -467,9 +554,17 @@ class StageEngine:
         return loss, grads, {"stash_peak": peak, "reordered_ops": reordered}
 
     def run_forward(self, params, batch) -> jax.Array:
-        """The forward of every microbatch (evaluation), in the static order of forwards; the mean
-        loss on the last stage, 0 elsewhere. Receives block: only activations flow, so nothing
-        waits on this stage."""
+        """The forward of every microbatch (evaluation), in the static order of forwards.
+
+        Receives block: only activations flow, so nothing waits on this stage.
+
+        Args:
+          params: this stage's parameters (`stage_params`).
+          batch: this pipeline's batch.
+
+        Returns:
+          The mean loss on the last stage, 0 elsewhere.
+        """
         s, p, m, v = self.position.stage, self.position.num_stages, self.m, self.v
         order = [op for op in pipeline_lib.stage_order(self.schedule, p, m, s, lockstep=False,
                                                        virtual_stages=v) if op[0] == "F"]
@@ -488,8 +583,17 @@ class StageEngine:
         return loss
 
     def inspect(self, state, batch):
-        """This stage's backward operation of its first chunk compiled (its largest program: it
-        holds the recomputed chunk's activations), for `as_text` / `memory_analysis`."""
+        """This stage's backward operation of its first chunk, compiled.
+
+        Its largest program: it holds the recomputed chunk's activations.
+
+        Args:
+          state: a train state (its `params`: this stage's).
+          batch: this pipeline's batch.
+
+        Returns:
+          The `jax.stages.Compiled`, for `as_text` / `memory_analysis`.
+        """
         params = state.params
         first, last = self._virtual(0)
         x = None if first else jnp.zeros(self.act.shape, self.act.dtype)

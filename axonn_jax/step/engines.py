@@ -205,7 +205,8 @@ class PipelineEngine:
         Returns:
           `(loss, grads, metrics)`: the mean loss (unscaled), the gradients
           `{"embed", "blocks", "head"}` (times `scale`, summed in the stored dtype), and the
-          blocks' per-layer metrics, split over `pipe` like the blocks.
+          per-layer metrics of this stage's blocks (they leave the shard_map split over `pipe`,
+          `metric_spec`).
         """
         fns, s = self.compute.fns, self.schedule
         params = ensure_varying(params, tuple(sorted(self.manual_axes)))

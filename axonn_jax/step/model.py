@@ -266,7 +266,9 @@ class StackedModel:
 
         Raises:
           ValueError: when a part creates variables besides parameters (linen collections other
-            than `params`, NNX variables other than `nnx.Param`).
+            than `params`, NNX variables other than `nnx.Param`), or an NNX block module's
+            parameters are not stacked on a leading axis of `num_layers`.
+          TypeError: when a part is neither a linen module, an NNX module nor a function.
         """
         return ModelFunctions.of(self, _abstract(example_batch)).init(key)
 
@@ -402,7 +404,7 @@ class ModelFunctions:
 
         Tensor-parallel (`axonn_jax.parallelize`) when `mesh` has the axes `depth, row, col` and
         they hold more than one device, or when `fp8`; else only what the modules' metadata
-        splits, limited to the axes of `mesh` that hold more than one device.
+        splits (with a mesh, limited to its axes that hold more than one device).
 
         Args:
           model: the model.

@@ -97,7 +97,8 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
       compress_scope: where CGX compresses (`all` | `inter-node`).
 
     Returns:
-      One message per problem; those of options not implemented yet end with `_NOT_YET`.
+      One message per problem; those of options not implemented yet end with "is not
+      implemented yet" (`_NOT_YET`).
     """
     found = []
 

@@ -18,13 +18,32 @@ EXTRA_AXES = ("expert", "context")
 
 
 def extra_axes(grid) -> tuple[str, ...]:
-    """The batch axes besides `data` that split something on `grid`, in mesh order."""
+    """The batch axes besides `data` that split something on `grid`, in mesh order.
+
+    Args:
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      The names of `EXTRA_AXES` (`expert`, `context`) whose size on `grid` is above 1.
+    """
     return tuple(a for a in EXTRA_AXES if getattr(grid, a) > 1)
 
 
 def gradient_sums(shards, grid, param_bytes: int) -> list[Collective]:
-    """The all-reduces of `_sum_over_unsplit`: each shard's gradient (the elements the exact
-    exchange reduces) over the extra batch axes its parameter is not split over."""
+    """The all-reduces of `_sum_over_unsplit`, one per group of extra batch axes.
+
+    Each shard's gradient (the elements the exact exchange reduces) is summed over the extra
+    batch axes its parameter is not split over.
+
+    Args:
+      shards: the `ParameterShard`s one device holds (`ModelCommunication.parameters`).
+      grid: the run's `ParallelConfig`.
+      param_bytes: the bytes of one parameter element.
+
+    Returns:
+      One `all-reduce` `Collective` per group of axes, sized with the elements of every shard
+      summed over that group.
+    """
     extra = extra_axes(grid)
     groups: dict[tuple[str, ...], float] = {}
     for s in shards:
@@ -37,8 +56,20 @@ def gradient_sums(shards, grid, param_bytes: int) -> list[Collective]:
 
 
 def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> list[Collective]:
-    """Everything the step sends over `expert` and `context` itself (module docstring), and the
-    metrics' mean over `data`: `declared` is what the model declares about `step`."""
+    """Everything the step sends over `expert` and `context` itself, and the metrics' mean.
+
+    What the module docstring lists, and the metrics' mean over `data`.
+
+    Args:
+      declared: what the model declares about `step`.
+      step: the train step's shape (grid, batch, sequence length, parameter bytes).
+
+    Returns:
+      The collectives per device and step: the metrics' all-reduce over `data` (if there are
+      metrics), and with `expert` or `context` above 1 the gradient sums, the loss's and the
+      metrics' all-reduce over those axes, and with `context > 1` the batch's all-gather over
+      `context`.
+    """
     g = step.grid
     extra = extra_axes(g)
     metrics = declared.metrics * FP32

@@ -1,5 +1,6 @@
-"""Gradient engines: how a train step computes the loss and the gradients of this device's rows, one
-class per kind of grid behind one interface.
+"""Gradient engines: how a train step computes the loss and the gradients of this device's rows.
+
+One class per kind of grid, behind one interface:
 
     engine.loss_and_grads(params, batch, scale) -> (loss, grads, metrics)
 
@@ -34,20 +35,34 @@ from .compute import ComputeFunctions, cast_floating
 
 
 def batch_manual_axes(grid: ParallelConfig) -> tuple[str, ...]:
-    """The batch axes manual in the step's shard_map: `data` always (the gradient reduction is
-    explicit over it), `expert` and `context` when they split something (their layers exchange
-    tokens or keys over them)."""
+    """The batch axes manual in the step's shard_map.
+
+    `data` always (the gradient reduction is explicit over it), `expert` and `context` when they
+    split something (their layers exchange tokens or keys over them).
+
+    Args:
+      grid: the run's parallel configuration.
+
+    Returns:
+      `("data",)` followed by `expert` and `context` where their size on `grid` is above 1.
+    """
     return ("data",) + tuple(a for a in ("expert", "context") if getattr(grid, a) > 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpmdEngine:
-    """Data, expert, context and tensor grids (`pipe` = 1). manual_axes: empty when no batch
-    axis splits the rows and the reduction is exact (one device, or one data-parallel copy
-    spanning tensor-parallel devices): nothing to reduce, so plain autodiff without a shard_map
-    (XLA rejects an all-reduce over the size-1 `data` axis of gradients that come out of the
-    tensor-parallel layers' own shard_maps, and on one device the step is then the plain
-    `jax.jit` step: `benchmarks/results/one_device_vs_jit.md`)."""
+    """The engine of data, expert, context and tensor grids (`pipe` = 1).
+
+    Attributes:
+      compute: the model's functions as the step computes them (dtype, remat, kernels).
+      manual_axes: the axes manual in the step's shard_map; empty when no batch axis splits the
+        rows and the reduction is exact (one device, or one data-parallel copy spanning
+        tensor-parallel devices): nothing to reduce, so plain autodiff without a shard_map (XLA
+        rejects an all-reduce over the size-1 `data` axis of gradients that come out of the
+        tensor-parallel layers' own shard_maps, and on one device the step is then the plain
+        `jax.jit` step: `benchmarks/results/one_device_vs_jit.md`).
+      microbatches: slices of the local rows whose gradients are accumulated (in float32).
+    """
 
     compute: ComputeFunctions
     manual_axes: frozenset[str]
@@ -68,13 +83,36 @@ class SpmdEngine:
 
     @property
     def exchanges_layers(self) -> bool:
-        """Whether the blocks' gradients come out reduced over the manual axes (layer by layer
-        inside the backward)."""
+        """Whether the blocks' gradients come out reduced over the manual axes, layer by layer.
+
+        The sums run inside the backward: with `layer_reduce`, one microbatch and manual axes.
+        """
         return self.layer_reduce and self.microbatches == 1 and bool(self.manual_axes)
 
     def loss_and_grads(self, params, batch, scale, layer_state=None):
-        """(loss, grads, metrics); with `layer_state` (`(state stack or None, key or None)` of
-        `layer_stages`, when `exchanges_layers`) also the new state stack, as a fourth."""
+        """This device's `(loss, grads, metrics)`, as the module docstring says.
+
+        With `microbatches > 1` the rows are split into that many slices, each slice's loss
+        weighted `1/microbatches`, the gradients summed in float32 and the loss and metrics
+        averaged over the slices.
+
+        Args:
+          params: this device's parameters, split over the manual axes as their specs say.
+          batch: this device's rows (and, over `context`, its chunk of every sequence); every
+            leaf `(rows, ...)`.
+          scale: the loss scale the gradients are multiplied by.
+          layer_state: `(state stack or None, key or None)` of `layer_stages`, when
+            `exchanges_layers`; one microbatch only.
+
+        Returns:
+          `(loss, grads, metrics)`: this device's mean loss (unscaled), its gradients like
+          `params` (times `scale`; the blocks' already summed over the manual axes when
+          `exchanges_layers`), and the blocks' per-layer metrics. With `layer_state`, also the
+          new state stack, as a fourth.
+
+        Raises:
+          ValueError: when the local rows are not divisible by `microbatches`.
+        """
         axes = tuple(sorted(self.manual_axes))
         m = self.microbatches
         compute = self.compute
@@ -131,8 +169,16 @@ class SpmdEngine:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineEngine:
-    """`pipe` > 1: the stack's layers split over `pipe` (each device its stage's `V` chunks), the
-    microbatches streamed through the stages in the timetable `schedule`."""
+    """The engine of grids with `pipe` > 1: the lockstep pipeline.
+
+    The stack's layers are split over `pipe` (each device its stage's `V` chunks), the
+    microbatches streamed through the stages in the timetable `schedule`.
+
+    Attributes:
+      compute: the model's functions as the step computes them.
+      schedule: the pipeline's timetable (`parallel.pipeline.Schedule`).
+      batch_axes: the batch axes manual besides `pipe` (`batch_manual_axes`).
+    """
 
     compute: ComputeFunctions
     schedule: pipeline_lib.Schedule
@@ -143,16 +189,32 @@ class PipelineEngine:
 
     @property
     def manual_axes(self) -> frozenset[str]:
+        """The axes manual in the step's shard_map: `batch_axes` and `pipe`."""
         return frozenset((*self.batch_axes, "pipe"))
 
     def loss_and_grads(self, params, batch, scale):
+        """This device's `(loss, grads, metrics)` from the pipeline, as the module docstring says.
+
+        Args:
+          params: this device's parameters; `blocks` holds its stage's chunks on the layer axis
+            (split over `pipe`).
+          batch: this device's rows, every leaf `(rows, ...)`; the schedule splits them into
+            microbatches.
+          scale: the loss scale the gradients are multiplied by.
+
+        Returns:
+          `(loss, grads, metrics)`: the mean loss (unscaled), the gradients
+          `{"embed", "blocks", "head"}` (times `scale`, summed in the stored dtype), and the
+          per-layer metrics of this stage's blocks (they leave the shard_map split over `pipe`,
+          `metric_spec`).
+        """
         fns, s = self.compute.fns, self.schedule
         params = ensure_varying(params, tuple(sorted(self.manual_axes)))
         layers = jax.tree.leaves(params["blocks"])[0].shape[0] // s.virtual_stages
         stored = (params["embed"], params["blocks"], fns.head_params(params))
-        # Cast to the compute dtype once, not in every tick's forward and recomputed forward
-        # (12 of 30 bytes per parameter and microbatch: Llama-3-70B on data 4 × pipe 16 × row 4,
-        # 128 microbatches, replayed 1.2 s faster); the gradients still sum in the stored dtype.
+        # Cast to the compute dtype once, not in every tick's forward and recomputed forward (the
+        # replayed gain is in CHANGELOG.md's entry for this hoist); the gradients still sum in
+        # the stored dtype.
         loss, (g_e, g_b, g_h), metrics = pipeline_lib.pipeline_loss_and_grads(
             self.compute.embed, self.compute.stage(layers), self.compute.head,
             cast_floating(stored, self.compute.dtype), batch, s, scale=scale,

@@ -40,7 +40,15 @@ def _subjaxprs(eqn):
 
 
 def has_batched_gather(jaxpr) -> bool:
-    """Whether `jaxpr` (or any jaxpr inside it) has a gather with batching dimensions."""
+    """Whether `jaxpr` (or any jaxpr inside it) has a gather with batching dimensions.
+
+    Args:
+      jaxpr: a `jax.extend.core.Jaxpr` (not closed); the jaxprs in its equations' parameters
+        (calls, loop bodies, branches) are searched too.
+
+    Returns:
+      True when one of its gathers has operand batching dimensions.
+    """
     return any(_batched(e) or any(has_batched_gather(j) for j in _subjaxprs(e))
                for e in jaxpr.eqns)
 
@@ -107,8 +115,21 @@ def _eval(jaxpr, consts, args):
 
 
 def unbatched_gathers(f: Callable) -> Callable:
-    """`f`, computing the same with its gathers' batching dimensions written into their indices
-    (see the module docstring). `f` takes and returns pytrees of arrays."""
+    """`f`, computing the same with its gathers' batching dimensions written into their indices.
+
+    See the module docstring. `f` is traced on each call; when its jaxpr has no batched gather,
+    `f` itself is called.
+
+    Args:
+      f: a function that takes and returns pytrees of arrays.
+
+    Returns:
+      The wrapped function, with `f`'s signature (positional arguments only).
+
+    Raises:
+      NotImplementedError: (when called) on a batched gather whose index vector is not the last
+        dimension, or a loop body whose rewritten gathers need constants.
+    """
     def wrapped(*args):
         closed, shape = jax.make_jaxpr(f, return_shape=True)(*args)
         if not has_batched_gather(closed.jaxpr):

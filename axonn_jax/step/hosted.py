@@ -1,6 +1,7 @@
-"""Train steps whose phases run as separate programs, driven from the host: a gradient reducer between
-processes (MPI, `transport.mpi`) and a host-driven gradient phase (the message-driven MPI pipeline,
-`transport.mpi_pipeline`).
+"""Train steps whose phases run as separate programs, driven from the host.
+
+Two kinds: a gradient reducer between processes (MPI, `transport.mpi`) and a host-driven gradient
+phase (the message-driven MPI pipeline, `transport.mpi_pipeline`).
 
 mpi4jax works on process-local, single-device arrays and its ordered effects cannot run in a program
 that spans several devices, so the exchange runs on the first device of the process, between the
@@ -38,8 +39,19 @@ class _Lowered:
 
 @dataclasses.dataclass
 class CompiledProcessStep:
-    """Local gradients (averaged over this process's devices), the exchange between processes on
-    the first device, and the update on the local mesh: called like a compiled train step."""
+    """A train step of three programs, called like a compiled train step.
+
+    Local gradients (averaged over this process's devices), the exchange between processes on the
+    first device, and the update on the local mesh.
+
+    Attributes:
+      grads: the compiled local gradient program (`BoundStep.loss_and_grads`).
+      exchange: the jitted exchange between processes, run on `first_device`.
+      exchange_hlo: the exchange's compiled HLO text.
+      update: the compiled update program, on the local mesh.
+      first_device: the process's first device.
+      replicated: the local mesh's replicated sharding.
+    """
 
     grads: Any
     exchange: Callable
@@ -55,18 +67,42 @@ class CompiledProcessStep:
         return self.update(state, *jax.device_put(out, self.replicated), metrics)
 
     def as_text(self) -> str:
+        """The HLO text of the gradient, exchange and update programs, one after another.
+
+        Returns:
+          The three modules' texts, separated by blank lines.
+        """
         return "\n\n".join((self.grads.as_text(), self.exchange_hlo, self.update.as_text()))
 
     def memory_analysis(self):
-        """Of the gradient program, the one that holds the activations."""
+        """The memory analysis of the gradient program, the one that holds the activations.
+
+        Returns:
+          The compiled gradient program's `memory_analysis()`.
+        """
         return self.grads.memory_analysis()
 
     def cost_analysis(self):
+        """The cost analysis of the gradient program (the exchange and update are not counted).
+
+        Returns:
+          The compiled gradient program's `cost_analysis()`.
+        """
         return self.grads.cost_analysis()
 
 
 def process_programs(bound):
-    """(step, eval_loss) of a `BoundStep` whose reducer runs between processes."""
+    """(step, eval_loss) of a `BoundStep` whose reducer runs between processes.
+
+    Args:
+      bound: the `BoundStep`; its `parts.process_reducer` runs the exchange between processes.
+
+    Returns:
+      `(step, eval_loss)`: `step(state, batch) -> (state, metrics)` compiles a
+      `CompiledProcessStep` on its first call (shapes are fixed for a bound step) and has a
+      `.lower(state, batch)` whose `.compile()` gives one; `eval_loss(params, batch)` is the loss
+      averaged over the processes, on the first device.
+    """
     reducer = bound.parts.process_reducer
     mesh = bound.parts.mesh
     first = mesh.devices.flat[0]
@@ -107,9 +143,17 @@ def process_programs(bound):
 
 @dataclasses.dataclass
 class CompiledEngineStep:
-    """A host-driven gradient phase and one program that reduces over the data-parallel copies and
-    updates (every MPI collective of the step in one program: with asynchronous dispatch a
-    host-side collective on the same communicator could run concurrently with it and mismatch)."""
+    """A host-driven gradient phase, then one program that reduces and updates.
+
+    The program reduces over the data-parallel copies and updates: every MPI collective of the
+    step in one program (with asynchronous dispatch a host-side collective on the same
+    communicator could run concurrently with it and mismatch).
+
+    Attributes:
+      engine: the host-driven engine (`transport.mpi_pipeline`) that runs the gradient phase.
+      finish: the jitted reduce-and-update program.
+      example: `(state, batch)` the analyses inspect the engine's programs with.
+    """
 
     engine: Any
     finish: Callable
@@ -120,17 +164,43 @@ class CompiledEngineStep:
         return self.finish(state, loss, grads, {k: np.int32(v) for k, v in extra.items()})
 
     def as_text(self) -> str:
+        """The HLO text of the engine's largest program (`engine.inspect`) on `example`.
+
+        Returns:
+          `engine.inspect(*example).as_text()`.
+        """
         return self.engine.inspect(*self.example).as_text()
 
     def memory_analysis(self):
+        """The memory analysis of the engine's largest program (`engine.inspect`) on `example`.
+
+        Returns:
+          `engine.inspect(*example).memory_analysis()`.
+        """
         return self.engine.inspect(*self.example).memory_analysis()
 
     def cost_analysis(self):
+        """The cost analysis of the engine's largest program (`engine.inspect`) on `example`.
+
+        Returns:
+          `engine.inspect(*example).cost_analysis()`.
+        """
         return self.engine.inspect(*self.example).cost_analysis()
 
 
 def engine_programs(bound):
-    """(step, eval_loss) of a `BoundStep` whose gradient phase is a host-driven engine."""
+    """(step, eval_loss) of a `BoundStep` whose gradient phase is a host-driven engine.
+
+    Args:
+      bound: the `BoundStep`; its `host_engine` runs the gradient phase and its
+        `parts.process_reducer` the exchange between processes.
+
+    Returns:
+      `(step, eval_loss)`: `step(state, batch) -> (state, metrics)` runs a `CompiledEngineStep`
+      and has a `.lower(state, batch)` whose `.compile()` gives one; `eval_loss(params, batch)` is
+      the loss averaged over the processes and summed over the pipeline's stages (the last
+      stage's).
+    """
     reducer, engine = bound.parts.process_reducer, bound.host_engine
 
     def finish(state, loss, grads, extra):

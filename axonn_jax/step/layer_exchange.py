@@ -11,10 +11,10 @@ each stage in an iteration of its own: layer i's k-th stage beside layer iâˆ’1âˆ
 no stage waits on another inside one window. An exchange with state (CGX's: each layer's
 error-feedback residual and rounding key) takes layer i's slice of a state stack in its first
 stage and returns layer i's new slice from it too, written over the old one in place; the custom
-backward hands the updated stack back as the state input's "gradient". The forward is the same scans autodiff would run, each
-layer's pullback (`jax.vjp`, its
-remat wrapping included) saved for the backward without the layer's parameters, which the
-backward slices again from the stack instead of keeping a stacked copy.
+backward hands the updated stack back as the state input's "gradient". The forward is the same
+scans autodiff would run, each layer's pullback (`jax.vjp`, its remat wrapping included) saved for
+the backward without the layer's parameters, which the backward slices again from the stack
+instead of keeping a stacked copy.
 """
 from __future__ import annotations
 
@@ -35,9 +35,19 @@ def _place(stack, tree, i):
 
 
 def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callable]]:
-    """`(first layer, count, layer function)` of each run of `groups` (`((count, wrap), ...)`:
-    the run's function is `wrap(layer)`, or `layer` for None); ValueError unless the counts
-    cover the stack's layers."""
+    """`(first layer, count, layer function)` of each run of consecutive layers in `groups`.
+
+    Args:
+      layer: the layer function `(layer params, h) -> (h, aux)`.
+      stacked: the stack's parameters, every leaf `(layers, ...)`.
+      groups: `((count, wrap), ...)`: the run's function is `wrap(layer)`, or `layer` for None.
+
+    Returns:
+      One `(first layer, count, layer function)` per group, in stack order.
+
+    Raises:
+      ValueError: unless the counts cover the stack's layers.
+    """
     total = jax.tree.leaves(stacked)[0].shape[0]
     runs, start = [], 0
     for count, wrap in groups:
@@ -49,8 +59,18 @@ def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callabl
 
 
 def scan_runs(runs, stacked, x, prepare: Callable = lambda p: p):
-    """`x` through the stacked layers, one `lax.scan` per run (`layer_runs`), each layer's
-    parameters through `prepare` first. Returns (x, every aux entry stacked over the layers)."""
+    """`x` through the stacked layers, one `lax.scan` per run (`layer_runs`).
+
+    Args:
+      runs: `layer_runs` of the layer function.
+      stacked: the stack's parameters, every leaf `(layers, ...)`.
+      x: the stack's input, `(rows, ...)`.
+      prepare: one layer's stored parameters -> what the layer function takes (identity by
+        default).
+
+    Returns:
+      (x, aux): the stack's output and every aux entry stacked over the layers.
+    """
     auxes = []
     for begin, count, f in runs:
         part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
@@ -88,8 +108,9 @@ def _with_params(saved: list, treedef, where: list, params) -> Callable:
 
 
 def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, layer_state=None):
-    """`x` through the stacked layers (as `step.model.scan_layers`), the gradients of the stack
-    exchanged one layer late in the backward (module docstring).
+    """`x` through the stacked layers, their gradients exchanged one layer late in the backward.
+
+    As `step.model.scan_layers` in the forward; the backward as the module docstring says.
 
     Args:
       runs: `layer_runs` of the layer function `(prepared layer params, h) -> (h, aux)` (aux a

@@ -1,5 +1,6 @@
-"""A model as the trainer sees it: an embedding, a stack of identical blocks, and a head that returns
-the loss.
+"""A model as the trainer sees it: an embedding, a stack of identical blocks, and a loss head.
+
+The head returns the loss.
 
 `StackedModel(embed, block, head, num_layers)` holds plain Flax modules, linen or NNX:
 
@@ -168,7 +169,7 @@ def _pure_params(module: nnx.Module, name: str) -> dict:
 
 
 def _single_layer(module: nnx.Module, name: str, num_layers: int) -> nnx.Module:
-    """An abstract one-layer copy of `module` (whose parameters may be stacked on the layer axis)."""
+    """An abstract one-layer copy of `module` (its parameters may be stacked on the layer axis)."""
     if num_layers == 1:
         return nnx.eval_shape(lambda: module)
     graphdef, params = nnx.split(module, nnx.Param)
@@ -195,14 +196,25 @@ def _part(module, name: str, num_layers: int = 1):
 class StackedModel:
     """An embedding, `num_layers` identical blocks and a loss head (see the module docstring).
 
-    offload_names: `checkpoint_name`s of a block's intermediates that `remat='offload'` moves to
-    host memory (None: the outputs of every matmul without batch dimensions and of every
-    tensor-parallel dense layer).
-    head_reads_embed: the head is called with the embedding's parameters as a third argument
-    (tied weights): they are stored once, in `params['embed']`, and their gradient is the sum of
-    both uses.
-    side_inputs: the entries of a (dict) batch handed to every block as keyword arguments when the
-    batch holds them, or a function `batch -> dict` of them.
+    Attributes:
+      embed: the embedding: a linen module, an NNX module or a function `rngs -> nnx.Module`;
+        `embed(batch) -> x`.
+      block: one block, `block(x, **side) -> x` or `-> (x, aux)`: a linen module, a function
+        `rngs -> nnx.Module`, or an NNX module whose parameters are stacked on the layer axis.
+      head: the loss head, `head(x, batch) -> loss` (with `head_reads_embed`:
+        `head(x, batch, embed_params)`).
+      num_layers: how many blocks; a positive integer.
+      offload_names: `checkpoint_name`s of a block's intermediates that `remat='offload'` moves
+        to host memory (None: the outputs of every matmul without batch dimensions and of every
+        tensor-parallel dense layer).
+      head_reads_embed: the head is called with the embedding's parameters as a third argument
+        (tied weights): they are stored once, in `params['embed']`, and their gradient is the sum
+        of both uses.
+      side_inputs: the entries of a (dict) batch handed to every block as keyword arguments when
+        the batch holds them, or a function `batch -> dict` of them.
+
+    Raises:
+      ValueError: when `num_layers` is not a positive integer.
     """
 
     embed: Any
@@ -214,7 +226,15 @@ class StackedModel:
     side_inputs: tuple[str, ...] | Callable = ()
 
     def side(self, batch) -> dict:
-        """The side inputs of `batch` for the blocks (see the class docstring)."""
+        """The side inputs of `batch` for the blocks (see the class docstring).
+
+        Args:
+          batch: a batch (a dict when `side_inputs` names entries), arrays or ShapeDtypeStructs.
+
+        Returns:
+          `{name: entry}` of the `side_inputs` the batch holds, or what the `side_inputs`
+          function returns; {} for a batch that is not a dict.
+        """
         if callable(self.side_inputs):
             return dict(self.side_inputs(batch))
         if not isinstance(batch, dict):
@@ -232,23 +252,68 @@ class StackedModel:
                 _part(self.head, "head"))
 
     def init(self, key, example_batch) -> dict:
-        """Parameters `{'embed', 'blocks', 'head'}` for batches shaped like `example_batch`
-        (arrays or ShapeDtypeStructs); each block's leaves stacked on a leading layer axis."""
+        """Parameters `{'embed', 'blocks', 'head'}` for batches shaped like `example_batch`.
+
+        The plain modules' values (unsplit, identical on every grid); each block's leaves stacked
+        on a leading layer axis of length `num_layers`.
+
+        Args:
+          key: a JAX random key.
+          example_batch: a batch of arrays or ShapeDtypeStructs, each with a leading batch axis.
+
+        Returns:
+          The parameter tree.
+
+        Raises:
+          ValueError: when a part creates variables besides parameters (linen collections other
+            than `params`, NNX variables other than `nnx.Param`), or an NNX block module's
+            parameters are not stacked on a leading axis of `num_layers`.
+          TypeError: when a part is neither a linen module, an NNX module nor a function.
+        """
         return ModelFunctions.of(self, _abstract(example_batch)).init(key)
 
     def loss(self, params, batch):
-        """The mean loss of `batch`: head(blocks(embed(batch)), batch), on one device."""
+        """The mean loss of `batch`: head(blocks(embed(batch)), batch), on one device.
+
+        Args:
+          params: the parameters `{'embed', 'blocks', 'head'}` (`init`'s tree).
+          batch: a batch of arrays, each with a leading batch axis.
+
+        Returns:
+          The float scalar loss, the blocks' auxiliary losses included.
+        """
         return ModelFunctions.of(self, _abstract(batch)).loss(params, batch)
 
     def bind(self, example_batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
-        """The model's functions for batches shaped like `example_batch`, tensor-parallel over
-        `mesh`'s `depth, row, col` axes when they hold more than one device, or when `fp8` (the
-        FP8 GEMMs are the tensor-parallel kernel's, `tp.fp8`: run under `fp8_matmuls`)."""
+        """The model's functions for batches shaped like `example_batch`.
+
+        Tensor-parallel over `mesh`'s `depth, row, col` axes when they hold more than one
+        device, or when `fp8` (the FP8 GEMMs are the tensor-parallel kernel's, `tp.fp8`: run
+        under `fp8_matmuls`).
+
+        Args:
+          example_batch: a batch of arrays or ShapeDtypeStructs, each with a leading batch axis.
+          mesh: the mesh (`make_mesh`), or None for the plain modules.
+          fp8: run the dense layers' FP8 kernel.
+
+        Returns:
+          The `ModelFunctions`.
+
+        Raises:
+          ValueError: with `fp8` and a mesh without the axes `depth, row, col`.
+        """
         return ModelFunctions.of(self, _abstract(example_batch), mesh, fp8)
 
 
 def split_aux(out) -> tuple[Any, dict]:
-    """A block's output as (x, aux): `aux` is {} for a block without auxiliary outputs."""
+    """A block's output as (x, aux): `aux` is {} for a block without auxiliary outputs.
+
+    Args:
+      out: what a block returns: `x`, or `(x, aux)` with `aux` a dict of arrays.
+
+    Returns:
+      `(x, aux)`.
+    """
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
         return out
     return out, {}
@@ -257,17 +322,34 @@ def split_aux(out) -> tuple[Any, dict]:
 def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None,
                 exchange: Callable | None = None, prepare: Callable | None = None,
                 layer_state=None):
-    """`x` through the stacked layers, `block(layer_params, x, **side) -> x | (x, aux)`, as one
-    `lax.scan` per group of consecutive layers: groups `((count, wrap), ...)` (counts sum to the
-    layers; `wrap` maps the layer function to another, e.g. `jax.checkpoint` with a policy; None
-    keeps it). A remat policy is fixed when a scan body is traced, so layers with different
-    decisions need different scans; slicing one parameter stack keeps the parameter tree
-    independent of the plan. With `exchange` (one layer's gradients -> their exchange, e.g. a
-    sum over `data`) and `prepare` (one layer's stored parameters -> what `block` takes), the
-    backward exchanges each layer's gradients while the layer below runs its backward
-    (`step.layer_exchange`; `layer_state`: an exchange's per-layer state and key, as
-    `scan_exchanging` takes them). Returns (x, aux): every aux entry stacked on a leading layer
-    axis ({} for blocks without auxiliary outputs)."""
+    """`x` through the stacked layers, as one `lax.scan` per group of consecutive layers.
+
+    A remat policy is fixed when a scan body is traced, so layers with different decisions need
+    different scans; slicing one parameter stack keeps the parameter tree independent of the
+    plan. With `exchange` and `prepare`, the backward exchanges each layer's gradients while the
+    layer below runs its backward (`step.layer_exchange`). Each layer's output is cast to the
+    dtype of its input.
+
+    Args:
+      block: `block(layer_params, x, **side) -> x | (x, aux)`.
+      stacked: the blocks' parameters, every leaf `(layers, ...)`.
+      x: the stack's input, `(rows, ...)`.
+      groups: `((count, wrap), ...)`: counts sum to the layers; `wrap` maps the layer function
+        to another, e.g. `jax.checkpoint` with a policy; None keeps it. None: one group of all
+        layers.
+      side: keyword arguments handed to every block (the batch's side inputs), or None.
+      exchange: one layer's gradients -> their exchange, e.g. a sum over `data` (or a tuple of
+        stages, as `scan_exchanging` takes it); None: plain autodiff.
+      prepare: one layer's stored parameters -> what `block` takes (with `exchange`).
+      layer_state: an exchange's per-layer state and key, as `scan_exchanging` takes them.
+
+    Returns:
+      (x, aux): the stack's output and every aux entry stacked on a leading layer axis ({} for
+      blocks without auxiliary outputs).
+
+    Raises:
+      ValueError: when the group counts do not cover the stack's layers.
+    """
     side = side or {}
 
     def layer(p, h):
@@ -294,7 +376,7 @@ def _on_mesh(specs, mesh):
 
 @dataclasses.dataclass(frozen=True)
 class ModelFunctions:
-    """A `StackedModel` bound to a batch shape (and a mesh): its three pure functions,
+    """A `StackedModel` bound to a batch shape (and a mesh): its three pure functions.
 
         embed(params['embed'], batch) -> x
         block(layer_params, x) -> x          one layer's slice of params['blocks']
@@ -318,6 +400,24 @@ class ModelFunctions:
 
     @classmethod
     def of(cls, model: StackedModel, batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
+        """The functions of `model` for batches shaped like `batch` (`StackedModel.bind`).
+
+        Tensor-parallel (`axonn_jax.parallelize`) when `mesh` has the axes `depth, row, col` and
+        they hold more than one device, or when `fp8`; else only what the modules' metadata
+        splits (with a mesh, limited to its axes that hold more than one device).
+
+        Args:
+          model: the model.
+          batch: a batch of ShapeDtypeStructs, each with a leading batch axis.
+          mesh: the mesh, or None.
+          fp8: run the dense layers' FP8 kernel (needs the tensor axes).
+
+        Returns:
+          The `ModelFunctions`.
+
+        Raises:
+          ValueError: with `fp8` and a mesh without the axes `depth, row, col`.
+        """
         embed, block, head = model._parts
         init_parts = (embed, block, head)
         e_abs = jax.eval_shape(embed.init, jax.random.key(0), batch)
@@ -365,25 +465,60 @@ class ModelFunctions:
         return cls(model, embed.apply, block.apply, head_apply, specs, x, init)
 
     def head_params(self, params):
-        """What `head` takes of the model's parameters (see the class docstring)."""
+        """What `head` takes of the model's parameters (see the class docstring).
+
+        Args:
+          params: the parameters `{'embed', 'blocks', 'head'}`.
+
+        Returns:
+          `params['head']`, or `(params['head'], params['embed'])` with `head_reads_embed`.
+        """
         if self.model.head_reads_embed:
             return params["head"], params["embed"]
         return params["head"]
 
     def embed_and_head_grads(self, g_embed, g_head_params):
-        """(embedding gradients, head gradients) from the gradients of `embed`'s and of
-        `head_params`'s parameters: a tied head's gradient of the embedding is added."""
+        """(embedding gradients, head gradients) from those of `embed`'s and `head_params`' inputs.
+
+        A tied head's gradient of the embedding is added to the embedding's.
+
+        Args:
+          g_embed: the gradients of `params['embed']` through `embed`.
+          g_head_params: the gradients of `head_params(params)`.
+
+        Returns:
+          `(embedding gradients, head gradients)`, like `params['embed']` and `params['head']`.
+        """
         if self.model.head_reads_embed:
             g_head, g_tied = g_head_params
             return jax.tree.map(jnp.add, g_embed, g_tied), g_head
         return g_embed, g_head_params
 
     def run_blocks(self, stacked, x, groups=None, side: dict | None = None):
-        """`(x, aux)`: `x` through the stacked blocks (see `scan_layers`)."""
+        """`(x, aux)`: `x` through the stacked blocks (see `scan_layers`).
+
+        Args:
+          stacked: `params['blocks']`, every leaf `(layers, ...)`.
+          x: the embedding's output, `(rows, ...)`.
+          groups: `scan_layers`' groups of layers, or None for one.
+          side: the batch's side inputs for the blocks, or None.
+
+        Returns:
+          `(x, aux)`: the stack's output and the blocks' aux entries stacked over the layers.
+        """
         return scan_layers(self.block, stacked, x, groups, side)
 
     def loss(self, params, batch, groups=None):
-        """The mean loss of `batch`, the blocks' auxiliary losses included."""
+        """The mean loss of `batch`, the blocks' auxiliary losses included.
+
+        Args:
+          params: the parameters `{'embed', 'blocks', 'head'}`.
+          batch: a batch of arrays shaped like the bound one.
+          groups: `scan_layers`' groups of layers, or None for one.
+
+        Returns:
+          The float scalar loss: the head's plus the sum of the blocks' `aux['loss']`.
+        """
         x = self.embed(params["embed"], batch)
         y, aux = self.run_blocks(params["blocks"], x, groups, self.model.side(batch))
         loss = self.head(self.head_params(params), y, batch)

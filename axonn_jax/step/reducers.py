@@ -1,5 +1,7 @@
-"""Gradient reducers: the data-parallel mean of the gradients as an `init/reduce` pair, like an optax
-transform, so that every train step differs from another only in the reducer it is given.
+"""Gradient reducers: the data-parallel mean of the gradients as an `init/reduce` pair.
+
+Like an optax transform, so that every train step differs from another only in the reducer it is
+given.
 
     state = reducer.init(params)                          # None when the reducer keeps nothing
     grads, state = reducer.reduce(grads, state, key)      # the mean over the data-parallel copies
@@ -36,14 +38,18 @@ def _keep(saved, target):
 
 
 class LayerExchange(NamedTuple):
-    """A reducer's exchange of the stacked blocks' gradients inside the backward, layer by layer
-    (`step.layer_exchange`), with per-layer state.
+    """A reducer's exchange of the stacked blocks' gradients inside the backward, layer by layer.
 
-    stages(axis, one layer's specs) -> stages: the first takes `(one layer's gradients, its
-    state slice or None, its key or None)` and returns `(its value, the new slice or None)`,
-    the last returns their mean over axis. state_in(state, key) -> (the blocks' state stack `(layers, ...)` or None,
-    key or None): what the backward takes from this device's reducer state (inside the step's
-    shard_map) and the step's key. state_out(state, new stack) -> state: the new stack placed.
+    Run by `step.layer_exchange`, with per-layer state.
+
+    Attributes:
+      stages: `(axis, one layer's specs) -> stages`: the first takes `(one layer's gradients,
+        its state slice or None, its key or None)` and returns `(its value, the new slice or
+        None)`, the last returns their mean over axis.
+      state_in: `(state, key) -> (the blocks' state stack (layers, ...) or None, key or None)`:
+        what the backward takes from this device's reducer state (inside the step's shard_map)
+        and the step's key.
+      state_out: `(state, new stack) -> state`: the new stack placed.
     """
 
     stages: Callable
@@ -52,28 +58,48 @@ class LayerExchange(NamedTuple):
 
 
 def exact_wire_bytes(shards, reduce_dtype: str = "float32") -> float:
-    """Bytes one device sends in the exact exchange of gradient shards (arrays or
-    ShapeDtypeStructs of one device's pieces), counted as 2 · (bytes of `reduce_dtype`) per
-    element: a ring all-reduce's reduce-scatter share plus its all-gather's for a large group
-    (the bfloat16 exchange's all-to-all and all-gather send as much)."""
+    """Bytes one device sends in the exact exchange of gradient shards.
+
+    Counted as 2 · (bytes of `reduce_dtype`) per element: a ring all-reduce's reduce-scatter
+    share plus its all-gather's for a large group (the bfloat16 exchange's all-to-all and
+    all-gather send as much).
+
+    Args:
+      shards: a pytree of arrays or ShapeDtypeStructs, one device's pieces of the gradients.
+      reduce_dtype: the dtype the exchange sends (`float32` or `bfloat16`).
+
+    Returns:
+      The bytes, as a float.
+    """
     itemsize = jnp.dtype(reduce_dtype).itemsize
     return float(sum(2 * itemsize * s.size for s in jax.tree.leaves(shards)))
 
 
 class GradientReducer(NamedTuple):
-    """init(params) -> state | None; reduce(grads, state, key) -> (grads, state); mean(tree) ->
-    tree (exact); state_spec(param_spec) -> spec of the state leaf of that parameter.
+    """The data-parallel mean of the gradients, with its state, as functions (see the module).
 
-    saved(state) / from_saved(state): the state as checkpoints hold it and back (identity unless
-    the state lives in several processes). reshard(saved, target) -> (state | None, note): a
-    saved state whose shapes differ from `target`'s (ShapeDtypeStructs with shardings: this
-    run's) made into this run's, or None to start afresh; `note` says what was done.
-    wire_bytes(shards): bytes one device sends to reduce gradient shards of these shapes.
-    between_processes: runs between processes on one device each (see the module docstring);
-    process_index / process_count: this process's place among them (which rows of each global
-    batch it trains on). layer_exchange: how the blocks' gradients are reduced inside the
-    backward when the engine does that (`LayerExchange`; None: the exact sum); `reduce` then
-    gets them already reduced (invariant over the axis) and passes them through."""
+    Attributes:
+      init: `init(params) -> state | None`.
+      reduce: `reduce(grads, state, key) -> (grads, state)`: the mean over the data-parallel
+        copies; `key` is the step's random key, for stochastic rounding.
+      mean: `mean(tree) -> tree`, exact (the loss, the metrics).
+      state_spec: `state_spec(param_spec) -> spec` of the state leaf of that parameter.
+      saved: the state as checkpoints hold it (identity unless the state lives in several
+        processes).
+      from_saved: the inverse of `saved`.
+      reshard: `reshard(saved, target) -> (state | None, note)`: a saved state whose shapes
+        differ from `target`'s (ShapeDtypeStructs with shardings: this run's) made into this
+        run's, or None to start afresh; `note` says what was done.
+      wire_bytes: `wire_bytes(shards)`: bytes one device sends to reduce gradient shards of these
+        shapes.
+      between_processes: runs between processes on one device each (see the module docstring).
+      process_index: this process's place among them (which rows of each global batch it
+        trains on).
+      process_count: how many processes there are.
+      layer_exchange: how the blocks' gradients are reduced inside the backward when the engine
+        does that (`LayerExchange`; None: the exact sum); `reduce` then gets them already
+        reduced (invariant over the axis) and passes them through.
+    """
 
     init: Callable[[Any], Any]
     reduce: Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -91,10 +117,19 @@ class GradientReducer(NamedTuple):
 
 def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
                grad_specs=None) -> GradientReducer:
-    """The mean over the mesh axis `axis`, sending `reduce_dtype` (`parallel.exchange`; grad_specs:
-    PartitionSpecs like the gradients, how the other mesh axes split them); no state. A gradient
-    already summed over `axis` (invariant over it: the engine reduced it layer by layer) is only
-    divided."""
+    """The exact mean over the mesh axis `axis`, sending `reduce_dtype`; no state.
+
+    A gradient already summed over `axis` (invariant over it: the engine reduced it layer by
+    layer) is only divided.
+
+    Args:
+      axis: the mesh axis of the data-parallel copies.
+      reduce_dtype: the dtype the exchange sends (`parallel.exchange`).
+      grad_specs: PartitionSpecs like the gradients, how the other mesh axes split them, or None.
+
+    Returns:
+      The `GradientReducer`, run inside the step's shard_map (manual over `axis`).
+    """
     return GradientReducer(
         init=lambda params: None,
         reduce=lambda grads, state, key: (
@@ -125,11 +160,20 @@ def _mean_of_sums(grads, axis: str, reduce_dtype: str, grad_specs=None):
 
 
 def resplit_residual(residual, shards: int):
-    """CGX error-feedback residuals `[old shards, *shape]` (one per data-parallel device) as
-    `[shards, *shape]` with the same total correction: the mean of each group of old shards when
-    `shards` divides their number, each old shard repeated when their number divides `shards`; None
-    when neither divides the other. (Every shard adds its residual to its gradient before the
-    mean, so what the residuals still owe the mean is sum(residuals) / shards.)"""
+    """CGX error-feedback residuals re-split onto another number of shards, same total correction.
+
+    Every shard adds its residual to its gradient before the mean, so what the residuals still
+    owe the mean is sum(residuals) / shards.
+
+    Args:
+      residual: `[old shards, *shape]`, one per data-parallel device.
+      shards: the new number of shards.
+
+    Returns:
+      `[shards, *shape]`: the mean of each group of old shards when `shards` divides their
+      number, each old shard repeated when their number divides `shards`; None when neither
+      divides the other.
+    """
     old = residual.shape[0]
     if old % shards == 0:
         return residual.reshape(shards, old // shards, *residual.shape[1:]).mean(axis=1)
@@ -139,8 +183,16 @@ def resplit_residual(residual, shards: int):
 
 
 def reshard_residuals(saved, target) -> tuple[Any, str]:
-    """`GradientReducer.reshard` of residuals `[shards, *shape]`: re-split (`resplit_residual`)
-    onto the target's number of shards and placed like the target, or None (reset to zero)."""
+    """`GradientReducer.reshard` of residuals `[shards, *shape]`, re-split onto the target's shards.
+
+    Args:
+      saved: the saved residuals, leaves `[old shards, *shape]`.
+      target: ShapeDtypeStructs with shardings, leaves `[shards, *shape]` (this run's).
+
+    Returns:
+      `(residuals, note)`: the residuals re-split (`resplit_residual`) and placed like the
+      target, or None (reset to zero) when a re-split is impossible; `note` says which.
+    """
     old = jax.tree.leaves(saved)[0].shape[0]
     new = jax.tree.leaves(target)[0].shape[0]
     parts = [resplit_residual(r, new) for r in jax.tree.leaves(saved)]
@@ -160,11 +212,23 @@ size filter looks at one layer of them."""
 def compressed_wire_bytes(bits: int, bucket_size: int,
                           min_size: int = compression.DEFAULT_MIN_SIZE,
                           overrides=None, node_shards: int = 1) -> Callable[[Any], float]:
-    """`GradientReducer.wire_bytes` of CGX: packed values, a scale and an offset per bucket, for
-    the shards the rules compress (`compression.bits_for_leaf` with `min_size` and `overrides`,
-    each at its own width); the rest exact. node_shards: shards per node under scope
-    `inter-node` (1: `all`), whose compressed tensors are reduce-scattered exactly inside the
-    node, each shard's `1 / node_shards` sent compressed, the packed result all-gathered."""
+    """`GradientReducer.wire_bytes` of CGX: packed values, a scale and an offset per bucket.
+
+    For the shards the rules compress (`compression.bits_for_leaf` with `min_size` and
+    `overrides`, each at its own width); the rest exact.
+
+    Args:
+      bits: the default width of a compressed value.
+      bucket_size: elements per bucket.
+      min_size: tensors below this many elements (and 1-D ones) stay exact.
+      overrides: the parsed `PATTERN=BITS` rules (`compression.parse_rules`), or None.
+      node_shards: shards per node under scope `inter-node` (1: `all`), whose compressed tensors
+        are reduce-scattered exactly inside the node, each shard's `1 / node_shards` sent
+        compressed, the packed result all-gathered.
+
+    Returns:
+      `wire(shards) -> bytes` one device sends for a pytree of gradient shards.
+    """
     def wire(shards) -> float:
         sent = 0.0
         widths = compression.leaf_widths(shards, bits, min_size, overrides, STACKED)
@@ -181,12 +245,24 @@ def compressed_wire_bytes(bits: int, bucket_size: int,
 
 
 def node_shards(mesh, axis: str = "data", node_size: int | None = None) -> int:
-    """Shards of the mesh axis `axis` inside one node: `node_size` devices per node (None: 8 on
-    GPUs, an H100 node; on CPU the devices of the mesh's first process) over the devices the
-    axes inside `axis` hold (mesh order: those axes change fastest across device ids).
+    """Shards of the mesh axis `axis` inside one node.
 
-    Returns at least 1; ValueError (one line) where nodes split the axis's devices unevenly or
-    the whole axis fits in one node (nothing would cross nodes)."""
+    `node_size` devices per node over the devices the axes inside `axis` hold (mesh order: those
+    axes change fastest across device ids).
+
+    Args:
+      mesh: the step's mesh.
+      axis: the data-parallel mesh axis.
+      node_size: devices per node (None: 8 on GPUs, an H100 node; on CPU the devices of the
+        mesh's first process).
+
+    Returns:
+      The number of `axis`'s shards inside one node, at least 1.
+
+    Raises:
+      ValueError: (one line) where nodes split the axis's devices unevenly or the whole axis fits
+        in one node (nothing would cross nodes).
+    """
     devices = list(mesh.devices.flat)
     if node_size is None:
         node_size = 8 if devices[0].platform != "cpu" else sum(
@@ -209,24 +285,43 @@ def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compressi
                     min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
                     rounding: str = "auto", in_backward: bool = True, scope: str = "all",
                     node_size: int | None = None) -> GradientReducer:
-    """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits in
-    buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`).
+    """CGX: the mean over `axis` with every device's gradient shard quantized to `bits` bits.
 
-    grad_specs: PartitionSpecs like the gradients, how the other mesh axes split them (each device
-    compresses only its own shard). With `error_feedback` the state is each device's residual:
-    leaves `[size of axis, *param.shape]`, split over `axis` and like the parameter; without it
-    the state is None. rules: `PATTERN=BITS` strings (`compression.parse_rule`), the first whose
-    regular expression is found in a parameter's '/'-joined path sets its width (`exact`: not
-    compressed); other tensors follow CGX's filter (1-D or below `min_size` elements: exact).
-    rounding (`compression.ROUNDINGS`): `auto` rounds to nearest with error feedback (measured
-    better than stochastic with feedback at 2 bits) and stochastically without (which keeps the
-    mean unbiased); stochastic noise comes from the step's key, so a run is reproducible.
-    in_backward: offer the engine the blocks' exchange layer by layer inside the backward
-    (`layer_exchange`: the same rules, each layer's residual, the key folded with the layer
-    index); the engine uses it where it runs the exact exchange there too.
-    scope (`compression.SCOPES`): `inter-node` sums each node's gradients exactly and
-    compresses only between nodes of `node_size` devices (`node_shards`; the residuals keep
-    their shape, each nonzero on the share its device quantizes: `compression.compressed_psum`).
+    In buckets of `bucket_size` (see `parallel.compression.sharded_compressed_pmean`). With
+    `error_feedback` the state is each device's residual: leaves `[size of axis, *param.shape]`,
+    split over `axis` and like the parameter; without it the state is None.
+
+    Args:
+      mesh: the step's mesh.
+      grad_specs: PartitionSpecs like the gradients, how the other mesh axes split them (each
+        device compresses only its own shard).
+      bits: the default width of a compressed value.
+      bucket_size: elements per bucket (one scale and offset each).
+      error_feedback: keep each device's residual and add it to the next step's gradient.
+      axis: the data-parallel mesh axis.
+      min_size: tensors below this many elements (and 1-D ones) stay exact (CGX's filter).
+      rules: `PATTERN=BITS` strings (`compression.parse_rule`), the first whose regular
+        expression is found in a parameter's '/'-joined path sets its width (`exact`: not
+        compressed); other tensors follow CGX's filter.
+      rounding: one of `compression.ROUNDINGS`: `auto` rounds to nearest with error feedback
+        (measured better than stochastic with feedback at 2 bits) and stochastically without
+        (which keeps the mean unbiased); stochastic noise comes from the step's key, so a run is
+        reproducible.
+      in_backward: offer the engine the blocks' exchange layer by layer inside the backward
+        (`layer_exchange`: the same rules, each layer's residual, the key folded with the layer
+        index); the engine uses it where it runs the exact exchange there too.
+      scope: one of `compression.SCOPES`: `inter-node` sums each node's gradients exactly and
+        compresses only between nodes of `node_size` devices (`node_shards`; the residuals keep
+        their shape, each nonzero on the share its device quantizes:
+        `compression.compressed_psum`).
+      node_size: devices per node under `inter-node` (`node_shards`' default when None).
+
+    Returns:
+      The `GradientReducer`, run inside the step's shard_map (manual over `axis`).
+
+    Raises:
+      ValueError: on invalid `bits`, `bucket_size`, `scope`, `rules` or `rounding`, and as
+        `node_shards` does under `inter-node`.
     """
     compression.check_args(bits, bucket_size)
     compression.check_scope(scope)
@@ -291,18 +386,34 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
                          min_size: int = compression.DEFAULT_MIN_SIZE,
                          axis: str = "data", layers: int = 1,
                          node_shards: int = 1) -> list[Collective]:
-    """The collectives one device issues to reduce its gradient shards (`collectives.
-    ParameterShard`s) over `axis` of `parts` devices: `exact_mean`'s (`bits` 0): an all-reduce of
-    `param_bytes` per element in float32, or with `reduce_dtype` bfloat16 an all-to-all and an
-    all-gather of `piece_bytes` per element (`parallel.exchange`; 4 where XLA:CPU runs them in
-    float32); or `compressed_mean`'s (CGX, each
-    device compressing its own shards): the shards the size rule compresses
-    (`compression.bits_for_leaf`) padded to whole buckets (`compression.bucket_bytes` each) and
-    the buffer to `parts` shards, sent by an all-to-all and gathered back; the others in an exact
-    all-reduce. layers: how many layers a block shard (not `outside_blocks`) stacks; the size
-    rule looks at one, as the reducer does (`STACKED`). node_shards: `compressed_mean`'s
-    shards per node under scope `inter-node` (`_inter_node_collectives`; `parts`: one node,
-    nothing compressed)."""
+    """The collectives one device issues to reduce its gradient shards over `axis`.
+
+    `exact_mean`'s (`bits` 0): an all-reduce of `param_bytes` per element in float32, or with
+    `reduce_dtype` bfloat16 an all-to-all and an all-gather of `piece_bytes` per element
+    (`parallel.exchange`); or `compressed_mean`'s (CGX, each device compressing its own shards):
+    the shards the size rule compresses (`compression.bits_for_leaf`) padded to whole buckets
+    (`compression.bucket_bytes` each) and the buffer to `parts` shards, sent by an all-to-all and
+    gathered back; the others in an exact all-reduce.
+
+    Args:
+      shards: the `collectives.ParameterShard`s one device holds.
+      parts: the devices of `axis`.
+      bits: CGX's width (0: the exact exchange).
+      param_bytes: the bytes of one parameter element.
+      reduce_dtype: the exact exchange's dtype (`float32` or `bfloat16`).
+      piece_bytes: the bytes per element of the bfloat16 exchange's pieces (4 where XLA:CPU runs
+        them in float32).
+      bucket_size: CGX's elements per bucket.
+      min_size: CGX's size filter (tensors below it stay exact).
+      axis: the data-parallel mesh axis.
+      layers: how many layers a block shard (not `outside_blocks`) stacks; the size rule looks
+        at one, as the reducer does (`STACKED`).
+      node_shards: `compressed_mean`'s shards per node under scope `inter-node`
+        (`_inter_node_collectives`; `parts`: one node, nothing compressed).
+
+    Returns:
+      The `Collective`s, per device and step.
+    """
     if node_shards == parts:
         bits = 0
     if not bits:
@@ -361,11 +472,22 @@ def _one_layer(shard, layers: int):
 
 
 def scalar_collectives(shards, grid) -> list[Collective]:
-    """The step's scalars on one device: the loss averaged over the batch (over depth by the
-    engine, over data by the reducer's `mean`), and the gradient's squared norm: one float32
-    partial sum per parameter shard and per split dimension, over that dimension's axes. (XLA may
-    add the partial sums of one group of devices before reducing them, fusing a few of these: the
-    count is an upper bound, exact within a few scalars.)"""
+    """The all-reduces of the step's scalars on one device: the loss and the gradient norm's sums.
+
+    The loss averaged over the batch (over depth by the engine, over data by the reducer's
+    `mean`), and the gradient's squared norm: one float32 partial sum per parameter shard and per
+    split dimension, over that dimension's axes. (XLA may add the partial sums of one group of
+    devices before reducing them, fusing a few of these: the count is an upper bound, exact within
+    a few scalars.)
+
+    Args:
+      shards: the `collectives.ParameterShard`s one device holds.
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      The float32 `all-reduce` `Collective`s: two for the loss, then one per group of axes with
+      the count of partial sums over it.
+    """
     per_group: dict[tuple[str, ...], int] = {}
     for p in shards:
         for axes in p.splits:

@@ -81,7 +81,25 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
                     num_layers: int | None = None, between_processes: bool = False,
                     compress_scope: str = "all") -> list[str]:
     """Why a step with these options cannot run on `grid`, one line each (empty: it can).
-    between_processes: the gradients are reduced between processes (MPI)."""
+
+    Args:
+      grid: the run's parallel configuration.
+      schedule: the pipeline's schedule name (checked with `pipe > 1`).
+      microbatches: the step's microbatches.
+      virtual_stages: chunks per device of an interleaved pipeline (> 1 needs `pipe > 1`).
+      remat: the activation option (`StepOptions.remat`).
+      memory_budget_gb: the planner's budget for `remat='auto'`.
+      compress_bits: CGX's width (0: no compression).
+      dtype: the compute dtype.
+      reduce_dtype: what the exact gradient mean sends.
+      num_layers: the model's layers (checked against the pipeline's stages), or None.
+      between_processes: the gradients are reduced between processes (MPI).
+      compress_scope: where CGX compresses (`all` | `inter-node`).
+
+    Returns:
+      One message per problem; those of options not implemented yet end with "is not
+      implemented yet" (`_NOT_YET`).
+    """
     found = []
 
     def attempt(check, *args):
@@ -145,10 +163,26 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
       collective_matmul: `auto` (on for GPU meshes without fp8) | `on` | `off`: the
         tensor-parallel layers gather their input rows in rings interleaved with the matmul
         (`tp.tensor.collective_matmuls`).
-    reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged over
-      the local `data` devices exactly. engine: a host-driven gradient engine (the MPI pipeline),
-      `engine(bound) -> an object like transport.mpi_pipeline's` (bound: the step bound to a batch
-      shape, `BoundStep`: its `compute` functions, `fns`, `model` and abstract `batch`).
+
+    Args:
+      model: the model.
+      optimizer: the optax optimizer (elementwise with `offload_optimizer`).
+      mesh: the device mesh (`make_mesh`, axes `config.AXES`).
+      reducer: a reducer between processes (`transport.mpi`); the gradients are first averaged
+        over the local `data` devices exactly. None: the reducer inside the step.
+      engine: a host-driven gradient engine (the MPI pipeline), `engine(bound) -> an object like
+        transport.mpi_pipeline's` (bound: the step bound to a batch shape, `BoundStep`: its
+        `compute` functions, `fns`, `model` and abstract `batch`); needs `reducer`.
+      **options: the step's modes, the fields of `StepOptions` listed above.
+
+    Returns:
+      The `TrainStep`.
+
+    Raises:
+      TypeError: on an option that is not a field of `StepOptions`.
+      ValueError: on options the grid cannot run (`option_problems`: the first problem), or an
+        engine without a reducer.
+      NotImplementedError: when the first problem is a combination not implemented yet.
     """
     unknown = set(options) - {f.name for f in dataclasses.fields(StepOptions)}
     if unknown:
@@ -158,8 +192,11 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
-    """What a step is built from: the model, the optimizer, the mesh and its grid, the options,
-    a reducer between processes and a host-driven engine (None: in-process)."""
+    """What a step is built from: the model, the optimizer, the mesh, the options.
+
+    Also the mesh's grid, a reducer between processes and a host-driven engine (None:
+    in-process).
+    """
 
     model: StackedModel
     optimizer: optax.GradientTransformation
@@ -171,6 +208,24 @@ class StepParts:
 
     @classmethod
     def of(cls, model, optimizer, mesh, options: StepOptions, reducer, engine) -> "StepParts":
+        """The parts of a step, the options checked against the mesh's grid.
+
+        Args:
+          model: the model.
+          optimizer: the optax optimizer.
+          mesh: the device mesh; its grid is `config_of(mesh)`.
+          options: the step's modes.
+          reducer: a reducer between processes, or None.
+          engine: a host-driven engine factory, or None (needs `reducer`).
+
+        Returns:
+          The `StepParts`.
+
+        Raises:
+          ValueError: on the first problem `option_problems` or the collective-matmul option
+            finds, or an engine without a reducer.
+          NotImplementedError: when the first problem is a combination not implemented yet.
+        """
         grid = config_of(mesh)
         if engine is not None and reducer is None:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
@@ -190,9 +245,11 @@ class StepParts:
 
     @functools.cached_property
     def layer_order(self) -> np.ndarray | None:
-        """Which model layer each position of the stored `blocks` stack holds, or None when they
-        are in order. Interleaved stages store each device's chunks contiguously, so that the
-        stack stays split over `pipe` in blocks (`parallel.pipeline.interleave_order`)."""
+        """Which model layer each position of the stored `blocks` stack holds; None: in order.
+
+        Interleaved stages store each device's chunks contiguously, so that the stack stays split
+        over `pipe` in blocks (`parallel.pipeline.interleave_order`).
+        """
         o = self.options
         if self.grid.pipe == 1 or o.virtual_stages == 1:
             return None
@@ -200,8 +257,16 @@ class StepParts:
                                              o.virtual_stages)
 
     def reducer(self, grad_specs) -> GradientReducer:
-        """The reducer inside the step: CGX-compressed or exact over `data` (grad_specs: how the
-        tensor axes split the gradients; None when only its state's layout is needed)."""
+        """The reducer inside the step: CGX-compressed or exact over `data`.
+
+        Args:
+          grad_specs: PartitionSpecs of how the tensor axes split the gradients; None when only
+            its state's layout is needed.
+
+        Returns:
+          `compressed_mean` with `compress_bits` (and no reducer between processes), else
+          `exact_mean` sending `reduce_dtype`.
+        """
         o = self.options
         if o.compress_bits and self.process_reducer is None:
             return compressed_mean(self.mesh, grad_specs, bits=o.compress_bits,
@@ -213,7 +278,14 @@ class StepParts:
         return exact_mean(reduce_dtype=o.reduce_dtype, grad_specs=grad_specs)
 
     def state_reducer(self, grad_specs=None) -> GradientReducer:
-        """The reducer whose state the train state holds (between processes, or in the step)."""
+        """The reducer whose state the train state holds (between processes, or in the step).
+
+        Args:
+          grad_specs: as `reducer` takes them.
+
+        Returns:
+          The reducer between processes, or else `reducer(grad_specs)`.
+        """
         return self.process_reducer or self.reducer(grad_specs)
 
     @functools.cached_property
@@ -249,8 +321,18 @@ def _take_program(sharding, index: tuple[int, ...]):
 
 
 def check_sequences(batch, size: int) -> None:
-    """ValueError (one line) unless every batch leaf has a sequence dimension (dim 1) that cuts
-    into the `2·size` chunks of the context axis's load-balanced layout."""
+    """Check that every batch leaf's sequence (dim 1) cuts into the context axis's `2·size` chunks.
+
+    The chunks of the load-balanced layout (`parallel.context`).
+
+    Args:
+      batch: a batch pytree of arrays or ShapeDtypeStructs.
+      size: the `context` axis's size.
+
+    Raises:
+      ValueError: (one line) unless every batch leaf has a sequence dimension that cuts into
+        the `2·size` chunks.
+    """
     for path, a in jax.tree_util.tree_leaves_with_path(batch):
         if len(a.shape) < 2:
             raise ValueError(f"context = {size} splits dim 1 of every batch leaf (the sequence), "
@@ -259,8 +341,14 @@ def check_sequences(batch, size: int) -> None:
 
 
 def batch_spec(grid: ParallelConfig) -> P:
-    """The PartitionSpec of every batch leaf: rows over `BATCH_AXES`, with `context > 1` the
-    sequence (dim 1) over `context`."""
+    """The PartitionSpec of every batch leaf.
+
+    Args:
+      grid: the run's parallel configuration.
+
+    Returns:
+      Rows over `BATCH_AXES`; with `context > 1` the sequence (dim 1) over `context`.
+    """
     return P(BATCH_AXES, "context") if grid.context > 1 else P(BATCH_AXES)
 
 
@@ -306,9 +394,21 @@ def _shapes(tree) -> str:
 
 def reorder_blocks(tree, order: np.ndarray | None, num_layers: int, to_model: bool,
                    take: Callable | None = None):
-    """Every leaf under a `blocks` key whose leading axis is the layer axis, reordered from the
-    stored `order` to the model's (`to_model`) or back; traceable (`take(x, index)`: how to reorder
-    a leaf, `jnp.take` on axis 0 by default)."""
+    """Every `blocks` leaf whose leading axis is the layer axis, reordered (traceable).
+
+    From the stored `order` to the model's (`to_model`) or back.
+
+    Args:
+      tree: a pytree holding `blocks` subtrees (parameters, optimizer state, a state dict).
+      order: which model layer each stored position holds (`StepParts.layer_order`), or None.
+      num_layers: the model's layers: leaves under `blocks` whose leading axis has this length
+        are reordered.
+      to_model: from the stored order to the model's (True) or back (False).
+      take: `take(x, index)`: how to reorder a leaf (`jnp.take` on axis 0 by default).
+
+    Returns:
+      The tree with those leaves reordered; `tree` itself when `order` is None.
+    """
     if order is None:
         return tree
     index = np.argsort(order) if to_model else order
@@ -344,39 +444,60 @@ class TrainStep:
 
     @property
     def model(self) -> StackedModel:
+        """The model the step trains."""
         return self.parts.model
 
     @property
     def mesh(self):
+        """The device mesh the step runs on."""
         return self.parts.mesh
 
     @property
     def grid(self) -> ParallelConfig:
+        """The mesh's parallel configuration (axis sizes)."""
         return self.parts.grid
 
     @property
     def options(self) -> StepOptions:
+        """The step's modes."""
         return self.parts.options
 
     @property
     def layer_order(self):
+        """Which model layer each stored block position holds (`StepParts.layer_order`)."""
         return self.parts.layer_order
 
     # ------------------------------------------------------------------ checkpoint layout
 
     def canonical_params(self, params):
-        """`params` with the blocks in the model's layer order (for `StackedModel.loss`, sampling)."""
+        """`params` with the blocks in the model's layer order (for `StackedModel.loss`, sampling).
+
+        Args:
+          params: the parameters as the state holds them (blocks in the stored order).
+
+        Returns:
+          The parameters, the blocks' layer axis reordered (`params` itself when in order).
+        """
         return reorder_blocks(params, self.layer_order, self.model.num_layers, to_model=True)
 
     def canonical_state(self, state: TrainState, inverse: bool = False):
-        """The state as checkpoints hold it (a dict), so that it restores on any grid and in any
-        mode: every block-stacked leaf (parameters, optimizer moments and masters, reducer
-        residuals) in the model's layer order, the parameters and optimizer state of a run without
-        offload (`ParamUpdate.canonical`), and the reducer's state as it saves it
-        (`GradientReducer.saved`). `inverse`: back to this step's `TrainState` from such a dict,
-        whose leaves are placed like `canonical_state(this step's state)`. Works on
-        ShapeDtypeStructs too (the layout only). One program per leaf, so that host-resident
-        leaves visit the device one at a time."""
+        """The state as checkpoints hold it (a dict), so that it restores on any grid and mode.
+
+        Every block-stacked leaf (parameters, optimizer moments and masters, reducer residuals)
+        in the model's layer order, the parameters and optimizer state of a run without offload
+        (`ParamUpdate.canonical`), and the reducer's state as it saves it
+        (`GradientReducer.saved`). Works on ShapeDtypeStructs too (the layout only). One program
+        per leaf, so that host-resident leaves visit the device one at a time.
+
+        Args:
+          state: this step's `TrainState`; with `inverse`, a dict as this method returns, whose
+            leaves are placed like `canonical_state(this step's state)`.
+          inverse: back to this step's `TrainState` from such a dict.
+
+        Returns:
+          The checkpoint's dict (`TrainState.as_dict`'s fields), or with `inverse` the
+          `TrainState`.
+        """
         order, layers = self.layer_order, self.model.num_layers
         update, reducer = self.parts.params_update, self.state_reducer
         if not inverse:
@@ -400,14 +521,32 @@ class TrainStep:
         return self.parts.state_reducer()
 
     def reshard(self) -> dict[str, Callable]:
-        """`{state field: reshard(saved, target) -> (value | None, note)}`: how a checkpoint's
-        field whose shapes differ from this step's becomes this step's (`run.checkpoint`)."""
+        """How a checkpoint's field whose shapes differ from this step's becomes this step's.
+
+        Used by `run.checkpoint`.
+
+        Returns:
+          `{state field: reshard(saved, target) -> (value | None, note)}`: the reducer's
+          `GradientReducer.reshard`.
+        """
         return {"reducer": self.state_reducer.reshard}
 
     # ------------------------------------------------------------------ binding to a batch shape
 
     def bind(self, batch) -> "BoundStep":
-        """The step's programs for batches shaped like `batch` (built once per shape)."""
+        """The step's programs for batches shaped like `batch` (built once per shape).
+
+        Args:
+          batch: a batch pytree (this process's share) of arrays or ShapeDtypeStructs.
+
+        Returns:
+          The `BoundStep`, cached by the batch's structure, shapes and dtypes.
+
+        Raises:
+          ValueError: when the grid cannot split the batch (`config.check_grid`), a sequence
+            does not cut into the context axis's chunks (`check_sequences`), or as
+            `StackedModel.bind` raises.
+        """
         key = jax.tree.structure(batch), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(batch))
         if key not in self._bound:
             self._bound[key] = BoundStep(self.parts, _abstract_batch(batch))
@@ -416,36 +555,82 @@ class TrainStep:
     # ------------------------------------------------------------------ state and batches
 
     def init_state(self, key, example_batch, params=None) -> TrainState:
-        """Fresh state for batches like `example_batch`, created directly in its placement;
-        `params`: start from these parameters (a tree like the model's, any placement: e.g. a
-        pretrained checkpoint) instead of initializing them from `key`."""
+        """Fresh state for batches like `example_batch`, created directly in its placement.
+
+        Args:
+          key: a JAX random key: the parameters' initial values (unless `params`) and the run's
+            random stream.
+          example_batch: a batch (this process's share) of arrays or ShapeDtypeStructs.
+          params: start from these parameters (a tree like the model's, any placement: e.g. a
+            pretrained checkpoint) instead of initializing them from `key`.
+
+        Returns:
+          The `TrainState`, placed as `state_shardings` says.
+
+        Raises:
+          ValueError: when `params` do not match the model's tree and shapes.
+        """
         return self.bind(example_batch).init_state(key, params)
 
     def abstract_state(self, example_batch) -> TrainState:
-        """ShapeDtypeStructs of the state with their shardings (nothing allocated)."""
+        """ShapeDtypeStructs of the state with their shardings (nothing allocated).
+
+        Args:
+          example_batch: a batch (this process's share) of arrays or ShapeDtypeStructs.
+
+        Returns:
+          A `TrainState` of ShapeDtypeStructs.
+        """
         return self.bind(example_batch).abstract_state()
 
     def state_shardings(self, example_batch):
+        """The shardings of the state for batches like `example_batch`.
+
+        Args:
+          example_batch: a batch (this process's share) of arrays or ShapeDtypeStructs.
+
+        Returns:
+          A `TrainState` of shardings.
+        """
         return jax.tree.map(lambda s: s.sharding, self.abstract_state(example_batch))
 
     def batch_shardings(self, batch):
-        """NamedShardings of a batch pytree: rows over `data`, `expert` and `depth`, the
-        sequence (dim 1) over `context`."""
+        """NamedShardings of a batch pytree (`batch_spec`).
+
+        Args:
+          batch: a batch pytree.
+
+        Returns:
+          A NamedSharding per leaf: rows over `data`, `expert` and `depth`, the sequence (dim 1)
+          over `context`.
+        """
         spec = batch_spec(self.grid)
         return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), batch)
 
     def batch_share(self) -> tuple[int, int]:
-        """(index, count): this process trains on rows [index·B/count, (index+1)·B/count) of each
-        global batch of B rows (count is 1 within one JAX program, the processes of a reducer
-        between processes, or the pipelines of an MPI pipeline engine)."""
+        """This process's share of each global batch, as `(index, count)`.
+
+        This process trains on rows [index·B/count, (index+1)·B/count) of each global batch of B
+        rows.
+
+        Returns:
+          `(index, count)`: count is 1 within one JAX program, the processes of a reducer
+          between processes, or the pipelines of an MPI pipeline engine.
+        """
         if self.parts.host_engine is not None:
             return self.parts.host_engine.batch_share
         r = self.parts.process_reducer
         return (0, 1) if r is None else (r.process_index, r.process_count)
 
     def local_batch(self, batch):
-        """This process's share of a global batch (arrays or ShapeDtypeStructs): what the step,
-        `init_state` and `eval_loss` are called with."""
+        """This process's share of a global batch: what the step, `init_state` and `eval_loss` take.
+
+        Args:
+          batch: the global batch, arrays or ShapeDtypeStructs with a leading batch axis.
+
+        Returns:
+          Its rows of this process (`batch_share`); `batch` itself with one share.
+        """
         index, count = self.batch_share()
         if count == 1:
             return batch
@@ -459,8 +644,16 @@ class TrainStep:
         return jax.tree.map(share, batch)
 
     def place_batch(self, host_batch):
-        """A global host batch (a numpy pytree) as device arrays of this process's share: each
-        process builds only the rows its devices hold."""
+        """A global host batch as device arrays of this process's share.
+
+        Each process builds only the rows its devices hold.
+
+        Args:
+          host_batch: the global batch, a numpy pytree with a leading batch axis.
+
+        Returns:
+          Global arrays of this process's share, placed as `batch_shardings` says.
+        """
         local = self.local_batch(host_batch)
         return jax.tree.map(
             lambda a, s: jax.make_array_from_callback(a.shape, s, lambda idx: a[idx]),
@@ -472,18 +665,46 @@ class TrainStep:
         return self.bind(batch).step(state, batch)
 
     def lower(self, state, batch):
+        """The step lowered for `state` and `batch` (`.compile()` gives the compiled step).
+
+        Args:
+          state: a `TrainState`, of arrays or ShapeDtypeStructs with shardings.
+          batch: a batch (this process's share), of arrays or ShapeDtypeStructs.
+
+        Returns:
+          A `jax.stages.Lowered`, or for the host-driven paths an object with the same
+          `.compile()`.
+        """
         return self.bind(batch).lower(state, batch)
 
     def eval_loss(self, params, batch):
-        """Mean loss of `batch` (all data-parallel copies, all processes)."""
+        """Mean loss of `batch` (all data-parallel copies, all processes).
+
+        Args:
+          params: the parameters as the state holds them.
+          batch: a batch (this process's share).
+
+        Returns:
+          The scalar loss (the forward in the compute dtype).
+        """
         return self.bind(batch).eval_loss(params, batch)
 
 
 class BoundStep:
-    """The step's parts bound to one batch shape: the model's functions, the activation plan, the
-    parameter shardings, the engine, the reducer, the update and the programs.
+    """The step's parts bound to one batch shape.
 
-    batch: abstract, this process's share (`TrainStep.local_batch`)."""
+    The model's functions, the activation plan, the parameter shardings, the engine, the
+    reducer, the update and the programs.
+
+    Args:
+      parts: what the step is built from.
+      batch: abstract, this process's share (`TrainStep.local_batch`).
+
+    Raises:
+      ValueError: when the grid cannot split the batch (`config.check_grid`), a sequence does
+        not cut into the context axis's chunks (`check_sequences`), or as `StackedModel.bind`
+        raises.
+    """
 
     def __init__(self, parts: StepParts, batch):
         self.parts, self.batch = parts, batch
@@ -509,7 +730,14 @@ class BoundStep:
     # ------------------------------------------------------------------ pieces
 
     def compute_with(self, plan: activations.Plan | None) -> ComputeFunctions:
-        """The model's functions in the compute dtype, its blocks run with `plan`."""
+        """The model's functions in the compute dtype, its blocks run with `plan`.
+
+        Args:
+          plan: the activation plan (what each block keeps for the backward), or None.
+
+        Returns:
+          The `ComputeFunctions`, with the step's fp8 and collective-matmul options.
+        """
         groups = plan.layer_groups(self.model.offload_names) if plan else None
         o = self.parts.options
         rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
@@ -615,19 +843,44 @@ class BoundStep:
                             shapes, shardings)
 
     def abstract_state(self) -> TrainState:
-        """ShapeDtypeStructs of the train state, with their shardings."""
+        """ShapeDtypeStructs of the train state, with their shardings.
+
+        Returns:
+          A `TrainState` of ShapeDtypeStructs.
+        """
         return self._abstract_state
 
     def abstract_batch(self):
-        """ShapeDtypeStructs of the batch, with their shardings."""
+        """ShapeDtypeStructs of the batch, with their shardings.
+
+        Returns:
+          The bound batch's ShapeDtypeStructs, each split as `batch_spec` says.
+        """
         shardings = jax.tree.map(lambda _: self._named(batch_spec(self.parts.grid)), self.batch)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self.batch, shardings)
 
     def state_shardings(self):
+        """The shardings of the train state.
+
+        Returns:
+          A `TrainState` of shardings.
+        """
         return jax.tree.map(lambda a: a.sharding, self._abstract_state)
 
     def init_state(self, key, params=None) -> TrainState:
+        """Fresh state, created directly in its placement (`TrainStep.init_state`).
+
+        Args:
+          key: a JAX random key.
+          params: start from these parameters (a tree like the model's) instead of `key`'s.
+
+        Returns:
+          The `TrainState`.
+
+        Raises:
+          ValueError: when `params` do not match the model's tree and shapes.
+        """
         shardings = self.state_shardings()
         if params is None:
             return jax.jit(self._init, out_shardings=shardings)(key)
@@ -643,14 +896,34 @@ class BoundStep:
     # ------------------------------------------------------------------ phases 1 and 2
 
     def loss_fn(self, params, batch):
-        """The mean loss of `batch` in the compute dtype (parameters cast for the forward)."""
+        """The mean loss of `batch` in the compute dtype (parameters cast for the forward).
+
+        Args:
+          params: the parameters as the state holds them (blocks in the stored order).
+          batch: a batch shaped like the bound one.
+
+        Returns:
+          The scalar loss.
+        """
         return self.compute.loss(reorder_blocks(params, self.parts.layer_order,
                                                 self.model.num_layers, to_model=True), batch)
 
     def loss_and_grads(self, params, batch, scale, key, red_state, engine=None):
-        """`(params, batch, loss scale, step key, reducer state) -> (loss, grads, reducer state,
-        metrics)`: phases 1 and 2 on global arrays (gradients scaled by `scale`, averaged over
-        the batch axes); `engine`: another engine than the step's (the planner's measurements)."""
+        """Phases 1 and 2 on global arrays: the loss and the gradients averaged over the batch axes.
+
+        Args:
+          params: the parameters as the state holds them.
+          batch: a batch shaped like the bound one.
+          scale: the loss scale the gradients are multiplied by.
+          key: the step's random key (`TrainState.step_key`).
+          red_state: the reducer's state, or None.
+          engine: another engine than the step's (the planner's measurements), or None.
+
+        Returns:
+          `(loss, grads, reducer state, metrics)`: the mean loss, the gradients like `params`
+          (scaled by `scale`), the reducer's new state and the blocks' per-layer metrics in the
+          model's layer order.
+        """
         engine = engine or self.engine
         if not engine.manual_axes:
             with tracing_in(self.parts.mesh):  # the mesh a shard_map would have put in context
@@ -718,9 +991,20 @@ class BoundStep:
     # ------------------------------------------------------------------ the step
 
     def update(self, state: TrainState, grads):
-        """Phase 3 (`step.update`) on gradients laid out like their parameters: GSPMD would
-        otherwise give a replicated parameter the layout of its gradient (e.g. a position table
-        added to feature-split activations), and the state would drift from step to step."""
+        """Phase 3 (`step.update`) on gradients laid out like their parameters.
+
+        GSPMD would otherwise give a replicated parameter the layout of its gradient (e.g. a
+        position table added to feature-split activations), and the state would drift from step
+        to step.
+
+        Args:
+          state: the `TrainState`.
+          grads: the reduced gradients like `state.params`, times the loss scale.
+
+        Returns:
+          `(state, metrics)`: the new state (step + 1) and the update's metrics (`grad_norm`,
+          and with mixed precision `loss_scale` and `skipped_steps`).
+        """
         like_params = lambda tree: jax.tree.map(  # noqa: E731
             lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)), tree, self.specs,
             is_leaf=lambda x: isinstance(x, P))
@@ -772,8 +1056,10 @@ class BoundStep:
 
     @functools.cached_property
     def programs(self) -> tuple[Callable, Callable]:
-        """(step, eval_loss): jitted functions, or for the host-driven paths (`step.hosted`)
-        callables with the same `.lower(...).compile()` interface."""
+        """(step, eval_loss): jitted functions, or the host-driven paths' (`step.hosted`).
+
+        The host-driven paths' are callables with the same `.lower(...).compile()` interface.
+        """
         if self.host_engine is not None:
             return hosted.engine_programs(self)
         if self.parts.process_reducer is not None:
@@ -783,10 +1069,38 @@ class BoundStep:
                         compiler_options=options), jax.jit(self._eval))
 
     def step(self, state, batch):
+        """One train step, `(state, batch) -> (state, metrics)`; `state` is donated.
+
+        Args:
+          state: the `TrainState`.
+          batch: a batch shaped like the bound one.
+
+        Returns:
+          `(state, metrics)`: the new state and `{"loss", per-layer metrics, update metrics}`.
+        """
         return self.programs[0](state, batch)
 
     def lower(self, state, batch):
+        """The step program lowered for `state` and `batch`.
+
+        Args:
+          state: a `TrainState`, of arrays or ShapeDtypeStructs with shardings.
+          batch: a batch shaped like the bound one.
+
+        Returns:
+          A `jax.stages.Lowered`, or for the host-driven paths an object with the same
+          `.compile()`.
+        """
         return self.programs[0].lower(state, batch)
 
     def eval_loss(self, params, batch):
+        """Mean loss of `batch` over all data-parallel copies and processes.
+
+        Args:
+          params: the parameters as the state holds them.
+          batch: a batch shaped like the bound one.
+
+        Returns:
+          The scalar loss.
+        """
         return self.programs[1](params, batch)

@@ -30,7 +30,14 @@ from .state import TrainState
 
 
 def sum_of_squares(grads) -> jax.Array:
-    """Sum of the squares of every gradient element, in fp32."""
+    """Sum of the squares of every gradient element, in fp32.
+
+    Args:
+      grads: a pytree of arrays (any float dtype; each is cast to float32 first).
+
+    Returns:
+      A float32 scalar: the sum over this process's arrays (global arrays sum whole).
+    """
     return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
                jnp.zeros((), jnp.float32))
 
@@ -40,8 +47,14 @@ def _stateless(update) -> optax.GradientTransformationExtraArgs:
 
 
 def unscale_by_loss_scale() -> optax.GradientTransformationExtraArgs:
-    """Gradients in float32, divided by the extra argument `loss_scale` (a power of two, so the
-    division is exact)."""
+    """Gradients in float32, divided by the extra argument `loss_scale`.
+
+    The loss scale is a power of two, so the division is exact; without a `loss_scale` the
+    gradients are only cast.
+
+    Returns:
+      A stateless optax transformation that takes `loss_scale` as an extra argument.
+    """
     def update(updates, state, params=None, *, loss_scale=None, **extra):
         inverse = 1.0 / jnp.asarray(1.0 if loss_scale is None else loss_scale, jnp.float32)
         return jax.tree.map(lambda g: g.astype(jnp.float32) * inverse, updates), state
@@ -50,9 +63,17 @@ def unscale_by_loss_scale() -> optax.GradientTransformationExtraArgs:
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-    """optax.clip_by_global_norm with the norm given as the extra argument `grad_norm` (of the
-    whole tree, also when the chain sees only a piece of it): multiply by `max_norm / norm` when
-    the norm exceeds `max_norm`."""
+    """optax.clip_by_global_norm with the norm given as the extra argument `grad_norm`.
+
+    `grad_norm` is the norm of the whole tree, also when the chain sees only a piece of it.
+
+    Args:
+      max_norm: the largest global norm; the updates are multiplied by `max_norm / grad_norm`
+        when `grad_norm` is at least `max_norm`.
+
+    Returns:
+      A stateless optax transformation that takes `grad_norm` as an extra argument.
+    """
     def update(updates, state, params=None, *, grad_norm, **extra):
         factor = jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm).astype(jnp.float32)
         return jax.tree.map(lambda g: g * factor, updates), state
@@ -61,8 +82,16 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 
 def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """`inner`, except that where the extra argument `finite` is False the updates are zero and
-    the state stays as it was (a skipped mixed-precision step)."""
+    """`inner`, skipped (zero updates, state kept) where the extra argument `finite` is False.
+
+    A step whose gradients are not finite is skipped (mixed precision).
+
+    Args:
+      inner: the transformation to guard; it gets the extra arguments too.
+
+    Returns:
+      An optax transformation with `inner`'s `init` that takes `finite` as an extra argument.
+    """
     inner = optax.with_extra_args_support(inner)
 
     def update(updates, state, params=None, *, finite, **extra):
@@ -75,9 +104,20 @@ def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTra
 
 def update_chain(optimizer: optax.GradientTransformation, *, clip_norm: float | None,
                  skip_non_finite: bool) -> optax.GradientTransformation:
-    """The update of a step as one optax transformation (see the module docstring): unscale
-    (always: it also casts the gradients to float32), clip when `clip_norm`, then `optimizer`;
-    skipped on non-finite gradients when `skip_non_finite` (mixed precision)."""
+    """The update of a step as one optax transformation (see the module docstring).
+
+    Unscale (always: it also casts the gradients to float32), clip when `clip_norm`, then
+    `optimizer`; skipped on non-finite gradients when `skip_non_finite` (mixed precision).
+
+    Args:
+      optimizer: the optax optimizer applied last.
+      clip_norm: the global norm to clip the gradients to, or None for no clipping.
+      skip_non_finite: whether to wrap the chain in `skip_if_not_finite`.
+
+    Returns:
+      The chain, taking the extra arguments `loss_scale`, `grad_norm` (with `clip_norm`) and
+      `finite` (with `skip_non_finite`).
+    """
     parts = [unscale_by_loss_scale()]
     if clip_norm is not None:
         parts.append(clip_by_global_norm(clip_norm))
@@ -90,8 +130,18 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
     """`update(state, grads) -> (state, metrics)` of a `TrainState`.
 
     grads: like `state.params`, multiplied by `state.loss_scale`. metrics: `grad_norm` (before
-    clipping) and, for mixed precision, `loss_scale` and `skipped_steps`. sum_squares: the hook
-    that completes the squared norm of gradients spread over processes.
+    clipping) and, for mixed precision, `loss_scale` and `skipped_steps`. The update adds 1 to
+    `state.step`.
+
+    Args:
+      params_update: applies the optax chain to the parameters and optimizer state, on device
+        or streamed from host memory (`offload.optimizer`).
+      scaler: the loss scaler, which updates `state.precision` when that is not None.
+      sum_squares: the hook that completes the squared norm of gradients spread over processes
+        (identity by default: global arrays sum whole).
+
+    Returns:
+      The `update` function.
     """
     def update(state: TrainState, grads) -> tuple[TrainState, dict[str, Any]]:
         scale = state.loss_scale
@@ -112,8 +162,21 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
 
 def initial_state(params, *, params_update: ParamUpdate, scaler: LossScaler, rng,
                   reducer_state=None) -> TrainState:
-    """The `TrainState` of fp32 `params` (with offload, `params` become the device copy in the
-    compute dtype and the optimizer state holds the fp32 masters)."""
+    """The `TrainState` of fp32 `params`, at step 0.
+
+    With offload, `params` become the device copy in the compute dtype and the optimizer state
+    holds the fp32 masters.
+
+    Args:
+      params: the fp32 parameters (global arrays).
+      params_update: makes the optimizer state (and the offloaded device copy) of `params`.
+      scaler: makes the mixed-precision state (`TrainState.precision`).
+      rng: uint32[2] key data of the run's random stream.
+      reducer_state: the gradient reducer's initial state, or None.
+
+    Returns:
+      The `TrainState`.
+    """
     params, opt_state = params_update.init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                       rng=rng, reducer=reducer_state, precision=scaler.init())

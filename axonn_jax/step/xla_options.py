@@ -11,9 +11,10 @@ and done in the compiled H100 module (`analysis.overlap`; figures in
 `benchmarks/results/overlap.md`); every option there is kept because its measurement showed a gain.
 
 `compiler_options(mesh, choice)` is what `jax.jit(..., compiler_options=...)` gets: `GPU_OPTIONS`
-for a mesh of GPUs without a pipeline under `choice="library"`, nothing for other platforms or under `choice="xla"`
-(XLA's own defaults, the "before" of the measurement). Options in the `XLA_FLAGS` environment
-variable still apply; the ones here override them for the step's program only.
+for a mesh of GPUs without a pipeline under `choice="library"`, nothing for other platforms or
+under `choice="xla"` (XLA's own defaults, the "before" of the measurement). Options in the
+`XLA_FLAGS` environment variable still apply; the ones here override them for the step's program
+only.
 """
 from __future__ import annotations
 
@@ -53,13 +54,34 @@ buffering, the analytical latency estimator), are in `benchmarks/results/overlap
 
 
 def check_choice(choice: str) -> None:
+    """Check that `choice` is one of `CHOICES`.
+
+    Args:
+      choice: the `xla_options` setting, `"library"` or `"xla"`.
+
+    Raises:
+      ValueError: when `choice` is not in `CHOICES`.
+    """
     if choice not in CHOICES:
         raise ValueError(f"xla_options must be one of {', '.join(CHOICES)}, got {choice!r}")
 
 
 def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | None:
-    """The options to compile a step on `mesh` with (None: XLA's defaults): of `GPU_OPTIONS`,
-    those the installed XLA knows (`accepted`)."""
+    """The options to compile a step on `mesh` with (None: XLA's defaults).
+
+    Of `GPU_OPTIONS` (with `OVERLAP_LIMIT` set by `overlap_limit`), those the installed XLA knows
+    (`accepted`); only for a mesh of GPUs without `pipe > 1`, under `choice="library"`.
+
+    Args:
+      mesh: the step's `jax.sharding.Mesh`.
+      choice: `"library"` (the options here) or `"xla"` (XLA's own defaults).
+
+    Returns:
+      The options for `jax.jit(..., compiler_options=...)`, or None for XLA's defaults.
+
+    Raises:
+      ValueError: when `choice` is not in `CHOICES`.
+    """
     check_choice(choice)
     if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
         return None
@@ -73,6 +95,12 @@ def overlap_limit(shape: dict[str, int]) -> int:
     several, starts them all late. Else `GPU_OPTIONS`' eight: the collectives of different axes
     run on different links (NVLink inside a node, the NICs across nodes) or beside each other's
     compute (`benchmarks/results/layer_exchange.md`).
+
+    Args:
+      shape: the mesh's `{axis: size}`.
+
+    Returns:
+      1 when at most one axis has size above 1, else `GPU_OPTIONS[OVERLAP_LIMIT]`.
     """
     if sum(size > 1 for size in shape.values()) <= 1:
         return 1
@@ -95,10 +123,23 @@ _ACCEPTED: dict[tuple, dict] = {}
 
 
 def accepted(mesh, options: dict) -> dict:
-    """`options` as the installed XLA takes them: one it refuses ("No such compile option": XLA
-    renames and retires its flags) replaced by its successor (`SUCCESSORS`) or, without one,
-    dropped with a warning that names it. Found by compiling a one-number program on `mesh`
-    once per process and set of options."""
+    """`options` as the installed XLA takes them.
+
+    An option it refuses ("No such compile option": XLA renames and retires its flags) is
+    replaced by its successor (`SUCCESSORS`) or, without one, dropped with a warning that names
+    it. Found by compiling a one-number program on `mesh` once per process and set of options.
+
+    Args:
+      mesh: the mesh whose platform compiles the probe program.
+      options: XLA `DebugOptions` names -> values.
+
+    Returns:
+      A new dict of the options kept, successors included.
+
+    Raises:
+      Exception: the compiler's error when compiling fails for another reason than a refused
+        option.
+    """
     import warnings
 
     import jax

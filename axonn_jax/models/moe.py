@@ -354,8 +354,9 @@ class MoELayers:
         (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and of the rows received
         the experts' outputs and their gate, up and gated hidden activations (`d_ff` each), once
         per local expert under `DENSE_RAGGED_DOT` (the compiled program holds
-        `(local, rows, d_model)` and `(rows, local, d_ff)` arrays). All the step's tokens: the planner divides by the
-        microbatches (and, under `--remat`, by the layers: one block is recomputed at a time).
+        `(local, rows, d_model)` and `(rows, local, d_ff)` arrays). All the step's tokens: the
+        planner divides by the microbatches (and, under `--remat`, by the layers: one block is
+        recomputed at a time).
 
         Args:
           step: the step's shape (`collectives.StepShape`).

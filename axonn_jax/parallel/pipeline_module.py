@@ -65,15 +65,17 @@ def pipeline(block, length: int, *, mesh=None, microbatches: int = 1):
     is `parallel.pipeline.pipeline_loss_and_grads`.
 
     Args:
-      block: the linen module class of one layer; its `__call__(x, carry)` returns `(x, carry)`.
+      block (type[nn.Module]): the linen module class of one layer; its `__call__(x, carry)`
+        returns `(x, carry)`.
       length: the number of blocks (`length % pipe == 0`).
-      mesh: the mesh whose `pipe` axis splits the blocks into stages; None: no pipeline.
+      mesh (jax.sharding.Mesh | None): the mesh whose `pipe` axis splits the blocks into
+        stages; None: no pipeline.
       microbatches: microbatches streamed through the stages by `ppermute`.
 
     Returns:
-      A constructor `(*block_args, name=None, **block_kwargs) -> Pipelined`, a module whose
-      `__call__(x, carry) -> (x, carry)` runs the `length` blocks split into
-      `mesh.shape['pipe']` stages.
+      (Callable[..., Pipelined]): a constructor `(*block_args, name=None, **block_kwargs) ->
+        Pipelined`, a module whose `__call__(x, carry) -> (x, carry)` runs the `length` blocks
+        split into `mesh.shape['pipe']` stages.
 
     Raises:
       ValueError: `microbatches` is not positive.

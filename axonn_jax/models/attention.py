@@ -40,7 +40,14 @@ _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def check_choice(choice: str) -> None:
-    """ValueError unless `choice` names an implementation."""
+    """Raise ValueError unless `choice` names an implementation.
+
+    Args:
+      choice: an attention implementation's name.
+
+    Raises:
+      ValueError: `choice` is not one of `IMPLEMENTATIONS`.
+    """
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
                          f"got {choice!r}")
@@ -58,8 +65,20 @@ def _cudnn_problem(dtype, head_dim: int | None, platform: str) -> str | None:
 
 
 def check(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> None:
-    """ValueError (one line) unless `choice` can run in `dtype` on `platform` (default: the
-    platform of the mesh in context, else JAX's default backend; the trainer passes its mesh's)."""
+    """Raise a one-line ValueError unless `choice` can run in `dtype` on `platform`.
+
+    Args:
+      choice: one of `IMPLEMENTATIONS`.
+      dtype: the compute dtype of q, k and v.
+      head_dim: features of one head; None: not checked.
+      platform: the backend it runs on; None: the platform of the mesh in context, else JAX's
+        default backend (the trainer passes its mesh's).
+
+    Raises:
+      ValueError: `choice` is not an implementation, or is `cudnn` where cuDNN's flash attention
+        cannot run (not a CUDA GPU, not bfloat16 or float16, head_dim not a multiple of 8 or
+        above 128).
+    """
     check_choice(choice)
     if choice == "cudnn":
         problem = _cudnn_problem(dtype, head_dim, platform_or_default(platform))
@@ -68,9 +87,21 @@ def check(choice: str, dtype, head_dim: int | None = None, platform: str | None 
 
 
 def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | None = None) -> str:
-    """The implementation (`xla` or `cudnn`) that `choice` means for `dtype` and `head_dim` on
-    `platform` (default: as `check`): `auto` is `cudnn` wherever cuDNN's flash
-    attention can run, else `xla`. ValueError (`check`) for a choice that cannot run."""
+    """The implementation (`xla` or `cudnn`) that `choice` means for `dtype` and `head_dim`.
+
+    Args:
+      choice: one of `IMPLEMENTATIONS`.
+      dtype: the compute dtype of q, k and v.
+      head_dim: features of one head; None: not checked.
+      platform: the backend it runs on; None: as `check`.
+
+    Returns:
+      `choice` itself unless it is `auto`; `auto` is `cudnn` wherever cuDNN's flash attention
+      can run, else `xla`.
+
+    Raises:
+      ValueError: from `check`, for a choice that cannot run.
+    """
     check(choice, dtype, head_dim, platform)
     if choice != "auto":
         return choice
@@ -79,17 +110,34 @@ def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | Non
 
 def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None, positions=None,
                      context_axis: str = "context", context_scheme: str = "ring"):
-    """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`. q: `(rows, seq, heads,
-    head_dim)`; k, v: `(rows, seq, kv_heads, head_dim)` with kv_heads dividing heads: query head
-    `h` attends with key/value head `h // (heads / kv_heads)` (grouped-query attention; kv_heads =
-    1 is multi-query, = heads multi-head). Returns `(rows, seq, heads, head_dim)` in q's dtype.
+    """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`.
+
+    Query head `h` attends with key/value head `h // (heads / kv_heads)` (grouped-query
+    attention; kv_heads = 1 is multi-query, = heads multi-head).
 
     A query attends to the keys not later in the sequence, not later by `positions` and in its
     segment (`segment_ids`); both `(rows, seq)` integers, optional (packed documents: ids per
     document, positions restarting at each). Inside a shard_map manual over `context_axis`
     (more than one device) the sequence is split over it in the zig-zag layout and
     `context_scheme` (`ring`, `allgather`) attends across it (`parallel.context.attention`).
-    `implementation`: see `resolve`."""
+
+    Args:
+      q: queries, shape `(rows, seq, heads, head_dim)`.
+      k: keys, shape `(rows, seq, kv_heads, head_dim)`, kv_heads dividing heads.
+      v: values, shaped like `k`.
+      implementation: one of `IMPLEMENTATIONS`; see `resolve`.
+      segment_ids: `(rows, seq)` integer document ids, or None (one document).
+      positions: `(rows, seq)` integer true positions, or None (positions in order).
+      context_axis: the mesh axis that splits the sequence inside a manual shard_map.
+      context_scheme: the context-parallel scheme, `ring` or `allgather`.
+
+    Returns:
+      The attended values, shape `(rows, seq, heads, head_dim)`, in q's dtype.
+
+    Raises:
+      ValueError: an unknown implementation or scheme; `cudnn` inside context parallelism, with
+        document masks, or where it cannot run (`check`).
+    """
     context.check_scheme(context_scheme)
     if context.axis_size(context_axis) > 1:
         if implementation == "cudnn":
@@ -124,9 +172,17 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
 
 
 def positions_or_none(positions, seq_len: int, context_axis: str = "context"):
-    """The true positions a block needs for its position encoding: `positions` when given, the
-    context layout's `(1, seq_len)` inside a shard_map manual over `context_axis`, else None
-    (positions are `arange(seq_len)`)."""
+    """The true positions a block needs for its position encoding, or None for `arange`.
+
+    Args:
+      positions: the batch's `(rows, seq)` positions, or None.
+      seq_len: this device's tokens per sequence.
+      context_axis: the mesh axis that splits the sequence inside a manual shard_map.
+
+    Returns:
+      `positions` when given, the context layout's `(1, seq_len)` inside a shard_map manual over
+      `context_axis` (of more than one device), else None (positions are `arange(seq_len)`).
+    """
     if positions is not None:
         return positions
     if context.axis_size(context_axis) > 1:
@@ -139,10 +195,11 @@ def _cudnn(q, k, v):
 
 
 def fully_manual(core, q, k, v):
-    """`core(q, k, v)` (an attention core: cuDNN's) run in a shard_map manual over every axis of
-    the mesh in context that is not manual yet: nested inside the train step's shard_map (manual
-    over `data` or `pipe`), or at the top of a step that has none (`data` = 1 beside tensor axes;
-    the step traces its model under its mesh, `_compat.tracing_in`). JAX partitions the cuDNN
+    """`core(q, k, v)` run in a shard_map manual over every mesh axis that is not manual yet.
+
+    The shard_map is nested inside the train step's shard_map (manual over `data` or `pipe`), or
+    at the top of a step that has none (`data` = 1 beside tensor axes; the step traces its model
+    under its mesh, `_compat.tracing_in`). JAX partitions the cuDNN
     call with a custom partitioner that refuses manual shardings and that exists only where a
     CUDA backend does (not for abstract H100s compiled from a CPU host), and lowers it as it is
     where every axis is manual: one mechanism for every grid. The nested specs are those
@@ -150,7 +207,19 @@ def fully_manual(core, q, k, v):
     the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
     these specs). With no mesh in context (a model called outside a step), every axis manual, or
     one device (nothing to partition; the nested shard_map's VJP would run the forward again),
-    `core(q, k, v)` as it is."""
+    `core(q, k, v)` as it is.
+
+    Args:
+      core: an attention core `(q, k, v) -> out` (cuDNN's).
+      q: queries, shape `(rows, seq, heads, head_dim)`.
+      k: keys, shape `(rows, seq, kv_heads, head_dim)`.
+      v: values, shaped like `k`.
+
+    Returns:
+      `core`'s output, shape `(rows, seq, heads, head_dim)`, in q's nested spec: rows over
+      `depth` (and `col` where a normal layer keeps the batch split), heads over `row`, each
+      where it divides.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.are_all_axes_manual or mesh.size == 1:
         return core(q, k, v)

@@ -14,12 +14,16 @@ from ..tp.tensor import DenseLayer, Table, split_batch
 
 @dataclasses.dataclass(frozen=True)
 class DecoderShape:
-    """A decoder's communicating parts on a grid: the blocks' tensor-parallel dense layers in the
-    order the transform assigns `transpose`, with the stage's `layers` blocks (`DenseLayer`s),
-    then the output head (layers 0; with `tied`, its matrix is the token table); `replicated`:
-    per-block parts GSPMD lays out, next to which the dense layers keep activations whole over
-    `row` (`tp.tensor.replicated_rows`; a Llama's key/value projections when their heads do not
-    divide over `row`)."""
+    """A decoder's communicating parts on a grid, as the communication model reads them.
+
+    Attributes:
+      layers: the blocks' tensor-parallel dense layers in the order the transform assigns
+        `transpose`, with the stage's `layers` blocks (`DenseLayer`s), then the output head
+        (layers 0; with `tied`, its matrix is the token table).
+      replicated: per-block parts GSPMD lays out, next to which the dense layers keep activations
+        whole over `row` (`tp.tensor.replicated_rows`; a Llama's key/value projections when
+        their heads do not divide over `row`).
+    """
 
     num_layers: int
     d_model: int
@@ -46,24 +50,40 @@ class DecoderShape:
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropy:
-    """`gpt.cross_entropy` on logits whose vocabulary is split over row (the head is a normal
-    layer): forward max, sum of exponentials and picked log-probability, backward the softmax's
-    sum, all float32 (the logits are)."""
+    """`gpt.cross_entropy` on logits whose vocabulary is split over `row` (a normal-layer head).
+
+    Forward: the max, the sum of exponentials and the picked log-probability; backward: the
+    softmax's sum; all float32 (the logits are).
+    """
 
     def collectives(self, step: StepShape) -> list[Collective]:
+        """Four all-reduces over `row`, each one float32 per token (over `col` too if split)."""
         tokens = step.tokens / (step.grid.col if step.split else 1)
         return [Collective("all-reduce", ("row",), tokens * FP32, 4)]
 
     def parameters(self, step: StepShape) -> list:
+        """No parameters (an empty list)."""
         return []
 
 
 def communication(shape: DecoderShape, step: StepShape, flops: float,
                   scores: float = 0.0) -> ModelCommunication:
-    """One train step of the decoder `shape` (`collectives.ModelCommunication`), whose training
-    FLOPs are `flops`, `scores` of them the attention scores' (every score computed; over
-    context the kernels run fewer: `executed_flops`). The dense layers keep the batch split when `tp.tensor.split_batch` says so
-    for the rows one layer sees, unless parts laid out by GSPMD keep it whole."""
+    """What one train step of the decoder `shape` communicates (`collectives.ModelCommunication`).
+
+    The dense layers keep the batch split when `tp.tensor.split_batch` says so for the rows one
+    layer sees, unless parts laid out by GSPMD (`shape.replicated`) keep it whole.
+
+    Args:
+      shape: the decoder's parts on the step's grid (`config.shape(step.grid)`).
+      step: the train step's shape (grid, batch, sequence length, microbatches, dtypes).
+      flops: the step's training FLOPs.
+      scores: of `flops`, the attention scores' (every score computed; over `context` the
+        kernels run fewer: `executed_flops`).
+
+    Returns:
+      The step's collectives, parameters and activation bytes (`collectives.from_parts`), with
+      `executed_flops` set when the grid has a `context` axis of more than one device.
+    """
     g, d = step.grid, shape.d_model
     split = not shape.replicated and split_batch((step.layer_rows,), g.as_dict())
     step = dataclasses.replace(step, split=split)
@@ -95,10 +115,20 @@ def communication(shape: DecoderShape, step: StepShape, flops: float,
 
 
 def saved_features(shape: DecoderShape) -> float:
-    """Features per position of one block that `--remat selective` keeps: the outputs of the
-    block's dense layers but the last (whose output only joins the residual sum) and the attention
-    core's output (the input of `attn_out`), as the models name them (`ACTIVATION_NAMES`; checked
-    against `offload.activations.block_cost` in tests/test_comm_model.py)."""
+    """Features per position of one block that `--remat selective` keeps.
+
+    Those are the outputs of the block's dense layers but the last (whose output only joins the
+    residual sum) and the attention core's output (the input of `attn_out`), as the models name
+    them (`ACTIVATION_NAMES`; checked against `offload.activations.block_cost` in
+    tests/test_comm_model.py).
+
+    Args:
+      shape: the decoder's parts on a grid.
+
+    Returns:
+      The kept features per position, summed over the block's layers (`fan_out · count`, plus
+      `attn_out`'s `fan_in`).
+    """
     dense = [layer for layer in shape.layers if layer.layers]  # the block's, the last is MLP down
     others = [part for part in shape.replicated if getattr(part, "layers", 0)]
     kept = sum(layer.fan_out * layer.count for layer in (*dense[:-1], *others))

@@ -57,6 +57,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
+        """Features of one attention head (`d_model // num_heads`)."""
         return self.d_model // self.num_heads
 
     @property
@@ -65,26 +66,54 @@ class GPTConfig:
         return self.d_model
 
     def num_params(self) -> int:
-        """Parameter count (embeddings, blocks, final norm and the output head unless tied)."""
+        """Parameter count (embeddings, blocks, final norm and the output head unless tied).
+
+        Returns:
+          The number of parameters of the whole model.
+        """
         d, f, v = self.d_model, self.d_ff, self.vocab_size
         block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d  # q,k,v,o (+bias), mlp, 2 norms
         head = 0 if self.tie_embeddings else d * v
         return v * d + self.max_seq_len * d + self.num_layers * block + 2 * d + head
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
+        """Training FLOPs per token (forward + backward = 3× forward), attention scores included.
+
+        Args:
+          seq_len: tokens per sequence (what the attention scores grow with).
+
+        Returns:
+          The dense layers' and the head's matmul FLOPs, times 3, plus `score_flops_per_token`.
+        """
         d, f, L = self.d_model, self.d_ff, self.num_layers
         matmul = 2 * (4 * d * d + 2 * d * f) * L + 2 * d * self.vocab_size
         return 3 * matmul + self.score_flops_per_token(seq_len)
 
     def score_flops_per_token(self, seq_len: int) -> int:
-        """Of `flops_per_token`, the attention core's (every score of the sequence computed: the
-        scores and the weighted values, 2 matmuls of `2·seq·d_model` a layer, times 3)."""
+        """Of `flops_per_token`, the attention core's, every score of the sequence computed.
+
+        The scores and the weighted values: 2 matmuls of `2·seq·d_model` a layer, times 3.
+
+        Args:
+          seq_len: tokens per sequence.
+
+        Returns:
+          The attention core's training FLOPs per token.
+        """
         return 3 * 2 * 2 * seq_len * self.d_model * self.num_layers
 
     def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
-        """The communicating parts on `grid` (`models.decoder`): query, key and value projections
-        sharing one input gather, the attention output, the MLP, the head."""
+        """The communicating parts on `grid` (`models.decoder`).
+
+        Query, key and value projections sharing one input gather, the attention output, the
+        MLP, the head.
+
+        Args:
+          grid: the parallel grid (its `pipe` sets the blocks of one stage).
+
+        Returns:
+          The `decoder.DecoderShape` of this model on `grid`.
+        """
         d, f, n = self.d_model, self.d_ff, self.num_layers // grid.pipe
         layers = (DenseLayer("qkv", d, d, False, 3, n, gathers=1, reused=True),
                   DenseLayer("attn_out", d, d, True, 1, n, reused=True),
@@ -97,17 +126,32 @@ class GPTConfig:
                                     kv_features=self.kv_features)
 
     def communication(self, step: StepShape) -> ModelCommunication:
-        """What one train step communicates (`collectives.ModelCommunication`)."""
+        """What one train step communicates (`collectives.ModelCommunication`).
+
+        Args:
+          step: the train step's shape (grid, batch, sequence length).
+
+        Returns:
+          `decoder.communication` of `shape(step.grid)` with this model's FLOPs.
+        """
         tokens = step.batch * step.seq_len
         return decoder.communication(self.shape(step.grid), step,
                                      self.flops_per_token(step.seq_len) * tokens,
                                      self.score_flops_per_token(step.seq_len) * tokens)
 
     def check_grid(self, grid: ParallelConfig) -> None:
-        """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
-        `grid` (normal layers: in over col·depth, out over row; transposed ones the other way;
-        vocabulary-parallel tables over row·depth) and the heads split over `row`. The trainer and
-        the planner both check with this."""
+        """Raise ValueError naming the numbers unless the model's dimensions split evenly on `grid`.
+
+        The tensor-parallel layers must split evenly (normal layers: in over col·depth, out over
+        row; transposed ones the other way; vocabulary-parallel tables over row·depth) and the
+        heads over `row`. The trainer and the planner both check with this.
+
+        Args:
+          grid: the parallel grid.
+
+        Raises:
+          ValueError: a dimension does not divide over its axes (the message names the numbers).
+        """
         check_divisible("d_model", self.d_model, ("col", "depth"), grid)
         check_divisible("d_model", self.d_model, ("row", "depth"), grid)
         check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
@@ -131,7 +175,18 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def get_config(name: str, **overrides) -> GPTConfig:
-    """A preset by name, with fields optionally overridden."""
+    """A preset by name, with fields optionally overridden.
+
+    Args:
+      name: a key of `PRESETS`.
+      **overrides: `GPTConfig` fields and their new values.
+
+    Returns:
+      The preset's `GPTConfig` with the overrides applied.
+
+    Raises:
+      ValueError: `name` is not a preset.
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
@@ -143,9 +198,11 @@ leave out (norm outputs, softmax, GELU, residual sums) is cheap to recompute fro
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings: `batch['inputs'] (b, t) int32 -> (b, t, d_model)`,
-    at `batch['positions'] (b, t)` when the batch has them (packed documents), else at the
-    tokens' true positions (`arange(t)`, or the context layout's inside a context axis)."""
+    """Token plus learned position embeddings: `batch['inputs'] (b, t) int32 -> (b, t, d_model)`.
+
+    The positions are `batch['positions'] (b, t)` when the batch has them (packed documents),
+    else the tokens' true positions (`arange(t)`, or the context layout's inside a context axis).
+    """
 
     config: GPTConfig
     dtype: Any = jnp.float32
@@ -164,22 +221,36 @@ class Embedding(nn.Module):
         return self.wte(tokens) + table
 
     def table(self):
-        """The token table `(vocab, d_model)` (what a tied head multiplies by)."""
+        """The token table `(vocab, d_model)` (what a tied head multiplies by).
+
+        Returns:
+          The `wte` embedding matrix, shape `(vocab_size, d_model)`.
+        """
         return self.wte.embedding
 
 
 def check_length(local_len: int, max_seq_len: int) -> None:
-    """ValueError unless the whole sequence (`local_len` times the devices of a context axis
-    around this call) fits in `max_seq_len`."""
+    """Raise ValueError unless the whole sequence fits in `max_seq_len`.
+
+    Args:
+      local_len: this device's tokens per sequence; the whole sequence is `local_len` times the
+        devices of a `context` axis that an enclosing shard_map is manual over.
+      max_seq_len: the model's longest sequence.
+
+    Raises:
+      ValueError: the whole sequence is longer than `max_seq_len`.
+    """
     total = local_len * context.axis_size()
     if total > max_seq_len:
         raise ValueError(f"sequence length {total} exceeds the model's max_seq_len {max_seq_len}")
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block. `x: (batch, seq, d_model)` -> same shape.
+    """One pre-LayerNorm transformer block: `x (batch, seq, d_model)` -> the same shape.
+
     `segment_ids`, `positions` `(batch, seq)`: see `attention.causal_attention` (None: one
-    document, positions in order)."""
+    document, positions in order).
+    """
 
     config: GPTConfig
     dtype: Any = jnp.float32
@@ -205,10 +276,13 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and output head; `__call__(x, batch)` is the mean token cross-entropy against
-    `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits. With `tie_embeddings` the
-    head has no matrix of its own: `logits(x, table)` multiplies by the token table and
-    `__call__(x, batch, embed_params)` takes it from the embedding's parameters."""
+    """Final norm and output head.
+
+    `__call__(x, batch)` is the mean token cross-entropy against `batch['targets']`, `logits(x)`
+    the `(b, t, vocab)` float32 logits. With `tie_embeddings` the head has no matrix of its own:
+    `logits(x, table)` multiplies by the token table and `__call__(x, batch, embed_params)` takes
+    it from the embedding's parameters.
+    """
 
     config: GPTConfig
     dtype: Any = jnp.float32
@@ -219,6 +293,15 @@ class Head(nn.Module):
             self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
 
     def logits(self, x, table=None):
+        """The float32 logits of the final-normed activations (see `output_logits`).
+
+        Args:
+          x: the last block's output, shape `(b, t, d_model)`.
+          table: the token table `(vocab, d_model)` with tied embeddings, else None.
+
+        Returns:
+          float32 logits, shape `(b, t, vocab)`.
+        """
         return output_logits(self, self.ln_f(x), table)
 
     def __call__(self, x, batch, embed_params=None):
@@ -253,8 +336,16 @@ class GPT(nn.Module):
 
 
 def stacked(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
-    """The GPT as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`); `grid` is not
-    used (no layer's layout depends on it)."""
+    """The GPT as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`).
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: not used (no layer's layout depends on it).
+
+    Returns:
+      A `StackedModel` of `Embedding`, `Block` and `Head`, `config.num_layers` blocks.
+    """
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
                         head_reads_embed=config.tie_embeddings,
@@ -262,9 +353,18 @@ def stacked(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = 
 
 
 def output_logits(head: nn.Module, h, table=None):
-    """float32 logits `(b, t, vocab)` of the normalized `h (b, t, d)`: `head.lm_head(h)`, or,
-    when `table (vocab, d)` is given (tied embeddings), `h @ table.T` (a plain matmul: with tensor
-    parallelism GSPMD lays it out from the table's vocabulary-parallel split)."""
+    """float32 logits `(b, t, vocab)` of the normalized `h (b, t, d)`.
+
+    Args:
+      head: the head module (its `lm_head` and `dtype`).
+      h: the normalized activations, shape `(b, t, d)`.
+      table: the token table `(vocab, d)` with tied embeddings, else None.
+
+    Returns:
+      `head.lm_head(h)`, or, when `table` is given, `h @ table.T` (a plain matmul: with tensor
+      parallelism GSPMD lays it out from the table's vocabulary-parallel split); float32,
+      shape `(b, t, vocab)`.
+    """
     if table is None:
         return head.lm_head(h).astype(jnp.float32)
     h, table = nn.dtypes.promote_dtype(h, table, dtype=head.dtype)
@@ -272,7 +372,15 @@ def output_logits(head: nn.Module, h, table=None):
 
 
 def cross_entropy(logits, targets):
-    """Mean token cross-entropy. logits `(b, t, v)` float32, targets `(b, t)` int32."""
+    """Mean token cross-entropy.
+
+    Args:
+      logits: float32, shape `(b, t, v)`.
+      targets: int32 token ids, shape `(b, t)`.
+
+    Returns:
+      The mean over all `b·t` tokens of `-log softmax(logits)[target]`, a float32 scalar.
+    """
     logp = jax.nn.log_softmax(logits, axis=-1)
     # A one-hot contraction (exact: the other terms are zeros), not a gather: XLA's SPMD partitioner
     # aborts on a gather from a vocabulary split over `row` inside the data-manual train step.
@@ -281,7 +389,16 @@ def cross_entropy(logits, targets):
 
 
 def network(config: GPTConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> GPT:
-    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree."""
+    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree.
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: not used (no layer's layout depends on it).
+
+    Returns:
+      A `GPT` module.
+    """
     return GPT(config, dtype)
 
 
@@ -315,8 +432,17 @@ _IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",)
 
 
 def config_from_hf(cfg: dict) -> GPTConfig:
-    """A `GPTConfig` from a Hugging Face GPT-2 `config.json` dict; ValueError naming what does
-    not match (architecture, activation, attention variants)."""
+    """A `GPTConfig` from a Hugging Face GPT-2 `config.json` dict.
+
+    Args:
+      cfg: the parsed `config.json`.
+
+    Returns:
+      The `GPTConfig`, whose `hf_config` keeps `cfg` as JSON text.
+
+    Raises:
+      ValueError: naming what does not match (architecture, activation, attention variants).
+    """
     hf.expect(cfg, "model_type", ("gpt2",))
     hf.expect(cfg, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
     hf.expect(cfg, "scale_attn_weights", (True,), True)
@@ -330,7 +456,15 @@ def config_from_hf(cfg: dict) -> GPTConfig:
 
 
 def config_to_hf(config: GPTConfig, dtype: str) -> dict:
-    """The Hugging Face GPT-2 `config.json` dict of `config` (the source's other fields kept)."""
+    """The Hugging Face GPT-2 `config.json` dict of `config` (the source's other fields kept).
+
+    Args:
+      config: the model's shape (its `hf_config` gives the fields kept).
+      dtype: the `torch_dtype` to record, e.g. `"bfloat16"`.
+
+    Returns:
+      The `config.json` contents as a dict.
+    """
     c = config
     base = json.loads(c.hf_config) if c.hf_config else {}
     return {**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
@@ -344,13 +478,30 @@ HF = hf.Family("gpt2", config_from_hf, config_to_hf, _tensors, network, _IGNORED
 
 
 def from_pretrained(path, mesh=None, dtype=jnp.float32):
-    """Read the Hugging Face GPT-2 directory `path` (`config.json`, `model.safetensors` or a
-    sharded index; PyTorch or Flax layout). Returns `(module, params)` as
-    `axonn_jax.models.llama.from_pretrained` does (the module a `GPT`, tensor-parallel on `mesh`)."""
+    """Read a Hugging Face GPT-2 directory as a module and its parameters.
+
+    Args:
+      path: the directory (`config.json`, `model.safetensors` or a sharded index; PyTorch or
+        Flax layout).
+      mesh: the mesh to place the parameters on and make the module tensor-parallel over
+        (`depth`, `row`, `col`; replicated over the other axes); None: the default device.
+      dtype: the parameters' dtype.
+
+    Returns:
+      `(module, params)` as `axonn_jax.models.llama.from_pretrained` does (the module a `GPT`,
+      tensor-parallel on `mesh`).
+    """
     return HF.from_pretrained(path, mesh, dtype)
 
 
 def to_pretrained(module: GPT, params, path, dtype=None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `params` (of `module`, a `GPT`, or of `stacked(module.config)`) as a Hugging Face
-    GPT-2 directory (see `axonn_jax.models.llama.to_pretrained`)."""
+    """Write `params` as a Hugging Face GPT-2 directory (see `models.llama.to_pretrained`).
+
+    Args:
+      module: a `GPT` (its `config` names the shape).
+      params: its parameters, or those of `stacked(module.config)`.
+      path: the directory to write.
+      dtype: the dtype to store; None: the first parameter leaf's.
+      max_shard_bytes: the most bytes of one safetensors shard (see `hf.save`).
+    """
     HF.to_pretrained(module, params, path, dtype, max_shard_bytes)

@@ -63,12 +63,17 @@ def _require(module: str):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """Where one parameter leaf lives: the Hugging Face module `name` (with `{}` for the layer
-    index when `layers` > 0: the leaf stacks `layers` tensors on a leading axis; and a second
-    `{}` for the expert index when `experts` > 0: the leaf stacks `experts` tensors on the next
-    axis, Mixtral's `experts.{}.w1`) and its `kind` (see the module docstring). `offset`: the
-    leaf is columns `[offset, offset + n)` of the tensor's output features (GPT-2's fused
-    query/key/value projection)."""
+    """Where one parameter leaf lives in a Hugging Face checkpoint.
+
+    Attributes:
+      name: the Hugging Face module name, with `{}` for the layer index when `layers` > 0 (the
+        leaf stacks `layers` tensors on a leading axis) and a second `{}` for the expert index
+        when `experts` > 0 (the leaf stacks `experts` tensors on the next axis, Mixtral's
+        `experts.{}.w1`).
+      kind: what kind of layer it is, one of `KINDS` (see the module docstring).
+      offset: the leaf is columns `[offset, offset + n)` of the tensor's output features
+        (GPT-2's fused query/key/value projection).
+    """
 
     name: str
     kind: str
@@ -86,21 +91,49 @@ class Tensor:
         return tuple(n for n in (self.layers, self.experts) if n)
 
     def indices(self) -> list[tuple[int, ...]]:
-        """The index into the stacked axes of each tensor, in `names` order."""
+        """The index into the stacked axes of each tensor, in `names` order.
+
+        Returns:
+          One tuple per tensor (layer, then expert), layer-major; `[()]` for an unstacked leaf.
+        """
         return list(itertools.product(*map(range, self.stacked)))
 
     def names(self, fmt: str) -> list[str]:
-        """The tensor names in a checkpoint of format `fmt` ('pt' or 'flax'), one per layer (and
-        expert), layer-major."""
+        """The tensor names in a checkpoint of format `fmt`, one per layer (and expert).
+
+        Args:
+          fmt: the checkpoint's tensor layout, 'pt' or 'flax'.
+
+        Returns:
+          The full tensor names (with the kind's suffix), layer-major.
+        """
         full = f"{self.name}.{_SUFFIX[fmt][self.kind]}"
         return [full.format(*i) for i in self.indices()]
 
     def transposed(self, fmt: str) -> bool:
+        """Whether format `fmt` stores this tensor `(out, in)` while ours is `(in, out)`.
+
+        Args:
+          fmt: the checkpoint's tensor layout, 'pt' or 'flax'.
+
+        Returns:
+          True for PyTorch's `linear` and Flax's `conv1d` kernels.
+        """
         return self.kind in _TRANSPOSED[fmt]
 
 
 def expect(config: dict, key: str, allowed: tuple, default=None) -> None:
-    """ValueError unless `config[key]` (or `default` when absent) is one of `allowed`."""
+    """Raise ValueError unless `config[key]` (or `default` when absent) is one of `allowed`.
+
+    Args:
+      config: a `config.json` dict.
+      key: the field to check.
+      allowed: the values this package supports.
+      default: the value Hugging Face assumes when the field is absent.
+
+    Raises:
+      ValueError: the value is not supported (the message names the supported ones).
+    """
     value = config.get(key, default)
     if value not in allowed:
         raise ValueError(f"config.json: {key} = {value!r} is not supported (supported: "
@@ -108,8 +141,18 @@ def expect(config: dict, key: str, allowed: tuple, default=None) -> None:
 
 
 class Checkpoint:
-    """An opened Hugging Face directory: its `config` (the `config.json` dict), its tensors'
-    names and shapes, and the tensor layout `format` ('pt' or 'flax')."""
+    """An opened Hugging Face directory: its config, its tensors' names and shapes, its layout.
+
+    Attributes:
+      config: the `config.json` dict.
+      format: the tensor layout, 'pt' or 'flax' (the first file's metadata; 'pt' if none).
+      file_of: `{tensor name: the safetensors file holding it}`.
+
+    Raises:
+      FileNotFoundError: the directory has no `config.json`, or neither `model.safetensors` nor
+        `model.safetensors.index.json`.
+      ValueError: the tensor format is neither 'pt' nor 'flax'.
+    """
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
@@ -135,15 +178,38 @@ class Checkpoint:
                              "not read (supported: pt, flax)")
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` as stored in its file.
+
+        Args:
+          name: a tensor name as this checkpoint spells it (see `resolve`).
+
+        Returns:
+          The stored shape (PyTorch or Flax layout, see `format`).
+        """
         return tuple(self._files[self.file_of[name]].get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        """The block `index` (slices, one per axis) of tensor `name`, read from the file."""
+        """The block `index` of tensor `name`, read from the file.
+
+        Args:
+          name: a tensor name as this checkpoint spells it.
+          index: slices, one per axis of the stored tensor.
+
+        Returns:
+          The block as a numpy array of the stored dtype.
+        """
         return self._files[self.file_of[name]].get_slice(name)[index]
 
     def resolve(self, name: str) -> str | None:
-        """`name` as this checkpoint spells it: as is, or without its first component (GPT-2
-        checkpoints on the Hub lack the `transformer.` prefix); None when absent."""
+        """`name` as this checkpoint spells it, or None when absent.
+
+        Args:
+          name: a tensor name with its full prefix.
+
+        Returns:
+          `name` as is, or without its first component (GPT-2 checkpoints on the Hub lack the
+          `transformer.` prefix); None when neither is in the files.
+        """
         if name in self.file_of:
             return name
         short = name.split(".", 1)[-1]
@@ -151,10 +217,23 @@ class Checkpoint:
 
     def load(self, tensors: dict[tuple[str, ...], Tensor], abstract, dtype,
              ignore: tuple[str, ...] = ()):
-        """The parameters described by `tensors` (`{leaf path: Tensor}`), as arrays of `dtype`
-        shaped and placed like `abstract` (a tree of ShapeDtypeStructs with shardings).
-        ValueError naming every missing tensor, shape mismatch, and unexpected tensor (other
-        than those matching the `ignore` regular expressions)."""
+        """The parameters described by `tensors`, shaped and placed like `abstract`.
+
+        Each process reads only the blocks its own devices hold.
+
+        Args:
+          tensors: `{leaf path: Tensor}` for every leaf of `abstract`.
+          abstract: a tree of ShapeDtypeStructs with shardings.
+          dtype: the dtype of the arrays.
+          ignore: regular expressions of checkpoint tensors that are not parameters.
+
+        Returns:
+          The parameter tree of `dtype` arrays with `abstract`'s shapes and shardings.
+
+        Raises:
+          ValueError: naming every leaf without a mapping, missing tensor, shape mismatch, and
+            unexpected tensor (other than those matching `ignore`).
+        """
         flat = traverse_util.flatten_dict(abstract)
         if set(flat) != set(tensors):
             raise ValueError(f"no checkpoint mapping for parameters "
@@ -238,10 +317,17 @@ def _group(tensors: dict, t: Tensor) -> list[tuple[str, ...]]:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """How one architecture meets Hugging Face's: `config_from_hf(config.json dict) -> config`,
-    `config_to_hf(config, dtype name) -> dict`, `tensors(config) -> {leaf path: Tensor}`,
-    `network(config, dtype, grid) -> module` (tokens -> logits), and `ignore`: regular
-    expressions of checkpoint tensors that are not parameters (buffers of old exports)."""
+    """How one architecture meets Hugging Face's.
+
+    Attributes:
+      model_type: the `model_type` of its `config.json`.
+      config_from_hf: `config_from_hf(config.json dict) -> config`.
+      config_to_hf: `config_to_hf(config, dtype name) -> dict`.
+      tensors: `tensors(config) -> {leaf path: Tensor}`.
+      network: `network(config, dtype, grid) -> module` (tokens -> logits).
+      ignore: regular expressions of checkpoint tensors that are not parameters (buffers of
+        old exports).
+    """
 
     model_type: str
     config_from_hf: Callable
@@ -251,16 +337,36 @@ class Family:
     ignore: tuple[str, ...] = ()
 
     def load(self, checkpoint: Checkpoint, abstract, dtype=jnp.float32):
-        """`checkpoint`'s parameters, of `dtype`, shaped and placed like `abstract`
-        (ShapeDtypeStructs with shardings)."""
+        """`checkpoint`'s parameters, of `dtype`, shaped and placed like `abstract`.
+
+        With tied embeddings an output matrix in the files is ignored (as in transformers).
+
+        Args:
+          checkpoint: the opened directory.
+          abstract: the parameter tree as ShapeDtypeStructs with shardings.
+          dtype: the parameters' dtype.
+
+        Returns:
+          The parameter tree (see `Checkpoint.load`).
+        """
         config = self.config_from_hf(checkpoint.config)
         # With tied embeddings an output matrix in the files is not used (as in transformers).
         tied = (r"lm_head\.(weight|kernel)",) if config.tie_embeddings else ()
         return checkpoint.load(self.tensors(config), abstract, dtype, ignore=self.ignore + tied)
 
     def from_pretrained(self, path, mesh=None, dtype=jnp.float32):
-        """(module, params) of the Hugging Face directory `path` (see
-        `axonn_jax.models.llama.from_pretrained`)."""
+        """`(module, params)` of a Hugging Face directory (see `models.llama.from_pretrained`).
+
+        Args:
+          path: the directory.
+          mesh: the mesh to place the parameters on and make the module tensor-parallel over;
+            None: the default device.
+          dtype: the module's and the parameters' dtype.
+
+        Returns:
+          `(module, params)`: the network (tensor-parallel when `mesh` has tensor axes of more
+          than one device) and its parameters, placed as `shardings` says.
+        """
         checkpoint = Checkpoint(path)
         config = self.config_from_hf(checkpoint.config)
         module = self.network(config, dtype, grid_of(mesh))
@@ -268,8 +374,15 @@ class Family:
         return parallel_module(module, mesh), params
 
     def to_pretrained(self, module, params, path, dtype=None, max_shard_bytes: int = 5 * 2**30):
-        """Write `params` of `module` (whose `.config` is this family's) as a Hugging Face
-        directory (see `save`)."""
+        """Write `params` of `module` as a Hugging Face directory (see `save`).
+
+        Args:
+          module: a module whose `.config` is this family's.
+          params: its parameters.
+          path: the directory to write.
+          dtype: the dtype to store; None: the first parameter leaf's.
+          max_shard_bytes: the most bytes of one safetensors shard.
+        """
         config = module.config
         save(path, self.tensors(config), params, lambda d: self.config_to_hf(config, d), dtype,
              max_shard_bytes)
@@ -278,6 +391,14 @@ class Family:
 # ----------------------------------------------------------------------------- placement
 
 def grid_of(mesh) -> ParallelConfig | None:
+    """The grid of `mesh`.
+
+    Args:
+      mesh: a mesh of this package's axes, or None.
+
+    Returns:
+      Its `ParallelConfig`, or None without a mesh.
+    """
     return None if mesh is None else config_of(mesh)
 
 
@@ -286,17 +407,34 @@ def _tensor_parallel(mesh) -> bool:
 
 
 def parallel_module(module, mesh):
-    """`module` made tensor-parallel on `mesh` (unchanged without one, or when its tensor axes
-    hold one device)."""
+    """`module` made tensor-parallel on `mesh` (`axonn_jax.parallelize`).
+
+    Args:
+      module: a linen module.
+      mesh: a mesh, or None.
+
+    Returns:
+      The parallelized module; `module` unchanged without a mesh, or when its tensor axes
+      (`depth`, `row`, `col`) hold one device.
+    """
     from ..tp.parallelize import parallelize
 
     return parallelize(module, mesh) if _tensor_parallel(mesh) else module
 
 
 def shardings(module, mesh, max_seq_len: int):
-    """ShapeDtypeStructs (with shardings) of a language model's parameters: split over the tensor
-    axes as `axonn_jax.parallelize` lays them out, replicated over the others; on the default
-    device without a mesh. `module`: a linen `tokens -> logits` module."""
+    """ShapeDtypeStructs (with shardings) of a language model's parameters.
+
+    Args:
+      module: a linen `tokens -> logits` module.
+      mesh: the mesh to place them on, or None.
+      max_seq_len: the model's longest sequence (the traced input is at most 8 tokens).
+
+    Returns:
+      The parameter tree as ShapeDtypeStructs, split over the tensor axes (`depth`, `row`,
+      `col`) as `axonn_jax.parallelize` lays them out and replicated over the others; on the
+      default device without a mesh.
+    """
     parallel = parallel_module(module, mesh)
     rows = 1 if mesh is None else mesh.shape["depth"]
     tokens = jax.ShapeDtypeStruct((rows, min(8, max_seq_len)), jnp.int32)
@@ -337,11 +475,25 @@ def _hf_tensors(tensors: dict[tuple[str, ...], Tensor]):
 
 def save(path, tensors: dict[tuple[str, ...], Tensor], params, make_config: Callable[[str], dict],
          dtype=None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `params` as a Hugging Face directory in the PyTorch layout: `config.json`
-    (`make_config(dtype name)`) and the tensors, in one `model.safetensors` or in shards of at
-    most `max_shard_bytes` (a tensor larger than that gets a shard of its own) with an index.
+    """Write `params` as a Hugging Face directory in the PyTorch layout.
+
+    The directory gets `config.json` and the tensors, in one `model.safetensors` or in shards of
+    at most `max_shard_bytes` (a tensor larger than that gets a shard of its own) with an index.
     Every process must call it (gathering a multi-process array is collective); process 0
-    writes."""
+    writes.
+
+    Args:
+      path: the directory to write (created if needed).
+      tensors: `{leaf path: Tensor}` for every leaf of `params`.
+      params: the parameter tree.
+      make_config: `make_config(dtype name) -> config.json dict`.
+      dtype: the dtype to store; None: the first parameter leaf's.
+      max_shard_bytes: the most bytes of one shard.
+
+    Raises:
+      ValueError: the leaves of `params` do not match `tensors` (naming the missing and the
+        unexpected ones).
+    """
     save_file = _require("safetensors.numpy").save_file
     flat = traverse_util.flatten_dict(params)
     if set(flat) != set(tensors):

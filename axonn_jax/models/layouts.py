@@ -12,9 +12,17 @@ from ..tp.parallelize import transpose_plan
 
 
 def part_layouts(model: StackedModel, batch) -> tuple[dict[str, bool], ...]:
-    """`{dense or convolution layer path: transpose}` that `parallelize` chooses for each part of
-    a linen `model` (embedding, block, head), traced abstractly on one device from `batch`
-    (ShapeDtypeStructs)."""
+    """The `{layer path: transpose}` that `parallelize` chooses for each part of a linen model.
+
+    Traced abstractly on one device.
+
+    Args:
+      model: the model's `StackedModel` (its embedding, block and head).
+      batch: a batch as ShapeDtypeStructs.
+
+    Returns:
+      `(embedding's, block's, head's)`, each `{dense or convolution layer path: transpose}`.
+    """
     mesh = make_mesh(ParallelConfig(), jax.devices()[:1])
     zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)  # noqa: E731
     batch = zeros(batch)

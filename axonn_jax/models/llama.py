@@ -43,9 +43,12 @@ from .gpt import check_length, cross_entropy, output_logits
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Hugging Face's `rope_scaling` of the kinds supported: `'llama3'` (Llama 3.1's frequency
-    scaling: low frequencies divided by `factor`, high ones kept, a smooth blend between) and
-    `'linear'` (every frequency divided by `factor`, i.e. positions interpolated)."""
+    """Hugging Face's `rope_scaling` of the kinds supported (`'llama3'`, `'linear'`).
+
+    `'llama3'`: Llama 3.1's frequency scaling (low frequencies divided by `factor`, high ones
+    kept, a smooth blend between); `'linear'`: every frequency divided by `factor`, i.e.
+    positions interpolated. Another `kind` raises ValueError.
+    """
 
     kind: str
     factor: float
@@ -61,9 +64,15 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Shape of a Llama. `num_kv_heads` defaults to `num_heads` (multi-head attention; 1 is
-    multi-query), `head_dim` to `d_model // num_heads`. `hf_config`: the Hugging Face
-    `config.json` this came from (JSON text), whose other fields `to_pretrained` keeps."""
+    """Shape of a Llama.
+
+    Attributes:
+      num_kv_heads: key/value heads; 0 (the default) means `num_heads` (multi-head attention;
+        1 is multi-query).
+      head_dim: features of one head; 0 (the default) means `d_model // num_heads`.
+      hf_config: the Hugging Face `config.json` this came from (JSON text), whose other fields
+        `to_pretrained` keeps.
+    """
 
     num_layers: int
     d_model: int
@@ -99,40 +108,75 @@ class LlamaConfig:
 
     @property
     def q_features(self) -> int:
+        """Query features of a token (`num_heads · head_dim`)."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_features(self) -> int:
+        """Key (= value) features of a token (`num_kv_heads · head_dim`)."""
         return self.num_kv_heads * self.head_dim
 
     def num_params(self) -> int:
-        """Parameter count (embedding, blocks, final norm and the output head unless tied)."""
+        """Parameter count (embedding, blocks, final norm and the output head unless tied).
+
+        Returns:
+          The number of parameters of the whole model.
+        """
         d, f, v = self.d_model, self.d_ff, self.vocab_size
         block = 2 * d * self.q_features + 2 * d * self.kv_features + 3 * d * f + 2 * d
         head = 0 if self.tie_embeddings else d * v
         return v * d + self.num_layers * block + d + head
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward = 3× forward), attention scores included."""
+        """Training FLOPs per token (forward + backward = 3× forward), attention scores included.
+
+        Args:
+          seq_len: tokens per sequence (what the attention scores grow with).
+
+        Returns:
+          The dense layers' and the head's matmul FLOPs, times 3, plus `score_flops_per_token`.
+        """
         d, L = self.d_model, self.num_layers
         per_layer = 2 * d * self.q_features + 2 * d * self.kv_features + 3 * d * self.d_ff
         return 3 * (2 * per_layer * L + 2 * d * self.vocab_size) + self.score_flops_per_token(seq_len)
 
     def score_flops_per_token(self, seq_len: int) -> int:
-        """Of `flops_per_token`, the attention core's (every score of the sequence computed: the
-        scores and the weighted values, 2 matmuls of `2·seq·q_features` a layer, times 3)."""
+        """Of `flops_per_token`, the attention core's, every score of the sequence computed.
+
+        The scores and the weighted values: 2 matmuls of `2·seq·q_features` a layer, times 3.
+
+        Args:
+          seq_len: tokens per sequence.
+
+        Returns:
+          The attention core's training FLOPs per token.
+        """
         return 3 * 2 * 2 * seq_len * self.q_features * self.num_layers
 
     def replicate_kv(self, grid: ParallelConfig | None) -> bool:
-        """Whether the key/value projections stay whole over `row` on `grid` (their heads do not
-        divide over it)."""
+        """Whether the key/value projections stay whole over `row` on `grid`.
+
+        Args:
+          grid: the parallel grid, or None (no grid: never).
+
+        Returns:
+          True when `num_kv_heads` does not divide over `grid.row`.
+        """
         return grid is not None and self.num_kv_heads % grid.row != 0
 
     def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
-        """The communicating parts on `grid` (`models.decoder`): the query projection, the
-        key/value projections (sharing its input gather, or `KeyValueReplicated` when
-        `replicate_kv`), the attention output, the gate and up projections (one input gather),
-        the down projection, the head; RMSNorms, no biases."""
+        """The communicating parts on `grid` (`models.decoder`).
+
+        The query projection, the key/value projections (sharing its input gather, or
+        `KeyValueReplicated` when `replicate_kv`), the attention output, the gate and up
+        projections (one input gather), the down projection, the head; RMSNorms, no biases.
+
+        Args:
+          grid: the parallel grid (its `pipe` sets the blocks of one stage).
+
+        Returns:
+          The `decoder.DecoderShape` of this model on `grid`.
+        """
         d, q, kv, f = self.d_model, self.q_features, self.kv_features, self.d_ff
         n = self.num_layers // grid.pipe
         rep = self.replicate_kv(grid)
@@ -151,16 +195,31 @@ class LlamaConfig:
                                     tied=self.tie_embeddings, kv_features=kv)
 
     def communication(self, step: StepShape) -> ModelCommunication:
-        """What one train step communicates (`collectives.ModelCommunication`)."""
+        """What one train step communicates (`collectives.ModelCommunication`).
+
+        Args:
+          step: the train step's shape (grid, batch, sequence length).
+
+        Returns:
+          `decoder.communication` of `shape(step.grid)` with this model's FLOPs.
+        """
         tokens = step.batch * step.seq_len
         return decoder.communication(self.shape(step.grid), step,
                                      self.flops_per_token(step.seq_len) * tokens,
                                      self.score_flops_per_token(step.seq_len) * tokens)
 
     def check_grid(self, grid: ParallelConfig) -> None:
-        """Raise ValueError naming the numbers unless the tensor-parallel layers split evenly on
-        `grid` (see `GPTConfig.check_grid`); key/value heads that do not divide over `row` are
-        replicated instead."""
+        """Raise ValueError naming the numbers unless the model's dimensions split evenly on `grid`.
+
+        The tensor-parallel layers must split evenly (see `GPTConfig.check_grid`); key/value
+        heads that do not divide over `row` are replicated instead.
+
+        Args:
+          grid: the parallel grid.
+
+        Raises:
+          ValueError: a dimension does not divide over its axes (the message names the numbers).
+        """
         check_divisible("d_model", self.d_model, ("col", "depth"), grid)
         check_divisible("d_model", self.d_model, ("row", "depth"), grid)
         check_divisible("num_heads", self.num_heads, ("row",), grid)
@@ -171,8 +230,9 @@ class LlamaConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KeyValueReplicated:
-    """The collectives and parameter shards of `ReplicatedDense` key/value projections
-    (`collectives.Part`), `count` of `fan_in` → `fan_out` in each of the `layers` blocks one
+    """The collectives and parameter shards of `ReplicatedDense` key/value projections.
+
+    A `collectives.Part`: `count` of `fan_in` → `fan_out` in each of the `layers` blocks one
     device holds, as GSPMD lays them out (measured in tests/test_comm_model.py): the query heads'
     split over `row` factors into a split of the `kv_heads` key/value heads over `r = gcd(kv_heads,
     row)` devices and of each group's query heads over `row / r`, and the projections follow it:
@@ -180,7 +240,8 @@ class KeyValueReplicated:
     `col`; backward, the attention's key/value gradients summed over the `row / r` devices sharing
     a head, the input gradient over the `r` devices holding different heads; the kernel's
     gradient, computed in `r` pieces, is all-gathered to the kernel's layout before the update
-    (`step.train_step` lays gradients out like their parameters)."""
+    (`step.train_step` lays gradients out like their parameters).
+    """
 
     fan_in: int
     fan_out: int
@@ -189,6 +250,7 @@ class KeyValueReplicated:
     layers: int
 
     def collectives(self, step: StepShape) -> list[Collective]:
+        """The projections' collectives in one step (see the class docstring)."""
         g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
         per_stage = self.count * self.layers
         r = math.gcd(self.kv_heads, g.row)
@@ -215,8 +277,10 @@ class KeyValueReplicated:
         return out
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
-        """The kernels, split over col·depth only; the data-parallel exchange reduces each
-        device's `1/r` piece of its gradient (see the class docstring)."""
+        """The kernels, split over col·depth only (see the class docstring).
+
+        The data-parallel exchange reduces each device's `1/r` piece of its gradient.
+        """
         g = step.grid
         r = math.gcd(self.kv_heads, g.row)
         elements = self.layers * self.fan_in * self.fan_out / (g.col * g.depth)
@@ -263,8 +327,17 @@ PRESETS: dict[str, LlamaConfig] = {
 # ----------------------------------------------------------------------------- rotary embeddings
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """The `head_dim / 2` rotation frequencies (radians per position), float64: `theta^(-2i/d)`,
-    rescaled as `scaling` says (Hugging Face's `rope_scaling` rules)."""
+    """The `head_dim / 2` rotary rotation frequencies (radians per position), float64.
+
+    Args:
+      head_dim: features of one head (even).
+      theta: the rotary base.
+      scaling: Hugging Face's `rope_scaling`, or None.
+
+    Returns:
+      `theta^(-2i/head_dim)` for `i < head_dim / 2`, rescaled as `scaling` says (Hugging Face's
+      `rope_scaling` rules); shape `(head_dim / 2,)`.
+    """
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv_freq
@@ -283,18 +356,41 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float,
                 scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(cos, sin), each `(seq_len, head_dim)` float32, for positions `0..seq_len-1`; both halves
-    of the head dimension repeat the frequencies (the "rotate half" layout of Hugging Face
-    checkpoints). Angles are rounded to float32 before the cosine, as Hugging Face's are."""
+    """The rotary `(cos, sin)` tables for positions `0..seq_len-1`.
+
+    Both halves of the head dimension repeat the frequencies (the "rotate half" layout of
+    Hugging Face checkpoints). Angles are rounded to float32 before the cosine, as Hugging
+    Face's are.
+
+    Args:
+      seq_len: the number of positions.
+      head_dim: features of one head (even).
+      theta: the rotary base.
+      scaling: Hugging Face's `rope_scaling`, or None.
+
+    Returns:
+      `(cos, sin)`, each a `(seq_len, head_dim)` float32 numpy array.
+    """
     freqs = np.outer(np.arange(seq_len, dtype=np.float64), rope_frequencies(head_dim, theta, scaling))
     angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float32).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def rope_at(positions, head_dim: int, theta: float, scaling: RopeScaling | None = None):
-    """(cos, sin), each `(rows, seq, head_dim)` float32, at integer `positions (rows, seq)` (true
-    positions: packed documents, the context layout); angles computed in float32 as Hugging
-    Face's are (`rope_tables` rounds float64 ones: the two agree to float32 rounding)."""
+    """The rotary `(cos, sin)` at integer true positions (packed documents, the context layout).
+
+    Angles are computed in float32 as Hugging Face's are (`rope_tables` rounds float64 ones:
+    the two agree to float32 rounding).
+
+    Args:
+      positions: integer positions, shape `(rows, seq)`.
+      head_dim: features of one head (even).
+      theta: the rotary base.
+      scaling: Hugging Face's `rope_scaling`, or None.
+
+    Returns:
+      `(cos, sin)`, each `(rows, seq, head_dim)` float32.
+    """
     freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling), jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * freqs
     angles = jnp.concatenate([angles, angles], axis=-1)
@@ -302,8 +398,16 @@ def rope_at(positions, head_dim: int, theta: float, scaling: RopeScaling | None 
 
 
 def apply_rope(x, cos, sin):
-    """Rotate `x (batch, seq, heads, head_dim)` by position: `x·cos + rotate_half(x)·sin`, with
-    cos/sin `(seq, head_dim)` or `(batch, seq, head_dim)`."""
+    """Rotate `x` by position: `x·cos + rotate_half(x)·sin`.
+
+    Args:
+      x: queries or keys, shape `(batch, seq, heads, head_dim)`.
+      cos: shape `(seq, head_dim)` or `(batch, seq, head_dim)` (cast to x's dtype).
+      sin: shaped like `cos`.
+
+    Returns:
+      The rotated `x`, same shape and dtype.
+    """
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = (jnp.asarray(a, x.dtype) for a in (cos, sin))
@@ -319,11 +423,13 @@ leave out (norm outputs, rotary embeddings, softmax, SiLU, residual sums) is che
 
 
 class ReplicatedDense(nn.Module):
-    """A bias-free dense layer `x (..., in) -> (..., features)` that `axonn_jax.parallelize` leaves
-    alone (it is not an `nn.Dense`): its kernel `(in, features)` is split over `col`·`depth` on
+    """A bias-free dense layer `x (..., in) -> (..., features)` that `parallelize` leaves alone.
+
+    It is not an `nn.Dense`: its kernel `(in, features)` is split over `col`·`depth` on
     `in` only, so its output is whole on every `row` device, and GSPMD lays out the matmul and
     sums the kernel's gradient over the devices that used it. For key/value projections whose
-    heads do not divide over `row`. Same parameter (`kernel`) and initializer as `nn.Dense`."""
+    heads do not divide over `row`. Same parameter (`kernel`) and initializer as `nn.Dense`.
+    """
 
     features: int
     dtype: Any = jnp.float32
@@ -350,15 +456,21 @@ class Embedding(nn.Module):
         return self.tokens(batch["inputs"])
 
     def table(self):
-        """The token table `(vocab, d_model)` (what a tied head multiplies by)."""
+        """The token table `(vocab, d_model)` (what a tied head multiplies by).
+
+        Returns:
+          The `tokens` embedding matrix, shape `(vocab_size, d_model)`.
+        """
         return self.tokens.embedding
 
 
 class Block(nn.Module):
-    """One Llama block: `x + attn(norm(x))`, then `+ mlp(norm(·))`. `x: (batch, seq, d_model)`.
+    """One Llama block: `x + attn(norm(x))`, then `+ mlp(norm(·))`; `x (batch, seq, d_model)`.
+
     `replicate_kv`: key/value projections as `ReplicatedDense` (see the module docstring).
     `segment_ids`, `positions` `(batch, seq)`: see `attention.causal_attention` (None: one
-    document, positions in order); rotary embeddings turn by the true positions."""
+    document, positions in order); rotary embeddings turn by the true positions.
+    """
 
     config: LlamaConfig
     dtype: Any = jnp.float32
@@ -392,8 +504,17 @@ class Block(nn.Module):
             return self.mlp(x, norm("mlp_norm")(x))
 
     def mlp(self, x, h):
-        """The block's second half, `x + SwiGLU(h)` with `h = mlp_norm(x)`; a subclass may put
-        another feed-forward layer here (`models.mixtral`)."""
+        """The block's second half, `x + SwiGLU(h)` with `h = mlp_norm(x)`.
+
+        A subclass may put another feed-forward layer here (`models.mixtral`).
+
+        Args:
+          x: the residual stream, shape `(batch, seq, d_model)`.
+          h: `mlp_norm(x)`, same shape.
+
+        Returns:
+          The block's output, shape `(batch, seq, d_model)`.
+        """
         c = self.config
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         gate = checkpoint_name(dense(c.d_ff, "gate_proj")(h), "mlp_gate")
@@ -402,11 +523,14 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """Final RMSNorm and output layer: `__call__(x, batch)` is the mean token cross-entropy
+    """Final RMSNorm and output layer.
+
+    `__call__(x, batch)` is the mean token cross-entropy
     against `batch['targets']`, `logits(x)` the `(b, t, vocab)` float32 logits. With
     `tie_embeddings` the output layer is the token table: `logits(x, table)`, and
     `__call__(x, batch, embed_params)`. `replicate_kv`: the blocks' (the output layer keeps their
-    layout)."""
+    layout).
+    """
 
     config: LlamaConfig
     dtype: Any = jnp.float32
@@ -418,6 +542,15 @@ class Head(nn.Module):
             self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype)
 
     def logits(self, x, table=None):
+        """The float32 logits of the final-normed activations (see `gpt.output_logits`).
+
+        Args:
+          x: the last block's output, shape `(b, t, d_model)`.
+          table: the token table `(vocab, d_model)` with tied embeddings, else None.
+
+        Returns:
+          float32 logits, shape `(b, t, vocab)`.
+        """
         with replicated_rows(self.replicate_kv):
             return output_logits(self, self.norm(x), table)
 
@@ -454,8 +587,17 @@ class Llama(nn.Module):
 
 
 def stacked(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
-    """The Llama as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`), for `grid`
-    (which decides whether key/value projections are replicated over `row`)."""
+    """The Llama as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`).
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: the grid it will run on, which decides whether key/value projections are replicated
+        over `row` (`LlamaConfig.replicate_kv`); None: not.
+
+    Returns:
+      A `StackedModel` of `Embedding`, `Block` and `Head`, `config.num_layers` blocks.
+    """
     rep = config.replicate_kv(grid)
     return StackedModel(Embedding(config, dtype), Block(config, dtype, rep), Head(config, dtype, rep),
                         config.num_layers, offload_names=ACTIVATION_NAMES,
@@ -464,7 +606,17 @@ def stacked(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None 
 
 
 def network(config: LlamaConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> Llama:
-    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree."""
+    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree.
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: the grid it will run on (as in `stacked`); None: key/value projections not
+        replicated.
+
+    Returns:
+      A `Llama` module.
+    """
     return Llama(config, dtype, config.replicate_kv(grid))
 
 
@@ -496,8 +648,18 @@ _IGNORED = (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",)  # a buffer
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
-    """A `LlamaConfig` from a Hugging Face Llama `config.json` dict; ValueError naming what does
-    not match (architecture, biases, activation, unsupported `rope_scaling`)."""
+    """A `LlamaConfig` from a Hugging Face Llama `config.json` dict.
+
+    Args:
+      cfg: the parsed `config.json`.
+
+    Returns:
+      The `LlamaConfig`, whose `hf_config` keeps `cfg` as JSON text.
+
+    Raises:
+      ValueError: naming what does not match (architecture, biases, activation,
+        `pretraining_tp`, unsupported `rope_scaling`).
+    """
     hf.expect(cfg, "model_type", ("llama",))
     hf.expect(cfg, "hidden_act", ("silu",))
     for flag in ("attention_bias", "mlp_bias"):
@@ -533,7 +695,15 @@ def _rope_scaling(spec: dict | None) -> RopeScaling | None:
 
 
 def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
-    """The Hugging Face `config.json` dict of `config` (the source's other fields kept)."""
+    """The Hugging Face `config.json` dict of `config` (the source's other fields kept).
+
+    Args:
+      config: the model's shape (its `hf_config` gives the fields kept).
+      dtype: the `torch_dtype` to record, e.g. `"bfloat16"`.
+
+    Returns:
+      The `config.json` contents as a dict.
+    """
     c = config
     scaling = None
     if c.rope_scaling is not None:
@@ -558,22 +728,40 @@ HF = hf.Family("llama", config_from_hf, config_to_hf, _tensors, network, _IGNORE
 
 
 def from_pretrained(path, mesh=None, dtype=jnp.float32):
-    """Read the Hugging Face Llama directory `path` (`config.json`, `model.safetensors` or a
-    sharded `model.safetensors.index.json`; PyTorch or Flax tensor layout).
+    """Read a Hugging Face Llama directory as a module and its parameters.
 
-    Returns `(module, params)`: `module.apply({'params': params}, tokens)` gives the logits
-    `(batch, seq, vocab)` float32, computed in `dtype`; `params` (in `dtype`) have the tree of
-    `stacked(module.config)`, the trainer's model. With `mesh` (axes `data, pipe, depth, row,
-    col`, see `make_mesh`) the module is tensor-parallel on its `depth, row, col` axes and each
-    process reads from the files only the slices its devices hold; without it, one device holds
-    the model. ValueError names what does not match (architecture, shapes, missing tensors).
+    With `mesh` (axes `data, pipe, depth, row, col`, see `make_mesh`) the module is
+    tensor-parallel on its `depth, row, col` axes and each process reads from the files only the
+    slices its devices hold; without it, one device holds the model.
+
+    Args:
+      path: the directory (`config.json`, `model.safetensors` or a sharded
+        `model.safetensors.index.json`; PyTorch or Flax tensor layout).
+      mesh: the mesh to place the parameters on, or None.
+      dtype: the dtype the module computes in and the parameters are stored in.
+
+    Returns:
+      `(module, params)`: `module.apply({'params': params}, tokens)` gives the logits
+      `(batch, seq, vocab)` float32, computed in `dtype`; `params` (in `dtype`) have the tree of
+      `stacked(module.config)`, the trainer's model.
+
+    Raises:
+      ValueError: naming what does not match (architecture, shapes, missing tensors).
     """
     return HF.from_pretrained(path, mesh, dtype)
 
 
 def to_pretrained(module: Llama, params, path, dtype=None, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `params` (the tree of `module`, a `Llama`, or of `stacked(module.config)`) as a
-    Hugging Face directory at `path`: `config.json` and `model.safetensors` in the PyTorch layout
-    (sharded with an index above `max_shard_bytes`), which `transformers` loads. dtype: the
-    tensors' dtype (default: the parameters'). Every process must call it; process 0 writes."""
+    """Write `params` as a Hugging Face directory that `transformers` loads.
+
+    The directory gets `config.json` and `model.safetensors` in the PyTorch layout. Every
+    process must call it; process 0 writes.
+
+    Args:
+      module: a `Llama` (its `config` names the shape).
+      params: the tree of `module`, or of `stacked(module.config)`.
+      path: the directory to write.
+      dtype: the tensors' dtype; None: the parameters'.
+      max_shard_bytes: above this, the tensors are sharded over several files with an index.
+    """
     HF.to_pretrained(module, params, path, dtype, max_shard_bytes)

@@ -41,8 +41,10 @@ from .moe import MoE, MoEConfig, MoELayers
 
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(llama.LlamaConfig):
-    """A `LlamaConfig` whose MLP is a mixture of experts: `d_ff` is one expert's hidden width;
-    the other fields are `MoEConfig`'s (`moe` gives it)."""
+    """A `LlamaConfig` whose MLP is a mixture of experts.
+
+    `d_ff` is one expert's hidden width; the other fields are `MoEConfig`'s (`moe` gives it).
+    """
 
     num_experts: int = 8
     top_k: int = 2
@@ -60,25 +62,49 @@ class MixtralConfig(llama.LlamaConfig):
 
     @property
     def moe(self) -> MoEConfig:
+        """The `MoEConfig` of every block's mixture of experts (checks its fields)."""
         return MoEConfig(self.num_experts, self.top_k, self.d_ff, self.score, self.renormalize,
                          self.aux_loss_weight, self.z_loss_weight, self.num_shared_experts,
                          self.capacity_factor, self.dispatch_factor)
 
     def num_params(self) -> int:
+        """Parameter count: Llama's, with each block's MLP replaced by the MoE layer's.
+
+        Returns:
+          The number of parameters of the whole model (every expert counted).
+        """
         dense_mlp = 3 * self.d_model * self.d_ff
         return super().num_params() + self.num_layers * (self.moe.num_params(self.d_model)
                                                          - dense_mlp)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward = 3× forward) of the experts a token uses
-        (top_k routed, the shared ones, the router), attention scores included."""
+        """Training FLOPs per token (forward + backward = 3× forward), attention scores included.
+
+        The MLP's FLOPs are those of the experts a token uses (top_k routed, the shared ones,
+        the router).
+
+        Args:
+          seq_len: tokens per sequence (what the attention scores grow with).
+
+        Returns:
+          The training FLOPs of one token.
+        """
         extra = self.moe.active_params(self.d_model) - 3 * self.d_model * self.d_ff
         return super().flops_per_token(seq_len) + 3 * 2 * self.num_layers * extra
 
     def shape(self, grid: ParallelConfig) -> decoder.DecoderShape:
-        """The communicating parts on `grid` (`models.decoder`): Llama's attention, norms and
-        head; instead of its MLP the MoE layers (`models.moe.MoELayers`) and the shared experts'
-        tensor-parallel gate/up and down projections."""
+        """The communicating parts on `grid` (`models.decoder`).
+
+        Llama's attention, norms and head; instead of its MLP the MoE layers
+        (`models.moe.MoELayers`) and the shared experts' tensor-parallel gate/up and down
+        projections.
+
+        Args:
+          grid: the parallel grid (its `pipe` sets the blocks of one stage).
+
+        Returns:
+          The `decoder.DecoderShape` of this model on `grid`, the MoE layers in its `parts`.
+        """
         base = super().shape(grid)
         n, d, f = self.num_layers // grid.pipe, self.d_model, self.num_shared_experts * self.d_ff
         shared = (DenseLayer("shared_in", d, f, False, 2, n, bias=False, gathers=1,
@@ -90,8 +116,16 @@ class MixtralConfig(llama.LlamaConfig):
                                    metrics=moe.metrics())
 
     def communication(self, step: StepShape) -> ModelCommunication:
-        """What one train step communicates (`collectives.ModelCommunication`), with the FLOPs
-        the compiled experts run (`MoELayers.routed_flops`) beside the ideal ones."""
+        """What one train step communicates (`collectives.ModelCommunication`).
+
+        Args:
+          step: the train step's shape (grid, batch, sequence length).
+
+        Returns:
+          `decoder.communication` of `shape(step.grid)`, with the FLOPs the compiled experts
+          run (`MoELayers.routed_flops`) beside the ideal ones (`executed_flops`,
+          `expert_flops`).
+        """
         shape = self.shape(step.grid)
         flops = self.flops_per_token(step.seq_len) * (step.batch * step.seq_len)
         ideal = MoELayers(self.moe, self.d_model, self.num_layers).ideal_flops(
@@ -107,9 +141,17 @@ class MixtralConfig(llama.LlamaConfig):
                                    expert_flops=executed)
 
     def check_grid(self, grid: ParallelConfig) -> None:
-        """ValueError naming the numbers unless attention splits over the tensor axes (as in
-        `LlamaConfig.check_grid`; the experts are not tensor-parallel) and the experts over the
-        `expert` axis."""
+        """Raise ValueError naming the numbers unless the model splits evenly on `grid`.
+
+        Attention must split over the tensor axes (as in `LlamaConfig.check_grid`; the experts
+        are not tensor-parallel) and the experts over the `expert` axis.
+
+        Args:
+          grid: the parallel grid.
+
+        Raises:
+          ValueError: a dimension does not divide over its axes (the message names the numbers).
+        """
         check_divisible("d_model", self.d_model, ("col", "depth"), grid)
         check_divisible("d_model", self.d_model, ("row", "depth"), grid)
         check_divisible("num_heads", self.num_heads, ("row",), grid)
@@ -143,12 +185,23 @@ PRESETS: dict[str, MixtralConfig] = {
 # ----------------------------------------------------------------------------- modules
 
 class Block(llama.Block):
-    """One Mixtral block: `x + attn(norm(x))`, then `+ moe(norm(·))`; returns `(x, aux)`
-    (`models.moe.MoE`'s aux). `x: (batch, seq, d_model)`."""
+    """One Mixtral block: `x + attn(norm(x))`, then `+ moe(norm(·))`; returns `(x, aux)`.
+
+    `x (batch, seq, d_model)`; `aux` is `models.moe.MoE`'s.
+    """
 
     config: MixtralConfig
 
     def mlp(self, x, h):
+        """The block's second half, `x + MoE(h)` with `h = mlp_norm(x)`.
+
+        Args:
+          x: the residual stream, shape `(batch, seq, d_model)`.
+          h: `mlp_norm(x)`, same shape.
+
+        Returns:
+          `(x + y, aux)`: the block's output `(batch, seq, d_model)` and `MoE`'s aux dict.
+        """
         y, aux = MoE(self.config.moe, self.dtype, name="moe")(h)
         return x + y, aux
 
@@ -161,8 +214,10 @@ class ScannedBlock(Block):
 
 
 class Mixtral(nn.Module):
-    """Mixtral language model. `tokens: (batch, seq) int32` -> logits `(batch, seq, vocab)`
-    float32, and with `return_aux` each layer's aux (leaves with a leading layer axis)."""
+    """Mixtral language model: `tokens (batch, seq) int32` -> logits `(batch, seq, vocab)` float32.
+
+    With `return_aux` it also returns each layer's aux (leaves with a leading layer axis).
+    """
 
     config: MixtralConfig
     dtype: Any = jnp.float32
@@ -188,8 +243,17 @@ ACTIVATION_NAMES = ("q", "k", "v", "attn", "attn_proj")
 
 def stacked(config: MixtralConfig, dtype=jnp.float32,
             grid: ParallelConfig | None = None) -> StackedModel:
-    """The model as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`); its block
-    returns `(x, aux)`."""
+    """The model as the trainer's `StackedModel` (batches `{'inputs', 'targets'}`).
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: the grid it will run on, which decides whether key/value projections are replicated
+        over `row` (`LlamaConfig.replicate_kv`); None: not.
+
+    Returns:
+      A `StackedModel` of Llama's embedding and head around `Block`s that return `(x, aux)`.
+    """
     rep = config.replicate_kv(grid)
     return StackedModel(llama.Embedding(config, dtype), Block(config, dtype, rep),
                         llama.Head(config, dtype, rep), config.num_layers,
@@ -198,7 +262,17 @@ def stacked(config: MixtralConfig, dtype=jnp.float32,
 
 
 def network(config: MixtralConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> Mixtral:
-    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree."""
+    """The whole model as one module, `tokens -> logits`, with `stacked`'s parameter tree.
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: the grid it will run on (as in `stacked`); None: key/value projections not
+        replicated.
+
+    Returns:
+      A `Mixtral` module.
+    """
     return Mixtral(config, dtype, config.replicate_kv(grid))
 
 
@@ -226,8 +300,18 @@ def _tensors(config: MixtralConfig) -> dict[tuple[str, ...], hf.Tensor]:
 
 
 def config_from_hf(cfg: dict) -> MixtralConfig:
-    """A `MixtralConfig` from a Hugging Face Mixtral `config.json` dict; ValueError naming what
-    is not supported (a sliding window shorter than the context, router jitter, ...)."""
+    """A `MixtralConfig` from a Hugging Face Mixtral `config.json` dict.
+
+    Args:
+      cfg: the parsed `config.json`.
+
+    Returns:
+      The `MixtralConfig`, whose `hf_config` keeps `cfg` as JSON text.
+
+    Raises:
+      ValueError: naming what is not supported (a sliding window shorter than the context,
+        router jitter, and what `llama.config_from_hf` refuses).
+    """
     hf.expect(cfg, "model_type", ("mixtral",))
     hf.expect(cfg, "hidden_act", ("silu",))
     window = cfg.get("sliding_window")
@@ -246,7 +330,15 @@ def config_from_hf(cfg: dict) -> MixtralConfig:
 
 
 def config_to_hf(config: MixtralConfig, dtype: str) -> dict:
-    """The Hugging Face `config.json` dict of `config` (the source's other fields kept)."""
+    """The Hugging Face `config.json` dict of `config` (the source's other fields kept).
+
+    Args:
+      config: the model's shape (its `hf_config` gives the fields kept).
+      dtype: the `torch_dtype` to record, e.g. `"bfloat16"`.
+
+    Returns:
+      The `config.json` contents as a dict (`MixtralForCausalLM`).
+    """
     out = llama.config_to_hf(config, dtype)
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key)
@@ -260,13 +352,34 @@ HF = hf.Family("mixtral", config_from_hf, config_to_hf, _tensors, network)
 
 
 def from_pretrained(path, mesh=None, dtype=jnp.float32):
-    """Read the Hugging Face Mixtral directory `path`; `(module, params)` as
-    `models.llama.from_pretrained` returns them (`module` a `Mixtral`)."""
+    """Read a Hugging Face Mixtral directory as a module and its parameters.
+
+    Args:
+      path: the directory.
+      mesh: the mesh to place the parameters on, or None (see `models.llama.from_pretrained`).
+      dtype: the dtype the module computes in and the parameters are stored in.
+
+    Returns:
+      `(module, params)` as `models.llama.from_pretrained` returns them (`module` a `Mixtral`).
+    """
     return HF.from_pretrained(path, mesh, dtype)
 
 
 def to_pretrained(module: Mixtral, params, path, dtype=None,
                   max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `params` of `module` (a `Mixtral`) as a Hugging Face Mixtral directory at `path` (see
-    `models.llama.to_pretrained`)."""
+    """Write `params` of `module` as a Hugging Face Mixtral directory.
+
+    See `models.llama.to_pretrained`.
+
+    Args:
+      module: a `Mixtral` (its `config` names the shape).
+      params: its parameters, or those of `stacked(module.config)`.
+      path: the directory to write.
+      dtype: the tensors' dtype; None: the parameters'.
+      max_shard_bytes: above this, the tensors are sharded over several files with an index.
+
+    Raises:
+      ValueError: the config is one a Hugging Face Mixtral checkpoint cannot hold (shared
+        experts, sigmoid scores, weights not renormalized).
+    """
     HF.to_pretrained(module, params, path, dtype, max_shard_bytes)

@@ -58,11 +58,16 @@ SCORES = ("softmax", "sigmoid")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Shape and routing of an MoE layer (see the module docstring). `d_ff`: one expert's hidden
-    width. `capacity_factor`: None for dropless, else slots per expert =
-    `ceil(capacity_factor·tokens·top_k/num_experts)`. `dispatch_factor`: dropless over an expert
-    axis of n devices, rows sent to each device = `ceil(dispatch_factor·tokens·top_k/n)` (None:
-    every row could go to one device, nothing is dropped)."""
+    """Shape and routing of an MoE layer (see the module docstring).
+
+    Attributes:
+      d_ff: one expert's hidden width.
+      capacity_factor: None for dropless, else slots per expert =
+        `ceil(capacity_factor·tokens·top_k/num_experts)`.
+      dispatch_factor: dropless over an expert axis of n devices, rows sent to each device =
+        `ceil(dispatch_factor·tokens·top_k/n)` (None: every row could go to one device, nothing
+        is dropped).
+    """
 
     num_experts: int
     top_k: int
@@ -92,18 +97,39 @@ class MoEConfig:
             raise ValueError(f"num_shared_experts = {self.num_shared_experts} must be ≥ 0")
 
     def check_expert_axis(self, expert: int) -> None:
-        """ValueError naming the numbers unless the experts split evenly over `expert` devices."""
+        """Raise ValueError naming the numbers unless the experts split evenly over `expert`.
+
+        Args:
+          expert: devices on the `expert` mesh axis.
+
+        Raises:
+          ValueError: `num_experts` is not divisible by `expert`.
+        """
         if self.num_experts % expert:
             raise ValueError(f"num_experts = {self.num_experts} is not divisible by expert = "
                              f"{expert}")
 
     def num_params(self, d_model: int) -> int:
-        """Parameters of one layer: router, experts, shared experts."""
+        """Parameters of one layer: router, experts, shared experts.
+
+        Args:
+          d_model: the layer's input (= output) features.
+
+        Returns:
+          The number of parameters of one MoE layer.
+        """
         return d_model * self.num_experts + 3 * d_model * self.d_ff * (
             self.num_experts + self.num_shared_experts)
 
     def active_params(self, d_model: int) -> int:
-        """Parameters one token multiplies by: router, top_k experts, shared experts."""
+        """Parameters one token multiplies by: router, top_k experts, shared experts.
+
+        Args:
+          d_model: the layer's input (= output) features.
+
+        Returns:
+          The number of parameters one token's forward pass uses.
+        """
         return d_model * self.num_experts + 3 * d_model * self.d_ff * (
             self.top_k + self.num_shared_experts)
 
@@ -111,9 +137,17 @@ class MoEConfig:
 # ----------------------------------------------------------------------------- router and losses
 
 def route(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(weights (T, k) float32, experts (T, k) int32, probs (T, E) float32)` of router logits
-    `(T, E)`: the top-k scores and their experts (best first), and the routing probabilities the
-    balance loss reads (see the module docstring)."""
+    """The top-k combine weights and experts of each token, and its routing probabilities.
+
+    Args:
+      logits: router logits, shape `(T, E)` (computed in float32).
+      config: the layer's routing (`score`, `top_k`, `renormalize`).
+
+    Returns:
+      `(weights (T, k) float32, experts (T, k) int32, probs (T, E) float32)`: the top-k scores
+      and their experts (best first), and the routing probabilities the balance loss reads (see
+      the module docstring).
+    """
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, -1) if config.score == "softmax" else jax.nn.sigmoid(logits)
     weights, chosen = jax.lax.top_k(scores, config.top_k)
@@ -124,15 +158,30 @@ def route(logits: jax.Array, config: MoEConfig) -> tuple[jax.Array, jax.Array, j
 
 
 def balance_loss(probs: jax.Array, expert_load: jax.Array, num_tokens) -> jax.Array:
-    """`E · Σ_e (expert_load_e / num_tokens) · mean_t probs[t, e]`: probs `(T, E)` of the local
-    tokens, expert_load `(E,)` assignments per expert of the `num_tokens` tokens they count (the
-    whole batch's; no gradient flows through them)."""
+    """The balance loss `E · Σ_e (expert_load_e / num_tokens) · mean_t probs[t, e]`.
+
+    Args:
+      probs: routing probabilities of the local tokens, shape `(T, E)`.
+      expert_load: assignments per expert of the `num_tokens` tokens they count (the whole
+        batch's), shape `(E,)`; no gradient flows through them.
+      num_tokens: the tokens `expert_load` counts.
+
+    Returns:
+      The loss, a float32 scalar (k when routing is uniform).
+    """
     fraction = jax.lax.stop_gradient(expert_load / num_tokens)
     return probs.shape[-1] * jnp.sum(fraction * jnp.mean(probs, 0))
 
 
 def z_loss(logits: jax.Array) -> jax.Array:
-    """Mean over tokens of `logsumexp(logits)²`, logits `(T, E)`."""
+    """The router z-loss: the mean over tokens of `logsumexp(logits)²`.
+
+    Args:
+      logits: router logits, shape `(T, E)` (computed in float32).
+
+    Returns:
+      The loss, a float32 scalar.
+    """
     return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), -1) ** 2)
 
 
@@ -145,10 +194,16 @@ def _expert_init(scale_axis: int):
 
 
 class MoE(nn.Module):
-    """The MoE feed-forward layer: `x (..., d_model) -> (y (..., d_model), aux)` (see the module
-    docstring). `expert_axis`: the mesh axis experts split over when it is manual in the
-    enclosing shard_map; `batch_axes`: the axes that may split the tokens (the routing statistics
-    are summed over those of them the tokens vary over there)."""
+    """The MoE feed-forward layer: `x (..., d_model) -> (y (..., d_model), aux)`.
+
+    See the module docstring.
+
+    Attributes:
+      expert_axis: the mesh axis experts split over when it is manual in the enclosing
+        shard_map.
+      batch_axes: the axes that may split the tokens (the routing statistics are summed over
+        those of them the tokens vary over there).
+    """
 
     config: MoEConfig
     dtype: Any = jnp.float32
@@ -223,12 +278,15 @@ grouped-matmul kernels instead (`parallel.grouped_matmul`: the routed rows only)
 
 @dataclasses.dataclass(frozen=True)
 class MoELayers:
-    """The MoE layers of one device's `layers` blocks as a model declares them
-    (`collectives.Part`): the token all-to-alls over `expert` (ragged on a GPU, dropless: the
-    routed rows only) and the routing statistics' sum (`parallel.experts.collectives`), and the parameter shards: the router whole, the experts
-    split over `expert` and, as their partitioning metadata says, each expert's (in, out)
-    features over (`col`, `row`) (the down projection transposed). Shared experts are
-    tensor-parallel dense layers (`tp.tensor.DenseLayer`) the model declares beside this part."""
+    """The MoE layers of one device's `layers` blocks as a model declares them.
+
+    A `collectives.Part`: the token all-to-alls over `expert` (ragged on a GPU, dropless: the
+    routed rows only) and the routing statistics' sum (`parallel.experts.collectives`), and the
+    parameter shards: the router whole, the experts split over `expert` and, as their
+    partitioning metadata says, each expert's (in, out) features over (`col`, `row`) (the down
+    projection transposed). Shared experts are tensor-parallel dense layers
+    (`tp.tensor.DenseLayer`) the model declares beside this part.
+    """
 
     config: MoEConfig
     d_model: int
@@ -239,6 +297,7 @@ class MoELayers:
         return step.tokens * step.grid.depth / (step.microbatches if step.grid.pipe > 1 else 1)
 
     def collectives(self, step) -> list[Collective]:
+        """The token exchanges, routing-statistics sums and the experts' tensor-axis sums."""
         c, g = self.config, step.grid
         calls = self.layers * (step.microbatches if g.pipe > 1 else 1)
         batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
@@ -263,9 +322,9 @@ class MoELayers:
         gradients over `row` backward (XLA:GPU adds the two, which read one input, before one
         all-reduce), the down projection's the other way round. `--remat` runs the forward
         sums again (the combine weights' gradient reads the experts' outputs; no policy keeps
-        them). (Measured: the H100 step of mixtral-8x7b on expert 8 × row 8, all its row bytes;
-        on XLA:CPU, mixtral-tiny, expert=2, data=2, row=2: 85% of the experts' all-reduce bytes
-        over `row`, jaxlib 0.10's dense `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
+        them). (Checked against the compiled H100 step of mixtral-8x7b on expert 8 × row 8 and,
+        on XLA:CPU, mixtral-tiny on expert=2, data=2, row=2, where jaxlib 0.10's dense
+        `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
         c, g, cb = self.config, step.grid, step.compute_bytes
         if g.row * g.col == 1:
             return []
@@ -280,6 +339,7 @@ class MoELayers:
                 Collective("all-reduce", ("col",), h, calls)]
 
     def parameters(self, step) -> list[ParameterShard]:
+        """The router (whole) and the three expert weights (over `expert`, `col`, `row`)."""
         c, g, d = self.config, step.grid, self.d_model
         experts = self.layers * c.num_experts / g.expert * d * c.d_ff / (g.row * g.col)
         return [ParameterShard(self.layers * d * c.num_experts, 3, ()),
@@ -288,24 +348,34 @@ class MoELayers:
                 ParameterShard(experts, 4, (("expert",), ("row",), ("col",)))]
 
     def activations(self, step) -> float:
-        """Bytes one device keeps for the backward of its layers' expert computation (one
-        (micro)batch): the send buffer, the rows received and the rows returned (`groups·slots`
-        rows of `d_model`, `parallel.experts.layout`), and of the rows received the experts'
-        outputs and their gate, up and gated hidden activations (`d_ff` each), once per local
-        expert under `DENSE_RAGGED_DOT` (the compiled program holds `(local, rows, d_model)` and
-        `(rows, local, d_ff)` arrays). All the step's tokens: the planner divides by the
-        microbatches (and, under `--remat`, by the layers: one block is recomputed at a time)."""
+        """Bytes one device keeps for the backward of its layers' expert computation.
+
+        For one (micro)batch: the send buffer, the rows received and the rows returned
+        (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and of the rows received
+        the experts' outputs and their gate, up and gated hidden activations (`d_ff` each), once
+        per local expert under `DENSE_RAGGED_DOT` (the compiled program holds
+        `(local, rows, d_model)` and `(rows, local, d_ff)` arrays). All the step's tokens: the
+        planner divides by the microbatches (and, under `--remat`, by the layers: one block is
+        recomputed at a time).
+
+        Args:
+          step: the step's shape (`collectives.StepShape`).
+
+        Returns:
+          The kept bytes on one device.
+        """
         g = step.grid
         rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
         features = 3 * self.d_model / g.col + self._expert_features(step)
         return self.layers * rows * features * step.compute_bytes
 
     def traffic(self, step) -> tuple[float, float]:
-        """HBM bytes (one forward, the backward) per step of one device's dispatch kernels: the
-        scatters, gathers, selects and copies that place each routed row into the send buffer,
-        bring the received rows to their experts and the results back, and their index and mask
-        arrays, `DISPATCH_PASSES` over the buffer (`_rows` of `d_model` features over col, in the
-        compute dtype) per layer and call.
+        """HBM bytes (one forward, the backward) per step of one device's dispatch kernels.
+
+        Those are the scatters, gathers, selects and copies that place each routed row into the
+        send buffer, bring the received rows to their experts and the results back, and their
+        index and mask arrays, `DISPATCH_PASSES` over the buffer (`_rows` of `d_model` features
+        over col, in the compute dtype) per layer and call.
 
         Args:
           step: the step's shape (`collectives.StepShape`).
@@ -320,11 +390,19 @@ class MoELayers:
         return tuple(self.layers * buffer * p for p in DISPATCH_PASSES)
 
     def working_bytes(self, step) -> float:
-        """Temporary bytes one layer's backward holds on one device beside what `activations`
-        keeps (one microbatch): the cotangents of the experts' outputs and hidden activations
-        (one per local expert, as the residuals). (With this term `plan` is within 0.1% of the
-        compiled H100 peak of mixtral-8x7b on expert 8 × row 8 and 10% above that of a 4-layer
-        256-wide Mixtral on expert 2 × row 4: tests/test_axes_model.py.)"""
+        """Temporary bytes one layer's backward holds on one device beside what `activations` keeps.
+
+        For one microbatch: the cotangents of the experts' outputs and hidden activations (one
+        per local expert, as the residuals). (`plan`'s memory with this term is checked against
+        the compiled H100 peaks of mixtral-8x7b on expert 8 × row 8 and of a small Mixtral on
+        expert × row grids: tests/test_axes_model.py.)
+
+        Args:
+          step: the step's shape (`collectives.StepShape`).
+
+        Returns:
+          The temporary bytes on one device.
+        """
         rows = self._rows(step) / (step.microbatches if step.grid.pipe == 1 else 1)
         return rows * self._expert_features(step) * step.compute_bytes
 
@@ -349,8 +427,14 @@ class MoELayers:
         return self.config.capacity_factor is None and step.platform == "gpu"
 
     def metrics(self) -> int:
-        """Float32 elements of the aux outputs per layer beside the loss: balance and z losses,
-        expert load (num_experts), its imbalance, dropped tokens."""
+        """Float32 elements of these layers' aux outputs beside the loss.
+
+        Per layer: balance and z losses, expert load (num_experts), its imbalance, dropped
+        tokens.
+
+        Returns:
+          `layers · (num_experts + 4)`.
+        """
         return self.layers * (self.config.num_experts + 4)
 
     def _rows(self, step) -> int:
@@ -362,18 +446,34 @@ class MoELayers:
         return groups * slots
 
     def ideal_flops(self, tokens: float) -> float:
-        """Training FLOPs (forward + backward) of these layers' routed experts for `tokens`
-        tokens, each through its top_k experts' three projections."""
+        """Training FLOPs (forward + backward) of these layers' routed experts for `tokens` tokens.
+
+        Each token goes through its top_k experts' three projections.
+
+        Args:
+          tokens: the tokens routed (all devices').
+
+        Returns:
+          The ideal training FLOPs (no padding, no dense `ragged_dot`).
+        """
         c = self.config
         return 3 * 2 * 3 * self.d_model * c.d_ff * c.top_k * tokens * self.layers
 
     def executed_flops(self, step) -> float:
-        """Training FLOPs one device's routed experts run per step in the compiled program:
-        every received row of the padded buffer (`_rows`), through each of the device's local
+        """Training FLOPs one device's routed experts run per step in the compiled program.
+
+        Every received row of the padded buffer (`_rows`), through each of the device's local
         experts under `DENSE_RAGGED_DOT` (dropless on CPU), through its expert's slots
         (capacity); under the GPU's grouped kernels the rows a device receives on average (the
         assignments it sends) plus one tile of rows per local expert (`parallel.grouped_matmul`,
-        what its kernels declare); the matmuls split over the tensor axes."""
+        what its kernels declare); the matmuls split over the tensor axes.
+
+        Args:
+          step: the step's shape (`collectives.StepShape`).
+
+        Returns:
+          The FLOPs one device runs in its routed experts per step.
+        """
         c, g = self.config, step.grid
         calls = step.microbatches if g.pipe > 1 else 1
         per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)

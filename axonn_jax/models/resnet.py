@@ -35,8 +35,15 @@ CLASSES = ("disc", "square", "horizontal stripes", "vertical stripes")
 
 @dataclasses.dataclass(frozen=True)
 class ResNetConfig:
-    """Shape of the classifier: `channels` after the stem (twice that in the blocks),
-    `num_layers` residual blocks, GroupNorm with `num_groups` groups."""
+    """Shape of the classifier.
+
+    Attributes:
+      num_layers: residual blocks.
+      channels: channels after the stem (twice that in the blocks).
+      image_size: the images' side in pixels.
+      num_groups: GroupNorm groups.
+      num_classes: classes the classifier tells apart (`CLASSES`).
+    """
 
     num_layers: int
     channels: int
@@ -45,16 +52,29 @@ class ResNetConfig:
     num_classes: int = len(CLASSES)
 
     def check_grid(self, grid: ParallelConfig) -> None:
-        """Raise ValueError naming the numbers unless the convolutions' channels split over
-        col·depth and row·depth and the GroupNorm groups over row and col."""
+        """Raise ValueError naming the numbers unless the model splits evenly on `grid`.
+
+        The convolutions' channels must split over col·depth and row·depth and the GroupNorm
+        groups over row and col.
+
+        Args:
+          grid: the parallel grid.
+
+        Raises:
+          ValueError: a dimension does not divide over its axes (the message names the numbers).
+        """
         for axes in (("col", "depth"), ("row", "depth")):
             check_divisible("channels", self.channels, axes, grid)
         for axis in ("row", "col"):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
 
     def layers(self) -> list[Layer]:
-        """Every convolution and dense layer (`unet.Layer`s) in the order the model runs them: the
-        stem's two, one block's two, the classifier (one row per image, after the pooling)."""
+        """Every convolution and dense layer (`unet.Layer`s) in the order the model runs them.
+
+        Returns:
+          The stem's two, one block's two, the classifier (one row per image, after the
+          pooling).
+        """
         s, c, h = self.image_size, self.channels, -(-self.image_size // 2)
         return [Layer("embed", "stem", 9, 3, c, s * s, s * s),
                 Layer("embed", "down", 9, c, 2 * c, h * h, s * s),
@@ -63,11 +83,20 @@ class ResNetConfig:
                 Layer("head", "classifier", 1, 2 * c, self.num_classes, 1, 1)]
 
     def communication(self, step: StepShape) -> ModelCommunication:
-        """What one train step communicates (`collectives.ModelCommunication`) on the most loaded
-        pipeline stage: every convolution and the classifier a `tp.tensor.ConvLayer` laid out as
-        `parallelize` traces it (`conv_layouts`), the GroupNorm vectors whole, the stage boundary
-        a block's input. Not counted: GSPMD's re-layouts (the stem's three input channels, the
-        pooled features), the GroupNorms' and the loss's collectives."""
+        """What one train step communicates (`collectives.ModelCommunication`).
+
+        On the most loaded pipeline stage: every convolution and the classifier a
+        `tp.tensor.ConvLayer` laid out as `parallelize` traces it (`conv_layouts`), the GroupNorm
+        vectors whole, the stage boundary a block's input. Not counted: GSPMD's re-layouts (the
+        stem's three input channels, the pooled features), the GroupNorms' and the loss's
+        collectives.
+
+        Args:
+          step: the train step's shape (grid, batch, microbatches, dtypes).
+
+        Returns:
+          The step's collectives, parameters, activations and FLOPs (`collectives.from_parts`).
+        """
         g, layouts = step.grid, conv_layouts(self)
         copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
         parts = [ConvLayer(layer.window, layer.cin, layer.cout, layer.pixels, layer.in_pixels,
@@ -87,13 +116,29 @@ class ResNetConfig:
         return from_parts(parts, step, boundary=boundary, flops=flops, activations=activations)
 
     def example_batch(self, batch_size: int) -> dict:
-        """ShapeDtypeStructs of a batch of `batch_size` labeled images."""
+        """ShapeDtypeStructs of a batch of `batch_size` labeled images.
+
+        Args:
+          batch_size: images in the batch.
+
+        Returns:
+          `{'images': (batch_size, s, s, 3) float32, 'labels': (batch_size,) int32}` as
+          ShapeDtypeStructs, `s` the image size.
+        """
         s = self.image_size
         return {"images": jax.ShapeDtypeStruct((batch_size, s, s, 3), jnp.float32),
                 "labels": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
 
     def batches(self, seed: int, batch_size: int) -> "ShapeBatches":
-        """`step -> batch`: the labeled images it trains on (`ShapeBatches`)."""
+        """`step -> batch`: the labeled images it trains on (`ShapeBatches`).
+
+        Args:
+          seed: the random seed of the drawn images.
+          batch_size: images per batch.
+
+        Returns:
+          A `ShapeBatches`.
+        """
         return ShapeBatches(self.image_size, seed, batch_size)
 
 
@@ -147,15 +192,30 @@ class Head(nn.Module):
 
 
 def stacked(config: ResNetConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
-    """The classifier as the trainer's `StackedModel`; `grid` is not used."""
+    """The classifier as the trainer's `StackedModel`.
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: not used.
+
+    Returns:
+      A `StackedModel` of `Stem`, `Block` and `Head`, `config.num_layers` blocks.
+    """
     return StackedModel(Stem(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers)
 
 
 @functools.lru_cache(maxsize=16)  # one entry per ResNet shape planned; each holds a small dict
 def conv_layouts(config: ResNetConfig) -> dict[str, bool]:
-    """`{layer name: transpose}` of the ResNet's layers (`ResNetConfig.layers` names), as
-    `parallelize` traces them on one image."""
+    """`{layer name: transpose}` of the ResNet's layers, as `parallelize` traces them on one image.
+
+    Args:
+      config: the model's shape.
+
+    Returns:
+      `{layer name: transpose}`, keyed by `ResNetConfig.layers` names.
+    """
     from .layouts import part_layouts
 
     embed, block, head = part_layouts(stacked(config), config.example_batch(1))
@@ -164,9 +224,11 @@ def conv_layouts(config: ResNetConfig) -> dict[str, bool]:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeBatches:
-    """`batches(step)`: images of one shape each (a disc, a square, horizontal or vertical
-    stripes; random colours, positions, sizes, and pixel noise) labeled by the kind of shape
-    (`CLASSES`); a pure function of (seed, step)."""
+    """`batches(step)`: images of one shape each, labeled by the kind of shape (`CLASSES`).
+
+    The shapes are a disc, a square, horizontal or vertical stripes, with random colours,
+    positions, sizes, and pixel noise; a batch is a pure function of (seed, step).
+    """
 
     image_size: int
     seed: int

@@ -7,9 +7,21 @@ import jax.numpy as jnp
 
 def generate(network, params, prompt, num_tokens: int, *, window: int, key,
              temperature: float = 0.8) -> list[int]:
-    """Continue the token list `prompt` by `num_tokens` sampled tokens, in a sliding window of
-    `window` tokens. `network`: a linen module (e.g. `gpt.network(config)`); `params`: its
-    parameters (sharded or not: it runs under jit on them)."""
+    """Continue the token list `prompt` by `num_tokens` sampled tokens.
+
+    Args:
+      network: a linen module `tokens (1, t) -> logits (1, t, vocab)` (e.g.
+        `gpt.network(config)`).
+      params: its parameters (sharded or not: it runs under jit on them).
+      prompt: the token ids to continue (only its last `window` are read).
+      num_tokens: how many tokens to sample.
+      window: the sliding window of tokens the network sees.
+      key: a JAX random key.
+      temperature: the logits are divided by it before sampling.
+
+    Returns:
+      The prompt's tokens (its last `window`) followed by the `num_tokens` sampled ones.
+    """
     tokens = jnp.zeros((1, window), jnp.int32)
     prompt = list(prompt)[-window:]
     tokens = tokens.at[0, :len(prompt)].set(jnp.asarray(prompt, jnp.int32))

@@ -50,10 +50,17 @@ from ..tp.tensor import ConvLayer
 
 
 class Layer(NamedTuple):
-    """One convolution or dense layer: `part` 'embed', 'block' (one bottleneck block) or 'head';
-    `name` its path in the part (the embedding's under 'down/'); a `window` (kernel positions,
-    1 for a dense layer) of `cin` channels to `cout`; `pixels` / `in_pixels` the output / input
-    positions per image (1 for the timestep layers)."""
+    """One convolution or dense layer, as the parameter count and the communication model read it.
+
+    Attributes:
+      part: 'embed', 'block' (one bottleneck block) or 'head'.
+      name: its path in the part (the embedding's under 'down/').
+      window: kernel positions (1 for a dense layer).
+      cin: input channels.
+      cout: output channels.
+      pixels: output positions per image (1 for the timestep layers).
+      in_pixels: input positions per image (1 for the timestep layers).
+    """
 
     part: str
     name: str
@@ -66,10 +73,17 @@ class Layer(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class UNetConfig:
-    """Shape of a U-Net: `channels` at full resolution times `channel_mult[i]` at level i (each
-    level halves the resolution), `num_res_blocks` residual blocks per level in the down path
-    (one more in the up path), `num_layers` bottleneck blocks (the stack), GroupNorm with
-    `num_groups` groups, `num_heads` attention heads at the lowest resolution."""
+    """Shape of a U-Net.
+
+    Attributes:
+      num_layers: bottleneck blocks (the stack).
+      channels: channels at full resolution; level i has `channels · channel_mult[i]` (each
+        level halves the resolution).
+      num_res_blocks: residual blocks per level in the down path (one more in the up path).
+      num_groups: GroupNorm groups.
+      num_heads: attention heads at the lowest resolution.
+      timesteps: steps of the noise schedule.
+    """
 
     num_layers: int
     channels: int
@@ -95,24 +109,33 @@ class UNetConfig:
 
     @property
     def level_channels(self) -> tuple[int, ...]:
+        """Channels of each resolution level, `channels · channel_mult[i]`."""
         return tuple(self.channels * m for m in self.channel_mult)
 
     @property
     def bottleneck_channels(self) -> int:
+        """Channels at the lowest resolution (the bottleneck blocks')."""
         return self.level_channels[-1]
 
     @property
     def bottleneck_size(self) -> int:
+        """Side in pixels of the lowest resolution."""
         return self.image_size // 2 ** (len(self.channel_mult) - 1)
 
     @property
     def time_channels(self) -> int:
+        """Features of the timestep embedding, `4 · channels`."""
         return 4 * self.channels
 
     def layers(self) -> list[Layer]:
-        """Every convolution and dense layer (`Layer`s) in the order the model runs them: the
-        embedding's, one bottleneck block's, the head's (which also recomputes the embedding's).
-        Used for the parameter count, the FLOPs and the communication model."""
+        """Every convolution and dense layer (`Layer`s) in the order the model runs them.
+
+        Used for the parameter count, the FLOPs and the communication model.
+
+        Returns:
+          The embedding's, one bottleneck block's, the head's (which also recomputes the
+          embedding's).
+        """
         c, t, s = self.channels, self.time_channels, self.image_size
         out = [Layer("embed", "time1", 1, c, t, 1, 1), Layer("embed", "time2", 1, t, t, 1, 1),
                Layer("embed", "stem", 9, self.in_channels, c, s * s, s * s)]
@@ -154,7 +177,11 @@ class UNetConfig:
         return out
 
     def num_params(self) -> int:
-        """Parameters: kernels, biases and the GroupNorms' scales and biases."""
+        """Parameters: kernels, biases and the GroupNorms' scales and biases.
+
+        Returns:
+          The number of parameters of the whole model.
+        """
         total = 0
         for layer in self.layers():
             total += (layer.window * layer.cin + 1) * layer.cout * (
@@ -162,8 +189,11 @@ class UNetConfig:
         return total + 2 * self._norm_channels()
 
     def norm_channels(self) -> dict[str, int]:
-        """Channels normalized by GroupNorms (each has a scale and a bias) per part: the
-        embedding's, one block's, the head's."""
+        """Channels normalized by GroupNorms (each has a scale and a bias), per part.
+
+        Returns:
+          `{'embed': ..., 'block': ..., 'head': ...}`: the embedding's, one block's, the head's.
+        """
         n = {"embed": 0, "block": 0, "head": self.level_channels[0]}  # the output norm
         for layer in self.layers():
             if layer.name.endswith("conv1"):  # norm1 on the block's input, norm2 on conv1's output
@@ -178,8 +208,14 @@ class UNetConfig:
         return n["embed"] + self.num_layers * n["block"] + n["head"]
 
     def flops_per_image(self) -> float:
-        """Training FLOPs of one image (forward + backward = 3× forward; the head's recomputed
-        down path adds one forward and one backward of it), attention scores included."""
+        """Training FLOPs of one image, attention scores included.
+
+        Forward + backward = 3× forward; the head's recomputed down path adds one forward and
+        one backward of it.
+
+        Returns:
+          The training FLOPs of one image.
+        """
         fwd = {"embed": 0.0, "block": 0.0, "head": 0.0}
         for layer in self.layers():
             fwd[layer.part] += 2 * layer.window * layer.cin * layer.cout * layer.pixels
@@ -188,13 +224,22 @@ class UNetConfig:
         return 3 * (2 * fwd["embed"] + self.num_layers * fwd["block"] + fwd["head"])
 
     def communication(self, step: StepShape) -> ModelCommunication:
-        """What one train step communicates (`collectives.ModelCommunication`) on the most loaded
-        pipeline stage (the last: its blocks, the head and the head's recomputed down path):
+        """What one train step communicates (`collectives.ModelCommunication`).
+
+        On the most loaded pipeline stage (the last: its blocks, the head and the head's
+        recomputed down path):
         every convolution and dense layer a `tp.tensor.ConvLayer` laid out as `parallelize`
         traces it (`conv_layouts`), the GroupNorm vectors whole, the stage boundary the
         bottleneck's activation with its timestep row, the head reading all of the embedding's
         parameters. Not counted: GSPMD's re-layouts of skip concatenations and of layers whose
-        input arrives on the other axis (the down and up paths'), GroupNorm collectives."""
+        input arrives on the other axis (the down and up paths'), GroupNorm collectives.
+
+        Args:
+          step: the train step's shape (grid, batch, microbatches, dtypes).
+
+        Returns:
+          The step's collectives, parameters, activations and FLOPs (`collectives.from_parts`).
+        """
         g, layouts = step.grid, conv_layouts(self)
         copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
         # Without a pipeline the device also runs the head's recomputed down path.
@@ -228,10 +273,20 @@ class UNetConfig:
         return total * step.compute_bytes
 
     def check_grid(self, grid: ParallelConfig) -> None:
-        """Raise ValueError naming the numbers unless every convolution and dense layer splits
-        on `grid` (channels over col·depth and row·depth; the stem and the output convolution,
-        with the image's channels, stay whole), the GroupNorm groups over row and col, the heads
-        over row; pipeline stages must not be tensor-parallel."""
+        """Raise ValueError naming the numbers unless the model splits evenly on `grid`.
+
+        Every convolution and dense layer must split (channels over col·depth and row·depth;
+        the stem and the output convolution, with the image's channels, stay whole), the
+        GroupNorm groups over row and col, the heads over row; pipeline stages must not be
+        tensor-parallel.
+
+        Args:
+          grid: the parallel grid.
+
+        Raises:
+          ValueError: a dimension does not divide over its axes (the message names the
+            numbers), or `pipe > 1` with tensor axes of more than one device.
+        """
         for layer in self.layers():
             if layer.name.endswith("time1") or layer.name == "time_row":  # any input layout
                 continue
@@ -249,13 +304,29 @@ class UNetConfig:
         check_divisible("num_heads", self.num_heads, ("row",), grid)
 
     def example_batch(self, batch_size: int) -> dict:
-        """ShapeDtypeStructs of a batch of `batch_size` images."""
+        """ShapeDtypeStructs of a batch of `batch_size` images.
+
+        Args:
+          batch_size: images in the batch.
+
+        Returns:
+          `{'images', 'noise': (batch_size, s, s, in_channels) float32, 't': (batch_size,)
+          int32}` as ShapeDtypeStructs, `s` the image size.
+        """
         image = jax.ShapeDtypeStruct((batch_size, self.image_size, self.image_size,
                                       self.in_channels), jnp.float32)
         return {"images": image, "noise": image, "t": jax.ShapeDtypeStruct((batch_size,), jnp.int32)}
 
     def batches(self, seed: int, batch_size: int) -> "ImageBatches":
-        """`step -> batch`: the denoising batches it trains on (`ImageBatches`)."""
+        """`step -> batch`: the denoising batches it trains on (`ImageBatches`).
+
+        Args:
+          seed: the random seed of the drawn images, noise and timesteps.
+          batch_size: images per batch.
+
+        Returns:
+          An `ImageBatches`.
+        """
         return ImageBatches(self, seed, batch_size)
 
 
@@ -272,15 +343,31 @@ PRESETS: dict[str, UNetConfig] = {
 
 
 def noise_level(t, timesteps: int):
-    """ᾱ_t of the cosine schedule (Nichol & Dhariwal): the fraction of the image's variance left
-    at step `t` of `timesteps`."""
+    """ᾱ_t of the cosine schedule (Nichol & Dhariwal).
+
+    Args:
+      t: integer timesteps, any shape.
+      timesteps: steps of the schedule.
+
+    Returns:
+      The fraction of the image's variance left at step `t` of `timesteps`, float32, shaped
+      like `t`.
+    """
     s = 0.008
     f = jnp.cos((t.astype(jnp.float32) / timesteps + s) / (1 + s) * jnp.pi / 2) ** 2
     return f / math.cos(s / (1 + s) * math.pi / 2) ** 2
 
 
 def timestep_embedding(t, dim: int):
-    """Sinusoidal embedding `(b, dim)` of integer timesteps `t (b,)`."""
+    """Sinusoidal embedding of integer timesteps.
+
+    Args:
+      t: integer timesteps, shape `(b,)`.
+      dim: the embedding's features (even).
+
+    Returns:
+      `[cos, sin]` of the timesteps times `dim / 2` frequencies, float32, shape `(b, dim)`.
+    """
     half = dim // 2
     freqs = jnp.exp(-math.log(10_000) * jnp.arange(half, dtype=jnp.float32) / half)
     angles = t.astype(jnp.float32)[:, None] * freqs[None]
@@ -288,8 +375,11 @@ def timestep_embedding(t, dim: int):
 
 
 class ResBlock(nn.Module):
-    """GroupNorm, SiLU, 3×3 conv; plus the timestep's projection (two dense layers); GroupNorm,
-    SiLU, 3×3 conv; residual (a 1×1 conv when the channels change)."""
+    """A residual block conditioned on a timestep embedding.
+
+    GroupNorm, SiLU, 3×3 conv; plus the timestep's projection (two dense layers); GroupNorm,
+    SiLU, 3×3 conv; residual (a 1×1 conv when the channels change).
+    """
 
     channels: int
     num_groups: int
@@ -329,8 +419,10 @@ class Attention(nn.Module):
 
 
 class DownPath(nn.Module):
-    """The noisy image and timestep embedding, then the down path: `batch -> (x (b, r, r, C),
-    temb (b, 4·channels), skips)`."""
+    """The noisy image and timestep embedding, then the down path.
+
+    `batch -> (x (b, r, r, C), temb (b, 4·channels), skips)`.
+    """
 
     config: UNetConfig
     dtype: Any = jnp.float32
@@ -358,8 +450,10 @@ class DownPath(nn.Module):
 
 
 class Embedding(nn.Module):
-    """The down path, its lowest-resolution features and the timestep row: `batch -> (b, r + 1,
-    r, C)` (see the module docstring)."""
+    """The down path, its lowest-resolution features and the timestep row.
+
+    `batch -> (b, r + 1, r, C)` (see the module docstring).
+    """
 
     config: UNetConfig
     dtype: Any = jnp.float32
@@ -374,8 +468,10 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """One bottleneck block: a residual block conditioned on the timestep row, then
-    self-attention; the row passes through. `(b, r + 1, r, C)` -> same shape."""
+    """One bottleneck block: a residual block conditioned on the timestep row, then self-attention.
+
+    The row passes through. `(b, r + 1, r, C)` -> same shape.
+    """
 
     config: UNetConfig
     dtype: Any = jnp.float32
@@ -390,15 +486,28 @@ class Block(nn.Module):
 
 
 class Head(nn.Module):
-    """The up path on the bottleneck's output and the down path's skips (recomputed from the
-    batch with the embedding's parameters), and the denoising loss: the mean squared error of
-    the predicted noise. `predict(act, batch, embed_params)` gives the prediction itself."""
+    """The up path and the denoising loss: the mean squared error of the predicted noise.
+
+    The up path runs on the bottleneck's output and the down path's skips (recomputed from the
+    batch with the embedding's parameters). `predict(act, batch, embed_params)` gives the
+    prediction itself.
+    """
 
     config: UNetConfig
     dtype: Any = jnp.float32
 
     @nn.compact
     def predict(self, act, batch, embed_params):
+        """The predicted noise of the batch's noisy images.
+
+        Args:
+          act: the last bottleneck block's output, shape `(b, r + 1, r, C)`.
+          batch: the denoising batch (`images`, `noise`, `t`).
+          embed_params: the embedding's parameters (its down path runs again from the batch).
+
+        Returns:
+          The predicted noise, shape `(b, s, s, in_channels)`.
+        """
         c = self.config
         down = DownPath(c, self.dtype, parent=None)  # unbound: it runs the embedding's parameters
         _, temb, skips = down.apply({"params": embed_params["down"]}, batch)
@@ -422,16 +531,34 @@ class Head(nn.Module):
 
 
 def stacked(config: UNetConfig, dtype=jnp.float32, grid: ParallelConfig | None = None) -> StackedModel:
-    """The U-Net as the trainer's `StackedModel` (see the module docstring); `grid` is not used."""
+    """The U-Net as the trainer's `StackedModel` (see the module docstring).
+
+    Args:
+      config: the model's shape.
+      dtype: the layers' computation dtype.
+      grid: not used.
+
+    Returns:
+      A `StackedModel` of `Embedding`, `Block` and `Head` (which reads the embedding's
+      parameters), `config.num_layers` blocks.
+    """
     return StackedModel(Embedding(config, dtype), Block(config, dtype), Head(config, dtype),
                         config.num_layers, head_reads_embed=True)
 
 
 @functools.lru_cache(maxsize=16)  # one entry per U-Net shape planned; each holds a small dict
 def conv_layouts(model: UNetConfig) -> dict[str, bool]:
-    """`{layer name: transpose}` of a U-Net's layers (`UNetConfig.layers` names), as
-    `parallelize` traces them: the parts of a narrow copy of the same architecture (the layout
-    does not depend on widths) traced abstractly on one device."""
+    """`{layer name: transpose}` of a U-Net's layers, as `parallelize` traces them.
+
+    The parts of a narrow copy of the same architecture (the layout does not depend on widths)
+    are traced abstractly on one device.
+
+    Args:
+      model: the model's shape.
+
+    Returns:
+      `{layer name: transpose}`, keyed by `UNetConfig.layers` names.
+    """
     from .layouts import part_layouts
 
     small = dataclasses.replace(model, channels=4, num_groups=1, num_heads=1, num_layers=1,
@@ -443,9 +570,21 @@ def conv_layouts(model: UNetConfig) -> dict[str, bool]:
 
 
 def images(seed: int, step: int, batch_size: int, size: int, channels: int = 3) -> np.ndarray:
-    """Batch `step` of procedurally drawn images `(batch, size, size, channels)` in [-1, 1]: a
-    smooth two-colour gradient background with a filled disc and a filled square of random
-    colours, positions and sizes; a pure function of (seed, step)."""
+    """Batch `step` of procedurally drawn images, a pure function of (seed, step).
+
+    Each is a smooth two-colour gradient background with a filled disc and a filled square of
+    random colours, positions and sizes.
+
+    Args:
+      seed: the random seed.
+      step: the batch's index.
+      batch_size: images in the batch.
+      size: the images' side in pixels.
+      channels: colour channels.
+
+    Returns:
+      float32 images in [-1, 1], shape `(batch_size, size, size, channels)`.
+    """
     rng = np.random.default_rng([seed, step])
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1)
     out = np.empty((batch_size, size, size, channels), np.float32)
@@ -464,8 +603,10 @@ def images(seed: int, step: int, batch_size: int, size: int, channels: int = 3) 
 
 @dataclasses.dataclass(frozen=True)
 class ImageBatches:
-    """`batches(step)`: denoising batches of procedurally drawn images (`images`), Gaussian noise
-    and uniform timesteps, a pure function of (seed, step)."""
+    """`batches(step)`: denoising batches of drawn images, Gaussian noise and uniform timesteps.
+
+    The images come from `images`; a batch is a pure function of (seed, step).
+    """
 
     config: UNetConfig
     seed: int

@@ -381,10 +381,28 @@ class BackwardSplit:
     residual_avals: list
 
     def b(self, *args):
+        """Run B: the outputs named as B's, W's outputs B computes anyway, and the residuals.
+
+        Args:
+          *args: `fn`'s arguments (all of them, shaped as the example arguments).
+
+        Returns:
+          `(B's outputs (a pytree like fn's first num_b_outputs outputs), early, residuals)`:
+          `early` the list of W's outputs at `early_index`, `residuals` what W reads from B.
+        """
         outs, residuals = _run_b(self.plan, jax.tree.leaves(args))
         return jax.tree.unflatten(self.b_tree, outs[:self.num_b]), outs[self.num_b:], residuals
 
     def w(self, w_args, residuals):
+        """Run W: the rest of `fn`'s outputs, from the free arguments and B's residuals.
+
+        Args:
+          w_args: the arguments marked free (`w_free`), in order.
+          residuals: what `b` returned as residuals.
+
+        Returns:
+          `late`: the list of W's outputs at `late_index` (flattened leaves of fn's other outputs).
+        """
         it = iter(jax.tree.leaves(w_args))
         full = [next(it) if free else None for free in self.w_free_mask]
         return _run_w(self.plan, full, residuals)
@@ -392,10 +410,22 @@ class BackwardSplit:
 
 def split_backward(fn: Callable, args: tuple, *, w_free: tuple[bool, ...],
                    num_b_outputs: int) -> BackwardSplit:
-    """Split `fn(*args) -> (out_0, ..., out_k)` into B (outputs 0 … num_b_outputs−1) and W (the
-    rest). `args` are example arguments (arrays or tracers: their avals, including the manual axes
-    they vary over, fix the jaxpr); `w_free[i]`: W may read argument i directly (it is still there
-    when W runs); any other value W needs is a residual."""
+    """Split `fn(*args) -> (out_0, ..., out_k)` into B (outputs 0 … num_b_outputs−1) and W.
+
+    W computes the rest of the outputs. Any value W needs that is not a free argument is a
+    residual.
+
+    Args:
+      fn: the backward function to split.
+      args: example arguments (arrays or tracers: their avals, including the manual axes they
+        vary over, fix the jaxpr).
+      w_free: one flag per argument of `args`: W may read argument i directly (it is still
+        there when W runs).
+      num_b_outputs: how many of `fn`'s leading outputs are B's.
+
+    Returns:
+      The `BackwardSplit`, whose `b` and `w` run the two parts.
+    """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     flat = _Flat(closed.jaxpr, list(closed.consts))
     b_tree = jax.tree.structure(tuple(out_shape[:num_b_outputs]))

@@ -61,7 +61,15 @@ class Quantized(NamedTuple):
 
 
 def check_args(bits: int, bucket_size: int) -> None:
-    """Raise ValueError unless 1 <= bits <= 8 and bucket_size is a positive multiple of 8."""
+    """Raise ValueError unless 1 <= bits <= 8 and bucket_size is a positive multiple of 8.
+
+    Args:
+      bits: bits per quantized value.
+      bucket_size: values per bucket (whole bytes of packed values at any bit width).
+
+    Raises:
+      ValueError: either is out of range or not an int.
+    """
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"compression bits must be an integer in 1..8, got {bits!r}")
     if not isinstance(bucket_size, int) or bucket_size < 8 or bucket_size % 8:
@@ -70,15 +78,31 @@ def check_args(bits: int, bucket_size: int) -> None:
 
 
 def pack_bits(q: jax.Array, bits: int) -> jax.Array:
-    """uint8[..., m] holding values < 2^bits -> uint8[..., m · bits / 8]; m must be a multiple of 8.
+    """Pack values < 2^bits: uint8[..., m] -> uint8[..., m · bits / 8].
 
     The last axis is one bucket in `quantizer`'s segment layout (whole values per byte when
-    `bits` divides 8, bit planes otherwise)."""
+    `bits` divides 8, bit planes otherwise).
+
+    Args:
+      q: uint8[..., m] holding values < 2^bits; m must be a multiple of 8.
+      bits: bits per value.
+
+    Returns:
+      uint8[..., m · bits / 8].
+    """
     return quantizer.pack_rows(q, bits)
 
 
 def unpack_bits(packed: jax.Array, bits: int) -> jax.Array:
-    """Inverse of `pack_bits`: uint8[..., k] -> uint8[..., k · 8 / bits]."""
+    """Inverse of `pack_bits`: uint8[..., k] -> uint8[..., k · 8 / bits].
+
+    Args:
+      packed: uint8[..., k].
+      bits: bits per value.
+
+    Returns:
+      uint8[..., k · 8 / bits], the values.
+    """
     return quantizer.unpack_rows(packed, bits).astype(jnp.uint8)
 
 
@@ -89,8 +113,23 @@ def quantize(x: jax.Array, bits: int, bucket_size: int = DEFAULT_BUCKET_SIZE, ke
     Buckets are consecutive runs of `bucket_size` elements of `x.ravel()`. `key=None` rounds to
     nearest; a PRNG key rounds stochastically (unbiased: E[dequantize] = x). Scale and offset are
     stored in `dtype` (default `x.dtype`) and the integers are computed from the stored values, so
-    the error bounds hold for what the receiver sees. impl: `quantizer.IMPLS` (one fused pass
-    either way; "auto": a Pallas kernel on GPUs).
+    the error bounds hold for what the receiver sees.
+
+    Args:
+      x: values of any shape and float dtype, size a multiple of `bucket_size`.
+      bits: bits per value (1..8).
+      bucket_size: values per bucket.
+      key: None (round to nearest) or a PRNG key (stochastic rounding).
+      dtype: the dtype of the scales and offsets; None: `x.dtype`.
+      impl: one of `quantizer.IMPLS` (one fused pass either way; "auto": a Pallas kernel on
+        GPUs).
+
+    Returns:
+      The `Quantized` buffer of `x.size / bucket_size` buckets.
+
+    Raises:
+      ValueError: bad `bits` or `bucket_size` (`check_args`), or a size that is not whole
+        buckets.
     """
     qx, _ = _quantize_with_error(x, bits, bucket_size, key, dtype, impl=impl, with_error=False)
     return qx
@@ -112,7 +151,16 @@ def _quantize_with_error(x, bits, bucket_size, key, dtype, *, residual=None, imp
 
 
 def dequantize(qx: Quantized, bits: int, dtype=jnp.float32) -> jax.Array:
-    """[n_buckets, bucket_size] values `offset + q · scale` in `dtype`."""
+    """The values `offset + q · scale` of a quantized buffer.
+
+    Args:
+      qx: the quantized buffer.
+      bits: its bits per value.
+      dtype: the values' dtype.
+
+    Returns:
+      `[n_buckets, bucket_size]` values in `dtype`.
+    """
     return quantizer.dequantize_rows(qx.packed, qx.scale, qx.offset, bits, dtype)
 
 
@@ -129,8 +177,18 @@ def bits_for_leaf(path: str, leaf, bits: int, min_size: int,
     '/'-joined parameter path wins over `bits` and the size rule (0 forces exact). Without one,
     CGX's filter: 1-D tensors (biases, norm scales) and tensors of fewer than `min_size` elements
     stay exact, whose exchange costs little and whose quantization error costs accuracy.
-    stacked: `leaf` stacks layers on its leading axis (a `StackedModel`'s blocks), and the filter
-    looks at one layer (a stack of biases is a stack of 1-D tensors).
+
+    Args:
+      path: the '/'-joined parameter path (`leaf_path`).
+      leaf: the gradient tensor (or anything with `ndim`, `size`, `shape`).
+      bits: the default bit width.
+      min_size: tensors of fewer elements stay exact.
+      overrides: `{regular expression: bits}`, see above.
+      stacked: `leaf` stacks layers on its leading axis (a `StackedModel`'s blocks), and the
+        filter looks at one layer (a stack of biases is a stack of 1-D tensors).
+
+    Returns:
+      The bit width, 0 for exact.
     """
     for pattern, override in (overrides or {}).items():
         if re.search(pattern, path):
@@ -142,9 +200,19 @@ def bits_for_leaf(path: str, leaf, bits: int, min_size: int,
 
 
 def parse_rule(text: str) -> tuple[str, int]:
-    """`PATTERN=BITS` (BITS 1..8, or `exact`) -> (PATTERN, bits; 0 for exact); ValueError (one
-    line) for anything else or a PATTERN that is no regular expression. The last `=` splits, so
-    a pattern may hold one."""
+    """Parse a compression rule `PATTERN=BITS` (BITS 1..8, or `exact`).
+
+    The last `=` splits, so a pattern may hold one.
+
+    Args:
+      text: the rule.
+
+    Returns:
+      `(PATTERN, bits)`, bits 0 for exact.
+
+    Raises:
+      ValueError: (one line) anything else, or a PATTERN that is no regular expression.
+    """
     pattern, sep, value = str(text).rpartition("=")
     if not sep or not pattern:
         raise ValueError(f"compression rule {text!r} must be PATTERN=BITS (BITS 1..8 or exact)")
@@ -164,33 +232,78 @@ def parse_rule(text: str) -> tuple[str, int]:
 
 
 def parse_rules(rules) -> dict[str, int]:
-    """`{pattern: bits}` (in order; `bits_for_leaf`'s overrides) of `PATTERN=BITS` rules."""
+    """`{pattern: bits}` (in order; `bits_for_leaf`'s overrides) of `PATTERN=BITS` rules.
+
+    Args:
+      rules: an iterable of rule strings, or None.
+
+    Returns:
+      `{pattern: bits}` in the rules' order (0: exact).
+
+    Raises:
+      ValueError: a rule that does not parse (`parse_rule`).
+    """
     return dict(parse_rule(r) for r in rules or ())
 
 
 def check_rounding(rounding: str) -> None:
-    """ValueError (one line) unless `rounding` is one of `ROUNDINGS`."""
+    """Raise a one-line ValueError unless `rounding` is one of `ROUNDINGS`.
+
+    Args:
+      rounding: the requested rounding.
+
+    Raises:
+      ValueError: `rounding` is not one of `ROUNDINGS`.
+    """
     if rounding not in ROUNDINGS:
         raise ValueError(f"compression rounding must be one of {', '.join(ROUNDINGS)}, "
                          f"got {rounding!r}")
 
 
 def stochastic(rounding: str, error_feedback: bool) -> bool:
-    """Whether `rounding` (`ROUNDINGS`) rounds stochastically with or without error feedback."""
+    """Whether `rounding` rounds stochastically, given whether error feedback is on.
+
+    Args:
+      rounding: one of `ROUNDINGS`.
+      error_feedback: whether the exchange keeps error-feedback residuals.
+
+    Returns:
+      True for `stochastic`, and for `auto` without error feedback.
+
+    Raises:
+      ValueError: `rounding` is not one of `ROUNDINGS`.
+    """
     check_rounding(rounding)
     return rounding == "stochastic" or (rounding == "auto" and not error_feedback)
 
 
 def leaf_path(path) -> str:
-    """The '/'-joined parameter path of a pytree key path (`blocks/attn/qkv/kernel`): what
-    `bits_for_leaf`'s patterns match."""
+    """The '/'-joined parameter path of a pytree key path, what `bits_for_leaf`'s patterns match.
+
+    Args:
+      path: a pytree key path (dict keys, attribute names or sequence indices).
+
+    Returns:
+      The path as text, e.g. `blocks/attn/qkv/kernel`.
+    """
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def leaf_widths(tree, bits: int, min_size: int, overrides=None,
                 stacked: tuple[str, ...] = ()) -> list[tuple[str, int]]:
     """(path, bit width) of every leaf of `tree` (arrays or shapes), in `tree_leaves` order.
-    stacked: top-level keys whose leaves stack layers on their leading axis (`bits_for_leaf`)."""
+
+    Args:
+      tree: a pytree of arrays or ShapeDtypeStructs.
+      bits: the default bit width.
+      min_size: tensors of fewer elements stay exact.
+      overrides: `{regular expression: bits}` (`bits_for_leaf`).
+      stacked: top-level keys whose leaves stack layers on their leading axis
+        (`bits_for_leaf`).
+
+    Returns:
+      `[(path, bits)]`, bits 0 for exact.
+    """
     out = []
     for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         path = leaf_path(p)
@@ -200,11 +313,18 @@ def leaf_widths(tree, bits: int, min_size: int, overrides=None,
 
 
 class Collectives(NamedTuple):
-    """What the compressed all-reduce needs from a group of `size` members (shards of a mesh axis,
-    or processes): this member's `index`, and three collectives over the group.
+    """What the compressed all-reduce needs from a group of `size` members.
 
-    psum: list of arrays -> their sums; all_to_all: [size, ...] -> [size, ...], row j sent to member
-    j, row i of the result received from member i; all_gather: [...] -> [size, ...].
+    The members are shards of a mesh axis, or processes: this member's `index`, and three
+    collectives over the group.
+
+    Attributes:
+      size: members of the group.
+      index: this member's index (an int, or a traced int32 `axis_index`).
+      psum: list of arrays -> their sums.
+      all_to_all: [size, ...] -> [size, ...], row j sent to member j, row i of the result
+        received from member i.
+      all_gather: [...] -> [size, ...].
     """
 
     size: int
@@ -215,7 +335,15 @@ class Collectives(NamedTuple):
 
 
 def axis_collectives(axis_name: str) -> Collectives:
-    """The collectives over the manual mesh axis `axis_name` (call inside its shard_map)."""
+    """The collectives over the manual mesh axis `axis_name` (call inside its shard_map).
+
+    Args:
+      axis_name: a manual mesh axis.
+
+    Returns:
+      Its `Collectives`: size and index on the axis, `psum`, `all_to_all` and an all-gather
+      typed invariant over the axis.
+    """
     return Collectives(jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name),
                        lambda xs: psum(xs, axis_name),
                        lambda a: jax.lax.all_to_all(a, axis_name, 0, 0),
@@ -332,32 +460,58 @@ SCOPES = ("all", "inter-node")
 
 
 def check_scope(scope: str) -> None:
-    """ValueError (one line) unless `scope` is one of `SCOPES`."""
+    """Raise a one-line ValueError unless `scope` is one of `SCOPES`.
+
+    Args:
+      scope: the requested compression scope.
+
+    Raises:
+      ValueError: `scope` is not one of `SCOPES`.
+    """
     if scope not in SCOPES:
         raise ValueError(f"compression scope must be one of {', '.join(SCOPES)}, got {scope!r}")
 
 
 class Nodes(NamedTuple):
-    """A mesh axis of `count · size` shards seen as `count` nodes of `size` consecutive shards
-    (shard `d` in node `d // size`, at place `d % size` there)."""
+    """A mesh axis of `count · size` shards seen as `count` nodes of `size` consecutive shards.
+
+    Shard `d` is in node `d // size`, at place `d % size` there.
+    """
 
     axis: str
     size: int
     count: int
 
     def inside(self) -> list[list[int]]:
-        """The shards of each node (`axis_index_groups`)."""
+        """The shards of each node (`axis_index_groups`).
+
+        Returns:
+          `count` lists of `size` shard indices.
+        """
         return [[m * self.size + k for k in range(self.size)] for m in range(self.count)]
 
     def across(self) -> list[list[int]]:
-        """The shards at one place in every node (`axis_index_groups`)."""
+        """The shards at one place in every node (`axis_index_groups`).
+
+        Returns:
+          `size` lists of `count` shard indices.
+        """
         return [[m * self.size + k for m in range(self.count)] for k in range(self.size)]
 
 
 def nodes_of(axis_name: str, node_size: int | None) -> Nodes | None:
-    """`Nodes` of the manual axis `axis_name` in nodes of `node_size` shards, or None where that
-    is one level (no node size, or nodes of one shard); ValueError (one line) unless the node
-    size divides the axis into two or more nodes."""
+    """`Nodes` of the manual axis `axis_name` in nodes of `node_size` shards, or None.
+
+    Args:
+      axis_name: a manual mesh axis.
+      node_size: shards per node; None or 1: one level.
+
+    Returns:
+      The `Nodes`, or None where that is one level (no node size, or nodes of one shard).
+
+    Raises:
+      ValueError: (one line) the node size does not divide the axis into two or more nodes.
+    """
     if not node_size or node_size == 1:
         return None
     size = jax.lax.axis_size(axis_name)
@@ -368,10 +522,18 @@ def nodes_of(axis_name: str, node_size: int | None) -> Nodes | None:
 
 
 def node_collectives(nodes: Nodes) -> Collectives:
-    """The collectives between the shards at this shard's place in every node; `index` is the
-    shard's index on the whole axis (its rounding noise differs from every other shard's). No
-    `psum`: JAX has none over groups of an axis inside shard_map, and the exact tensors take the
-    whole axis's."""
+    """The collectives between the shards at this shard's place in every node.
+
+    No `psum`: JAX has none over groups of an axis inside shard_map, and the exact tensors take
+    the whole axis's.
+
+    Args:
+      nodes: the axis's nodes.
+
+    Returns:
+      `Collectives` of size `nodes.count`, whose `index` is the shard's index on the whole axis
+      (its rounding noise differs from every other shard's) and whose `psum` is None.
+    """
     groups = nodes.across()
     return Collectives(nodes.count, jax.lax.axis_index(nodes.axis), None,
                        lambda a: jax.lax.all_to_all(a, nodes.axis, 0, 0,
@@ -457,13 +619,34 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
                        key=None, residual=None, overrides: Mapping[str, int] | None = None,
                        mean: bool = False, impl: str = "auto", stacked: tuple[str, ...] = (),
                        node_size: int | None = None):
-    """The first stage of `compressed_psum` (same arguments): every tensor quantized with its
-    residual and the all-to-all of the packed chunks; the exact tensors' `psum`.
+    """The first stage of `compressed_psum`: quantize with residuals, all-to-all, exact `psum`.
 
-    Returns (value, new_residual, plan): `value`, a pytree of arrays (what crosses to the
-    second stage: received chunks, exact sums, the second rounding's key data);
-    `new_residual` as `compressed_psum` returns it (known after this stage); `plan`, static
-    (`compressed_gather` reads it).
+    Every tensor is quantized with its residual and the packed chunks cross in the all-to-all;
+    the exact tensors are summed by `psum`.
+
+    Args:
+      tree: as `compressed_psum`'s.
+      axis_name: as `compressed_psum`'s.
+      bits: as `compressed_psum`'s.
+      bucket_size: as `compressed_psum`'s.
+      min_size: as `compressed_psum`'s.
+      key: as `compressed_psum`'s.
+      residual: as `compressed_psum`'s.
+      overrides: as `compressed_psum`'s.
+      mean: as `compressed_psum`'s.
+      impl: as `compressed_psum`'s.
+      stacked: as `compressed_psum`'s.
+      node_size: as `compressed_psum`'s (only over a mesh axis).
+
+    Returns:
+      `(value, new_residual, plan)`: `value`, a pytree of arrays (what crosses to the second
+      stage: received chunks, exact sums, the second rounding's key data); `new_residual` as
+      `compressed_psum` returns it (known after this stage); `plan`, static
+      (`compressed_gather` reads it).
+
+    Raises:
+      ValueError: bad `bits` or `bucket_size`, a bit width outside 0..8, `node_size` with
+        `Collectives`, or a node size that does not split the axis.
     """
     check_args(bits, bucket_size)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -525,10 +708,21 @@ def compressed_scatter(tree, axis_name: str | Collectives, bits: int = 4,
 
 def compressed_gather(value, plan: _Plan, bucket_size: int = DEFAULT_BUCKET_SIZE,
                       mean: bool = False, impl: str = "auto", **_):
-    """The second stage of `compressed_psum`: each owned chunk's copies summed and quantized
-    again, the all-gather, every tensor dequantized. value, plan: `compressed_scatter`'s.
+    """The second stage of `compressed_psum`: sum, quantize again, all-gather, dequantize.
 
-    Returns `reduced` as `compressed_psum` does.
+    Each owned chunk's copies are summed and quantized again, then all-gathered, and every
+    tensor is dequantized.
+
+    Args:
+      value: `compressed_scatter`'s value.
+      plan: `compressed_scatter`'s plan.
+      bucket_size: as `compressed_psum`'s.
+      mean: as `compressed_psum`'s.
+      impl: as `compressed_psum`'s.
+      **_: `compressed_psum`'s other options, ignored.
+
+    Returns:
+      `reduced` as `compressed_psum` returns it.
     """
     out: list[Any] = [None] * len(plan.like)
     for k, i in enumerate(plan.exact):
@@ -555,28 +749,42 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
     """Sum (or mean) `tree` over the manual mesh axis `axis_name` with CGX compression.
 
     Call inside a shard_map manual over `axis_name`, or give `Collectives` for another transport
-    (`parallel.mpi` passes MPI's, between processes). tree: pytree of float arrays, this shard's
-    values (e.g. its local gradients). residual: None (no error feedback) or a pytree like `tree`
-    with this shard's error-feedback residual, added before quantization.
-    key: None for nearest rounding, or a PRNG key (the same on every shard; each shard and stage
-    folds in its own index) for stochastic rounding.
-    overrides: {regex on the '/'-joined path: bits}; 0 means exact.
-    stacked: top-level keys of `tree` whose leaves stack layers on their leading axis: the size
-    filter looks at one layer (`bits_for_leaf`).
-    impl: how the quantizer runs (`quantizer.IMPLS`: "auto" a Pallas kernel on GPUs, jnp that XLA
-    fuses elsewhere); each gradient and residual is read once.
-    node_size: None (compress over the whole axis), or the shards of each node (consecutive
-    along the axis; `Nodes`): compressed tensors (their residual added) are summed exactly and
-    reduce-scattered inside each node, each shard's chunk compressed across nodes with the
-    shards at its place in the others, and the packed result all-gathered over the whole axis;
-    a residual keeps the tensor's shape, nonzero only on the chunk this shard quantizes.
-
-    Returns (reduced, new_residual): `reduced` like `tree`, typed invariant over `axis_name` (the
-    same on every shard); `new_residual` like `tree`, varying over `axis_name` (what this shard's
-    first quantization lost; zeros for exact tensors), or None when `residual` is None.
-    Each compressed element is quantized twice (once locally, once after the sum), so it is off by
-    at most sum_i scale_i / 2 + scale_sum / 2 with nearest rounding. The two stages
+    (`parallel.mpi` passes MPI's, between processes). Each compressed element is quantized
+    twice (once locally, once after the sum), so it is off by at most
+    sum_i scale_i / 2 + scale_sum / 2 with nearest rounding. The two stages
     (`compressed_scatter`, `compressed_gather`) can run apart, each beside other compute.
+
+    Args:
+      tree: pytree of float arrays, this shard's values (e.g. its local gradients).
+      axis_name: the manual mesh axis, or the `Collectives` of another transport.
+      bits: the default bit width (1..8).
+      bucket_size: values per bucket.
+      min_size: tensors of fewer elements (per layer for `stacked`) stay exact.
+      key: None for nearest rounding, or a PRNG key (the same on every shard; each shard and
+        stage folds in its own index) for stochastic rounding.
+      residual: None (no error feedback) or a pytree like `tree` with this shard's
+        error-feedback residual, added before quantization.
+      overrides: {regex on the '/'-joined path: bits}; 0 means exact.
+      mean: divide the sum by the group's size.
+      impl: how the quantizer runs (`quantizer.IMPLS`: "auto" a Pallas kernel on GPUs, jnp that
+        XLA fuses elsewhere); each gradient and residual is read once.
+      stacked: top-level keys of `tree` whose leaves stack layers on their leading axis: the
+        size filter looks at one layer (`bits_for_leaf`).
+      node_size: None (compress over the whole axis), or the shards of each node (consecutive
+        along the axis; `Nodes`): compressed tensors (their residual added) are summed exactly
+        and reduce-scattered inside each node, each shard's chunk compressed across nodes with
+        the shards at its place in the others, and the packed result all-gathered over the
+        whole axis; a residual keeps the tensor's shape, nonzero only on the chunk this shard
+        quantizes.
+
+    Returns:
+      `(reduced, new_residual)`: `reduced` like `tree`, typed invariant over `axis_name` (the
+      same on every shard); `new_residual` like `tree`, varying over `axis_name` (what this
+      shard's first quantization lost; zeros for exact tensors), or None when `residual` is
+      None.
+
+    Raises:
+      ValueError: as `compressed_scatter`.
     """
     value, new_residual, plan = compressed_scatter(tree, axis_name, bits, bucket_size, min_size,
                                                    key, residual, overrides, mean, impl, stacked,
@@ -585,7 +793,16 @@ def compressed_psum(tree, axis_name: str | Collectives, bits: int = 4,
 
 
 def compressed_pmean(tree, axis_name: str, **kwargs):
-    """`compressed_psum(..., mean=True)`: the mean over `axis_name` (pmean semantics)."""
+    """`compressed_psum(..., mean=True)`: the mean over `axis_name` (pmean semantics).
+
+    Args:
+      tree: as `compressed_psum`'s.
+      axis_name: as `compressed_psum`'s.
+      **kwargs: `compressed_psum`'s other options.
+
+    Returns:
+      `(reduced, new_residual)` as `compressed_psum` returns them, `reduced` the mean.
+    """
     return compressed_psum(tree, axis_name, mean=True, **kwargs)
 
 
@@ -600,15 +817,11 @@ def _without_axes(spec: P, axes) -> P:
 
 
 def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual=None, **kwargs):
-    """`compressed_psum` over `axis_name` of arrays that other mesh axes split (tensor or pipeline
-    parallelism): each device quantizes and exchanges only its own shards, nothing is gathered.
+    """`compressed_psum` over `axis_name` of arrays that other mesh axes split.
 
-    Call inside a shard_map manual over `axis_name` (and possibly more axes, e.g. `pipe`); the
-    other axes are automatic there. tree: pytree of float arrays, this `axis_name` shard's values
-    as global arrays over the automatic axes. specs: PartitionSpecs like `tree` (a prefix tree
-    works), how each array is split over the mesh; axes already manual here are ignored (the
-    arrays are local over them). residual: None or a pytree like `tree`, split the same way (error
-    feedback is per device: each device keeps what its own shards' quantization lost).
+    For tensor or pipeline parallelism: each device quantizes and exchanges only its own shards,
+    nothing is gathered. Call inside a shard_map manual over `axis_name` (and possibly more
+    axes, e.g. `pipe`); the other axes are automatic there.
 
     A shard_map manual over the remaining axes runs `compressed_psum(local shards, axis_name,
     residual=local residual, **kwargs)` on every device, so each shard of the result is bitwise
@@ -618,7 +831,22 @@ def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual
     depends on the `axis_name` index only), so they stay equal. Nothing is compressed over the
     other axes: sums over `depth` stay whatever exact collective produced `tree`.
 
-    Returns (reduced, new_residual) as `compressed_psum` does, split like `specs`.
+    Args:
+      tree: pytree of float arrays, this `axis_name` shard's values as global arrays over the
+        automatic axes.
+      specs: PartitionSpecs like `tree` (a prefix tree works), how each array is split over the
+        mesh; axes already manual here are ignored (the arrays are local over them).
+      mesh: the mesh (None: the one in context).
+      axis_name: the manual axis the sum runs over.
+      residual: None or a pytree like `tree`, split the same way (error feedback is per device:
+        each device keeps what its own shards' quantization lost).
+      **kwargs: `compressed_psum`'s other options.
+
+    Returns:
+      `(reduced, new_residual)` as `compressed_psum` returns them, split like `specs`.
+
+    Raises:
+      ValueError: called outside a shard_map manual over `axis_name`.
     """
     context = current_mesh(mesh)
     manual = frozenset(getattr(context, "manual_axes", ()))
@@ -646,13 +874,25 @@ def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual
 
 
 def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):
-    """`sharded_compressed_psum(..., mean=True)`: the mean over `axis_name`."""
+    """`sharded_compressed_psum(..., mean=True)`: the mean over `axis_name`.
+
+    Args:
+      tree: as `sharded_compressed_psum`'s.
+      specs: as `sharded_compressed_psum`'s.
+      mesh: as `sharded_compressed_psum`'s.
+      axis_name: as `sharded_compressed_psum`'s.
+      **kwargs: `compressed_psum`'s other options (`residual` included).
+
+    Returns:
+      `(reduced, new_residual)` as `sharded_compressed_psum` returns them, `reduced` the mean.
+    """
     return sharded_compressed_psum(tree, specs, mesh, axis_name, mean=True, **kwargs)
 
 
 def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwargs) -> tuple:
-    """`sharded_compressed_psum` as two stages that can run apart (`step.layer_exchange` runs
-    each beside another layer's backward).
+    """`sharded_compressed_psum` as two stages that can run apart.
+
+    `step.layer_exchange` runs each beside another layer's backward.
 
     Args:
       specs: PartitionSpecs like the trees the stages take, how the mesh splits each array; axes
@@ -745,21 +985,47 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwarg
 
 
 def init_residual(params, num_shards: int):
-    """Zero error-feedback residuals for `num_shards` data shards: each leaf `[num_shards, *shape]`,
-    meant to be split over `data` on its leading axis and like its parameter on the others (one
-    residual per device; see `sharded_compressed_psum`)."""
+    """Zero error-feedback residuals for `num_shards` data shards.
+
+    Args:
+      params: the parameter tree.
+      num_shards: devices on `data`.
+
+    Returns:
+      A tree like `params`, each leaf zeros `[num_shards, *shape]` in its dtype, meant to be
+      split over `data` on its leading axis and like its parameter on the others (one residual
+      per device; see `sharded_compressed_psum`).
+    """
     return jax.tree.map(lambda p: jnp.zeros((num_shards, *p.shape), p.dtype), params)
 
 
 def bucket_bytes(bits: int, bucket_size: int, itemsize: int = 4) -> float:
-    """Bytes of one packed bucket: `bucket_size` values at `bits` bits, its scale and offset of
-    `itemsize` bytes each."""
+    """Bytes of one packed bucket: its values, scale and offset.
+
+    Args:
+      bits: bits per value.
+      bucket_size: values per bucket.
+      itemsize: bytes of the scale (and of the offset).
+
+    Returns:
+      `bucket_size · bits / 8 + 2 · itemsize`.
+    """
     return bucket_size * bits / 8 + 2 * itemsize
 
 
 def wire_bytes_per_element(bits: int, bucket_size: int, itemsize: int = 4) -> float:
-    """Bytes one shard sends per gradient element through the compressed exchange, for large
-    buffers and many shards (`(n-1)/n -> 1`): packed buckets (`bucket_bytes`), twice."""
+    """Bytes one shard sends per gradient element through the compressed exchange.
+
+    For large buffers and many shards (`(n-1)/n -> 1`): packed buckets (`bucket_bytes`), twice.
+
+    Args:
+      bits: bits per value.
+      bucket_size: values per bucket.
+      itemsize: bytes of a bucket's scale (and offset).
+
+    Returns:
+      `2 · bucket_bytes(...) / bucket_size`.
+    """
     return 2 * bucket_bytes(bits, bucket_size, itemsize) / bucket_size
 
 

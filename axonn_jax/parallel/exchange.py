@@ -28,7 +28,14 @@ REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
 
 
 def check_reduce_dtype(dtype: str) -> None:
-    """ValueError (one line) unless `dtype` is a wire dtype of the exchange."""
+    """Raise a one-line ValueError unless `dtype` is a wire dtype of the exchange.
+
+    Args:
+      dtype: the requested wire dtype.
+
+    Raises:
+      ValueError: `dtype` is not one of `REDUCE_DTYPES`.
+    """
     if dtype not in REDUCE_DTYPES:
         raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {dtype!r}")
 
@@ -38,9 +45,19 @@ def _is_16bit(g) -> bool:
 
 
 def sum_divided(g, axes, divide_by: float = 1):
-    """`g`'s sum over the manual mesh `axes` (a name or a tuple; empty: `g` itself) divided by
-    `divide_by`, in float32 for a 16-bit `g`, cast back only after the division: a sum of copies
-    may exceed float16's range where each copy does not."""
+    """`g`'s sum over the manual mesh `axes`, divided by `divide_by`.
+
+    A 16-bit `g` is summed in float32 and cast back only after the division: a sum of copies may
+    exceed float16's range where each copy does not.
+
+    Args:
+      g: an array varying over `axes`.
+      axes: a manual mesh axis name or a tuple of them; empty: no sum.
+      divide_by: the sum is divided by it.
+
+    Returns:
+      The divided sum, in `g`'s dtype and shape, invariant over `axes`.
+    """
     low = g.dtype if _is_16bit(g) else None
     x = g.astype(jnp.float32) if low else g
     x = psum(x, axes) if axes else x
@@ -100,10 +117,16 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int
 
 
 def sum_over_stages(axis: str, dtype: str = "float32", specs=None, divide_by: int = 1) -> tuple:
-    """`sum_over` as a sequence of functions whose composition it is, so that a caller can run
-    each stage in its own window of compute (`step.layer_exchange`).
+    """`sum_over` as a sequence of functions whose composition it is.
 
-    Args: as `sum_over`'s.
+    A caller can run each stage in its own window of compute (`step.layer_exchange`).
+
+    Args:
+      axis: a manual mesh axis (e.g. `data`).
+      dtype: the wire dtype (module docstring).
+      specs: a tree of PartitionSpecs like the gradients, how the mesh's automatic axes split
+        each leaf (None: they split none).
+      divide_by: the sum is divided by it in float32.
 
     Returns:
       The stages, applied in order to a tree of gradients. float32: one, the all-reduce.

@@ -47,8 +47,18 @@ from . import grouped_matmul, ragged as ragged_lib
 
 
 def local_experts(num_experts: int, axis: str) -> int:
-    """Experts each device of the manual mesh axis `axis` holds (all of them outside a shard_map
-    manual over it); ValueError naming the numbers unless they divide."""
+    """Experts each device of the manual mesh axis `axis` holds.
+
+    Args:
+      num_experts: experts of the layer.
+      axis: the mesh axis that splits them.
+
+    Returns:
+      `num_experts / axis size` inside a shard_map manual over `axis`; all of them outside one.
+
+    Raises:
+      ValueError: `num_experts` does not divide over the axis (the message names the numbers).
+    """
     n = manual_axis_size(axis)
     if num_experts % n:
         raise ValueError(f"num_experts = {num_experts} is not divisible by the {axis} axis ({n})")
@@ -56,16 +66,38 @@ def local_experts(num_experts: int, axis: str) -> int:
 
 
 def capacity(rows: int, factor: float, groups: int) -> int:
-    """Slots per group for `rows` assignments over `groups` groups: `ceil(factor·rows/groups)`,
-    at least 1 and at most `rows` (more could never fill)."""
+    """Slots per group for `rows` assignments over `groups` groups.
+
+    Args:
+      rows: assignments to place.
+      factor: the capacity (or dispatch) factor.
+      groups: the groups (experts, or devices).
+
+    Returns:
+      `ceil(factor·rows/groups)`, at least 1 and at most `rows` (more could never fill).
+    """
     return max(1, min(rows, math.ceil(factor * rows / groups)))
 
 
 def layout(num_tokens: int, top_k: int, num_experts: int, devices: int,
            capacity_factor: float | None = None,
            dispatch_factor: float | None = None) -> tuple[int, int]:
-    """(groups, slots per group) of the send buffer for `num_tokens` local tokens (see the module
-    docstring): experts × capacity, or devices × rows per device."""
+    """(groups, slots per group) of the send buffer for `num_tokens` local tokens.
+
+    See the module docstring.
+
+    Args:
+      num_tokens: this device's tokens.
+      top_k: experts each token is routed to.
+      num_experts: experts of the layer.
+      devices: devices on the expert axis.
+      capacity_factor: None for dropless, else the capacity per expert (`capacity`).
+      dispatch_factor: dropless over several devices: the rows sent to each device
+        (`capacity`); None: every assignment fits.
+
+    Returns:
+      `(num_experts, capacity)` with a capacity factor, else `(devices, rows per device)`.
+    """
     rows = num_tokens * top_k
     if capacity_factor is not None:
         return num_experts, capacity(rows, capacity_factor, num_experts)
@@ -75,11 +107,21 @@ def layout(num_tokens: int, top_k: int, num_experts: int, devices: int,
 
 
 def assign_slots(expert_ids: jax.Array, num_experts: int, groups: int, slots: int) -> jax.Array:
-    """The send-buffer slot of each assignment, `(A,)` int32 in `[0, groups·slots)`, or
-    `groups·slots` for an assignment dropped because its group is full. `expert_ids (A,)`: the
-    expert of each assignment in priority order; group `g` holds experts
-    `[g·E/groups, (g+1)·E/groups)`; within a group slots go by priority (a full group drops its
-    last assignments, whichever their experts)."""
+    """The send-buffer slot of each assignment, or `groups·slots` for a dropped one.
+
+    Group `g` holds experts `[g·E/groups, (g+1)·E/groups)`; within a group slots go by priority
+    (a full group drops its last assignments, whichever their experts).
+
+    Args:
+      expert_ids: `(A,)` the expert of each assignment, in priority order.
+      num_experts: experts of the layer (`E`).
+      groups: the send buffer's groups.
+      slots: slots per group.
+
+    Returns:
+      `(A,)` int32 in `[0, groups·slots)`, or `groups·slots` for an assignment dropped because
+      its group is full.
+    """
     group = expert_ids // (num_experts // groups)
     order = jnp.argsort(group, stable=True)
     counts = jnp.bincount(group, length=groups)
@@ -91,8 +133,16 @@ def assign_slots(expert_ids: jax.Array, num_experts: int, groups: int, slots: in
 
 
 def exchange(buffer: jax.Array, axis: str, devices: int) -> jax.Array:
-    """Chunk `j` of `buffer`'s leading dim to device `j` of `axis`, chunk `i` of the result from
-    device `i` (an all-to-all; nothing on one device)."""
+    """Chunk `j` of `buffer`'s leading dim to device `j` of `axis` (an all-to-all).
+
+    Args:
+      buffer: `(devices·chunk, ...)`, chunk `j` for device `j`.
+      axis: a manual mesh axis of the enclosing shard_map.
+      devices: devices on `axis` (1: nothing is sent).
+
+    Returns:
+      The same shape; chunk `i` from device `i` (`buffer` itself on one device).
+    """
     if devices == 1:
         return buffer
     return jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)
@@ -104,11 +154,23 @@ def _swiglu(dot, rows, w_gate, w_up, w_down):
 
 def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down, *,
                    routed_rows: int | None = None) -> jax.Array:
-    """`rows (R, d)` through expert `ids[r]`'s SwiGLU, `(R, d)`; ids `(R,)` int32, a row with id
-    ≥ the number of experts (an empty slot) comes out zero. Weights `(E, d, ff)`, `(E, d, ff)`,
-    `(E, ff, d)`. The rows are sorted by expert for one grouped matmul per projection, the gate
-    and up projections in one (`expert_matmul`); `routed_rows`: the rows routed on average (the
-    kernels' declared FLOPs)."""
+    """Each row through its expert's SwiGLU, by grouped matmuls.
+
+    The rows are sorted by expert for one grouped matmul per projection, the gate and up
+    projections in one (`expert_matmul`).
+
+    Args:
+      rows: `(R, d)`.
+      ids: `(R,)` int32 the expert of each row; a row with id ≥ the number of experts (an empty
+        slot) comes out zero.
+      w_gate: `(E, d, ff)`.
+      w_up: `(E, d, ff)`.
+      w_down: `(E, ff, d)`.
+      routed_rows: the rows routed on average (the kernels' declared FLOPs).
+
+    Returns:
+      `(R, d)`, row `r` through expert `ids[r]`'s SwiGLU.
+    """
     experts = w_gate.shape[0]
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)  # empty slots sort last, uncounted
@@ -121,8 +183,14 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down, *,
 
 def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Array, *,
                   axes: tuple[str, str], routed_rows: int | None = None) -> tuple[jax.Array, ...]:
-    """Projections of the same sorted rows, `(R, N)` each: `jax.lax.ragged_dot(rows, w, sizes)`
-    for each `w` of `weights`.
+    """Projections of the same sorted rows: `jax.lax.ragged_dot(rows, w, sizes)` for each `w`.
+
+    On CPU: `ragged_dot` (GSPMD partitions it). On GPU: the grouped-matmul kernels, which GSPMD
+    cannot partition (it would gather the weights and repeat the work on every device), so they
+    run in a shard_map manual over the automatic axes, laid out as AxoNN splits a dense layer:
+    each device multiplies its `K` slice by its `(K, N)` blocks, all weights in one kernel (one
+    input gradient, hence one all-reduce of it), and the partial sums over `axes[0]` are added
+    there in the compute dtype (an all-reduce).
 
     Args:
       rows: `(R, K)` sorted by expert.
@@ -135,13 +203,7 @@ def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Ar
     Returns:
       One `(R, N)` array in `rows.dtype` per weight, laid out by GSPMD (from the kernel path `N`
       over `axes[1]`).
-
-    On CPU: `ragged_dot` (GSPMD partitions it). On GPU: the grouped-matmul kernels, which GSPMD
-    cannot partition (it would gather the weights and repeat the work on every device), so they
-    run in a shard_map manual over the automatic axes, laid out as AxoNN splits a dense layer:
-    each device multiplies its `K` slice by its `(K, N)` blocks, all weights in one kernel (one
-    input gradient, hence one all-reduce of it), and the partial sums over `axes[0]` are added
-    there in the compute dtype (an all-reduce)."""
+    """
     if not grouped_matmul.use_kernel():
         return tuple(jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes) for w in weights)
     count = len(weights)
@@ -168,8 +230,17 @@ def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Ar
 
 
 def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """`rows (E, R, d)`: expert `e`'s rows through its SwiGLU, `(E, R, d)` (weights as in
-    `grouped_swiglu`)."""
+    """Expert `e`'s rows through its SwiGLU, for every expert at once (batched einsums).
+
+    Args:
+      rows: `(E, R, d)`, expert `e`'s rows at index `e`.
+      w_gate: `(E, d, ff)`.
+      w_up: `(E, d, ff)`.
+      w_down: `(E, ff, d)`.
+
+    Returns:
+      `(E, R, d)`.
+    """
     dot = lambda a, w: jnp.einsum("erd,edf->erf", a, w.astype(a.dtype))  # noqa: E731
     return _swiglu(dot, rows, w_gate, w_up, w_down)
 
@@ -178,16 +249,35 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
                   num_experts: int, axis: str = "expert", capacity_factor: float | None = None,
                   dispatch_factor: float | None = None,
                   ragged: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """`(y, dropped)`: `y (T, d)` = Σ_j weights[t, j]·SwiGLU_{expert_ids[t, j]}(x[t]) over the
-    choices that were not dropped, and `dropped`, the number of dropped assignments (int32 scalar,
-    this device's).
+    """Each token through the experts its router chose, summed with the combine weights.
 
-    x `(T, d)`: this device's tokens; expert_ids `(T, k)` int32 in `[0, num_experts)`; weights
-    `(T, k)`. Expert weights `(E_l, d, ff)`, `(E_l, d, ff)`, `(E_l, ff, d)`: all `num_experts`
-    outside a shard_map manual over `axis`, inside one the `E_l = num_experts / axis size`
-    experts of this device (split over `axis` on dim 0). Layouts: see the module docstring.
-    `ragged`: whether a dropless exchange over more than one device sends only the routed rows
-    (`parallel.ragged`; None: on a GPU mesh); on CPU, forced, it runs `ragged.reference`."""
+    Expert weights hold all `num_experts` outside a shard_map manual over `axis`, inside one the
+    `E_l = num_experts / axis size` experts of this device (split over `axis` on dim 0).
+    Layouts: see the module docstring.
+
+    Args:
+      x: `(T, d)` this device's tokens.
+      expert_ids: `(T, k)` int32 in `[0, num_experts)`.
+      weights: `(T, k)` combine weights.
+      w_gate: `(E_l, d, ff)`.
+      w_up: `(E_l, d, ff)`.
+      w_down: `(E_l, ff, d)`.
+      num_experts: experts of the layer.
+      axis: the expert mesh axis.
+      capacity_factor: None for dropless, else the capacity per expert.
+      dispatch_factor: dropless over several devices: the rows sent to each device; None: every
+        assignment fits.
+      ragged: whether a dropless exchange over more than one device sends only the routed rows
+        (`parallel.ragged`; None: on a GPU mesh); on CPU, forced, it runs `ragged.reference`.
+
+    Returns:
+      `(y, dropped)`: `y (T, d)` = Σ_j weights[t, j]·SwiGLU_{expert_ids[t, j]}(x[t]) over the
+      choices that were not dropped, and `dropped`, the number of dropped assignments (int32
+      scalar, this device's).
+
+    Raises:
+      ValueError: `num_experts` does not divide over `axis`.
+    """
     t, d = x.shape
     k = expert_ids.shape[1]
     n = manual_axis_size(axis)
@@ -262,9 +352,7 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
                 dtype_bytes: int = 4, batch_axes: tuple[str, ...] | None = None,
                 backward: bool = True, ragged: bool = False,
                 imbalance: float = 1.0) -> list[tuple[str, tuple[str, ...], int]]:
-    """The collectives one MoE layer (`models.moe.MoE`) issues per device, `[(kind, axes,
-    bytes)]`, for `num_tokens` local tokens of `d_model` features in `dtype_bytes`-byte floats on
-    an expert axis of `expert` devices; bytes as `analysis.hlo` counts them.
+    """The collectives one MoE layer (`models.moe.MoE`) issues per device.
 
     Forward: the rows out and back (two all-to-alls of the send buffer, `groups·slots·d_model`
     elements, see `layout`), dropless also the rows' expert ids (int32), and one all-reduce of the
@@ -279,7 +367,26 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
     `imbalance` (the busiest expert shard's load over the mean, `--expert-imbalance`) scales
     them to the busiest device's, which receives and returns that many more. Beside them the
     counts cross before the forward exchange, and the transpose rule's send and receive
-    offsets (one all-to-all each) before the backward ones: `expert` int32 each."""
+    offsets (one all-to-all each) before the backward ones: `expert` int32 each.
+
+    Args:
+      num_tokens: this device's tokens.
+      d_model: features per token.
+      num_experts: experts of the layer.
+      top_k: experts each token is routed to.
+      expert: devices on the expert axis.
+      capacity_factor: as `routed_swiglu`'s.
+      dispatch_factor: as `routed_swiglu`'s.
+      dtype_bytes: bytes of one float of the rows.
+      batch_axes: the mesh axes that split the tokens (None: `expert` when it has more than one
+        device).
+      backward: include the backward's exchanges.
+      ragged: the dropless exchange sends the routed rows only.
+      imbalance: the busiest expert shard's load over the mean.
+
+    Returns:
+      `[(kind, axes, bytes)]`, bytes as `analysis.hlo` counts them.
+    """
     if batch_axes is None:
         batch_axes = ("expert",) if expert > 1 else ()
     out = []
@@ -304,7 +411,15 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
 
 
 def routed_rows(num_tokens: int, top_k: int, buffer_rows: int, imbalance: float = 1.0) -> float:
-    """Rows one dropless ragged exchange moves on a device, on average: its `num_tokens·top_k`
-    assignments (no more than its send buffer's `buffer_rows`), times `imbalance` for the
-    busiest device (again capped by the buffer, which a receiver's chunks also fill)."""
+    """Rows one dropless ragged exchange moves on a device, on average.
+
+    Args:
+      num_tokens: this device's tokens.
+      top_k: experts each token is routed to.
+      buffer_rows: rows of the send buffer (the cap: a receiver's chunks fill at most that).
+      imbalance: the busiest device's load over the mean.
+
+    Returns:
+      `min(buffer_rows, num_tokens·top_k·imbalance)`.
+    """
     return min(buffer_rows, num_tokens * top_k * imbalance)

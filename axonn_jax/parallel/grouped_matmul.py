@@ -46,8 +46,15 @@ TILE_M, TILE_N, TILE_K = 64, 128, 64
 # ----------------------------------------------------------------------------- the switch
 
 def use_kernel(platform: str | None = None) -> bool:
-    """Whether `grouped_matmul` runs the Pallas kernels: on a GPU mesh (the mesh in context, else
-    JAX's default backend; `platform` overrides)."""
+    """Whether `grouped_matmul` runs the Pallas kernels: on a GPU mesh.
+
+    Args:
+      platform: the platform to decide for; None: the mesh in context's, else JAX's default
+        backend.
+
+    Returns:
+      True on `gpu` / `cuda`.
+    """
     platform = platform or mesh_platform() or jax.default_backend()
     return platform in ("gpu", "cuda")
 
@@ -98,9 +105,18 @@ def _padded(dim: int, tile: int) -> int:
 
 
 def declared_flops(m: int, k: int, n: int, groups: int, routed_rows: int) -> int:
-    """FLOPs a grouped matmul of `(m, k)` rows by `(groups, k, n)` declares (`k`, `n` padded to
-    whole tiles, as the kernels run them): `2·k·n` per routed row, one tile of rows of padding
-    per group, at most every row."""
+    """FLOPs a grouped matmul of `(m, k)` rows by `(groups, k, n)` declares.
+
+    Args:
+      m: rows of the input.
+      k: contracted features (padded to whole tiles, as the kernels run them).
+      n: output features (padded likewise).
+      groups: the groups (matrices).
+      routed_rows: rows routed on average.
+
+    Returns:
+      `2·k·n` per routed row, one tile of rows of padding per group, at most every row.
+    """
     return 2 * k * n * min(m, routed_rows + groups * TILE_M)
 
 

@@ -118,21 +118,29 @@ class Schedule:
 
     @property
     def num_ticks(self) -> int:
+        """Ticks of the timetable (rows of its tables)."""
         return self.forward.shape[0]
 
     @property
     def split_backward(self) -> bool:
+        """Whether a stage's backward runs as B and W apart (`zb-h1`)."""
         return self.name == "zb-h1"
 
     @property
     def message_ticks(self) -> int:
-        """Ticks that end with messages: up to the last forward or backward (zb-h1's trailing
-        ticks run only Ws, which send nothing)."""
+        """Ticks that end with messages: up to the last forward or backward.
+
+        zb-h1's trailing ticks run only Ws, which send nothing.
+        """
         busy = np.flatnonzero(((self.forward >= 0) | (self.backward >= 0)).any(axis=1))
         return int(busy[-1]) + 1 if busy.size else 0
 
     def busy_ticks(self) -> np.ndarray:
-        """Operations each stage runs, `(num_stages, 3)`: forwards, backwards, weight gradients."""
+        """Operations each stage runs: forwards, backwards, weight gradients.
+
+        Returns:
+          `(num_stages, 3)` int counts.
+        """
         return np.stack([(t >= 0).sum(0) for t in (self.forward, self.backward, self.weight)], 1)
 
     def step_time(self, forward_cost, backward_cost, weight_cost=0.0) -> float:
@@ -141,6 +149,14 @@ class Schedule:
         Costs are seconds of one operation (of one chunk when `virtual_stages > 1`; B is the whole
         backward unless `split_backward`, then W is `weight_cost`), each a number or a
         `(num_stages,)` array (stages differ: the first embeds, the last runs the head and loss).
+
+        Args:
+          forward_cost: seconds of one forward operation.
+          backward_cost: seconds of one backward (B) operation.
+          weight_cost: seconds of one weight-gradient (W) operation.
+
+        Returns:
+          The sum over ticks of the slowest stage's work in that tick, in seconds.
         """
         costs = [np.broadcast_to(np.asarray(c, float), (self.num_stages,))
                  for c in (forward_cost, backward_cost, weight_cost)]
@@ -155,6 +171,14 @@ class Schedule:
         microbatch (only their sum matters unless the backward is split). Idle time per stage:
         (P−1)(F+B+W) for gpipe and 1f1b, divided by V for interleaved-1f1b, (P−1)(F+B−W) for
         zb-h1; the bubble is idle / (M(F+B+W) + idle).
+
+        Args:
+          forward_cost: F, one stage's forward per microbatch.
+          input_cost: B, its input-gradient work.
+          weight_cost: W, its weight-gradient work.
+
+        Returns:
+          The idle fraction, in [0, 1).
         """
         p, m, v = self.num_stages, self.num_microbatches, self.virtual_stages
         f, b, w = forward_cost, input_cost, weight_cost
@@ -164,11 +188,23 @@ class Schedule:
 
 def pipeline_collectives(schedule: Schedule, message_bytes: float,
                          replicated_bytes: float) -> list[Collective]:
-    """What the pipeline adds to a step on one stage device: every tick up to the last forward or
-    backward, one activation forward and one cotangent backward of `message_bytes` each (a
-    chunk's, as large, with interleaved stages: V times as many ticks); at the end, the sum over
-    `pipe` of the gradients of the parameters every stage holds (`replicated_bytes`: embedding,
-    final norm and head, of which only the first and last stage's are not zero)."""
+    """The collectives the pipeline adds to a step on one stage device.
+
+    Every tick up to the last forward or backward, one activation forward and one cotangent
+    backward of `message_bytes` each (a chunk's, as large, with interleaved stages: V times as
+    many ticks); at the end, the sum over `pipe` of the gradients of the parameters every stage
+    holds.
+
+    Args:
+      schedule: the pipeline's timetable.
+      message_bytes: bytes of one activation (= cotangent) message.
+      replicated_bytes: bytes of the parameters every stage holds (embedding, final norm and
+        head, of which only the first and last stage's gradients are not zero).
+
+    Returns:
+      An all-reduce over `pipe` of `replicated_bytes` and `2 · message_ticks` collective-permutes
+      of `message_bytes`.
+    """
     return [Collective("all-reduce", (PIPE_AXIS,), replicated_bytes),
             Collective("collective-permute", (PIPE_AXIS,), message_bytes,
                        2 * schedule.message_ticks)]
@@ -176,12 +212,22 @@ def pipeline_collectives(schedule: Schedule, message_bytes: float,
 
 def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2,
                   hoisted: bool = True) -> list[Collective]:
-    """A step's collectives (`found`, counted once per step) as the engines run them: a stage's
-    forward `forwards` times per microbatch (2 in a pipeline, whose backward tick recomputes it;
-    one more with `--remat full`), parameter-sized collectives (weight gathers, weight-gradient
-    sums) once per microbatch's operation (pipelined, or accumulated by `SpmdEngine`).
-    `hoisted`: whether the loop-invariant ones leave the microbatch loop (`loop_invariant`); not
-    inside a GPU pipeline's ticks, where the embedding and head run in `lax.cond` branches."""
+    """A step's collectives, counted once per step, recounted as the engines run them.
+
+    Args:
+      found: the step's collectives, each counted once per step.
+      microbatches: microbatches per step.
+      forwards: times a stage's forward runs per microbatch (2 in a pipeline, whose backward
+        tick recomputes it; one more with `--remat full`).
+      hoisted: whether the loop-invariant ones leave the microbatch loop (`loop_invariant`);
+        not inside a GPU pipeline's ticks, where the embedding and head run in `lax.cond`
+        branches.
+
+    Returns:
+      `found` with each `stage_forward` count times `forwards` and each `per_microbatch` count
+      times `microbatches` (parameter-sized collectives run once per microbatch's operation,
+      pipelined or accumulated by `SpmdEngine`); hoisted loop-invariant ones unchanged.
+    """
     return [c if c.loop_invariant and hoisted else
             dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
                                 * (microbatches if c.per_microbatch else 1)) for c in found]
@@ -189,14 +235,26 @@ def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2,
 
 def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
                 lockstep: bool = True, virtual_stages: int = 1) -> list[tuple[str, int, int]]:
-    """The forwards and backwards `[("F" | "B", microbatch, chunk), ...]` stage `stage` runs, in order
-    (a split backward's Ws are placed by `make_schedule`).
+    """The forwards and backwards stage `stage` runs, in order.
+
+    A split backward's Ws are placed by `make_schedule`.
 
     1F1B warms up with as many forwards as fit before its first backward can start: in the
     lockstep engine a microbatch needs one tick per hop to the last stage and back, so
     `2(P−1−s)`; in an asynchronous pipeline (`lockstep=False`, the MPI transport), where a stage
     starts its next operation as soon as the last one ends, `P−1−s`. Interleaved 1F1B adds the
     `(V−1)·P` forwards of the other chunks of the first microbatches.
+
+    Args:
+      name: the schedule (`gpipe`, `1f1b`, `interleaved-1f1b`, `zb-h1`).
+      num_stages: P, the devices on `pipe`.
+      num_microbatches: M.
+      stage: s, the stage.
+      lockstep: the lockstep engine (True) or an asynchronous pipeline (False).
+      virtual_stages: V, chunks per stage.
+
+    Returns:
+      `[("F" | "B", microbatch, chunk), ...]`.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
     if name == "gpipe":
@@ -214,7 +272,19 @@ def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
 
 
 def check_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1):
-    """A clear error (naming the flag and the numbers) unless the schedule applies."""
+    """Raise a clear error (naming the flag and the numbers) unless the schedule applies.
+
+    Args:
+      name: the schedule, one of `SCHEDULES`.
+      num_stages: devices on `pipe`.
+      num_microbatches: microbatches per step.
+      virtual_stages: chunks per stage (more than 1 only with `interleaved-1f1b`).
+
+    Raises:
+      ValueError: an unknown schedule, no stage or microbatch, fewer than one virtual stage,
+        virtual stages without `interleaved-1f1b`, or microbatches that are not a multiple of
+        the stages with `interleaved-1f1b`.
+    """
     p, m, v = num_stages, num_microbatches, virtual_stages
     if name not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
@@ -232,10 +302,25 @@ def check_schedule(name: str, num_stages: int, num_microbatches: int, virtual_st
 @functools.lru_cache(maxsize=256)
 def make_schedule(name: str, num_stages: int, num_microbatches: int,
                   virtual_stages: int = 1) -> Schedule:
-    """Run each stage's operation list as early as its inputs allow, at most one F and one B per
-    tick: F(m, j) one tick after F(m, j−1) (j: the virtual stage), B(m, j) one tick after
-    B(m, j+1) (the last virtual stage: in the tick of its own F(m) or later); for `zb-h1` place
-    the Ws (see the module docstring); then give every stashed value a slot."""
+    """The timetable of a schedule: each stage's operations as early as their inputs allow.
+
+    At most one F and one B per tick: F(m, j) one tick after F(m, j−1) (j: the virtual stage),
+    B(m, j) one tick after B(m, j+1) (the last virtual stage: in the tick of its own F(m) or
+    later); for `zb-h1` the Ws are placed (see the module docstring); then every stashed value
+    gets a slot.
+
+    Args:
+      name: the schedule, one of `SCHEDULES`.
+      num_stages: devices on `pipe`.
+      num_microbatches: microbatches per step.
+      virtual_stages: chunks per stage.
+
+    Returns:
+      The `Schedule`.
+
+    Raises:
+      ValueError: from `check_schedule`.
+    """
     check_schedule(name, num_stages, num_microbatches, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
     orders = [stage_order(name, p, m, s, virtual_stages=v) for s in range(p)]
@@ -371,8 +456,19 @@ def _allocate(entries, slots: dict, stage: int) -> int:
 
 
 def check_layers(num_layers: int, num_stages: int, virtual_stages: int = 1) -> int:
-    """Layers per chunk (per stage when `virtual_stages` is 1); a clear error when the stack does
-    not split evenly."""
+    """Layers per chunk (per stage when `virtual_stages` is 1).
+
+    Args:
+      num_layers: layers of the stack.
+      num_stages: devices on `pipe`.
+      virtual_stages: chunks per stage.
+
+    Returns:
+      `num_layers / (num_stages · virtual_stages)`.
+
+    Raises:
+      ValueError: the stack does not split evenly.
+    """
     chunks = num_stages * virtual_stages
     if num_layers % chunks:
         what = f"pipe = {num_stages}" if virtual_stages == 1 else \
@@ -390,6 +486,17 @@ def interleave_order(num_layers: int, num_stages: int, virtual_stages: int) -> n
     `c·n … (c+1)·n − 1` (n = L/(P·V)): so position `s·V·n + c·n + i` holds layer
     `(c·P + s)·n + i`. Identity when `virtual_stages` is 1. `stored = layers[order]`,
     `layers = stored[np.argsort(order)]`.
+
+    Args:
+      num_layers: L, layers of the stack.
+      num_stages: P, devices on `pipe`.
+      virtual_stages: V, chunks per stage.
+
+    Returns:
+      `order`, `(L,)` int: the layer each stored position holds.
+
+    Raises:
+      ValueError: the stack does not split evenly (`check_layers`).
     """
     p, v = num_stages, virtual_stages
     n = check_layers(num_layers, p, v)
@@ -419,7 +526,19 @@ def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dty
     recomputed and differentiated, from the output cotangent `cot` and the loss: the head's
     when `last`, plus the chunk's auxiliary loss, weighted `scale`/M (scale: the loss scale).
     The loss returned is unscaled, the chunk's metrics are the stage function's. prm = (embed,
-    chunk, head) parameters; `axes`: the manual axes every value varies over.
+    chunk, head) parameters.
+
+    Args:
+      embed_fn: `embed_fn(embed_params, batch_mb) -> x`.
+      stage_fn: `stage_fn(chunk_params, x, batch_mb) -> (x, aux loss, metrics)`.
+      head_fn: `head_fn(head_params, x, batch_mb) -> mean loss`.
+      num_microbatches: M.
+      act_dtype: the dtype of the activations between stages.
+      axes: the manual axes every value varies over.
+      scale: the loss scale.
+
+    Returns:
+      `(forward, backward)`.
     """
     m = num_microbatches
 
@@ -447,9 +566,16 @@ def stage_operations(embed_fn, stage_fn, head_fn, num_microbatches: int, act_dty
 
 
 def split_stage_backward(backward, example_args):
-    """`parallel.backward_split` of a `stage_operations` backward at `example_args` (those of the
-    backward): B returns (input cotangent, loss, metrics), W the parameter gradients; W reads the
-    parameters itself, everything else from B's residuals."""
+    """`parallel.backward_split` of a `stage_operations` backward.
+
+    Args:
+      backward: the `stage_operations` backward.
+      example_args: example arguments of the backward.
+
+    Returns:
+      The `BackwardSplit`: B returns (input cotangent, loss, metrics), W the parameter
+      gradients; W reads the parameters itself, everything else from B's residuals.
+    """
     return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=3)
 
 
@@ -466,26 +592,38 @@ def pipeline_loss_and_grads(
 ) -> tuple[jax.Array, tuple[Any, Any, Any], dict]:
     """Loss and parameter gradients of a pipelined model; call inside a shard_map manual over `axis`.
 
-    params = (embed_params, stage_params, head_params). embed/head params: replicated over `axis`;
-    stage_params: this stage's slice of the layer stack (split over `axis`), a leading layer axis
-    of `V·n` layers holding the stage's `V = schedule.virtual_stages` chunks of n layers in order
-    (chunk c: rows `c·n … (c+1)·n − 1`, virtual stage `c·P + s`; see `interleave_order`). All of
-    them must already be varying over every manual axis (so gradients stay per-device until
-    reduced by the caller).
-    batch: a pytree of `(b, ...)` arrays, this device's rows (replicated over `axis`), cut into
-    `schedule.num_microbatches` microbatches of `b/M` rows.
-    embed_fn(embed_params, batch_mb) -> x `(b/M, ...)`; stage_fn(chunk_params, x, batch_mb) ->
-    (x (same shape), the chunk's auxiliary loss (float32 scalar: 0 for plain layers), metrics (a
-    dict of per-layer arrays `(n, ...)`; {} for plain layers)); head_fn(head_params, x, batch_mb)
-    -> mean loss of the microbatch (float32 scalar). scale: the loss scale the gradients are
-    multiplied by. accumulate_in: a pytree like `params` of the dtypes the gradients are summed
-    in over the microbatches (default: the parameters'): the caller may pass parameters already
-    cast to the compute dtype once, outside the tick loop, and keep fp32 sums.
+    Args:
+      embed_fn: `embed_fn(embed_params, batch_mb) -> x (b/M, ...)`.
+      stage_fn: `stage_fn(chunk_params, x, batch_mb) -> (x (same shape), the chunk's auxiliary
+        loss (float32 scalar: 0 for plain layers), metrics (a dict of per-layer arrays
+        `(n, ...)`; {} for plain layers))`.
+      head_fn: `head_fn(head_params, x, batch_mb) -> mean loss of the microbatch` (float32
+        scalar).
+      params: `(embed_params, stage_params, head_params)`. embed/head params: replicated over
+        `axis`; stage_params: this stage's slice of the layer stack (split over `axis`), a
+        leading layer axis of `V·n` layers holding the stage's `V = schedule.virtual_stages`
+        chunks of n layers in order (chunk c: rows `c·n … (c+1)·n − 1`, virtual stage
+        `c·P + s`; see `interleave_order`). All of them must already be varying over every
+        manual axis (so gradients stay per-device until reduced by the caller).
+      batch: a pytree of `(b, ...)` arrays, this device's rows (replicated over `axis`), cut
+        into `schedule.num_microbatches` microbatches of `b/M` rows.
+      schedule: the timetable (`make_schedule`).
+      axis: the pipeline's mesh axis.
+      scale: the loss scale the gradients are multiplied by.
+      accumulate_in: a pytree like `params` of the dtypes the gradients are summed in over the
+        microbatches (default: the parameters'): the caller may pass parameters already cast to
+        the compute dtype once, outside the tick loop, and keep fp32 sums.
 
-    Returns the mean loss over the microbatches (equal on every stage, auxiliary losses
-    included), the gradients (embed/head summed over `axis`, so replicated; stage gradients local
-    to the stage) and the metrics averaged over the microbatches: per layer of this stage, `(V·n,
-    ...)` in the order of its layer stack (split over `axis` like the blocks).
+    Returns:
+      `(loss, grads, metrics)`: the mean loss over the microbatches (equal on every stage,
+      auxiliary losses included), the gradients (embed/head summed over `axis`, so replicated;
+      stage gradients local to the stage) and the metrics averaged over the microbatches: per
+      layer of this stage, `(V·n, ...)` in the order of its layer stack (split over `axis` like
+      the blocks).
+
+    Raises:
+      ValueError: the local batch does not divide into the microbatches, or the stage's layers
+        into the virtual stages.
     """
     p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
     rows = jax.tree.leaves(batch)[0].shape[0]
@@ -646,13 +784,25 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
                     *, mesh, num_microbatches: int, axis: str = PIPE_AXIS) -> jax.Array:
     """`y = stage_{P−1}(… stage_0(x))`, the stages run as a GPipe pipeline over `axis`; differentiable.
 
-    params: a layer stack with a leading axis of length `P · layers_per_stage`, split over `axis`
-    (stage s gets its slice); stage_fn(stage_params, x_mb) -> same shape as x_mb.
-    x: `(b, ...)` replicated over `axis`, cut into `num_microbatches` microbatches; y likewise.
-    The forward streams microbatches through the stages; the backward (a `jax.custom_vjp`) recomputes
-    the stage inputs by a second forward pass and then streams cotangents back, one `jax.vjp` per
-    stage and microbatch. For 1F1B the loss must sit inside the pipeline: see
+    The forward streams microbatches through the stages; the backward (a `jax.custom_vjp`)
+    recomputes the stage inputs by a second forward pass and then streams cotangents back, one
+    `jax.vjp` per stage and microbatch. For 1F1B the loss must sit inside the pipeline: see
     `pipeline_loss_and_grads`.
+
+    Args:
+      stage_fn: `stage_fn(stage_params, x_mb) -> same shape as x_mb`.
+      params: a layer stack with a leading axis of length `P · layers_per_stage`, split over
+        `axis` (stage s gets its slice).
+      x: `(b, ...)` replicated over `axis`, cut into `num_microbatches` microbatches.
+      mesh: the mesh holding `axis`.
+      num_microbatches: M.
+      axis: the pipeline's mesh axis.
+
+    Returns:
+      y, shaped like `x` and replicated over `axis`.
+
+    Raises:
+      ValueError: the batch does not divide into the microbatches.
     """
     from jax.sharding import PartitionSpec as Spec
 

@@ -16,13 +16,14 @@ def _scan(block, length: int):
 
 
 class Pipelined(nn.Module):
-    """`length` copies of `block(*block_args, **block_kwargs)`, parameters stacked on a leading
-    layer axis exactly as `nn.scan` stacks them (same parameter tree, same initial values).
+    """`length` copies of `block(*block_args, **block_kwargs)`, optionally pipelined over `pipe`.
 
-    With `mesh=None` or `mesh.shape['pipe'] == 1` it is that `nn.scan`. Otherwise `__call__(x)` runs
-    the stack as a GPipe pipeline of `microbatches` microbatches over `pipe` (`pipelined_stack`):
-    place the parameters split over `pipe` on their leading axis; `x (b, ...)` is replicated.
-    The block's `__call__(x, carry)` must return `(x, carry)` as `nn.scan` requires.
+    The parameters are stacked on a leading layer axis exactly as `nn.scan` stacks them (same
+    parameter tree, same initial values). With `mesh=None` or `mesh.shape['pipe'] == 1` it is
+    that `nn.scan`. Otherwise `__call__(x)` runs the stack as a GPipe pipeline of
+    `microbatches` microbatches over `pipe` (`pipelined_stack`): place the parameters split over
+    `pipe` on their leading axis; `x (b, ...)` is replicated. The block's `__call__(x, carry)`
+    must return `(x, carry)` as `nn.scan` requires.
     """
 
     block: Any
@@ -55,14 +56,29 @@ class Pipelined(nn.Module):
 
 
 def pipeline(block, length: int, *, mesh=None, microbatches: int = 1):
-    """Like `nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True}, length=length)`:
-    returns a constructor `(*block_args, name=None, **block_kwargs) -> Pipelined`, a module whose
-    `__call__(x, carry) -> (x, carry)` runs the `length` blocks split into `mesh.shape['pipe']`
-    stages (`length % pipe == 0`), `microbatches` microbatches streamed through them by `ppermute`.
+    """A pipelined `nn.scan` of `length` blocks: a constructor of `Pipelined` modules.
 
-    x: `(b, ...)` with `b % microbatches == 0`; the stacked parameters `(length, ...)` are split
-    over `pipe`. Schedule: GPipe (forward pipeline, then a hand-scheduled backward pipeline through a
-    `jax.custom_vjp`); the loss-aware 1F1B schedule is `parallel.pipeline.pipeline_loss_and_grads`.
+    Like `nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True},
+    length=length)`. x: `(b, ...)` with `b % microbatches == 0`; the stacked parameters
+    `(length, ...)` are split over `pipe`. Schedule: GPipe (forward pipeline, then a
+    hand-scheduled backward pipeline through a `jax.custom_vjp`); the loss-aware 1F1B schedule
+    is `parallel.pipeline.pipeline_loss_and_grads`.
+
+    Args:
+      block (type[nn.Module]): the linen module class of one layer; its `__call__(x, carry)`
+        returns `(x, carry)`.
+      length: the number of blocks (`length % pipe == 0`).
+      mesh (jax.sharding.Mesh | None): the mesh whose `pipe` axis splits the blocks into
+        stages; None: no pipeline.
+      microbatches: microbatches streamed through the stages by `ppermute`.
+
+    Returns:
+      (Callable[..., Pipelined]): a constructor `(*block_args, name=None, **block_kwargs) ->
+        Pipelined`, a module whose `__call__(x, carry) -> (x, carry)` runs the `length` blocks
+        split into `mesh.shape['pipe']` stages.
+
+    Raises:
+      ValueError: `microbatches` is not positive.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be positive, got {microbatches}")

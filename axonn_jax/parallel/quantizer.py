@@ -38,7 +38,14 @@ ROWS_PER_BLOCK = 8
 
 
 def segments(bits: int) -> int:
-    """Segments of a bucket: values per byte when `bits` divides 8, else 8 (bit planes)."""
+    """Segments of a bucket: values per byte when `bits` divides 8, else 8 (bit planes).
+
+    Args:
+      bits: bits per quantized value.
+
+    Returns:
+      `8 // bits` when `bits` divides 8, else 8.
+    """
     return 8 // bits if 8 % bits == 0 else 8
 
 
@@ -48,8 +55,15 @@ def _split(row: jax.Array, parts: int) -> list[jax.Array]:
 
 
 def pack_segments(codes: list[jax.Array], bits: int) -> list[jax.Array]:
-    """Codes (`segments(bits)` arrays of uint32 values < 2^bits, [..., m]) -> uint8 columns
-    ([..., m] each; one, or `bits` bit planes) whose concatenation is the packed row."""
+    """Pack code segments into the uint8 columns whose concatenation is the packed row.
+
+    Args:
+      codes: `segments(bits)` arrays of uint32 values < 2^bits, each `[..., m]`.
+      bits: bits per value.
+
+    Returns:
+      uint8 columns, `[..., m]` each: one, or `bits` bit planes.
+    """
     if 8 % bits == 0:
         word = codes[0]
         for i, q in enumerate(codes[1:], 1):
@@ -65,7 +79,15 @@ def pack_segments(codes: list[jax.Array], bits: int) -> list[jax.Array]:
 
 
 def unpack_segments(columns: list[jax.Array], bits: int) -> list[jax.Array]:
-    """Inverse of `pack_segments`: uint8 columns -> `segments(bits)` uint32 code arrays."""
+    """Inverse of `pack_segments`: uint8 columns -> `segments(bits)` uint32 code arrays.
+
+    Args:
+      columns: uint8 columns as `pack_segments` gives them, `[..., m]` each.
+      bits: bits per value.
+
+    Returns:
+      `segments(bits)` uint32 code arrays, `[..., m]` each.
+    """
     cols = [c.astype(jnp.uint32) for c in columns]
     if 8 % bits == 0:
         mask = (1 << bits) - 1
@@ -80,9 +102,18 @@ def unpack_segments(columns: list[jax.Array], bits: int) -> list[jax.Array]:
 
 
 def pack_rows(q: jax.Array, bits: int) -> jax.Array:
-    """`pack_segments` over the last axis of whole rows (uint32 codes [..., B] -> uint8 [...,
-    B · bits / 8]) as broadcasts and reductions over a middle axis: the segment layout is the
-    row-major order of [segments, m], so XLA needs no slices or concatenations."""
+    """`pack_segments` over the last axis of whole rows, as broadcasts and reductions.
+
+    The reductions run over a middle axis: the segment layout is the row-major order of
+    [segments, m], so XLA needs no slices or concatenations.
+
+    Args:
+      q: uint32 codes (or values castable to them), `[..., B]`.
+      bits: bits per value.
+
+    Returns:
+      uint8 `[..., B · bits / 8]`.
+    """
     parts = segments(bits)
     q = q.reshape(*q.shape[:-1], parts, -1).astype(jnp.uint32)  # [..., S, m]
     i = jnp.arange(parts, dtype=jnp.uint32)[:, None]
@@ -94,7 +125,15 @@ def pack_rows(q: jax.Array, bits: int) -> jax.Array:
 
 
 def unpack_rows(packed: jax.Array, bits: int) -> jax.Array:
-    """Inverse of `pack_rows`: uint8 [..., B · bits / 8] -> uint32 codes [..., B]."""
+    """Inverse of `pack_rows`: uint8 [..., B · bits / 8] -> uint32 codes [..., B].
+
+    Args:
+      packed: uint8 `[..., B · bits / 8]`.
+      bits: bits per value.
+
+    Returns:
+      uint32 codes `[..., B]`.
+    """
     cols = packed.astype(jnp.uint32)
     if 8 % bits == 0:
         i = jnp.arange(8 // bits, dtype=jnp.uint32)[:, None]
@@ -117,15 +156,23 @@ def _round_half_even(t: jax.Array) -> jax.Array:
 
 
 def quantize_segments(segs: list[jax.Array], bits: int, dtype, noise=None, in_kernel=False):
-    """Max–min quantization of rows given as segments (float32 [R, m] each; a bucket may also be
-    given whole, as one segment).
+    """Max–min quantization of rows given as segments.
 
-    noise: None (round to nearest) or segments of uniform [0, 1) noise like `segs` (stochastic
-    rounding). in_kernel: round without `jnp.round`, which Pallas' Triton lowering lacks
-    (identical results).
-    Returns (codes: float32 like `segs`, scale [R] and offset [R] in `dtype`). Scale and offset
-    are rounded to `dtype` before the codes are computed, so the error bounds hold for what the
-    receiver sees.
+    Scale and offset are rounded to `dtype` before the codes are computed, so the error bounds
+    hold for what the receiver sees.
+
+    Args:
+      segs: float32 `[R, m]` each; a bucket may also be given whole, as one segment.
+      bits: bits per value.
+      dtype: the dtype of the scale and offset.
+      noise: None (round to nearest) or segments of uniform [0, 1) noise like `segs`
+        (stochastic rounding).
+      in_kernel: round without `jnp.round`, which Pallas' Triton lowering lacks (identical
+        results).
+
+    Returns:
+      `(codes, scale, offset)`: codes float32 like `segs`, scale `[R]` and offset `[R]` in
+      `dtype`.
     """
     levels = (1 << bits) - 1
     lo = segs[0].min(axis=-1)
@@ -155,21 +202,53 @@ def _pack_codes(codes: list[jax.Array], bits: int) -> list[jax.Array]:
 
 
 def dequantize_segments(columns: list[jax.Array], scale, offset, bits: int) -> list[jax.Array]:
-    """float32 segments `offset + q · scale` of packed rows (columns as `pack_segments` gives)."""
+    """float32 segments `offset + q · scale` of packed rows.
+
+    Args:
+      columns: uint8 columns as `pack_segments` gives them, `[R, m]` each.
+      scale: `[R]`, any float dtype.
+      offset: `[R]`, any float dtype.
+      bits: bits per value.
+
+    Returns:
+      `segments(bits)` float32 segments, `[R, m]` each.
+    """
     s, o = scale.astype(jnp.float32)[:, None], offset.astype(jnp.float32)[:, None]
     return [o + q.astype(jnp.float32) * s for q in unpack_segments(columns, bits)]
 
 
 def kernel_fits(bits: int, bucket_size: int) -> bool:
-    """Whether a Pallas kernel takes buckets of this shape: Triton blocks need power-of-two
-    dimensions, so segments of a power-of-two length of at least 16."""
+    """Whether a Pallas kernel takes buckets of this shape.
+
+    Triton blocks need power-of-two dimensions, so segments of a power-of-two length of at
+    least 16.
+
+    Args:
+      bits: bits per value.
+      bucket_size: values per bucket.
+
+    Returns:
+      True when `bucket_size / segments(bits)` is a whole power of two ≥ 16.
+    """
     m = bucket_size // segments(bits)
     return m >= 16 and m & (m - 1) == 0 and bucket_size % segments(bits) == 0
 
 
 def use_kernel(impl: Impl, bits: int, bucket_size: int) -> bool:
-    """Pallas or jnp for this stage: `impl` "pallas" forces the kernel (ValueError where the
-    bucket does not fit one), "xla" the jnp, "auto" the kernel on GPUs where it fits."""
+    """Whether a stage runs as a Pallas kernel (True) or as jnp (False).
+
+    Args:
+      impl: "pallas" forces the kernel, "xla" the jnp, "auto" the kernel on GPUs where it fits.
+      bits: bits per value.
+      bucket_size: values per bucket.
+
+    Returns:
+      True for the Pallas kernel.
+
+    Raises:
+      ValueError: `impl` is not one of `IMPLS`, or is "pallas" where the bucket does not fit a
+        kernel (`kernel_fits`).
+    """
     if impl not in IMPLS:
         raise ValueError(f"quantizer impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "pallas" and not kernel_fits(bits, bucket_size):
@@ -201,14 +280,20 @@ def _vec_spec():
 
 def quantize_rows(x: jax.Array, bits: int, dtype, *, residual=None, noise=None,
                   impl: Impl = "auto", with_error: bool = True):
-    """Quantize rows in one pass: `v = x + residual` (in `x`'s dtype, then float32) is quantized,
-    and `v - dequantized` is the new residual.
+    """Quantize rows in one pass, returning the new error-feedback residual too.
+
+    `v = x + residual` (in `x`'s dtype, then float32) is quantized, and `v - dequantized` is the
+    new residual.
 
     Args:
       x: [n_buckets, bucket_size] values (any float dtype).
+      bits: bits per value.
+      dtype: the dtype of the scales and offsets.
       residual: None or like `x` (any float dtype), added before quantizing.
       noise: None (nearest) or float32 [n_buckets, bucket_size] uniform [0, 1) (stochastic).
+      impl: "auto", "xla" or "pallas" (`use_kernel`).
       with_error: also return the residual.
+
     Returns:
       (packed uint8 [n_buckets, bucket_size · bits / 8], scale [n_buckets], offset [n_buckets]
       in `dtype`, error float32 like `x` or None).
@@ -273,18 +358,24 @@ def quantize_rows(x: jax.Array, bits: int, dtype, *, residual=None, noise=None,
 
 def requantize_sum(packed, scale, offset, bits: int, dtype, *, mean: bool = False, noise=None,
                    impl: Impl = "auto"):
-    """Dequantize `n` packed chunks, add them in float32 (divide by `n` for the mean) and
-    quantize the sum again, in one pass.
-
-    Args:
-      packed: uint8 [n, rows, bucket_size · bits / 8]; scale, offset: [n, rows].
-      noise: None or float32 [rows, bucket_size] uniform [0, 1) (stochastic rounding).
-    Returns:
-      (packed uint8 [rows, ...], scale [rows], offset [rows]) in `dtype`.
+    """Dequantize `n` packed chunks, add them in float32 and quantize the sum again, in one pass.
 
     The kernel takes all `n` chunks of a block at once, so it needs `n` a power of two (Triton's
     block shapes); other `n` run as jnp, which XLA fuses into a pass over the chunks and one over
     the sum.
+
+    Args:
+      packed: uint8 [n, rows, bucket_size · bits / 8].
+      scale: [n, rows].
+      offset: [n, rows].
+      bits: bits per value.
+      dtype: the dtype of the new scales and offsets.
+      mean: divide the sum by `n`.
+      noise: None or float32 [rows, bucket_size] uniform [0, 1) (stochastic rounding).
+      impl: "auto", "xla" or "pallas" (`use_kernel`).
+
+    Returns:
+      (packed uint8 [rows, ...], scale [rows], offset [rows]) in `dtype`.
     """
     n, n_rows, width = packed.shape
     bucket = width * 8 // bits
@@ -343,8 +434,20 @@ def requantize_sum(packed, scale, offset, bits: int, dtype, *, mean: bool = Fals
 
 
 def dequantize_rows(packed, scale, offset, bits: int, dtype=jnp.float32) -> jax.Array:
-    """[n_buckets, bucket_size] values `offset + q · scale` in `dtype` (jnp: XLA fuses it into
-    whatever reads the values, so it costs one read of the packed bytes)."""
+    """The values `offset + q · scale` of packed rows.
+
+    jnp: XLA fuses it into whatever reads the values, so it costs one read of the packed bytes.
+
+    Args:
+      packed: uint8 `[..., n_buckets, bucket_size · bits / 8]`.
+      scale: `[..., n_buckets]`.
+      offset: `[..., n_buckets]`.
+      bits: bits per value.
+      dtype: the values' dtype.
+
+    Returns:
+      `[..., n_buckets, bucket_size]` values in `dtype`.
+    """
     q = unpack_rows(packed, bits).astype(jnp.float32)
     values = offset.astype(jnp.float32)[..., None] + q * scale.astype(jnp.float32)[..., None]
     return values.astype(dtype)

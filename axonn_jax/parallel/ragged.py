@@ -34,25 +34,44 @@ its operand is the whole padded buffer)."""
 
 
 def routed_rows(rows: int):
-    """Context in which the collectives traced carry `rows`, the rows one device sends on
-    average, as the frontend attribute `ROUTED_ROWS_ATTRIBUTE` (XLA keeps frontend attributes
-    on the compiled instructions; it drops their name-scope metadata)."""
+    """Context in which the collectives traced carry `rows` as `ROUTED_ROWS_ATTRIBUTE`.
+
+    XLA keeps frontend attributes on the compiled instructions; it drops their name-scope
+    metadata.
+
+    Args:
+      rows: the rows one device sends on average.
+
+    Returns:
+      A context manager (`set_xla_metadata`) that sets the frontend attribute.
+    """
     return set_xla_metadata(**{ROUTED_ROWS_ATTRIBUTE: str(int(rows))})
 
 
 def use_ragged(platform: str | None = None) -> bool:
-    """Whether the expert exchange is a ragged all-to-all: on a GPU mesh (the mesh in context,
-    else JAX's default backend; `platform` overrides), whose XLA runs `ragged-all-to-all`."""
+    """Whether the expert exchange is a ragged all-to-all: on a GPU mesh.
+
+    XLA:GPU runs `ragged-all-to-all`; the other backends do not.
+
+    Args:
+      platform: the platform to decide for; None: the mesh in context's, else JAX's default
+        backend.
+
+    Returns:
+      True on `gpu` / `cuda`.
+    """
     platform = platform or mesh_platform() or jax.default_backend()
     return platform in ("gpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
-    """The offsets and sizes of one ragged exchange over an axis of `n` devices, `(n,)` int32
-    each, in `jax.lax.ragged_all_to_all`'s terms (from this device's view): the rows
-    `[input_offsets[j], input_offsets[j] + send_sizes[j])` go to device `j`, where they land at
-    `output_offsets[j]`; `recv_sizes[i]` rows come from device `i`."""
+    """The offsets and sizes of one ragged exchange over an axis of `n` devices.
+
+    Each is `(n,)` int32, in `jax.lax.ragged_all_to_all`'s terms (from this device's view): the
+    rows `[input_offsets[j], input_offsets[j] + send_sizes[j])` go to device `j`, where they land
+    at `output_offsets[j]`; `recv_sizes[i]` rows come from device `i`.
+    """
 
     input_offsets: jax.Array
     send_sizes: jax.Array
@@ -60,16 +79,24 @@ class ChunkPlan:
     recv_sizes: jax.Array
 
     def reverse(self) -> ChunkPlan:
-        """The plan of the way back for a buffer laid out as the received one (the same chunk
-        layout on both sides): each device returns what it received to where it came from."""
+        """The plan of the way back for a buffer laid out as the received one.
+
+        The chunk layout is the same on both sides: each device returns what it received to
+        where it came from.
+
+        Returns:
+          The `ChunkPlan` with the send and receive sizes swapped.
+        """
         return ChunkPlan(self.input_offsets, self.recv_sizes, self.output_offsets,
                          self.send_sizes)
 
 
 def chunk_plan(counts: jax.Array, slots: int, axis: str) -> ChunkPlan:
-    """The plan of an exchange of chunks of `slots` rows, chunk `j` of the sender to device `j`,
-    of which the first `counts[j]` rows are used; the receiver keeps the chunk layout (the rows
-    from device `i` at `i·slots`), so the result equals a padded all-to-all's in every used row.
+    """The plan of an exchange of chunks of `slots` rows, chunk `j` of the sender to device `j`.
+
+    The first `counts[j]` rows of chunk `j` are used; the receiver keeps the chunk layout (the
+    rows from device `i` at `i·slots`), so the result equals a padded all-to-all's in every used
+    row.
 
     Args:
       counts: `(n,)` int32, rows used in each chunk (clipped to `slots`); `n` = the size of the
@@ -90,14 +117,17 @@ def chunk_plan(counts: jax.Array, slots: int, axis: str) -> ChunkPlan:
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, plan: ChunkPlan, axis: str, *,
                       platform: str | None = None) -> jax.Array:
-    """`jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis)` on a GPU mesh, its
-    `reference` elsewhere (`use_ragged`; `platform` overrides).
+    """`jax.lax.ragged_all_to_all` over `axis` on a GPU mesh, its `reference` elsewhere.
+
+    That is `jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis)` where
+    `use_ragged` says so (`platform` overrides).
 
     Args:
       operand: `(N, ...)` this device's rows to send (`plan.input_offsets`, `plan.send_sizes`).
       output: `(M, ...)` the result where nothing is received.
       plan: the offsets and sizes, `(n,)` each, `n` = the size of `axis`.
       axis: a manual mesh axis of the enclosing shard_map.
+      platform: `gpu` or `cpu` to override the mesh's platform (`use_ragged`).
 
     Returns:
       `(M, ...)`: `output` with the received rows written in.
@@ -127,13 +157,20 @@ def _emulate(operand, output, input_offsets, send_sizes, output_offsets, recv_si
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
-    """`jax.lax.ragged_all_to_all` (one slice per device of `axis`) from a padded all-to-all and
-    masks: the same interface and result, for backends without `ragged-all-to-all` (XLA:CPU),
-    where it tests the offsets and sizes of the GPU path. It sends `n·N` rows, not fewer.
+    """`jax.lax.ragged_all_to_all` (one slice per device of `axis`) from a padded all-to-all.
+
+    Built from masks: the same interface and result, for backends without `ragged-all-to-all`
+    (XLA:CPU), where it tests the offsets and sizes of the GPU path. It sends `n·N` rows, not
+    fewer.
 
     Args:
-      operand: `(N, ...)`; output: `(M, ...)`; input_offsets, send_sizes, output_offsets,
-        recv_sizes: `(n,)` int, `n` the size of the manual mesh axis `axis`.
+      operand: `(N, ...)` this device's rows to send.
+      output: `(M, ...)` the result where nothing is received.
+      input_offsets: `(n,)` int, `n` the size of the manual mesh axis `axis`.
+      send_sizes: `(n,)` int.
+      output_offsets: `(n,)` int.
+      recv_sizes: `(n,)` int.
+      axis: a manual mesh axis of the enclosing shard_map.
 
     Returns:
       `(M, ...)`: `output` with the received rows written in.

@@ -256,11 +256,15 @@ def train(config: RunConfig, model: StackedModel | None = None, data=None, *, ev
         Python standard library's sources) or on the documents of `data.sources` (packed, read
         per process, their position saved with the checkpoints: `run.feeds`); or any
         `StackedModel`, with those documents or with `data`.
-      data: for a caller's model, a function `step -> batch` or an iterable of batches (global
-        batches: numpy pytrees with a leading batch axis of `data.batch_size`).
-      eval_data: validation batches, like `data` (validation needs it).
-      devices: the devices to run on (None: all; see `build_trainer`).
-      console: a `rich` console to print to (None: one, quiet on processes other than the main).
+      data (Callable | Iterable | None): for a caller's model, a function `step -> batch` or an
+        iterable of batches (global batches: numpy pytrees with a leading batch axis of
+        `data.batch_size`).
+      eval_data (Callable | Iterable | None): validation batches, like `data` (validation
+        needs it).
+      devices (Sequence[jax.Device] | None): the devices to run on (None: all; see
+        `build_trainer`).
+      console (rich.console.Console | None): a console to print to (None: one, quiet on
+        processes other than the main).
       hooks: more hooks, run after the built-in ones. With `run.run_dir` the metrics, HLO dump,
         checkpoints (when asked), TensorBoard events and `profile_steps` trace go there
         (`run.rundir`).

@@ -426,7 +426,7 @@ class RunConfig:
         For example `config.replace(**{"pipeline.schedule": "gpipe"})`.
 
         Args:
-          **paths: values by path, or by flat name as `TrainOptions` takes them.
+          **paths (Any): values by path, or by flat name as `TrainOptions` takes them.
 
         Returns:
           The new config (see `build`).
@@ -549,7 +549,7 @@ def TrainOptions(**values) -> RunConfig:  # noqa: N802 - the flat spelling of ea
     run is built.
 
     Args:
-      **values: flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(data=2)`,
+      **values (Any): flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(data=2)`,
         `compress_bits`, ...: the flags' names), paths (`pipeline.schedule`), or sections.
 
     Returns:

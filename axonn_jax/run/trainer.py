@@ -61,7 +61,7 @@ class Trainer:
           abstract: return ShapeDtypeStructs with the state's shardings, nothing allocated.
 
         Returns:
-          The `TrainState` (arrays, or ShapeDtypeStructs when `abstract`).
+          (TrainState): the state (arrays, or ShapeDtypeStructs when `abstract`).
         """
         if abstract:
             return self.step.abstract_state(self.local_example())
@@ -80,8 +80,8 @@ class Trainer:
         """This process's share of the example batch.
 
         Returns:
-          ShapeDtypeStructs like `example_batch`, the leading (row) dimension cut to this
-          process's share.
+          (Any): ShapeDtypeStructs like `example_batch`, the leading (row) dimension cut to
+            this process's share.
         """
         return self.step.local_batch(self.example_batch)
 
@@ -97,11 +97,11 @@ class Trainer:
         """A global host batch as this process's device arrays.
 
         Args:
-          host_batch: a numpy pytree of one global batch, shapes like `example_batch`.
+          host_batch (Any): a numpy pytree of one global batch, shapes like `example_batch`.
 
         Returns:
-          Device arrays of this process's share: rows split over `data`, `expert` and `depth`,
-          the sequence (dim 1) over `context`.
+          (Any): device arrays of this process's share: rows split over `data`, `expert` and
+            `depth`, the sequence (dim 1) over `context`.
         """
         return self.step.place_batch(host_batch)
 
@@ -131,11 +131,11 @@ def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None
     Args:
       config: the run's config; its grid is resolved here (`run.options.resolve_grid`; `data`
         None fills the devices).
-      devices: the devices to run on (None: all of JAX's, or this process's local devices with
-        `--transport mpi`).
+      devices (Sequence[jax.Device] | None): the devices to run on (None: all of JAX's, or
+        this process's local devices with `--transport mpi`).
       model: None for the model the config names (language-model batches from the config), or
         any `StackedModel`, whose batches look like `example_batch`.
-      example_batch: a global batch (arrays or ShapeDtypeStructs) for a caller's `model`.
+      example_batch (Any): a global batch (arrays or ShapeDtypeStructs) for a caller's `model`.
 
     Returns:
       The run's `Trainer`.

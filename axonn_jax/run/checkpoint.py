@@ -63,11 +63,20 @@ def _digest_program(x, kind: str):
 
 
 def digests(tree) -> dict[str, tuple[int, bool]]:
-    """`{path: (checksum, finite)}` of every array leaf: the wrap-around uint32 sum of its bits
-    (exact whatever the sharding or summation order) and whether all its values are finite. One
-    small program per leaf, each finished before the next starts: host-resident leaves visit the
-    device one at a time, and independent programs with all-reduces never run together (on
-    XLA:CPU they can take all of its threads and deadlock)."""
+    """The checksum of every array leaf and whether all its values are finite.
+
+    The checksum is the wrap-around uint32 sum of the leaf's bits (exact whatever the sharding
+    or summation order). One small program per leaf, each finished before the next starts:
+    host-resident leaves visit the device one at a time, and independent programs with
+    all-reduces never run together (on XLA:CPU they can take all of its threads and deadlock).
+
+    Args:
+      tree: a pytree of global jax.Arrays, any sharding or memory kind; leaves that are not
+        arrays or whose items are not 1, 2 or 4 bytes are skipped.
+
+    Returns:
+      `{path: (checksum, finite)}`, the path as `jax.tree_util.keystr` spells it.
+    """
     out = {}
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
         if not isinstance(x, jax.Array) or jnp.dtype(x.dtype).itemsize not in (1, 2, 4):
@@ -93,23 +102,33 @@ def _abstract(tree):
 
 
 class Checkpointer:
-    """Saves the train state every `every` steps under `directory`; restores the newest step that
-    restores (see the module docstring).
+    """Saves the train state every `every` steps; restores the newest step that restores.
 
-    keep: the newest `keep` steps are kept; keep_every: and every step that is a multiple of it,
-    forever (0: none). The state is a pytree of global jax.Arrays; each process writes the shards
-    it owns, and restore places every array with the sharding (and memory kind) of the template it
-    is given, each process reading the shards its devices hold. `canonical(state, inverse=False)`:
-    the state as checkpoints hold it (a dict of its fields) and back (`TrainStep.canonical_state`).
-    `reshard`: `{field: reshard(saved, target) -> (value | None, note)}` for fields whose saved
-    shapes may differ from this run's (`TrainStep.reshard`: the reducer's residuals on another
-    data-parallel size); such a field is read as saved and handed to its function (None: it starts
-    from the template's values). `data`: the run's feed (`run.feeds`): when it is `stateful`, its
-    `state()` is saved as the item `data` and restored with its `restore(state)` (a ValueError:
-    the step is damaged; a CheckpointMismatch: an error). `info`: JSON values
-    saved beside the state (e.g. the seed, which with the step fixes the data position and every
-    random choice); `note(text)`: prints one-line notes (default: standard error); `asynchronous`:
-    `maybe_save` returns once the state is copied to host memory (False: once it is written).
+    See the module docstring for what a step holds and how damaged steps are skipped. The state
+    is a pytree of global jax.Arrays; each process writes the shards it owns, and restore places
+    every array with the sharding (and memory kind) of the template it is given, each process
+    reading the shards its devices hold.
+
+    Args:
+      directory: where the steps go (created; an existing file is a ValueError).
+      every: save after each multiple of this many steps (0: only forced saves).
+      keep: the newest `keep` steps are kept (at least 1).
+      keep_every: and every step that is a multiple of it, forever (0: none).
+      canonical: `canonical(state, inverse=False)`: the state as checkpoints hold it (a dict of
+        its fields) and back (`TrainStep.canonical_state`); None: the state as it is.
+      reshard: `{field: reshard(saved, target) -> (value | None, note)}` for fields whose saved
+        shapes may differ from this run's (`TrainStep.reshard`: the reducer's residuals on
+        another data-parallel size); such a field is read as saved, replicated, and handed to
+        its function (None: it starts from the template's values).
+      info: JSON values saved beside the state (e.g. the seed, which with the step fixes the
+        data position and every random choice).
+      note: `note(text)` prints one-line notes (default: standard error).
+      read_only: open the directory to read only (no saves, nothing created).
+      asynchronous: `maybe_save` returns once the state is copied to host memory (False: once
+        it is written).
+      data: the run's feed (`run.feeds`): when it is `stateful`, its `state()` is saved as the
+        item `data` and restored with its `restore(state)` (a ValueError: the step is damaged; a
+        CheckpointMismatch: an error).
     """
 
     def __init__(self, directory: str | pathlib.Path, every: int = 0, keep: int = 3,
@@ -145,10 +164,23 @@ class Checkpointer:
             raise ValueError(f"--checkpoint-dir {str(directory)!r}: {_short(e)}") from None
 
     def canonical(self, state, inverse: bool = False):
-        """The state as the checkpoint holds it (`inverse`: back); also on ShapeDtypeStructs."""
+        """The state as the checkpoint holds it, or back; also on ShapeDtypeStructs.
+
+        Args:
+          state: a train state (or, with `inverse`, the checkpoint's dict of its fields).
+          inverse: convert the checkpoint's form back to the train state.
+
+        Returns:
+          The converted pytree.
+        """
         return self._canonical(state, inverse=inverse)
 
     def latest_step(self) -> int | None:
+        """The newest saved step, or None when the directory holds none.
+
+        Returns:
+          The step number, or None.
+        """
         return self._manager.latest_step()
 
     @property
@@ -157,8 +189,19 @@ class Checkpointer:
         return jax.process_index() == 0
 
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
-        """Save after `step` steps if it is a multiple of `every` (or `force`); a state with
-        non-finite values is not saved (a note says so), so that it never replaces good steps."""
+        """Save the state after `step` steps if it is a multiple of `every` (or `force`).
+
+        A state with non-finite values is not saved (a note says so), so that it never replaces
+        good steps; a step already saved is not saved again.
+
+        Args:
+          step: the steps taken.
+          state: the train state (global jax.Arrays in their placement).
+          force: save whatever `every` says.
+
+        Returns:
+          Whether a save started.
+        """
         if not self._due(step, force) or step == self.latest_step():
             return False
         return self._write(step, self.canonical(state), force)
@@ -182,11 +225,23 @@ class Checkpointer:
         return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
 
     def restore(self, template):
-        """The newest state that restores, placed like `template` (a pytree of arrays: the fresh
-        state, whose values fill what the checkpoint lacks).
+        """The newest state that restores, placed like `template`.
 
-        Raises FileNotFoundError when the directory holds no checkpoint, CheckpointMismatch when it
-        holds another model's, ValueError when no step restores."""
+        Damaged steps are skipped with a note and renamed to `STEP.damaged`; a stateful data
+        feed continues from the position saved with the step restored.
+
+        Args:
+          template: a pytree of arrays: the fresh state, whose shardings place the restored
+            arrays and whose values fill what the checkpoint lacks.
+
+        Returns:
+          The restored train state.
+
+        Raises:
+          FileNotFoundError: the directory holds no checkpoint.
+          CheckpointMismatch: it holds another model's, or a data position of other data.
+          ValueError: no step restores.
+        """
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
             raise FileNotFoundError(f"--resume: no checkpoint found in {str(self.directory)!r}")
@@ -322,6 +377,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self):
+        """Wait for the pending save to be written, then close the checkpoint manager."""
         self._manager.wait_until_finished()
         self._manager.close()
 
@@ -353,11 +409,21 @@ def _quiet_orbax() -> None:
 
 
 class RankZeroCheckpointer(Checkpointer):
-    """Checkpoints of a `--transport mpi` job. The processes of `comm` are separate JAX programs
-    holding the same replicated state, so its rank 0 writes it (orbax, single-process) and every
-    rank reads it. What differs between them (each process's error-feedback residual) the state's
-    owner gathers for the save and hands back on restore (`GradientReducer.saved`), inside
-    `canonical`, which every rank calls."""
+    """Checkpoints of a `--transport mpi` job: rank 0 writes, every rank reads.
+
+    The processes of `comm` are separate JAX programs holding the same replicated state, so its
+    rank 0 writes it (orbax, single-process) and every rank reads it. What differs between them
+    (each process's error-feedback residual) the state's owner gathers for the save and hands
+    back on restore (`GradientReducer.saved`), inside `canonical`, which every rank calls.
+
+    Args:
+      directory: where the steps go (rank 0 creates it).
+      every: save after each multiple of this many steps.
+      comm: the MPI communicator of the processes.
+      canonical: as `Checkpointer`'s.
+      **kwargs: the other `Checkpointer` options (ranks other than 0 take only `info`, `note`
+        and `reshard`, and open the directory read-only).
+    """
 
     def __init__(self, directory: str | pathlib.Path, every: int, comm, canonical=None, **kwargs):
         self.rank, self.comm = comm.Get_rank(), comm
@@ -370,12 +436,25 @@ class RankZeroCheckpointer(Checkpointer):
 
     @property
     def is_writer(self) -> bool:
+        """This process is rank 0, which writes the steps and renames damaged ones."""
         return self.rank == 0
 
     def _barrier(self) -> None:
         self.comm.Barrier()
 
     def maybe_save(self, step: int, state, force: bool = False) -> bool:
+        """Save the state after `step` steps if due, as `Checkpointer.maybe_save`; rank 0 writes.
+
+        Every rank must call it: the state's canonical form gathers what differs between them.
+
+        Args:
+          step: the steps taken.
+          state: the train state.
+          force: save whatever `every` says.
+
+        Returns:
+          Whether a save started (False on every rank but 0).
+        """
         if not self._due(step, force):
             return False
         tree = self.canonical(state)  # every rank: what differs between them is gathered

@@ -410,6 +410,14 @@ def _compile(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `axonn-jax` argument parser, one subcommand per command.
+
+    The commands are `train`, `plan`, `bench`, `compile`, `launch` and `report`; each sets
+    `run`, the function that runs it, as a default.
+
+    Returns:
+      The parser.
+    """
     parser = argparse.ArgumentParser(prog="axonn-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (a preset or a Hugging Face directory)")
@@ -483,9 +491,17 @@ def _add_launch_parser(sub) -> None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    """The parsed arguments of `argv`; commands that read the config tree get it as
-    `args.run_config` (`run.config.load`). `train --resume RUN_DIR` without `--config` reads
-    `RUN_DIR/config.yaml`."""
+    """The parsed arguments of `argv`.
+
+    `train --resume RUN_DIR` without `--config` reads `RUN_DIR/config.yaml`.
+
+    Args:
+      argv: the command line, without the program's name.
+
+    Returns:
+      The arguments; commands that read the config tree get it as `args.run_config`
+      (`run.config.load`).
+    """
     from . import config as config_lib, rundir
 
     args = build_parser().parse_args(argv)
@@ -528,6 +544,15 @@ compile's the target's: `analysis.targets` makes them)."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `axonn-jax` command line; errors are printed one line per problem.
+
+    Args:
+      argv: the command line, without the program's name (None: `sys.argv[1:]`).
+
+    Returns:
+      The exit code: the command's, 2 for bad input, `EXIT_DIVERGED` for a diverged run and
+      `EXIT_INTERRUPTED` after Ctrl-C before the first step (or a second one).
+    """
     from .launch import follow_launcher
     from .stopping import EXIT_DIVERGED, EXIT_INTERRUPTED, Diverged
 

@@ -22,7 +22,11 @@ from .options import SECTIONS, Leaf, RunConfig, build, leaves
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """Add `--config FILE.yaml` and `--set key=value ...` to a command's parser."""
+    """Add `--config FILE.yaml` and `--set key=value ...` to a command's parser.
+
+    Args:
+      p: the command's parser (`--config` parses into `config_file`, `--set` into `overrides`).
+    """
     p.add_argument("--config", dest="config_file", default=None, metavar="FILE.yaml",
                    help="read the options from this YAML file (see configs/README.md)")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
@@ -31,8 +35,15 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tree_args(p: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
-    """One flag per field of the tree's `sections`, in a group per section. Flags not given stay
-    out of the parsed namespace (their values come from the config file or the defaults)."""
+    """Add one flag per field of the tree's `sections` to a parser, in a group per section.
+
+    Flags not given stay out of the parsed namespace (their values come from the config file or
+    the defaults); each parses into the field's path (`pipeline.schedule`).
+
+    Args:
+      p: the command's parser.
+      sections: the sections whose fields get flags (default: all, `run.options.SECTIONS`).
+    """
     for section in sections:
         group = p.add_argument_group(section)
         for leaf in leaves():
@@ -94,13 +105,29 @@ def _number(key: str, value, kind: type):
 
 
 class Text(str):
-    """A `--set` value as typed: read as YAML for switches and numbers, kept as text for string
-    fields (YAML 1.1 would turn `--set profile_steps=2:3` into the integer 123)."""
+    """A `--set` value as typed: read as YAML for switches and numbers, kept as text for strings.
+
+    String fields keep the text: YAML 1.1 would turn `--set profile_steps=2:3` into the integer
+    123.
+    """
 
 
 def value_of(key: str, leaf: Leaf, value) -> Any:
-    """`value` for the field `leaf` (given under `key`), checked and typed; ValueError naming the
-    key otherwise. A switch-off flag's key (`no_error_feedback`) takes the flag's sense."""
+    """`value` for the field `leaf`, checked and typed.
+
+    A switch-off flag's key (`no_error_feedback`) takes the flag's sense.
+
+    Args:
+      key: the key it was given under (a path, a flag's key or an alias), for errors.
+      leaf: the field.
+      value: the value as written (YAML's, or a `Text` of `--set`).
+
+    Returns:
+      The typed value (a tuple for a list field; None where the field allows it).
+
+    Raises:
+      ValueError: (naming the key) a value of the wrong type or not among the field's choices.
+    """
     import yaml
 
     if leaf.kind is tuple:
@@ -171,8 +198,18 @@ _SECTION_VALUES = {"model": "model.name", "data": "data.path"}
 
 
 def flatten(values: dict, where: str = "") -> dict[str, tuple[str, Any]]:
-    """`{path: (key as written, value)}` of a config mapping (nested sections or flat keys);
-    ValueError (one line) for an unknown key."""
+    """The fields a config mapping sets, by path.
+
+    Args:
+      values: a config mapping (nested sections or flat keys).
+      where: the section `values` is of (empty: the top level).
+
+    Returns:
+      `{path: (key as written, value)}`.
+
+    Raises:
+      ValueError: (one line) an unknown key, with the closest known one.
+    """
     index, out = _index(), {}
     for raw_key, value in values.items():
         key = str(raw_key).replace("-", "_")
@@ -193,7 +230,18 @@ def flatten(values: dict, where: str = "") -> dict[str, tuple[str, Any]]:
 
 
 def read_file(path: str | pathlib.Path) -> dict:
-    """The mapping in a YAML config file (one-line errors for a missing file or bad YAML)."""
+    """The mapping in a YAML config file.
+
+    Args:
+      path: the YAML file.
+
+    Returns:
+      Its mapping (empty for an empty file).
+
+    Raises:
+      FileNotFoundError: (one line) the file does not exist.
+      ValueError: (one line) bad YAML, or not a mapping.
+    """
     import yaml
 
     path = pathlib.Path(path)
@@ -214,7 +262,17 @@ def read_file(path: str | pathlib.Path) -> dict:
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`["key=value", ...]` as `{key: Text(value)}`."""
+    """`["key=value", ...]` as `{key: Text(value)}`.
+
+    Args:
+      items: `--set`'s values.
+
+    Returns:
+      `{key: Text(value)}`.
+
+    Raises:
+      ValueError: an item without `=` or without a key.
+    """
     values = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -225,15 +283,33 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def typed(values: dict) -> dict[str, Any]:
-    """`{path: typed value}` of a config mapping (see `flatten`, `value_of`)."""
+    """`{path: typed value}` of a config mapping (see `flatten`, `value_of`).
+
+    Args:
+      values: a config mapping.
+
+    Returns:
+      `{path: typed value}`.
+    """
     index = {leaf.path: leaf for leaf in leaves()}
     return {path: value_of(key, index[path], value) for path, (key, value) in
             flatten(values).items()}
 
 
 def load(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
-    """The config of a parsed command line: `base` (default: the tree's defaults), the file of
-    `--config`, `--set`, then the flags given (argparse leaves flags not given out of `args`)."""
+    """The config of a parsed command line.
+
+    Values come, lowest priority first, from `base`, the file of `--config`, `--set`, then the
+    flags given (argparse leaves flags not given out of `args`).
+
+    Args:
+      args: the parsed arguments.
+      base: the config to start from (default: the tree's defaults).
+
+    Returns:
+      The `RunConfig`; the paths set by the file, `--set` and the flags are added to its
+      `given`.
+    """
     values: dict[str, Any] = {}
     if getattr(args, "config_file", None):
         values.update(typed(read_file(args.config_file)))
@@ -244,13 +320,28 @@ def load(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
 
 
 def load_file(path: str | pathlib.Path) -> RunConfig:
-    """The config of a YAML file (e.g. a run directory's `config.yaml`) over the defaults."""
+    """The config of a YAML file (e.g. a run directory's `config.yaml`) over the defaults.
+
+    Args:
+      path: the YAML file.
+
+    Returns:
+      The `RunConfig`.
+    """
     return build(typed(read_file(path)))
 
 
 def effective_config(config: RunConfig, exclude: tuple[str, ...] = ()) -> dict:
-    """Every field of `config` as nested YAML values (sections in the tree's order), minus the
-    paths in `exclude`: what `--config` reads back to the same config."""
+    """Every field of `config` as nested YAML values: what `--config` reads back to it.
+
+    Args:
+      config: the config.
+      exclude: paths to leave out.
+
+    Returns:
+      `{section: {field: value}}`, sections in the tree's order (lists for tuples; a section
+      left out when all its fields are excluded).
+    """
     out: dict[str, dict] = {}
     for name in SECTIONS:
         section = dataclasses.asdict(getattr(config, name))
@@ -262,7 +353,15 @@ def effective_config(config: RunConfig, exclude: tuple[str, ...] = ()) -> dict:
 
 
 def write(path: str | pathlib.Path, values: dict) -> pathlib.Path:
-    """Write `values` as YAML (keys in their order) to `path`."""
+    """Write `values` as YAML (keys in their order) to `path`.
+
+    Args:
+      path: the file.
+      values: a mapping of YAML values (e.g. `effective_config`'s).
+
+    Returns:
+      The path written.
+    """
     import yaml
 
     path = pathlib.Path(path)

@@ -19,17 +19,35 @@ TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h")
 
 
 def encode(text: str) -> np.ndarray:
-    """UTF-8 bytes of `text` as a uint8 token array."""
+    """UTF-8 bytes of `text` as a uint8 token array.
+
+    Args:
+      text: any string.
+
+    Returns:
+      A uint8 array of shape `(bytes,)`, one token per byte.
+    """
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
 
 
 def decode(tokens) -> str:
-    """Tokens back to text; invalid UTF-8 sequences are replaced, never raised."""
+    """Tokens back to text; invalid UTF-8 sequences are replaced, never raised.
+
+    Args:
+      tokens: byte tokens (any integer array-like of values in [0, 256)).
+
+    Returns:
+      The decoded string.
+    """
     return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def stdlib_sources() -> list[pathlib.Path]:
-    """The `.py` files of the running interpreter's standard library, in sorted order."""
+    """The `.py` files of the running interpreter's standard library, in sorted order.
+
+    Returns:
+      Their paths (site-packages excluded), sorted by their path relative to the library.
+    """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = [f for f in root.rglob("*.py") if "site-packages" not in f.parts and f.is_file()]
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
@@ -108,11 +126,23 @@ def load_tokens(path: str | pathlib.Path | None = None, tokenizer: str | pathlib
                 vocab_size: int = VOCAB_SIZE) -> np.ndarray:
     """All tokens of a corpus as a 1-D integer array.
 
-    path: None for the default corpus (the standard library's `.py` sources); a text file; a
-    directory (its text files, recursively, in sorted order); or a token file of ids in
-    [0, vocab_size): a `.npy` array or raw `NAME.uint16.bin` / `NAME.uint32.bin` ids, both
-    memory-mapped (`np.memmap`), so they may be larger than memory. tokenizer: a Hugging Face
-    `tokenizer.json` that tokenizes the text (see `tokenize`); without it every byte is a token.
+    Args:
+      path: None for the default corpus (the standard library's `.py` sources); a text file; a
+        directory (its text files, recursively, in sorted order); or a token file of ids in
+        [0, vocab_size): a `.npy` array or raw `NAME.uint16.bin` / `NAME.uint32.bin` ids, both
+        memory-mapped (`np.memmap`), so they may be larger than memory.
+      tokenizer: a Hugging Face `tokenizer.json` that tokenizes the text (see `tokenize`);
+        without it every byte is a token.
+      vocab_size: the model's vocabulary; every id must be in [0, vocab_size).
+
+    Returns:
+      The tokens, shape `(num_tokens,)`: uint8 bytes, int32 ids of a tokenizer, or the token
+      file's (memory-mapped) ids.
+
+    Raises:
+      FileNotFoundError: `path` does not exist.
+      ValueError: a token file is unreadable or not 1-D integers, a directory holds no text
+        files, or an id is outside [0, vocab_size).
     """
     if path is not None:
         path = pathlib.Path(path)
@@ -138,11 +168,23 @@ def _cache_file(path: pathlib.Path | None, digest: str) -> pathlib.Path:
 
 
 def tokenize(path: pathlib.Path | None, tokenizer: str | pathlib.Path) -> np.ndarray:
-    """Token ids (int32) of the text corpus `path` (a text file or a directory of them; None: the
-    built-in corpus) under the Hugging Face tokenizer file `tokenizer` (`tokenizer.json`), files
-    concatenated in order, no special tokens added. Cached as a `.npy` token file next to the
-    data, named by a digest of the tokenizer and the files' names, sizes and modification times
-    (a changed file or tokenizer tokenizes again)."""
+    """Token ids of a text corpus under a Hugging Face tokenizer file.
+
+    The files are concatenated in order, no special tokens added. The ids are cached as a `.npy`
+    token file next to the data (the built-in corpus: in the user's cache directory), named by a
+    digest of the tokenizer and the files' names, sizes and modification times (a changed file
+    or tokenizer tokenizes again).
+
+    Args:
+      path: a text file or a directory of them; None: the built-in corpus.
+      tokenizer: the tokenizer file (`tokenizer.json`).
+
+    Returns:
+      The int32 ids, shape `(num_tokens,)`.
+
+    Raises:
+      ImportError: the `tokenizers` package is not installed.
+    """
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
@@ -180,7 +222,21 @@ class Corpus:
     @classmethod
     def load(cls, path=None, val_fraction: float = 0.05, min_tokens: int = 0, tokenizer=None,
              vocab_size: int = VOCAB_SIZE) -> "Corpus":
-        """The corpus at `path` (see `load_tokens`), split into train and validation."""
+        """The corpus at `path` (see `load_tokens`), split into train and validation.
+
+        Args:
+          path: the corpus, as `load_tokens` takes it (None: the built-in corpus).
+          val_fraction: the share of the tokens, at the end, that validation holds.
+          min_tokens: the fewest tokens each of train and validation holds.
+          tokenizer: a `tokenizer.json`, as `load_tokens` takes it.
+          vocab_size: the model's vocabulary.
+
+        Returns:
+          The `Corpus`.
+
+        Raises:
+          ValueError: the corpus holds fewer than `2 * min_tokens` tokens (or as `load_tokens`).
+        """
         tokens = load_tokens(path, tokenizer, vocab_size)
         n_val = max(int(len(tokens) * val_fraction), min_tokens)
         if len(tokens) - n_val < min_tokens:
@@ -192,7 +248,21 @@ class Corpus:
 
 
 def batch_offsets(num_tokens: int, seed: int, step: int, batch_size: int, seq_len: int) -> np.ndarray:
-    """Start offsets `(batch_size,)` of the sequences of batch `step`: a pure function of its inputs."""
+    """Start offsets of the sequences of batch `step`: a pure function of its inputs.
+
+    Args:
+      num_tokens: the length of the token stream.
+      seed: the run's seed.
+      step: the batch's step.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence (each window reads `seq_len + 1`).
+
+    Returns:
+      Offsets of shape `(batch_size,)`, uniform in [0, num_tokens - seq_len - 1).
+
+    Raises:
+      ValueError: the stream is too short for one sequence.
+    """
     high = num_tokens - seq_len - 1
     if high < 1:
         raise ValueError(f"corpus of {num_tokens} tokens is too short for sequences of {seq_len}")
@@ -201,14 +271,34 @@ def batch_offsets(num_tokens: int, seed: int, step: int, batch_size: int, seq_le
 
 
 def batch_rows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> np.ndarray:
-    """Rows `(len(offsets), seq_len + 1)` int32: inputs are `[:, :-1]`, targets `[:, 1:]`."""
+    """The token windows that start at `offsets`: inputs are `[:, :-1]`, targets `[:, 1:]`.
+
+    Args:
+      tokens: the token stream, shape `(num_tokens,)`.
+      offsets: start offsets, shape `(rows,)`.
+      seq_len: tokens per sequence.
+
+    Returns:
+      int32 rows of shape `(rows, seq_len + 1)`.
+    """
     idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
     return tokens[idx].astype(np.int32)
 
 
 def lm_batch(tokens: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int) -> dict:
-    """Language-model batch `step`: `{'inputs', 'targets'}`, each `(batch_size, seq_len)` int32
-    (targets are the inputs shifted by one token); a pure function of its arguments."""
+    """Language-model batch `step` of random windows of `tokens`; a pure function of its arguments.
+
+    Args:
+      tokens: the token stream, shape `(num_tokens,)`.
+      seed: the run's seed.
+      step: the batch's step.
+      batch_size: sequences per batch.
+      seq_len: tokens per sequence.
+
+    Returns:
+      `{'inputs', 'targets'}`, each int32 of shape `(batch_size, seq_len)` (the targets are the
+      inputs shifted by one token).
+    """
     rows = batch_rows(tokens, batch_offsets(len(tokens), seed, step, batch_size, seq_len), seq_len)
     return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 

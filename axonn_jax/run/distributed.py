@@ -35,9 +35,15 @@ detection does not look for; their grid is read through mpi4py instead."""
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSpec:
-    """Where this process sits in a job: `process_id` of `num_processes`, the coordinator's
-    `host:port` (None until known), and `source`, where the grid came from ("arguments",
-    "AXONN_*", the name of the cluster JAX detected, or "single process")."""
+    """Where this process sits in a job, and where that came from.
+
+    Attributes:
+      coordinator: the coordinator's `host:port` (None until known).
+      num_processes: the processes in the job.
+      process_id: this process's index in [0, num_processes).
+      source: where the grid came from ("arguments", "AXONN_*", the name of the cluster JAX
+        detected, or "single process").
+    """
 
     coordinator: str | None
     num_processes: int | None
@@ -97,7 +103,14 @@ def cluster_method(environ: Mapping[str, str]) -> str | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (bind to port 0 and let the OS choose)."""
+    """A TCP port that was free a moment ago on `host` (bind to port 0 and let the OS choose).
+
+    Args:
+      host: the address to bind.
+
+    Returns:
+      The port number.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -193,10 +206,16 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
 
 
 def axes_crossing_processes(mesh) -> list[str]:
-    """Mesh axes along which neighbouring devices belong to different processes (outer axes first).
+    """Mesh axes along which neighbouring devices belong to different processes.
 
-    With `make_mesh`'s layout these are the outer axes (`data`, `pipe`) unless a process holds fewer
-    devices than one tensor-parallel group.
+    With `make_mesh`'s layout these are the outer axes (`data`, `pipe`) unless a process holds
+    fewer devices than one tensor-parallel group.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`.
+
+    Returns:
+      The axes' names, in the mesh's order (outer axes first).
     """
     import numpy as np
 

@@ -31,8 +31,13 @@ DOCUMENT_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
 
 class StepFeed:
-    """Batches that are a function of the step: `batches(step)` -> a global host batch, placed by
-    `place` (a batch's position is its step: nothing to save)."""
+    """Batches that are a function of the step; a batch's position is its step: nothing to save.
+
+    Args:
+      batches: `batches(step)` -> a global host batch.
+      place: a host batch -> device arrays (`TrainStep.place_batch`).
+      description: what it reads, for the run's first lines.
+    """
 
     stateful = False
 
@@ -43,43 +48,88 @@ class StepFeed:
         self._first: dict[int, list] = {}
 
     def example(self, step: int):
+        """The batch the step is compiled for: batch `step` itself.
+
+        Args:
+          step: the step.
+
+        Returns:
+          The placed batch of `step`.
+        """
         return self.batch(step)
 
     def batch(self, step: int):
+        """The device batch of `step`, made and placed (the time it took counts in `stats`).
+
+        Args:
+          step: any step (the batch is a function of it).
+
+        Returns:
+          The placed batch.
+        """
         t0 = time.perf_counter()
         batch = self._place(self._batches(step))
         self._wait.append(time.perf_counter() - t0)
         return batch
 
     def first(self, n: int) -> list:
+        """The first `n` batches, made once and kept (validation: the same every time).
+
+        Args:
+          n: how many.
+
+        Returns:
+          The placed batches of steps `0 .. n - 1`.
+        """
         if n not in self._first:
             self._first[n] = [self._place(self._batches(i)) for i in range(n)]
         return self._first[n]
 
     def stats(self) -> dict[str, float]:
-        """`data_wait_s`: the mean seconds `batch` took since the last call (making the host
-        batch and placing it)."""
+        """The data metrics since the last call.
+
+        Returns:
+          `{'data_wait_s': the mean seconds `batch` took (making the host batch and placing
+          it)}`, or empty when no batch was made.
+        """
         wait, self._wait = self._wait, []
         return {"data_wait_s": sum(wait) / len(wait)} if wait else {}
 
     def describe(self) -> str:
+        """What it reads, for the run's first lines.
+
+        Returns:
+          The description it was given.
+        """
         return self.description
 
     def state(self):
+        """Nothing: a step feed's position is its step."""
         return None
 
     def restore(self, state) -> None:
-        pass
+        """Nothing to restore: a step feed's position is its step.
+
+        Args:
+          state: ignored.
+        """
 
     def close(self) -> None:
-        pass
+        """Nothing to close."""
 
 
 class DocumentFeed:
-    """Packed documents from `make()` (a fresh `run.loader.Batches` of this process's rows),
-    assembled into global `(global_batch, seq_len)` arrays split by `sharding`
-    (`loader.global_arrays`). The feed's position is the iterator's: `state()` gathers every
-    process's (`loader.gather_state`), `restore(state)` continues from it."""
+    """Packed documents from Grain, as global `(global_batch, seq_len)` arrays.
+
+    The feed's position is the iterator's: `state()` gathers every process's
+    (`loader.gather_state`), `restore(state)` continues from it.
+
+    Args:
+      make: `make()` -> a fresh `run.loader.Batches` of this process's rows.
+      sharding: the global arrays' sharding (`loader.global_arrays`).
+      global_batch: rows per global batch.
+      seq_len: tokens per row.
+    """
 
     stateful = True
 
@@ -99,6 +149,14 @@ class DocumentFeed:
         return self._batches
 
     def example(self, step: int):
+        """The placed shapes of a batch, what the step is compiled for.
+
+        Args:
+          step: ignored (every batch has these shapes).
+
+        Returns:
+          `{key: ShapeDtypeStruct((global_batch, seq_len), int32, sharding)}` of `DOCUMENT_KEYS`.
+        """
         shape = jax.ShapeDtypeStruct((self.global_batch, self.seq_len), jnp.int32,
                                      sharding=self.sharding)
         return {k: shape for k in DOCUMENT_KEYS}
@@ -109,6 +167,17 @@ class DocumentFeed:
         return loader.global_arrays(local, self.sharding, self.global_batch)
 
     def batch(self, step: int):
+        """The device batch of `step`: the next batch, or the last one asked again.
+
+        Args:
+          step: the step after the last one asked (or the last one again).
+
+        Returns:
+          Global arrays of `DOCUMENT_KEYS`, each `(global_batch, seq_len)` int32.
+
+        Raises:
+          ValueError: a step out of order (restore the data position first).
+        """
         if self._last is not None and self._last[0] == step:
             return self._last[1]
         if step != self._next:
@@ -119,6 +188,14 @@ class DocumentFeed:
         return batch
 
     def first(self, n: int) -> list:
+        """The first `n` batches, from an iterator of their own, made once and kept.
+
+        Args:
+          n: how many.
+
+        Returns:
+          The first `n` global batches (validation: the same every time).
+        """
         if n not in self._first:
             batches = self._make()
             try:
@@ -128,21 +205,43 @@ class DocumentFeed:
         return self._first[n]
 
     def stats(self) -> dict[str, float]:
+        """The data metrics since the last call.
+
+        Returns:
+          `run.loader.Batches.stats` (empty before the first batch).
+        """
         return self._batches.stats() if self._batches is not None else {}
 
     def describe(self) -> str:
+        """What it reads, for the run's first lines.
+
+        Returns:
+          The rows and tokens per row, and which rows this process reads.
+        """
         b = self.batches
         return (f"documents packed into {b.streams} rows of {self.seq_len} tokens, this process "
                 f"reading rows {b.rows.start}-{b.rows.stop - 1}")
 
     def state(self) -> dict:
+        """The whole job's data position; a collective: every process calls it.
+
+        Returns:
+          The gathered state (`loader.gather_state`), a JSON value.
+        """
         from . import loader
 
         return loader.gather_state(self.batches)
 
     def restore(self, state) -> None:
-        """Continue from a gathered `state`: CheckpointMismatch when it belongs to other data (a
-        config change: an error, not damage); a ValueError for a garbled one."""
+        """Continue from a gathered `state`: the next batch is the one after it.
+
+        Args:
+          state: a state from `state()`, of any number of processes.
+
+        Raises:
+          CheckpointMismatch: it belongs to other data (a config change: an error, not damage).
+          ValueError: a garbled one.
+        """
         b = self.batches
         if isinstance(state, dict) and "fingerprint" in state and \
                 (state["fingerprint"], state.get("streams")) != (b.fingerprint, b.streams):
@@ -154,18 +253,28 @@ class DocumentFeed:
         self._next, self._last = int(state["batches"]), None
 
     def close(self) -> None:
+        """Stop the iterator's Grain workers or prefetch thread."""
         if self._batches is not None:
             self._batches.close()
 
 
 def document_feeds(config, sharding, tokenizer=None, vocab_size: int | None = None
                    ) -> tuple[DocumentFeed, DocumentFeed | None]:
-    """(training feed, validation feed (None: val_fraction 0)) of the config's document sources
-    (`data.sources`), each
-    process reading the rows of the global batch that `sharding` (of a `(batch, seq_len)` leaf)
-    puts on its devices. tokenizer: a `tokenizer.json` (None: byte-level tokens); vocab_size: ids
-    must be below it. Bad input in the sources or in the first batch's documents (a missing file,
-    a malformed record, a field that does not exist, a refused long document) raises here."""
+    """The training and validation feeds of the config's document sources (`data.sources`).
+
+    Each process reads the rows of the global batch that `sharding` puts on its devices. Bad
+    input in the sources or in the first batch's documents (a missing file, a malformed record, a
+    field that does not exist, a refused long document) raises here.
+
+    Args:
+      config: the run's config (`run.options.RunConfig`).
+      sharding: the sharding of a `(batch, seq_len)` leaf of the batch.
+      tokenizer: a `tokenizer.json` (None: byte-level tokens).
+      vocab_size: ids must be below it.
+
+    Returns:
+      `(training feed, validation feed)`; the validation feed is None with val_fraction 0.
+    """
     from . import loader
 
     d = config.data

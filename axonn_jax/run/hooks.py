@@ -28,14 +28,28 @@ class StepInfo:
 
 
 class Hook:
+    """A hook of the training loop: override any of `start`, `step` and `end`."""
+
     def start(self, loop) -> None:
-        pass
+        """Called after the step is compiled and the state restored, before the first step.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
 
     def step(self, info: StepInfo) -> None:
-        pass
+        """Called after each step; `info.record` is the step's metrics, which hooks may extend.
+
+        Args:
+          info: the step just done.
+        """
 
     def end(self, loop) -> None:
-        pass
+        """Called after the last step, also when the loop stops on an error.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
 
 
 class HloDump(Hook):
@@ -45,43 +59,82 @@ class HloDump(Hook):
         self.directory = pathlib.Path(directory)
 
     def start(self, loop):
+        """Write the compiled step's HLO text (main process).
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if loop.is_main:
             self.directory.mkdir(parents=True, exist_ok=True)
             (self.directory / "train_step.hlo.txt").write_text(loop.compiled.as_text())
 
 
 class Validation(Hook):
-    """The mean loss over `evaluate(params) -> float` before the first step, every `every` steps
-    and after the last; adds `val_loss` to the record and keeps `history` [(step, loss), ...]."""
+    """The validation loss before the first step, every `every` steps and after the last.
+
+    Adds `val_loss` to the record and keeps `history` [(step, loss), ...].
+
+    Args:
+      evaluate: `evaluate(params) -> float`, the mean loss over the validation batches.
+      every: evaluate after each multiple of this many steps.
+      last_step: the run's last step (evaluated too).
+    """
 
     def __init__(self, evaluate: Callable[[Any], float], every: int, last_step: int):
         self.evaluate, self.every, self.last_step = evaluate, every, last_step
         self.history: list[tuple[int, float]] = []
 
     def start(self, loop):
+        """Evaluate the restored or fresh parameters and print the loss.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         loss = self.evaluate(loop.state.params)
         self.history.append((loop.start_step, loss))
         loop.console.print(f"validation loss at step {loop.start_step}: {loss:.4f}")
 
     def step(self, info):
+        """Evaluate after a multiple of `every` steps or the last step; adds `val_loss`.
+
+        Args:
+          info: the step just done.
+        """
         if info.step % self.every == 0 or info.step == self.last_step:
             info.record["val_loss"] = self.evaluate(info.state.params)
             self.history.append((info.step, info.record["val_loss"]))
 
     def end(self, loop):
+        """Print the first and the last validation loss.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if self.history:
             loop.console.print(f"validation loss: first {self.history[0][1]:.4f} -> last "
                                f"{self.history[-1][1]:.4f}")
 
 
 class MetricsFile(Hook):
-    """One JSON object per step in `path` (appended to when the run resumes, after the records of
-    steps beyond the restored one are dropped: those a crashed job wrote after its checkpoint)."""
+    """One JSON object per step in `path`, written by the main process.
+
+    Appended to when the run resumes, after the records of steps beyond the restored one are
+    dropped (those a crashed job wrote after its checkpoint).
+
+    Args:
+      path: the `metrics.jsonl` file.
+      append: the run resumes: keep the records up to the restored step.
+    """
 
     def __init__(self, path: str, append: bool):
         self.path, self.append, self.file = path, append, None
 
     def start(self, loop):
+        """Open the file (main process), dropping records past the starting step when appending.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if not loop.is_main:
             return
         path = pathlib.Path(self.path)
@@ -92,11 +145,21 @@ class MetricsFile(Hook):
         self.file = open(self.path, "a" if self.append else "w")
 
     def step(self, info):
+        """Write the step's record as one line and flush.
+
+        Args:
+          info: the step just done.
+        """
         if self.file:
             self.file.write(json.dumps(info.record) + "\n")
             self.file.flush()
 
     def end(self, loop):
+        """Close the file.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if self.file:
             self.file.close()
 
@@ -111,17 +174,33 @@ def _record_step(line: str) -> float:
 
 
 class Checkpoints(Hook):
-    """Saves the state every `checkpointer.every` steps, and at the end (also at `--stop-at`, when a
-    signal stopped the loop, and when it stops on an error, so that `--resume` continues from where
-    it stopped), never a diverged state (the loop does not keep it)."""
+    """Saves the state every `checkpointer.every` steps, and at the end.
+
+    The end includes `--stop-at`, a signal that stopped the loop, and an error that stopped it,
+    so that `--resume` continues from where it stopped; a diverged state is never saved (the loop
+    does not keep it).
+
+    Args:
+      checkpointer: the run's `run.checkpoint.Checkpointer`.
+    """
 
     def __init__(self, checkpointer):
         self.checkpointer = checkpointer
 
     def step(self, info):
+        """Save the state if the step is due.
+
+        Args:
+          info: the step just done.
+        """
         self.checkpointer.maybe_save(info.step, info.state)
 
     def end(self, loop):
+        """Save the last state unless a failed step consumed it, then close the checkpointer.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         import jax
 
         c = self.checkpointer
@@ -138,13 +217,21 @@ class Checkpoints(Hook):
 
 
 class SaveWhenStopped(Hook):
-    """For a run without periodic checkpoints: when a signal stops it, saves the state into the
-    checkpointer `make()` builds then."""
+    """For a run without periodic checkpoints: saves the state when a signal stops it.
+
+    Args:
+      make: `make()` builds the checkpointer the state is saved into, then.
+    """
 
     def __init__(self, make: Callable[[], Any]):
         self.make = make
 
     def end(self, loop):
+        """Save the state if a signal stopped the loop.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if loop.stopped is not None:
             c = self.make()
             c.maybe_save(int(loop.state.step), loop.state, force=True)
@@ -155,6 +242,11 @@ class Progress(Hook):
     """A progress bar with the loss and throughput (a line per validation when not on a terminal)."""
 
     def start(self, loop):
+        """Start the bar at the starting step (shown on the main process only).
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn,
                                    TimeRemainingColumn)
 
@@ -167,6 +259,11 @@ class Progress(Hook):
                                       completed=loop.start_step, info="")
 
     def step(self, info):
+        """Advance the bar; print a line per validation when not on a terminal.
+
+        Args:
+          info: the step just done.
+        """
         r = info.record
         if "val_loss" in r and not self.console.is_terminal:
             self.console.print(f"step {info.step}: loss {r['loss']:.4f} val_loss "
@@ -175,6 +272,11 @@ class Progress(Hook):
                         f"{r['step_time_s'] * 1e3:.0f} ms/step")
 
     def end(self, loop):
+        """Stop the bar.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         self.bar.stop()
 
 
@@ -185,6 +287,11 @@ class Sample(Hook):
         self.generate, self.text = generate, None
 
     def end(self, loop):
+        """Print the sample of a completed run (kept in `text`).
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if not loop.completed:
             return
         self.text = self.generate(loop.state.params)
@@ -193,17 +300,30 @@ class Sample(Hook):
 
 
 class DeviceMemory(Hook):
-    """Adds the accelerator memory in use after each step and the peak so far, on the most loaded
-    of this process's devices in the mesh (`memory_bytes_in_use`, `memory_peak_bytes`), where the
-    backend reports them (GPUs and TPUs do; XLA:CPU does not, and then nothing is added)."""
+    """Adds the accelerator memory in use after each step and the peak so far.
+
+    They are the most loaded of this process's devices in the mesh (`memory_bytes_in_use`,
+    `memory_peak_bytes`), where the backend reports them (GPUs and TPUs do; XLA:CPU does not, and
+    then nothing is added).
+    """
 
     def start(self, loop):
+        """Find this process's devices of the mesh.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         import jax
 
         local = set(jax.local_devices())
         self.devices = [d for d in loop.trainer.step.mesh.devices.flat if d in local]
 
     def step(self, info):
+        """Add `memory_bytes_in_use` and `memory_peak_bytes` where the backend reports them.
+
+        Args:
+          info: the step just done.
+        """
         stats = [s for s in (d.memory_stats() for d in self.devices) if s]
         if stats:
             info.record["memory_bytes_in_use"] = max(s.get("bytes_in_use", 0) for s in stats)
@@ -225,18 +345,28 @@ def _scalars(record: dict) -> dict[str, float]:
 
 
 class TensorBoard(Hook):
-    """TensorBoard event files in `directory` (tensorboardX), written by the main process: every
-    numeric metric of each step under its `metrics.jsonl` name (loss, val_loss, lr, grad_norm,
-    tokens_per_s, examples_per_s, step_time_s, memory, loss_scale, ...) at its step, the blocks'
-    per-layer metrics one scalar per layer (`name/layer_i`) and per-layer vectors (a mixture of
-    experts' tokens per expert) as histograms, and the run's constants (`loop.report`: parameter
-    count, state and compiled peak bytes, compression ratio) once, under `run/`, at the starting
-    step. View with `tensorboard --logdir DIR`."""
+    """TensorBoard event files in `directory` (tensorboardX), written by the main process.
+
+    Every numeric metric of each step goes under its `metrics.jsonl` name (loss, val_loss, lr,
+    grad_norm, tokens_per_s, examples_per_s, step_time_s, memory, loss_scale, ...) at its step,
+    the blocks' per-layer metrics one scalar per layer (`name/layer_i`) and per-layer vectors (a
+    mixture of experts' tokens per expert) as histograms, and the run's constants (`loop.report`:
+    parameter count, state and compiled peak bytes, compression ratio) once, under `run/`, at the
+    starting step. View with `tensorboard --logdir DIR`.
+
+    Args:
+      directory: where the event files go.
+    """
 
     def __init__(self, directory: str | pathlib.Path):
         self.directory, self.writer, self.constants = pathlib.Path(directory), None, set()
 
     def start(self, loop):
+        """Open the writer (main process) and write the run's constants under `run/`.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if not loop.is_main:
             return
         import logging
@@ -252,6 +382,11 @@ class TensorBoard(Hook):
             self.writer.add_scalar(f"run/{name}", value, loop.start_step)
 
     def step(self, info):
+        """Write the step's scalars and per-layer histograms, then flush.
+
+        Args:
+          info: the step just done.
+        """
         if self.writer is None:
             return
         for name, value in _scalars(info.record).items():
@@ -264,12 +399,27 @@ class TensorBoard(Hook):
         self.writer.flush()
 
     def end(self, loop):
+        """Close the writer.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if self.writer is not None:
             self.writer.close()
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
-    """`"A:B"` -> (A, B): steps A to B, both included, numbered from 1 as in `metrics.jsonl`."""
+    """`"A:B"` -> (A, B): steps A to B, both included, numbered from 1 as in `metrics.jsonl`.
+
+    Args:
+      text: `--profile-steps`'s value.
+
+    Returns:
+      `(A, B)`.
+
+    Raises:
+      ValueError: not `A:B` with 1 <= A <= B.
+    """
     first, sep, last = str(text).partition(":")
     try:
         a, b = int(first), int(last)
@@ -281,15 +431,28 @@ def parse_step_range(text: str) -> tuple[int, int]:
 
 
 class Profile(Hook):
-    """A `jax.profiler` trace of steps `first..last` (numbered from 1) in `directory`, viewable in
-    TensorBoard's profile plugin or Perfetto (`perfetto_trace.json.gz`); every process traces its
-    own devices (under `process<i>/` when there are several), the main one prints where it is."""
+    """A `jax.profiler` trace of steps `first..last` (numbered from 1) in `directory`.
+
+    The trace is viewable in TensorBoard's profile plugin or Perfetto (`perfetto_trace.json.gz`);
+    every process traces its own devices (under `process<i>/` when there are several), the main
+    one prints where it is.
+
+    Args:
+      directory: where the trace goes.
+      first: the first step traced.
+      last: the last step traced.
+    """
 
     def __init__(self, directory: str | pathlib.Path, first: int, last: int):
         self.directory, self.first, self.last = pathlib.Path(directory), first, last
         self.tracing = False
 
     def start(self, loop):
+        """Start tracing now if the first traced step is the next one (or already passed).
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         import jax
 
         if jax.process_count() > 1:
@@ -317,24 +480,44 @@ class Profile(Hook):
                            f"in ui.perfetto.dev)")
 
     def step(self, info):
+        """Start tracing before step `first`; stop after step `last`.
+
+        Args:
+          info: the step just done.
+        """
         if info.step == self.first - 1 and not self.tracing:
             self._start()
         elif info.step == self.last and self.tracing:
             self._stop(info.step)
 
     def end(self, loop):
+        """Stop a trace still running.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if self.tracing:
             self._stop(int(loop.state.step))
 
 
 class ExportPretrained(Hook):
-    """At the end of a completed run, `write(state)` (e.g. a Hugging Face directory of its
-    parameters; called on every process: gathering sharded parameters is collective)."""
+    """At the end of a completed run, `write(state)` (e.g. a Hugging Face directory of its params).
+
+    Called on every process: gathering sharded parameters is collective.
+
+    Args:
+      write: `write(state)`, the exporter.
+    """
 
     def __init__(self, write: Callable[[Any], None]):
         self.write = write
 
     def end(self, loop):
+        """Export the state of a completed run.
+
+        Args:
+          loop: the training loop (`run.loop.Loop`).
+        """
         if loop.completed:
             self.write(loop.state)
             loop.console.print("exported the trained model")

@@ -47,6 +47,15 @@ class Failure:
 
     @classmethod
     def of(cls, process_id: int, returncode: int) -> "Failure":
+        """The failure of a process that exited with `returncode`.
+
+        Args:
+          process_id: the process.
+          returncode: its `Popen.returncode` (negative: killed by that signal).
+
+        Returns:
+          The `Failure`; a killed process's exit code is 128 + the signal.
+        """
         if returncode < 0:
             return cls(process_id, f"process {process_id} was killed by signal "
                                    f"{signal.Signals(-returncode).name}", 128 - returncode)
@@ -94,8 +103,11 @@ def _tee(stream, log_file, out) -> None:
 
 
 def follow_launcher() -> None:
-    """In a process `launch` started: on Linux, be killed when the launcher dies, even by SIGKILL,
-    which it cannot catch to stop its job (elsewhere: nothing). Called first thing by the CLI."""
+    """In a process `launch` started: on Linux, be killed when the launcher dies.
+
+    Even by SIGKILL, which the launcher cannot catch to stop its job; elsewhere, and in a process
+    `launch` did not start, nothing. Called first thing by the CLI.
+    """
     launcher = os.environ.get(ENV_LAUNCHER_PID)
     if launcher is None or not sys.platform.startswith("linux"):
         return
@@ -160,22 +172,34 @@ class _Signals:
 def launch(command: list[str], nprocs: int, devices_per_proc: int | None = None,
            port: int | None = None, log_dir: str | pathlib.Path = "axonn-launch-logs",
            stdout=None, max_restarts: int = 0, heartbeat_timeout: int | None = None) -> int:
-    """Run `python -m axonn_jax <command>` (or, when `command` starts with a `.py` file, that
-    script: `python script.py ...`, which joins the job with `axonn_jax.init_distributed()`) as
-    `nprocs` processes of one job; returns the exit code.
+    """Run `python -m axonn_jax <command>` as `nprocs` processes of one job; return the exit code.
 
-    Each process gets `AXONN_COORDINATOR=127.0.0.1:port`, `AXONN_NUM_PROCESSES`, `AXONN_PROCESS_ID`
-    and (when given) `AXONN_LOCAL_DEVICES=devices_per_proc` with `JAX_LOCAL_DEVICE_IDS` naming its
-    share of the accelerators; logs go to `log_dir/proc<i>.log` and the
-    process ids to `log_dir/launch.json`. Returns 0 when all succeed, else the first failure's code
-    (128 + signal for a killed process; 130 after Ctrl-C; 75 when SIGTERM or SIGUSR1 stopped the
-    job and it saved its checkpoint).
+    When `command` starts with a `.py` file, that script runs instead (`python script.py ...`,
+    which joins the job with `axonn_jax.init_distributed()`). Each process gets
+    `AXONN_COORDINATOR=127.0.0.1:port`, `AXONN_NUM_PROCESSES`, `AXONN_PROCESS_ID` and (when
+    given) `AXONN_LOCAL_DEVICES=devices_per_proc` with `JAX_LOCAL_DEVICE_IDS` naming its share of
+    the accelerators; the process ids go to `log_dir/launch.json`.
 
-    max_restarts: when a process fails, start the whole job again up to this many times (a
-    `train` command with `--resume auto` added when it has no `--resume`), each restart logged
-    in one line with its cause; not after bad input (exit code 2), divergence (3), a signal.
-    heartbeat_timeout: seconds after which JAX's distributed runtime declares a process that
-    stopped answering dead (`AXONN_HEARTBEAT_TIMEOUT`; JAX's default: 100).
+    Args:
+      command: the `axonn_jax` command and its arguments, or a script and its arguments.
+      nprocs: the processes (at least 1).
+      devices_per_proc: the accelerators each process takes (None: not set).
+      port: the coordinator's port on loopback (None: a free one, fresh for each restart).
+      log_dir: where each process's log goes (`log_dir/proc<i>.log`).
+      stdout: where process 0's output goes (None: `sys.stdout`).
+      max_restarts: when a process fails, start the whole job again up to this many times (a
+        `train` command with `--resume auto` added when it has no `--resume`), each restart
+        logged in one line with its cause; not after bad input (exit code 2), divergence (3), a
+        signal.
+      heartbeat_timeout: seconds after which JAX's distributed runtime declares a process that
+        stopped answering dead (`AXONN_HEARTBEAT_TIMEOUT`; JAX's default: 100).
+
+    Returns:
+      0 when all succeed, else the first failure's code (128 + signal for a killed process; 130
+      after Ctrl-C; 75 when SIGTERM or SIGUSR1 stopped the job and it saved its checkpoint).
+
+    Raises:
+      ValueError: a size out of range, or no command.
     """
     if nprocs < 1:
         raise ValueError(f"--nprocs must be positive, got {nprocs}")
@@ -305,7 +329,14 @@ def _watch(procs) -> Failure | None:
 
 
 def main(args) -> int:
-    """Entry point for the parsed `axonn-jax launch` arguments."""
+    """Entry point for the parsed `axonn-jax launch` arguments.
+
+    Args:
+      args: the parsed arguments (`command` may start with `--`).
+
+    Returns:
+      The exit code of `launch`.
+    """
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

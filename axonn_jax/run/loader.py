@@ -62,10 +62,14 @@ class DataStateMismatch(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SourceConfig:
-    """One source of a mixture: `path` (a file, a directory or a glob; see `sources`), its
-    `weight` (> 0: the share of documents drawn from it is weight / sum of weights), and for
-    JSONL, Parquet and ArrayRecord the field of the text (`text_field`, default 'text') or of
-    pre-tokenized ids (`ids_field`)."""
+    """One source of a mixture: its path, weight and field.
+
+    Attributes:
+      path: a file, a directory or a glob (see `sources`).
+      weight: > 0: the share of documents drawn from it is weight / sum of weights.
+      text_field: for JSONL, Parquet and ArrayRecord, the field of the text (default 'text').
+      ids_field: or the field of pre-tokenized ids (not both).
+    """
 
     path: str
     weight: float = 1.0
@@ -84,22 +88,37 @@ class SourceConfig:
 
     @classmethod
     def from_dict(cls, spec: dict | str) -> "SourceConfig":
+        """The source of a config entry: a path, or a mapping `{path, weight, ...}`.
+
+        Args:
+          spec: a path string, or a mapping of the fields (`sources.source_fields` checks it).
+
+        Returns:
+          The `SourceConfig`.
+        """
         if isinstance(spec, str):
             return cls(spec)
         return cls(**sources.source_fields(spec))
 
     @property
     def field(self) -> sources.Field:
+        """The field its documents are read from (`sources.Field`)."""
         return sources.Field(text=self.text_field, ids=self.ids_field)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Documents for training: a weighted mixture of `sources`; `eos_id` (default: the
-    tokenizer's end-of-document token, 0 for byte-level tokens); documents longer than a row
-    `split` or `refuse`d (`long_documents`); `val_fraction` of each source's documents held out
-    for validation; the `seed` of the shuffles; Grain `workers` (processes; 0: a thread) and the
-    batches each prefetches (`prefetch`)."""
+    """Documents for training: a weighted mixture of sources, and how they are read.
+
+    Attributes:
+      sources: the mixture (at least one).
+      eos_id: the end-of-document token (None: the tokenizer's, 0 for byte-level tokens).
+      long_documents: documents longer than a row are `split` or `refuse`d.
+      val_fraction: the share of each source's documents held out for validation, in [0, 1).
+      seed: the seed of the shuffles.
+      workers: Grain worker processes (0: a thread).
+      prefetch: the batches each prefetches.
+    """
 
     sources: tuple[SourceConfig, ...]
     eos_id: int | None = None
@@ -123,7 +142,17 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, spec: dict) -> "DataConfig":
-        """The config of a YAML / JSON mapping: `{sources: [{path, weight, ...}, ...], ...}`."""
+        """The config of a YAML / JSON mapping: `{sources: [{path, weight, ...}, ...], ...}`.
+
+        Args:
+          spec: the mapping; its keys are among `CONFIG_KEYS`.
+
+        Returns:
+          The `DataConfig`.
+
+        Raises:
+          ValueError: an unknown key, `sources` not a list, or a field out of range.
+        """
         unknown = sorted(set(spec) - set(CONFIG_KEYS))
         if unknown:
             raise ValueError(f"data config: unknown key {unknown[0]!r} (known: "
@@ -141,8 +170,10 @@ def _seed(seed: int, k: int) -> int:
 
 
 class EpochShuffle(grain.MapDataset):
-    """The parent's elements in a new order every epoch: element `e·n + i` is the parent's
-    `perm_e[i]`, `perm_e` a permutation drawn from (seed, e); `epochs` None: without end.
+    """The parent's elements in a new order every epoch.
+
+    Element `e·n + i` is the parent's `perm_e[i]`, `perm_e` a permutation drawn from (seed, e);
+    `epochs` None: without end.
 
     (Grain's `shuffle().repeat()` does the same with its Feistel `index_shuffle`, whose cost per
     index is highest for small sets: sets of up to `TABLE_MAX` get a permutation table per epoch
@@ -181,8 +212,24 @@ class EpochShuffle(grain.MapDataset):
 
 
 def split_documents(reader, val_fraction: float, split: str, name: str) -> grain.MapDataset:
-    """The documents of one split of a source: validation is the first ceil(val_fraction·N)
-    documents of a fixed shuffle (`SPLIT_SEED`), training the rest."""
+    """The documents of one split of a source.
+
+    Validation is the first ceil(val_fraction·N) documents of a fixed shuffle (`SPLIT_SEED`),
+    training the rest.
+
+    Args:
+      reader: the source's random-access reader (`sources.open_source`), N documents.
+      val_fraction: the share held out for validation.
+      split: 'train' or 'val'.
+      name: the source's name for errors.
+
+    Returns:
+      The split's documents, a `grain.MapDataset`.
+
+    Raises:
+      ValueError: the source holds too few documents for both splits, or `split` is 'val' with
+        `val_fraction` giving none.
+    """
     n = len(reader)
     n_val = math.ceil(n * val_fraction)
     if n_val >= n:
@@ -195,15 +242,35 @@ def split_documents(reader, val_fraction: float, split: str, name: str) -> grain
 
 
 def shuffle_sources(parts, seed: int, epochs: int | None = None) -> list[grain.MapDataset]:
-    """Each source's documents (`parts`), shuffled every epoch (source k by seed (seed, k)),
-    repeated `epochs` times (None: without end)."""
+    """Each source's documents, shuffled every epoch and repeated.
+
+    Args:
+      parts: each source's documents (`grain.MapDataset`s).
+      seed: the run's data seed; source k shuffles by the seed (seed, k).
+      epochs: the repeats (None: without end).
+
+    Returns:
+      One `EpochShuffle` per source.
+    """
     return [EpochShuffle(part, _seed(seed, k), epochs) for k, part in enumerate(parts)]
 
 
 def stream_documents(shuffled, weights, tokenize, stream: int, streams: int) -> grain.MapDataset:
-    """The tokenized documents of `stream` of `streams`: of each source's shuffled documents
-    (`shuffle_sources`), those at `stream + k·streams`, mixed by `weights` (Grain's `mix`: exact
-    document proportions, deterministic interleaving)."""
+    """The tokenized documents of `stream` of `streams`.
+
+    Of each source's shuffled documents (`shuffle_sources`), those at `stream + k·streams`, mixed
+    by `weights` (Grain's `mix`: exact document proportions, deterministic interleaving).
+
+    Args:
+      shuffled: each source's shuffled documents.
+      weights: each source's weight.
+      tokenize: a document -> its token ids (`sources.DocumentTokenizer`).
+      stream: this stream's index (a row of the global batch).
+      streams: the number of streams (the global batch).
+
+    Returns:
+      The stream's documents as token ids, a `grain.MapDataset`.
+    """
     per_source = [docs.slice(slice(stream, None, streams)).map(tokenize) for docs in shuffled]
     return per_source[0] if len(per_source) == 1 else grain.MapDataset.mix(per_source, weights)
 
@@ -297,9 +364,11 @@ class _Meter:
 
 
 class Batches:
-    """Iterator of this process's rows (`rows`, a range of the global batch's rows) of every
-    global batch: numpy `{'inputs', 'targets', 'segment_ids', 'positions'}`, each
-    `(len(rows), seq_len)` int32. Made by `make_batches`."""
+    """Iterator of this process's rows of every global batch; made by `make_batches`.
+
+    `rows` is a range of the global batch's rows. Each batch is numpy `{'inputs', 'targets',
+    'segment_ids', 'positions'}`, each `(len(rows), seq_len)` int32.
+    """
 
     def __init__(self, build, rows: range, streams: int, row_len: int, split_long: bool,
                  workers: int, prefetch: int, fingerprint: str):
@@ -349,12 +418,16 @@ class Batches:
         return packing.lm_batch(*rows)
 
     def stats(self) -> dict[str, float]:
-        """Since the last call: `data_wait_s` (mean seconds `next` waited for a batch: the time a
-        step stalls on input), `data_batches_per_s` (batches per second the pipeline makes when
-        nothing waits on it: its workers' busy time, workers in parallel), `data_worker_s` (worker
-        seconds per batch, all workers), `data_padding` (fraction of row slots that are padding)
-        and `data_documents` (documents read and tokenized per batch, by this process). Empty
-        when no batch was taken."""
+        """The input pipeline's metrics since the last call.
+
+        Returns:
+          `data_wait_s` (mean seconds `next` waited for a batch: the time a step stalls on
+          input), `data_batches_per_s` (batches per second the pipeline makes when nothing waits
+          on it: its workers' busy time, workers in parallel), `data_worker_s` (worker seconds
+          per batch, all workers), `data_padding` (fraction of row slots that are padding) and
+          `data_documents` (documents read and tokenized per batch, by this process). Empty
+          when no batch was taken.
+        """
         m, self._meter = self._meter, _Meter()
         if not m.batches:
             return {}
@@ -364,15 +437,27 @@ class Batches:
                 "data_documents": m.documents / m.batches}
 
     def get_state(self) -> dict:
-        """This process's position, a JSON value: the positions of its rows' streams (see
-        `merge_states` / `gather_state` for the whole job's)."""
+        """This process's position, a JSON value.
+
+        Returns:
+          The version, fingerprint, streams, batches taken and the positions of its rows'
+          streams (see `merge_states` / `gather_state` for the whole job's).
+        """
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "streams": self.streams,
                 "batches": self._batches,
                 "positions": {str(r): list(self._positions[r]) for r in self.rows}}
 
     def set_state(self, state: dict) -> None:
-        """Continue from `state` (this process's or the whole job's, saved by any number of
-        processes and workers): the next batch is the one that followed when it was saved."""
+        """Continue from `state`: the next batch is the one that followed when it was saved.
+
+        Args:
+          state: this process's or the whole job's state (`get_state`, `gather_state`), saved by
+            any number of processes and workers.
+
+        Raises:
+          DataStateMismatch: the state belongs to other data, or lacks one of this process's
+            rows.
+        """
         check_state(state, self.fingerprint, self.streams)
         missing = [r for r in self.rows if str(r) not in state["positions"]]
         if missing:
@@ -414,13 +499,28 @@ def make_batches(config: DataConfig, seq_len: int, global_batch: int, tokenizer=
                  rows: range | None = None) -> Batches:
     """This process's rows of packed global batches `(global_batch, seq_len)` of `config`.
 
-    tokenizer: a `tokenizer.json` (None: one token per UTF-8 byte). process_index /
-    process_count (default: JAX's): the process holds rows `[i·G/n, (i+1)·G/n)` of every global
-    batch (or `rows`, e.g. `process_rows(sharding, ...)`), and reads only their documents.
-    vocab_size: ids must be below it. split: 'train' or 'val' (the held-out documents). Bad input
-    (a missing file, a field that does not exist, a weight <= 0, ...) raises here, with one line
-    naming the file; what only reading shows (a malformed line, a document too long with
-    long_documents: refuse) raises from `next` the same way.
+    Bad input (a missing file, a field that does not exist, a weight <= 0, ...) raises here,
+    with one line naming the file; what only reading shows (a malformed line, a document too
+    long with long_documents: refuse) raises from `next` the same way.
+
+    Args:
+      config: the mixture and how it is read.
+      seq_len: tokens per row.
+      global_batch: rows per global batch (G).
+      tokenizer: a `tokenizer.json` (None: one token per UTF-8 byte).
+      process_index: this process, i (default: JAX's); it holds rows `[i·G/n, (i+1)·G/n)` of
+        every global batch and reads only their documents.
+      process_count: the processes, n (default: JAX's); they must divide G.
+      vocab_size: ids must be below it.
+      split: 'train' or 'val' (the held-out documents).
+      rows: the rows this process holds instead (a contiguous range, e.g.
+        `process_rows(sharding, ...)`).
+
+    Returns:
+      The `Batches` iterator.
+
+    Raises:
+      ValueError: a bad split, size, row range or source.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
@@ -452,7 +552,16 @@ def make_batches(config: DataConfig, seq_len: int, global_batch: int, tokenizer=
 # ----------------------------------------------------------------------------- state of a job
 
 def check_state(state: Any, fingerprint: str, streams: int) -> None:
-    """Raise DataStateMismatch unless `state` is a data state of this configuration."""
+    """Raise DataStateMismatch unless `state` is a data state of this configuration.
+
+    Args:
+      state: a saved data state (any JSON value).
+      fingerprint: the configuration's fingerprint (`Batches.fingerprint`).
+      streams: the configuration's streams (the global batch).
+
+    Raises:
+      DataStateMismatch: another version, damaged positions, or other data.
+    """
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION or \
             not isinstance(state.get("positions"), dict):
         raise DataStateMismatch(f"not a data state of this version ({STATE_VERSION}): "
@@ -468,8 +577,19 @@ def check_state(state: Any, fingerprint: str, streams: int) -> None:
 
 
 def merge_states(states: list[dict]) -> dict:
-    """One state for the whole job from each process's `get_state()` (processes that hold the
-    same rows, e.g. replicas over `pipe`, must agree on them)."""
+    """One state for the whole job from each process's `get_state()`.
+
+    Args:
+      states: every process's state; processes that hold the same rows (e.g. replicas over
+        `pipe`) must agree on them.
+
+    Returns:
+      The first state with the positions of every row, sorted by row.
+
+    Raises:
+      DataStateMismatch: a state of other data, states at different batches, or processes that
+        disagree on a row's position.
+    """
     first = states[0]
     positions: dict[str, list] = {}
     for state in states:
@@ -484,9 +604,17 @@ def merge_states(states: list[dict]) -> dict:
 
 
 def gather_state(batches: Batches) -> dict:
-    """The whole job's data state, on every process (a collective: every process calls it, e.g.
-    when the checkpoint is saved); the checkpoint stores it as JSON and `set_state` restores it
-    on any number of processes."""
+    """The whole job's data state, on every process.
+
+    A collective: every process calls it, e.g. when the checkpoint is saved. The checkpoint
+    stores it as JSON and `set_state` restores it on any number of processes.
+
+    Args:
+      batches: this process's iterator.
+
+    Returns:
+      The merged state (`merge_states`).
+    """
     import jax
     from jax.experimental import multihost_utils
 
@@ -504,8 +632,19 @@ def gather_state(batches: Batches) -> dict:
 # ----------------------------------------------------------------------------- global arrays
 
 def process_rows(sharding, global_batch: int, seq_len: int) -> range:
-    """The rows of a `(global_batch, seq_len)` batch that this process's devices hold under
-    `sharding` (contiguous, as a data axis ordered by process gives them)."""
+    """The rows of a `(global_batch, seq_len)` batch that this process's devices hold.
+
+    Args:
+      sharding: the batch's sharding (rows split over the data axes).
+      global_batch: rows per global batch.
+      seq_len: tokens per row.
+
+    Returns:
+      A contiguous range of rows (as a data axis ordered by process gives them).
+
+    Raises:
+      ValueError: the process's rows are not one contiguous range.
+    """
     spans = sorted({(s[0].start or 0, global_batch if s[0].stop is None else s[0].stop)
                     for s in sharding.addressable_devices_indices_map((global_batch, seq_len)).values()})
     start, stop = spans[0]
@@ -518,8 +657,16 @@ def process_rows(sharding, global_batch: int, seq_len: int) -> range:
 
 
 def global_arrays(local: dict, sharding, global_batch: int) -> dict:
-    """Global `(global_batch, seq_len)` arrays of every process's rows (`local`, from
-    `Batches`), split by `sharding` (`jax.make_array_from_process_local_data`)."""
+    """Global `(global_batch, seq_len)` arrays of every process's rows.
+
+    Args:
+      local: this process's rows of a batch (from `Batches`), each `(rows, seq_len)`.
+      sharding: the global arrays' sharding.
+      global_batch: rows per global batch.
+
+    Returns:
+      The batch's global `jax.Array`s (`jax.make_array_from_process_local_data`), by key.
+    """
     import jax
 
     return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))

@@ -36,7 +36,15 @@ from .trainer import Trainer, build_trainer, lm_example
 
 
 def tree_bytes_per_device(tree, memory_kind: str | None = None) -> int:
-    """Bytes of `tree` held by the most loaded device (shards, not global sizes)."""
+    """Bytes of `tree` held by the most loaded device (shards, not global sizes).
+
+    Args:
+      tree: a pytree of jax.Arrays.
+      memory_kind: count only the arrays of this memory kind (None: all).
+
+    Returns:
+      The bytes of this process's most loaded device (0 for none).
+    """
     per_device: dict[Any, int] = {}
     for x in jax.tree.leaves(tree):
         if memory_kind is not None and memory_kind_of(x) != memory_kind:
@@ -47,8 +55,17 @@ def tree_bytes_per_device(tree, memory_kind: str | None = None) -> int:
 
 
 def state_report(state, compiled) -> dict[str, int | float]:
-    """Train-state bytes per device by memory kind, parameter count, the compiled peak and the
-    compiled step's FLOPs per device (XLA's cost analysis)."""
+    """The run's constants: the state's size and the compiled step's peak and FLOPs.
+
+    Args:
+      state: the train state.
+      compiled: the compiled train step.
+
+    Returns:
+      `num_params`, train-state bytes per device by memory kind (`state_bytes_device`,
+      `state_bytes_host`), the compiled peak (`peak_bytes_compiled`) and the compiled step's
+      FLOPs per device (`flops_per_device_compiled`, XLA's cost analysis).
+    """
     return {
         "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
         "state_bytes_device": int(tree_bytes_per_device(state, DEVICE_MEMORY_KIND)),
@@ -60,10 +77,22 @@ def state_report(state, compiled) -> dict[str, int | float]:
 
 def compression_ratio(params, bits: int, bucket_size: int, min_size: int = 1024,
                       rules=()) -> float:
-    """How many times fewer bytes this device sends in CGX's gradient exchange than in an exact
-    all-reduce of the same gradients (like `params`; its local shards), as the reducers count
+    """How many times fewer bytes this device sends in CGX's exchange than in an exact all-reduce.
+
+    The gradients are like `params` (this device's local shards), counted as the reducers count
     their wire bytes (`step.reducers`), with the tensors that the size rule (`min_size`) and the
-    `PATTERN=BITS` rules keep exact or set apart."""
+    `PATTERN=BITS` rules keep exact or set apart.
+
+    Args:
+      params: the parameters (global jax.Arrays; their shard shapes count).
+      bits: the compressed bits per value.
+      bucket_size: values per quantization bucket.
+      min_size: tensors smaller than this stay exact.
+      rules: `PATTERN=BITS` rules (`parallel.compression.parse_rules`).
+
+    Returns:
+      The ratio of exact to compressed wire bytes.
+    """
     shards = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), params)
     wire = compressed_wire_bytes(bits, bucket_size, min_size, parse_rules(rules))
@@ -71,13 +100,22 @@ def compression_ratio(params, bits: int, bucket_size: int, min_size: int = 1024,
 
 
 class Loop:
-    """Runs `trainer`'s step from `state` over the batches of `feed` (`run.feeds`) until
-    `end_step`, calling `hooks` (see `run.hooks`); each step's record holds the feed's metrics
-    (`data_wait_s`: the seconds the step waited for its batch, ...).
+    """Runs `trainer`'s step from `state` over the batches of `feed` until `end_step`.
 
-    stop: asked at every step boundary whether the job stops there (`run.stopping`); then
-    `stopped` names the signal. A step whose loss or gradient norm is not finite raises `Diverged`
-    before its state is kept; under float16 such steps are skipped by the step itself.
+    Each step's record holds the feed's metrics (`data_wait_s`: the seconds the step waited for
+    its batch, ...). A step whose loss or gradient norm is not finite raises `Diverged` before
+    its state is kept; under float16 such steps are skipped by the step itself. The step is
+    compiled when the loop is made.
+
+    Args:
+      trainer: the run's `Trainer`.
+      state: the train state to start from (its `step` is the starting step).
+      feed: the batches (`run.feeds`).
+      hooks: called around the steps (see `run.hooks`).
+      console: a `rich` console the hooks print to.
+      end_step: the step to stop after.
+      stop: asked at every step boundary whether the job stops there (`run.stopping`); then
+        `stopped` names the signal.
     """
 
     def __init__(self, trainer: Trainer, state, feed, hooks: list[Hook],
@@ -104,6 +142,14 @@ class Loop:
             self.peak_flops = nominal_peak_flops(jax.devices()[0], DTYPES[o.precision.dtype])
 
     def run(self):
+        """Run the steps, calling the hooks; their `end` runs also when a step raises.
+
+        Returns:
+          The last state kept.
+
+        Raises:
+          Diverged: a step's loss or gradient norm is not finite (not under float16).
+        """
         started = []
         try:
             for hook in self.hooks:
@@ -199,23 +245,39 @@ def _language_model_data(config: RunConfig, vocab_size: int):
 
 def train(config: RunConfig, model: StackedModel | None = None, data=None, *, eval_data=None,
           devices=None, console=None, hooks: list[Hook] = ()) -> dict[str, Any]:
-    """Run a training job; returns a summary: `history` (one record per step), `val_history`,
-    the final `state`, the `trainer`, the state report, `stopped` (the name of the signal that
-    stopped the run early, or None) and, when sampled, `sample`.
+    """Run a training job and return its summary.
 
     Called from the main thread, the run catches SIGTERM, SIGUSR1 and Ctrl-C while it runs: it
-    stops at the next step boundary and saves a checkpoint (`run.stopping`). A non-finite loss
-    raises `run.stopping.Diverged`.
+    stops at the next step boundary and saves a checkpoint (`run.stopping`).
 
-    config: the run's config tree (`run.options`; `TrainOptions(**flat names)` builds one).
-    model: None trains the model the config names on the corpus `data.path` (default: the Python
-    standard library's sources) or on the documents of `data.sources` (packed, read per process,
-    their position saved with the checkpoints: `run.feeds`); or any `StackedModel`, with those
-    documents or with `data` a function `step -> batch` or an iterable of batches (global
-    batches: numpy pytrees with a leading batch axis of `data.batch_size`) and optionally
-    `eval_data` likewise (validation needs it).
-    hooks: more hooks, run after the built-in ones. With `run.run_dir` the metrics, HLO dump,
-    checkpoints (when asked), TensorBoard events and `profile_steps` trace go there (`run.rundir`).
+    Args:
+      config: the run's config tree (`run.options`; `TrainOptions(**flat names)` builds one).
+      model: None trains the model the config names on the corpus `data.path` (default: the
+        Python standard library's sources) or on the documents of `data.sources` (packed, read
+        per process, their position saved with the checkpoints: `run.feeds`); or any
+        `StackedModel`, with those documents or with `data`.
+      data (Callable | Iterable | None): for a caller's model, a function `step -> batch` or an
+        iterable of batches (global batches: numpy pytrees with a leading batch axis of
+        `data.batch_size`).
+      eval_data (Callable | Iterable | None): validation batches, like `data` (validation
+        needs it).
+      devices (Sequence[jax.Device] | None): the devices to run on (None: all; see
+        `build_trainer`).
+      console (rich.console.Console | None): a console to print to (None: one, quiet on
+        processes other than the main).
+      hooks: more hooks, run after the built-in ones. With `run.run_dir` the metrics, HLO dump,
+        checkpoints (when asked), TensorBoard events and `profile_steps` trace go there
+        (`run.rundir`).
+
+    Returns:
+      A dict: `history` (one record per step), `val_history`, the final `state`, the `trainer`,
+      the state report, `stopped` (the name of the signal that stopped the run early, or None)
+      and, when sampled, `sample`.
+
+    Raises:
+      run.stopping.Diverged: a non-finite loss.
+      ValueError: `data` with document sources, `data` without a model, or a caller's model
+        without data; a config that cannot run (`run.options.ConfigError`).
     """
     with StopRequest() as stop:
         return _train(stop, config, model, data, eval_data, devices, console, hooks)

@@ -52,11 +52,21 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None,
            cli: bool = True, switch_off: bool = False):
     """A field of the tree with what the command line and YAML need to know of it.
 
-    flag: its long option (default `--<field name>`); aliases: more long options; legacy: its name
-    among the flat `TrainOptions` keywords (default: the flag without dashes); kind: its value's
-    type when the default is None; choices: allowed values (or a function giving them);
-    cli: False for fields set only from YAML or Python; switch_off: a bool whose flag turns it
-    off (`--no-error-feedback`)."""
+    Args:
+      default: the field's default.
+      help: what it does (the flag's help and the config reference's text).
+      flag: its long option (default `--<field name>`).
+      aliases: more long options.
+      legacy: its name among the flat `TrainOptions` keywords (default: the flag without dashes).
+      kind: its value's type when the default is None.
+      choices: allowed values (or a function giving them).
+      metavar: the flag's value's name in the help.
+      cli: False for fields set only from YAML or Python.
+      switch_off: a bool whose flag turns it off (`--no-error-feedback`).
+
+    Returns:
+      A `dataclasses.field` with these in its metadata.
+    """
     meta = dict(help=help, flag=flag, aliases=aliases, legacy=legacy, kind=kind, choices=choices,
                 metavar=metavar, cli=cli, switch_off=switch_off)
     return dataclasses.field(default=default, metadata=meta)
@@ -70,6 +80,8 @@ def _presets():
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
+    """Which network (a preset or a Hugging Face directory) and its attention kernel."""
+
     name: str = option("gpt-tiny", "model preset", flag="--model", choices=_presets)
     init_from: str | None = option(None, "fine-tune a Hugging Face Llama or GPT-2 directory "
                                    "(config.json + safetensors; its tokenizer.json tokenizes the "
@@ -118,12 +130,18 @@ class GridOptions:
                                  kind=int)
 
     def sizes(self) -> dict[str, int | None]:
-        """`{axis: size}` in mesh order (`data` may be None)."""
+        """`{axis: size}` in mesh order (`data` may be None).
+
+        Returns:
+          The sizes of `AXES`, in that order.
+        """
         return {axis: getattr(self, axis) for axis in AXES}
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
+    """Microbatches and the pipeline's timetable."""
+
     microbatches: int = option(1, "microbatches per step (a pipeline's, or gradient accumulation)")
     schedule: str = option("1f1b", "the pipeline's timetable", choices=SCHEDULES)
     virtual_stages: int = option(1, "interleaved-1f1b: layer chunks per pipeline stage",
@@ -132,6 +150,8 @@ class PipelineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionOptions:
+    """The compute dtype, FP8 GEMMs and the dtype of the exact gradient exchange."""
+
     dtype: str = option("float32", "compute dtype; fp32 master weights (float16: dynamic loss "
                         "scaling)", choices=DTYPE_NAMES)
     fp8: bool = option(False, "FP8 GEMMs in every dense layer (e4m3 forward, e5m2 gradients, "
@@ -144,6 +164,8 @@ class PrecisionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOptions:
+    """AdamW, its warm-up/cosine schedule, gradient clipping."""
+
     lr: float = option(3e-3, "peak learning rate")
     warmup_steps: int = option(-1, "linear warm-up steps (-1: 5%% of --steps)")
     weight_decay: float = option(0.1, "AdamW's decoupled weight decay")
@@ -155,6 +177,8 @@ class OptimizerOptions:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryOptions:
+    """Optimizer state in host memory, activation recompute/offload."""
+
     offload_optimizer: bool = option(False, "fp32 master weights and optimizer state in host "
                                      "memory, streamed through the device per layer")
     remat: str = option("none", "what each block keeps for the backward (auto: KARMA's planner "
@@ -166,6 +190,8 @@ class MemoryOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CompressionOptions:
+    """CGX-compressed data-parallel gradients."""
+
     bits: int = option(0, "CGX: bits per gradient value over `data` (0: exact all-reduce)",
                        flag="--compress-bits", legacy="compress_bits")
     bucket: int = option(1024, "CGX: values per quantization bucket", flag="--compress-bucket",
@@ -213,11 +239,14 @@ class CompressionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
-    """One source of a mixture of documents (`data.sources`): `path` (a JSONL, Parquet,
-    ArrayRecord, text or token file, a directory or a glob of them: `run.sources`), its `weight`
-    (the share of documents drawn from it is weight / the sum of the weights) and the field of a
-    record that holds the text (`text_field`, default 'text') or token ids (`ids_field`). Values
-    are checked by `problems` (a weight <= 0, a missing file: one line each)."""
+    """One source of a mixture of documents (`data.sources`).
+
+    Its `path` is a JSONL, Parquet, ArrayRecord, text or token file, a directory or a glob of them
+    (`run.sources`); its `weight` gives the share of documents drawn from it (weight / the sum of
+    the weights); `text_field` (default 'text') or `ids_field` names the field of a record that
+    holds the text or the token ids. Values are checked by `problems` (a weight <= 0, a missing
+    file: one line each).
+    """
 
     path: str
     weight: Any = 1.0
@@ -226,8 +255,19 @@ class DataSource:
 
     @classmethod
     def of(cls, value) -> "DataSource":
-        """From `PATH[:WEIGHT]` (the flag's form), a mapping `{path, weight, text_field |
-        ids_field}` (YAML's) or a DataSource; ValueError (one line) for another shape."""
+        """The source a flag, a YAML entry or a DataSource gives.
+
+        Args:
+          value: `PATH[:WEIGHT]` (the flag's form; a colon not followed by a number is part of
+            the path), a mapping `{path, weight, text_field | ids_field}` (YAML's) or a
+            DataSource.
+
+        Returns:
+          The `DataSource`.
+
+        Raises:
+          ValueError: (one line) another shape, or a mapping with an unknown key.
+        """
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -239,7 +279,11 @@ class DataSource:
         return cls(**sources.source_fields(value))
 
     def problems(self) -> list[str]:
-        """What is wrong with this source, one line each (the files' existence included)."""
+        """What is wrong with this source, one line each (the files' existence included).
+
+        Returns:
+          The problems (empty when none).
+        """
         found = []
         w = self.weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
@@ -255,6 +299,8 @@ class DataSource:
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
+    """The corpus or the document sources, batch and sequence, validation."""
+
     path: str | None = option(None, "text file, directory of text files, or .npy/.bin token "
                               "file (default: the Python standard library's sources)",
                               flag="--data", legacy="data_path", kind=str, metavar="PATH")
@@ -284,8 +330,15 @@ class DataOptions:
         object.__setattr__(self, "sources", tuple(DataSource.of(s) for s in listed))
 
     def loader_config(self, seed: int) -> dict:
-        """The `run.loader.DataConfig.from_dict` mapping of the document sources (`seed`: of
-        their shuffles)."""
+        """The `run.loader.DataConfig.from_dict` mapping of the document sources.
+
+        Args:
+          seed: the seed of their shuffles (the run's).
+
+        Returns:
+          `{sources, eos_id, long_documents, val_fraction, seed, workers, prefetch}`, each
+          source's fields that are not None.
+        """
         return {"sources": [{k: v for k, v in dataclasses.asdict(s).items() if v is not None}
                             for s in self.sources],
                 "eos_id": self.eos_id, "long_documents": self.long_documents,
@@ -295,6 +348,8 @@ class DataOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
+    """Where and when to save, resuming, stopping."""
+
     dir: str | None = option(None, "where checkpoints go (default: RUN_DIR/checkpoints)",
                              flag="--checkpoint-dir", legacy="checkpoint_dir", kind=str)
     every: int = option(0, "save every N steps", flag="--checkpoint-every",
@@ -313,6 +368,8 @@ class CheckpointOptions:
 
 @dataclasses.dataclass(frozen=True)
 class RunOutputs:
+    """Steps, seed, outputs, transport, XLA options."""
+
     steps: int = option(100, "training steps")
     seed: int = option(0, "seed of the parameters, the batches and stochastic rounding")
     run_dir: str | None = option(None, "where the run's config, metrics, log, checkpoints, HLO, "
@@ -364,8 +421,16 @@ class RunConfig:
         return max(1, self.run.steps // 20) if o.warmup_steps < 0 else o.warmup_steps
 
     def replace(self, **paths) -> "RunConfig":
-        """A copy with fields replaced by path: `config.replace(**{"pipeline.schedule": "gpipe"})`
-        (or by flat name, as `TrainOptions` takes them)."""
+        """A copy with fields replaced by path or by flat name.
+
+        For example `config.replace(**{"pipeline.schedule": "gpipe"})`.
+
+        Args:
+          **paths (Any): values by path, or by flat name as `TrainOptions` takes them.
+
+        Returns:
+          The new config (see `build`).
+        """
         return build(paths, base=self)
 
 
@@ -375,8 +440,14 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One field of the tree: `path` ('pipeline.schedule'), its dataclass field, the flags
-    naming it (the first is its own) and its flat name (`legacy`)."""
+    """One field of the tree: its path, its dataclass field, its flags and its flat name.
+
+    Attributes:
+      path: `section.field` ('pipeline.schedule').
+      field: the dataclass field (its metadata from `option`).
+      flags: the flags naming it (the first is its own).
+      legacy: its flat name among `TrainOptions`' keywords.
+    """
 
     path: str
     field: dataclasses.Field
@@ -390,23 +461,35 @@ class Leaf:
 
     @property
     def default(self):
+        """The field's default."""
         return self.field.default
 
     @property
     def meta(self) -> dict:
+        """The field's metadata (`option`'s arguments)."""
         return self.field.metadata
 
     @property
     def kind(self) -> type:
+        """The type of its value: `option`'s `kind`, else the default's type."""
         return self.meta["kind"] or type(self.default)
 
     def choices(self):
+        """The values it allows.
+
+        Returns:
+          The choices (a function's are computed now), or None for any value.
+        """
         c = self.meta["choices"]
         return c() if callable(c) else c
 
 
 def leaves() -> list[Leaf]:
-    """Every field of the tree, section by section."""
+    """Every field of the tree, section by section.
+
+    Returns:
+      A `Leaf` per field, in `SECTIONS`' order and each section's field order.
+    """
     out = []
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -423,10 +506,22 @@ def _by(attribute: str) -> dict[str, Leaf]:
 
 def build(values: dict[str, Any], base: RunConfig | None = None,
           given: frozenset = frozenset()) -> RunConfig:
-    """A config from `{path or flat name: value}` over `base` (default: the defaults); a flat
-    `parallel=ParallelConfig(...)` sets the grid, a section name may take a section object.
-    Values are taken as given (`run.config` types and checks text); `given`: paths to add to the
-    config's `given` (what the command line set)."""
+    """A config from `{path or flat name: value}` over `base`.
+
+    Values are taken as given (`run.config` types and checks text).
+
+    Args:
+      values: values by path, flat name or flag key; a flat `parallel=ParallelConfig(...)` sets
+        the grid, and a section name may take a section object.
+      base: the config to start from (default: the defaults).
+      given: paths to add to the config's `given` (what the command line set).
+
+    Returns:
+      The `RunConfig`.
+
+    Raises:
+      TypeError: an unknown name, or `parallel` that is not a `ParallelConfig`.
+    """
     by_path, by_legacy, by_key = _by("path"), _by("legacy"), _by("key")
     sections = {name: dataclasses.asdict(getattr(base or RunConfig(), name)) for name in SECTIONS}
     for name, value in values.items():
@@ -448,9 +543,22 @@ def build(values: dict[str, Any], base: RunConfig | None = None,
 
 
 def TrainOptions(**values) -> RunConfig:  # noqa: N802 - the flat spelling of earlier releases
-    """The config tree from flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(
-    data=2)`, `compress_bits`, ...: the flags' names), paths, or whole sections; ConfigError for
-    values no grid or device count can make right (the rest is checked when a run is built)."""
+    """The config tree from flat option names, paths, or whole sections.
+
+    Values no grid or device count can make right are refused here; the rest is checked when a
+    run is built.
+
+    Args:
+      **values (Any): flat option names (`steps`, `batch_size`, `parallel=ParallelConfig(data=2)`,
+        `compress_bits`, ...: the flags' names), paths (`pipeline.schedule`), or sections.
+
+    Returns:
+      The `RunConfig`.
+
+    Raises:
+      ConfigError: every such problem, one line each.
+      TypeError: an unknown name.
+    """
     config = build(values)
     found = _field_problems(config)
     if found:
@@ -577,7 +685,19 @@ def _ignored(config: RunConfig) -> list[str]:
 
 
 def preset_of(config: RunConfig):
-    """The built-in model the config names (`models.Preset`): `--init-from`'s or `--model`'s."""
+    """The built-in model the config names (`models.Preset`): `--init-from`'s or `--model`'s.
+
+    Args:
+      config: the run's config; its `--moe-capacity-factor` / `--moe-dispatch-factor` are set
+        in the preset's config.
+
+    Returns:
+      The `models.Preset`.
+
+    Raises:
+      ValueError: an unknown model or a Hugging Face directory of another architecture; a
+        routing factor that is not > 0, or given for a model without mixture-of-experts layers.
+    """
     from .. import models
 
     preset = models.pretrained(config.model.init_from) if config.model.init_from else \
@@ -598,9 +718,19 @@ def preset_of(config: RunConfig):
 def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | None = None,
                   rows: int | None = None, num_devices: int | None = None,
                   platform: str | None = None) -> list[str]:
-    """What stops this config's step from running on `grid` over `num_devices` devices of
-    `platform` (each when given): `num_layers` of the model, `rows` of the local batch (default:
-    the config's batch)."""
+    """What stops this config's step from running on `grid`, one line each.
+
+    Args:
+      config: the run's config.
+      grid: the grid.
+      num_layers: the model's layers (None: unchecked).
+      rows: the rows of the local batch (default: the config's batch).
+      num_devices: the devices the grid must fit (None: unchecked).
+      platform: the devices' platform, e.g. `cpu` or `gpu` (None: unchecked).
+
+    Returns:
+      The problems (empty when none).
+    """
     from ..config import check_grid
     from ..step.train_step import option_problems
 
@@ -635,8 +765,16 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
 
 def model_problems(config: RunConfig, grid: ParallelConfig | None,
                    platform: str | None = None) -> list[str]:
-    """What stops the built-in model the config names from running (on `grid` and `platform`,
-    where given)."""
+    """What stops the built-in model the config names from running, one line each.
+
+    Args:
+      config: the run's config.
+      grid: the grid (None: the checks that need none).
+      platform: the devices' platform (None: unchecked).
+
+    Returns:
+      The problems (empty when none).
+    """
     from ..models import attention
     from ..offload.precision import DTYPES
 
@@ -672,9 +810,21 @@ def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
              num_layers: int | None = None, rows: int | None = None,
              num_devices: int | None = None, platform: str | None = None,
              builtin_model: bool = True) -> list[str]:
-    """Every problem of `config` on `grid` (None: the checks that need no grid) over
-    `num_devices` devices of `platform` (None: unchecked), one line each. builtin_model: the
-    config's model is the one trained (not a caller's `StackedModel`)."""
+    """Every problem of `config`, one line each.
+
+    Args:
+      config: the run's config.
+      grid: the grid (None: the checks that need no grid).
+      num_layers: the model's layers (None: the built-in model's, when it is trained).
+      rows: the rows of the local batch (default: the config's batch).
+      num_devices: the devices (None: unchecked).
+      platform: the devices' platform (None: unchecked).
+      builtin_model: the config's model is the one trained (not a caller's `StackedModel`).
+
+    Returns:
+      The problems (empty when none). Values wrong whatever the grid come alone, then the
+      built-in model's problems alone: the later checks assume sane values.
+    """
     found = _field_problems(config) + _ignored(config)
     if found:
         return found  # the rest assumes sane values
@@ -691,7 +841,16 @@ def problems(config: RunConfig, grid: ParallelConfig | None = None, *,
 
 
 def check(config: RunConfig, grid: ParallelConfig | None = None, **kwargs) -> None:
-    """Raise ConfigError with every problem of `problems(config, grid, **kwargs)`."""
+    """Raise ConfigError with every problem of `problems(config, grid, **kwargs)`.
+
+    Args:
+      config: the run's config.
+      grid: the grid (None: the checks that need no grid).
+      **kwargs: `problems`' keyword arguments.
+
+    Raises:
+      ConfigError: the problems, duplicates dropped.
+    """
     found = problems(config, grid, **kwargs)
     if found:
         raise ConfigError(list(dict.fromkeys(found)))
@@ -702,8 +861,20 @@ def check(config: RunConfig, grid: ParallelConfig | None = None, **kwargs) -> No
 
 
 def resolve_grid(config: RunConfig, num_devices: int) -> ParallelConfig:
-    """The grid of `config` on `num_devices` devices: `data` fills what the other axes leave
-    (under `--transport mpi` the pipeline stages are processes, not this process's devices)."""
+    """The grid of `config` on `num_devices` devices: `data` fills what the other axes leave.
+
+    Under `--transport mpi` the pipeline stages are processes, not this process's devices.
+
+    Args:
+      config: the run's config.
+      num_devices: the devices.
+
+    Returns:
+      The `ParallelConfig`.
+
+    Raises:
+      ConfigError: `data` is unset and the other axes do not divide the devices.
+    """
     g = config.grid
     inner = 1
     for axis in AXES[1:]:
@@ -721,8 +892,17 @@ def resolve_grid(config: RunConfig, num_devices: int) -> ParallelConfig:
 
 def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None = None,
               remat: str | None = None) -> RunConfig:
-    """`config` with its grid set to `grid` (and the planner off), e.g. the grid that ran, and
-    the microbatches and remat mode given (None: the config's)."""
+    """`config` with its grid set to `grid` (and the planner off), e.g. the grid that ran.
+
+    Args:
+      config: the run's config.
+      grid: the grid.
+      microbatches: the microbatches (None: the config's).
+      remat: the remat mode (None: the config's).
+
+    Returns:
+      The new config.
+    """
     values: dict[str, Any] = {f"grid.{a}": getattr(grid, a) for a in AXES}
     values["grid.auto"] = False
     if microbatches is not None:
@@ -733,8 +913,16 @@ def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None 
 
 
 def make_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable]:
-    """AdamW with linear warm-up and cosine decay to a tenth of the peak (clipping is the
-    step's), and the learning-rate schedule `step -> lr`."""
+    """AdamW with linear warm-up and cosine decay to a tenth of the peak, and its schedule.
+
+    Gradient clipping is the step's, not the optimizer's.
+
+    Args:
+      config: the run's config (`optimizer`, `run.steps`, `warmup`).
+
+    Returns:
+      `(optimizer, lr_schedule)`: the optax transformation and the schedule `step -> lr`.
+    """
     o = config.optimizer
     steps, warmup = config.run.steps, config.warmup
     lr_schedule = optax.warmup_cosine_decay_schedule(
@@ -745,7 +933,15 @@ def make_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Cal
 
 
 def step_options(config: RunConfig) -> dict:
-    """The `make_train_step` options of the config."""
+    """The `make_train_step` options of the config.
+
+    Args:
+      config: the run's config.
+
+    Returns:
+      The keyword arguments of `step.train_step.make_train_step` (pipeline, memory,
+      compression, precision, clipping, XLA options and collective matmul).
+    """
     p, m, c = config.pipeline, config.memory, config.compression
     return dict(microbatches=p.microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
                 offload_optimizer=m.offload_optimizer, remat=m.remat,

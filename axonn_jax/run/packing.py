@@ -30,10 +30,20 @@ IGNORE = -1
 def pack_row(doc_at: Callable, position: tuple[int, int], row_len: int, split_long: bool):
     """One row of packed documents and the position after it.
 
-    doc_at(j): the j-th document of the stream (`sources.Tokens`: ids ending with EOS, `where`),
-    None past its end. position: (j, offset): the next document and how many of its tokens earlier
-    rows took (a split document). Returns `(tokens, segment_ids, positions)`, each `(row_len,)`
-    int32 (padding: token 0, segment 0, position 0), and the next position.
+    Args:
+      doc_at: `doc_at(j)`: the j-th document of the stream (`sources.Tokens`: ids ending with
+        EOS, `where`), None past its end.
+      position: `(j, offset)`: the next document and how many of its tokens earlier rows took
+        (a split document).
+      row_len: tokens per row (`seq_len + 1`).
+      split_long: cut documents longer than a row into pieces (else refuse them).
+
+    Returns:
+      `((tokens, segment_ids, positions), next position)`, each array `(row_len,)` int32
+      (padding: token 0, segment 0, position 0).
+
+    Raises:
+      ValueError: a document longer than a row, without `split_long`.
     """
     tokens, segments, positions = (np.zeros(row_len, np.int32) for _ in range(3))
     j, offset = position
@@ -61,9 +71,17 @@ def pack_row(doc_at: Callable, position: tuple[int, int], row_len: int, split_lo
 
 
 def lm_batch(tokens: np.ndarray, segments: np.ndarray, positions: np.ndarray) -> dict:
-    """The language-model batch of packed rows `(n, seq_len + 1)`: `{'inputs', 'targets',
-    'segment_ids', 'positions'}`, each `(n, seq_len)` int32, targets `IGNORE` where the next token
-    is another segment's or padding."""
+    """The language-model batch of packed rows.
+
+    Args:
+      tokens: the rows' tokens, `(n, seq_len + 1)` int32.
+      segments: their segment ids, `(n, seq_len + 1)` (0: padding).
+      positions: their positions in their segments, `(n, seq_len + 1)`.
+
+    Returns:
+      `{'inputs', 'targets', 'segment_ids', 'positions'}`, each `(n, seq_len)` int32, targets
+      `IGNORE` where the next token is another segment's or padding.
+    """
     same = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0)
     return {"inputs": tokens[:, :-1], "targets": np.where(same, tokens[:, 1:], IGNORE).astype(np.int32),
             "segment_ids": segments[:, :-1], "positions": positions[:, :-1]}

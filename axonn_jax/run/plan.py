@@ -10,8 +10,16 @@ from .options import ConfigError, RunConfig, preset_of, resolve_grid
 
 
 def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
-    """The step the config trains, as the planner counts it compiled for `platform` (`gpu`,
-    `cpu`: `cm.Workload.platform`)."""
+    """The step the config trains, as the planner counts it.
+
+    Args:
+      config: the run's config (a built-in model).
+      platform: the platform it is compiled for, `gpu` or `cpu` (`cm.Workload.platform`).
+
+    Returns:
+      The `cm.Workload` of the config's model, batch, precision, pipeline, compression, memory
+      and grid options.
+    """
     model = preset_of(config).config
     if hasattr(model, "attention"):  # which attention core runs decides what it keeps
         model = dataclasses.replace(model, attention=config.model.attention)
@@ -37,25 +45,50 @@ def _modelled_remat(remat: str) -> str:
 
 
 def machine_for_backend() -> cm.Machine:
-    """The machine preset of the running backend: simulated CPU devices, or H100 nodes of 8."""
+    """The machine preset of the running backend: simulated CPU devices, or H100 nodes of 8.
+
+    Returns:
+      `cm.MACHINES["cpu"]` on the CPU backend, else `cm.MACHINES["h100-dgx"]`.
+    """
     import jax
 
     return cm.MACHINES["cpu" if jax.default_backend() == "cpu" else "h100-dgx"]
 
 
 def given_grid(config: RunConfig) -> bool:
-    """The config names a grid (any axis given), as opposed to asking the planner for one."""
+    """The config names a grid (any axis given), as opposed to asking the planner for one.
+
+    Args:
+      config: the run's config.
+
+    Returns:
+      True when any `grid.<axis>` option was given.
+    """
     return any(f"grid.{a}" in config.given for a in AXES)
 
 
 def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
            grid: ParallelConfig | None = None, expert_imbalance: float = 1.0
            ) -> list[cm.Prediction]:
-    """The planner's predictions of the grids of `num_devices` devices that fit, fastest first
-    (only `grid` when given). Microbatches and the remat mode: the config's when it sets them (a
-    mode the planner models), else the planner's choice for each grid. `expert_imbalance`:
-    `cm.Workload.expert_imbalance`. CGX's `--compress-scope inter-node` counts nodes of the
-    machine's devices unless `--compress-node-size` says otherwise."""
+    """The planner's predictions of the grids of `num_devices` devices that fit, fastest first.
+
+    Microbatches and the remat mode: the config's when it sets them (a mode the planner models),
+    else the planner's choice for each grid. CGX's `--compress-scope inter-node` counts nodes of
+    the machine's devices unless `--compress-node-size` says otherwise.
+
+    Args:
+      config: the run's config (a built-in model).
+      num_devices: the devices the grids span.
+      machine: the machine the planner models.
+      grid: predict only this grid (None: every grid that fits).
+      expert_imbalance: `cm.Workload.expert_imbalance`, at least 1.
+
+    Returns:
+      A list of `cm.Prediction`, fastest first.
+
+    Raises:
+      ConfigError: `expert_imbalance` is below 1.
+    """
     if not expert_imbalance >= 1:
         raise ConfigError([f"--expert-imbalance {expert_imbalance} must be ≥ 1 (the busiest "
                            "expert shard's tokens over the mean)"])
@@ -71,9 +104,21 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
 
 
 def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int, str]:
-    """The planner's fastest grid for the config on `num_devices` devices of this backend, among
-    the grids the trainer runs. Returns (grid, microbatches, remat mode): the config's `--remat
-    auto` stays (it plans per block once the grid is known)."""
+    """The planner's fastest grid for the config on `num_devices` devices of this backend.
+
+    Only the grids the trainer runs count: with `--remat auto` (a per-layer plan) no pipeline.
+
+    Args:
+      config: the run's config (a built-in model).
+      num_devices: the devices the grid spans.
+
+    Returns:
+      `(grid, microbatches, remat mode)`; the config's `--remat auto` stays (it plans per block
+      once the grid is known).
+
+    Raises:
+      ConfigError: no grid of `num_devices` devices runs the model with the batch size.
+    """
     auto = config.memory.remat == "auto"
     for p in ranked(config, num_devices, machine_for_backend()):
         # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
@@ -84,8 +129,20 @@ def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int,
 
 
 def planned_grid(config: RunConfig, text: str | None = None) -> ParallelConfig | None:
-    """The one grid `plan` is asked about: `--grid data=..,row=..` (text), or the grid flags of
-    the config (data filling the devices); None: rank them all."""
+    """The one grid `plan` is asked about, or None to rank them all.
+
+    Args:
+      config: the run's config; `grid.devices` is the device count.
+      text: `--grid data=..,row=..`; None or empty: the grid flags of the config (data filling
+        the devices), when it gives any and not `--auto-grid`.
+
+    Returns:
+      The grid, validated against the devices, or None when neither names one.
+
+    Raises:
+      ValueError: the grid does not fit the devices.
+      ConfigError: the grid cannot run the model.
+    """
     devices = config.grid.devices
     if text:
         grid = ParallelConfig.parse(text)
@@ -100,7 +157,14 @@ def planned_grid(config: RunConfig, text: str | None = None) -> ParallelConfig |
 
 
 def grid_text(grid: ParallelConfig) -> str:
-    """`data=2,context=4,row=4`: the axes of more than one device."""
+    """`data=2,context=4,row=4`: the axes of more than one device.
+
+    Args:
+      grid: a grid.
+
+    Returns:
+      `axis=size` of each axis of more than one device, joined by commas (`data=1` for none).
+    """
     return _grid_text(grid)
 
 
@@ -109,5 +173,13 @@ def _grid_text(grid: ParallelConfig) -> str:
 
 
 def machine_of(name: str, **overrides) -> cm.Machine:
-    """The machine preset `name` with the fields given (None: the preset's)."""
+    """The machine preset `name` with the fields given.
+
+    Args:
+      name: a key of `cm.MACHINES`.
+      **overrides: `cm.Machine` fields; None (or another false value) keeps the preset's.
+
+    Returns:
+      The `cm.Machine`.
+    """
     return dataclasses.replace(cm.MACHINES[name], **{k: v for k, v in overrides.items() if v})

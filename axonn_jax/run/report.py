@@ -22,7 +22,14 @@ MiB = 2**20
 
 
 def pyplot():
-    """`matplotlib.pyplot` on the Agg backend; a one-line error when matplotlib is missing."""
+    """`matplotlib.pyplot` on the Agg backend.
+
+    Returns:
+      The `matplotlib.pyplot` module.
+
+    Raises:
+      ValueError: (one line) matplotlib is missing.
+    """
     try:
         import matplotlib
     except ImportError:
@@ -44,6 +51,18 @@ class Run:
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "Run":
+        """The run in a run directory; a cut-off last line of `metrics.jsonl` is skipped.
+
+        Args:
+          path: the run directory.
+
+        Returns:
+          The `Run`, named by the directory.
+
+        Raises:
+          FileNotFoundError: the directory has no `metrics.jsonl`.
+          ValueError: a line other than the last is not JSON, or it holds no steps yet.
+        """
         from . import config as config_lib
 
         path = pathlib.Path(path)
@@ -64,7 +83,14 @@ class Run:
         return cls(path.resolve().name, path, config, records)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of the records that hold `key`."""
+        """(steps, values) of the records that hold `key`.
+
+        Args:
+          key: a metric's name in `metrics.jsonl`.
+
+        Returns:
+          `(steps, values)`, two lists of the records where `key` is not None.
+        """
         rows = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
         return [s for s, _ in rows], [v for _, v in rows]
 
@@ -74,7 +100,11 @@ class Run:
         return "tokens" if any("tokens_per_s" in r for r in self.records) else "examples"
 
     def per_step(self) -> float:
-        """Tokens (or examples) per step: throughput × step time of the first record."""
+        """Tokens (or examples) per step: throughput × step time of the first record.
+
+        Returns:
+          The count, rounded.
+        """
         r = self.records[0]
         return round(r[f"{self.unit}_per_s"] * r["step_time_s"])
 
@@ -130,8 +160,16 @@ def _curves(plt, runs: list[Run], path: pathlib.Path, title: str, ylabel: str,
 
 
 def plot_runs(runs: list[Run], out: pathlib.Path) -> list[pathlib.Path]:
-    """The PNGs of `runs` (overlaid) in `out`: loss against steps and against data seen,
-    throughput, memory and gradient norm (those the records hold)."""
+    """Draw the PNGs of `runs`, overlaid, in `out`.
+
+    Args:
+      runs: the runs (the first one's unit, tokens or examples, labels the axes).
+      out: the directory (created).
+
+    Returns:
+      The files written: loss against steps and against data seen, throughput, memory and
+      gradient norm (those the records hold).
+    """
     plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     unit = runs[0].unit
@@ -155,8 +193,16 @@ def _grid(config) -> str:
 
 
 def summary(runs: list[Run], images: list[pathlib.Path]) -> str:
-    """A markdown table of the runs (last losses, median throughput and step time, memory) and
-    the images."""
+    """A markdown table of the runs and the images.
+
+    Args:
+      runs: the runs.
+      images: the PNGs to show below the table (named relative to the markdown file).
+
+    Returns:
+      The markdown: a row per run (model, grid, last losses, median throughput and step time,
+      peak memory, parameters), then the images.
+    """
     lines = ["# Runs", "", f"| run | model | grid ({'×'.join(AXES)}) | steps | loss | val_loss | "
              f"median {runs[0].unit}/s | median step ms | peak MiB/device | parameters |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -178,8 +224,16 @@ def summary(runs: list[Run], images: list[pathlib.Path]) -> str:
 
 
 def report(run_dirs: list[str], out: str | None = None) -> tuple[pathlib.Path, list[pathlib.Path]]:
-    """Plots and `report.md` of the runs in `out` (default: `RUN_DIR/plots` for one run; for
-    several, `report-<time>` beside the first). Returns (markdown file, PNGs)."""
+    """Write the plots and `report.md` of the runs.
+
+    Args:
+      run_dirs: the run directories.
+      out: where they go (default: `RUN_DIR/plots` for one run; for several, `report-<time>`
+        beside the first).
+
+    Returns:
+      `(markdown file, PNGs)`.
+    """
     runs = [Run.load(d) for d in run_dirs]
     if out is None:
         first = pathlib.Path(run_dirs[0])
@@ -214,9 +268,21 @@ def _stacked_bars(ax, y, parts) -> None:
 
 def plot_plan(predictions, device_memory: float, title: str, path: str | pathlib.Path,
               ) -> pathlib.Path:
-    """The planner's ranked grids (`analysis.comm_model.Prediction`s, best first): predicted step
-    time split into compute, exposed communication by mesh axis and pipeline bubble; memory per
-    device by component against the device's capacity (`device_memory` bytes)."""
+    """Draw the planner's ranked grids as a PNG.
+
+    One bar chart shows the predicted step time split into compute, exposed communication by
+    mesh axis and pipeline bubble; the other, memory per device by component against the
+    device's capacity.
+
+    Args:
+      predictions: `analysis.comm_model.Prediction`s, best first.
+      device_memory: the device's capacity in bytes.
+      title: the figure's title.
+      path: the PNG (its directory is created).
+
+    Returns:
+      The PNG's path.
+    """
     plt = pyplot()
     n = len(predictions)
     labels = [f"{i}. {'×'.join(map(str, p.grid.shape))}" + (f" M={p.microbatches}" if

@@ -38,8 +38,17 @@ ENV_ROOT = "AXONN_RUNS"
 
 
 def default_run_dir(name: str, root: str | pathlib.Path | None = None, now=None) -> pathlib.Path:
-    """`root/<name>-<YYYYmmdd-HHMMSS>` (root: `$AXONN_RUNS` or `runs`), with `-2`, `-3`, ...
-    appended when that is taken."""
+    """A fresh run directory's path, `root/<name>-<YYYYmmdd-HHMMSS>`, not yet created.
+
+    Args:
+      name: the run's name (e.g. the model's; characters other than letters, digits, `_.-`
+        become `_`).
+      root: where it goes (None: `$AXONN_RUNS`, else `runs`).
+      now: the time it is named by (None: now).
+
+    Returns:
+      The path, with `-2`, `-3`, ... appended when it is taken.
+    """
     root = root or os.environ.get(ENV_ROOT) or "runs"
     now = now or datetime.datetime.now()
     stem = f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{now:%Y%m%d-%H%M%S}"
@@ -51,9 +60,19 @@ def default_run_dir(name: str, root: str | pathlib.Path | None = None, now=None)
 
 
 def agree(text: str, transport: str = "xla") -> str:
-    """Process 0's `text` on every process of the job (a default run directory chosen by the
-    clock must be one directory): broadcast over MPI under `--transport mpi`, over JAX's
-    distributed runtime when it spans several processes, else `text` itself."""
+    """Process 0's `text` on every process of the job; a collective.
+
+    A default run directory chosen by the clock must be one directory. The text is broadcast
+    over MPI under `--transport mpi`, over JAX's distributed runtime when it spans several
+    processes (its first 1024 UTF-8 bytes).
+
+    Args:
+      text: this process's text.
+      transport: the run's `--transport`, `xla` or `mpi`.
+
+    Returns:
+      Process 0's text (`text` itself in a single process).
+    """
     if transport == "mpi":
         from ..transport.mpi import world
 
@@ -73,9 +92,15 @@ def agree(text: str, transport: str = "xla") -> str:
 
 
 def with_run_dir(config):
-    """`config` (a `run.options.RunConfig`) with the outputs it leaves unset placed in its
-    `run_dir`: metrics file, HLO dump and, when it checkpoints, stops at `stop_at` or resumes,
-    checkpoint directory. Unchanged without a `run_dir`."""
+    """`config` with the outputs it leaves unset placed in its `run_dir`.
+
+    Args:
+      config: a `run.options.RunConfig`.
+
+    Returns:
+      The config with its metrics file, HLO dump and, when it checkpoints, stops at `stop_at` or
+      resumes, checkpoint directory in the run directory; unchanged without a `run_dir`.
+    """
     r, c = config.run, config.checkpoint
     if not r.run_dir:
         return config
@@ -91,11 +116,16 @@ _ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 
 
 class Tee:
-    """A text stream writing to the `sys.stdout` of its creation (a live progress display that
-    later redirects `sys.stdout` into its console must not loop back) and to a log file. The log
-    gets plain complete lines:
-    terminal escape codes removed, and of a line redrawn with carriage returns only its last state
-    (a live progress bar appears once, as it ended)."""
+    """A text stream writing to the `sys.stdout` of its creation and to a log file.
+
+    The `sys.stdout` is the one of its creation: a live progress display that later redirects
+    `sys.stdout` into its console must not loop back. The log gets plain complete lines: terminal
+    escape codes removed, and of a line redrawn with carriage returns only its last state (a live
+    progress bar appears once, as it ended).
+
+    Args:
+      log_path: the log file (appended to).
+    """
 
     def __init__(self, log_path: str | pathlib.Path):
         self.out = sys.stdout
@@ -103,6 +133,14 @@ class Tee:
         self.pending = ""
 
     def write(self, text: str) -> int:
+        """Write `text` to the stream, and its complete lines, made plain, to the log.
+
+        Args:
+          text: any text.
+
+        Returns:
+          The characters written, `len(text)`.
+        """
         self.out.write(text)
         self.pending += _ESCAPE.sub("", text)
         *lines, self.pending = self.pending.split("\n")
@@ -112,25 +150,42 @@ class Tee:
         return len(text)
 
     def flush(self) -> None:
+        """Flush the stream and the log."""
         self.out.flush()
         self.log.flush()
 
     def isatty(self) -> bool:
+        """Whether the stream is a terminal.
+
+        Returns:
+          The stream's `isatty()`.
+        """
         return self.out.isatty()
 
     def fileno(self) -> int:
+        """The stream's file descriptor.
+
+        Returns:
+          The stream's `fileno()`.
+        """
         return self.out.fileno()
 
     @property
     def encoding(self) -> str:
+        """The stream's encoding (default `utf-8`)."""
         return getattr(self.out, "encoding", "utf-8")
 
     def log_only(self, text: str) -> None:
-        """Write `text` to the log alone (e.g. a traceback the terminal shows in its own way)."""
+        """Write `text` to the log alone (e.g. a traceback the terminal shows in its own way).
+
+        Args:
+          text: the text; a newline is added when it lacks one.
+        """
         self.log.write(text if text.endswith("\n") else text + "\n")
         self.log.flush()
 
     def close(self) -> None:
+        """Write an unfinished last line to the log and close the log (not the stream)."""
         if self.pending.strip():
             self.log.write(self.pending.rsplit("\r", 1)[-1] + "\n")
         self.log.close()

@@ -40,9 +40,18 @@ SOURCE_KEYS = ("path", "weight", "text_field", "ids_field")
 
 
 def source_fields(spec) -> dict:
-    """The fields of one data source given as a mapping (`{path, weight, text_field | ids_field}`,
-    YAML's form): `spec` itself, or ValueError (one line) without a string `path` or with a key
-    not in `SOURCE_KEYS`."""
+    """The fields of one data source given as a mapping, checked.
+
+    Args:
+      spec: `{path, weight, text_field | ids_field}` (YAML's form).
+
+    Returns:
+      `spec` itself.
+
+    Raises:
+      ValueError: (one line) `spec` is not a mapping with a string `path`, or has a key not in
+        `SOURCE_KEYS`.
+    """
     if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
         raise ValueError(f"a data source is PATH[:WEIGHT] or {{path, weight, text_field | "
                          f"ids_field}}, got {spec!r}")
@@ -68,8 +77,13 @@ PARQUET_GROUPS_CACHED = 4
 
 
 class Document(NamedTuple):
-    """A document as its file holds it: `text` (str) or `ids` (1-D integers), and `where` it is
-    (`file:line`, `file row N`, ...) for error messages."""
+    """A document as its file holds it: its text or ids, and where it is.
+
+    Attributes:
+      where: `file:line`, `file row N`, ... for error messages.
+      text: the text (str), or None.
+      ids: the token ids (1-D integers), or None.
+    """
 
     where: str
     text: str | None = None
@@ -77,8 +91,12 @@ class Document(NamedTuple):
 
 
 class Tokens(NamedTuple):
-    """A tokenized document: `ids` int32 ending with the end-of-document id (empty for an empty
-    document), and `where` it comes from."""
+    """A tokenized document and where it comes from.
+
+    Attributes:
+      ids: int32 ids ending with the end-of-document id (empty for an empty document).
+      where: where the document comes from.
+    """
 
     ids: np.ndarray
     where: str
@@ -93,10 +111,22 @@ class Field:
 
     @property
     def name(self) -> str:
+        """The field's name: `ids`, else `text`, else `DEFAULT_TEXT_FIELD`."""
         return self.ids if self.ids is not None else self.text or DEFAULT_TEXT_FIELD
 
     def document(self, value: Any, where: str) -> Document:
-        """The document of a field's `value` (a string, or a list / array of ids)."""
+        """The document of a field's value.
+
+        Args:
+          value: a string, or a list / array of ids (None: no ids).
+          where: where the value is, for errors.
+
+        Returns:
+          The `Document`.
+
+        Raises:
+          ValueError: a text field that is not a string, or an ids field that is not 1-D ids.
+        """
         if self.ids is None:
             if not isinstance(value, str):
                 raise ValueError(f"{where}: field {self.name!r} is {type(value).__name__}, not a "
@@ -108,7 +138,18 @@ class Field:
         return Document(where, ids=ids)
 
     def from_json(self, raw: bytes, where: str) -> Document:
-        """The document of a JSON object's bytes (blank: an empty document)."""
+        """The document of a JSON object's bytes.
+
+        Args:
+          raw: the bytes of one JSON object (blank: an empty document).
+          where: where they are, for errors.
+
+        Returns:
+          The `Document` of the object's field.
+
+        Raises:
+          ValueError: malformed JSON, not an object, or no such field.
+        """
         if not raw.strip():
             return Document(where, text="") if self.ids is None else Document(where, ids=np.zeros(0))
         try:
@@ -126,8 +167,11 @@ class Field:
 # ----------------------------------------------------------------------------- indexes
 
 def cache_dir() -> pathlib.Path:
-    """Where indexes are cached: `$AXONN_JAX_CACHE`, else `$XDG_CACHE_HOME/axonn_jax` (default
-    `~/.cache/axonn_jax`)."""
+    """Where indexes are cached.
+
+    Returns:
+      `$AXONN_JAX_CACHE`, else `$XDG_CACHE_HOME/axonn_jax` (default `~/.cache/axonn_jax`).
+    """
     root = os.environ.get("AXONN_JAX_CACHE")
     if root:
         return pathlib.Path(root)
@@ -142,9 +186,20 @@ def _scan(array: np.ndarray, value: int) -> np.ndarray:
 
 
 def cached_index(path: pathlib.Path, kind: str, build) -> np.ndarray:
-    """`build()` (an int64 array), cached as a `.npy` file named by the file's resolved path, size
-    and modification time and `kind` (a changed file builds again), memory-mapped when read back.
-    Where the cache cannot be written, the array is kept in memory."""
+    """`build()`, cached as a `.npy` file under `cache_dir()`.
+
+    The cache file is named by the file's resolved path, size and modification time and `kind`
+    (a changed file builds again); a damaged one is built again.
+
+    Args:
+      path: the data file the index is of.
+      kind: what the index is (e.g. `newlines`, `eos0`).
+      build: makes the index, an int64 array.
+
+    Returns:
+      The index, memory-mapped when read back; where the cache cannot be written, the array
+      kept in memory.
+    """
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{kind}".encode())
     cache = cache_dir() / "index" / f"{path.name}.{key.hexdigest()[:20]}.npy"
@@ -284,8 +339,11 @@ class TextFiles:
 
 
 class TokenFile(_Lazy):
-    """The documents of a token file (`data.load_tokens`'s formats): the ids between
-    end-of-document ids (which the file holds; a last document without one gets it)."""
+    """The documents of a token file: the ids between end-of-document ids.
+
+    The file is one of `data.load_tokens`'s formats and holds the end-of-document ids; a last
+    document without one gets it (`DocumentTokenizer` appends it to every document).
+    """
 
     _handles = ("_tokens",)
 
@@ -329,7 +387,14 @@ class Concat:
 # ----------------------------------------------------------------------------- opening a source
 
 def file_format(path: pathlib.Path) -> str | None:
-    """The format of a file by its name (None: not a data file)."""
+    """The format of a file by its name.
+
+    Args:
+      path: a file.
+
+    Returns:
+      One of `FORMATS`, or None: not a data file.
+    """
     name = path.name.lower()
     if name.endswith((".jsonl", ".ndjson")):
         return "jsonl"
@@ -345,8 +410,20 @@ def file_format(path: pathlib.Path) -> str | None:
 
 
 def source_files(path: str) -> tuple[str, list[pathlib.Path]]:
-    """(format, files) of a source path: a file, a directory (its data files, recursively, in
-    sorted order) or a glob pattern; all files of one source share one format."""
+    """The format and the files of a source path; all files of one source share one format.
+
+    Args:
+      path: a file, a directory (its data files, recursively, in sorted order) or a glob
+        pattern.
+
+    Returns:
+      `(format, files)`.
+
+    Raises:
+      FileNotFoundError: the path does not exist or the glob matches no file.
+      ValueError: a directory without data files, a file that is not a data file, or files of
+        several formats.
+    """
     if any(c in path for c in "*?["):
         files = sorted(pathlib.Path(p) for p in glob.glob(path, recursive=True))
         files = [f for f in files if f.is_file()]
@@ -373,8 +450,23 @@ def source_files(path: str) -> tuple[str, list[pathlib.Path]]:
 
 
 def open_source(path: str, field: Field, eos_id: int):
-    """A reader of all documents of a source path (see `source_files`), checked: every file opens
-    and its first document has the field."""
+    """A reader of all documents of a source path, checked.
+
+    Every file opens and its first document has the field.
+
+    Args:
+      path: the source path (see `source_files`).
+      field: the field of JSONL, Parquet and ArrayRecord records.
+      eos_id: the end-of-document id that splits token files.
+
+    Returns:
+      A random-access reader (`len(reader)`, `reader[i] -> Document`).
+
+    Raises:
+      FileNotFoundError: as `source_files`.
+      ValueError: a file does not open, a first document lacks the field, or the source holds
+        no documents.
+    """
     kind, files = source_files(path)
     if kind == "text":
         return TextFiles(files)
@@ -408,7 +500,18 @@ def _tokenizer_eos(path: pathlib.Path, tokenizer) -> int | None:
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The Hugging Face tokenizer of a `tokenizer.json` (the `tokenizers` library)."""
+    """The Hugging Face tokenizer of a `tokenizer.json` (the `tokenizers` library).
+
+    Args:
+      path: the `tokenizer.json`.
+
+    Returns:
+      The `tokenizers.Tokenizer`.
+
+    Raises:
+      ImportError: `tokenizers` is not installed.
+      ValueError: the file is missing or broken.
+    """
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
@@ -422,8 +525,19 @@ def load_tokenizer(path: str | os.PathLike):
 
 def resolve_eos(tokenizer: str | os.PathLike | None, eos_id: int | None,
                 vocab_size: int | None) -> int:
-    """The end-of-document id: `eos_id` when given, else the tokenizer's (see `_tokenizer_eos`),
-    else `BYTE_EOS` for byte-level tokens; checked to be in [0, vocab_size)."""
+    """The end-of-document id, checked to be in [0, vocab_size).
+
+    Args:
+      tokenizer: a `tokenizer.json`, or None for byte-level tokens.
+      eos_id: the id when given; else the tokenizer's (see `_tokenizer_eos`), else `BYTE_EOS`.
+      vocab_size: the model's vocabulary (None: not checked above).
+
+    Returns:
+      The id.
+
+    Raises:
+      ValueError: the tokenizer names no end-of-document token, or the id is out of range.
+    """
     if eos_id is None and tokenizer is not None:
         eos_id = _tokenizer_eos(pathlib.Path(tokenizer), load_tokenizer(tokenizer))
         if eos_id is None:
@@ -436,10 +550,12 @@ def resolve_eos(tokenizer: str | os.PathLike | None, eos_id: int | None,
 
 
 class DocumentTokenizer:
-    """`Document -> Tokens`: the text tokenized (a `tokenizer.json`, else one token per UTF-8
-    byte) or the given ids, then the end-of-document id; every id checked to be in
-    [0, vocab_size). An empty document stays empty. Picklable: the tokenizer loads lazily in each
-    process (Grain's workers tokenize)."""
+    """`Document -> Tokens`: the tokenized text or the given ids, then the end-of-document id.
+
+    The text is tokenized by a `tokenizer.json`, else one token per UTF-8 byte; every id is
+    checked to be in [0, vocab_size). An empty document stays empty. Picklable: the tokenizer
+    loads lazily in each process (Grain's workers tokenize).
+    """
 
     def __init__(self, tokenizer: str | os.PathLike | None, eos_id: int, vocab_size: int | None):
         self.path = None if tokenizer is None else str(tokenizer)

@@ -29,11 +29,15 @@ class Diverged(RuntimeError):
 
 
 class StopRequest:
-    """Catches `SIGNALS` while it is entered (`with StopRequest(agree):`; only in the main thread,
-    elsewhere it catches nothing) and says at a step boundary whether the run stops there.
+    """Catches `SIGNALS` while entered; says at a step boundary whether the run stops there.
 
-    agree: `int -> int`, the number of the signal this process received (0: none) to the largest
-    over the job's processes (the same answer on every process; identity for one process).
+    Enter it with `with StopRequest(agree):`; it catches signals only in the main thread
+    (elsewhere nothing). A second Ctrl-C raises KeyboardInterrupt at once.
+
+    Args:
+      agree: `int -> int`, the number of the signal this process received (0: none) to the
+        largest over the job's processes (the same answer on every process; identity for one
+        process).
     """
 
     def __init__(self, agree: Callable[[int], int] = int):
@@ -57,16 +61,27 @@ class StopRequest:
         self.received = signal.Signals(signum)
 
     def agreed(self) -> str | None:
-        """The name of the signal that stops the job at this step boundary, the same on every
-        process, or None (collective: every process calls it at every boundary)."""
+        """The name of the signal that stops the job at this step boundary, or None.
+
+        A collective: every process calls it at every boundary, and gets the same answer.
+
+        Returns:
+          The signal's name (e.g. `SIGTERM`), or None to go on.
+        """
         signum = int(self.agree(int(self.received or 0)))
         return signal.Signals(signum).name if signum else None
 
 
 def process_agreement(transport: str) -> Callable[[int], int]:
-    """`int -> int`: the largest of the processes' numbers on every process, over MPI
-    (`--transport mpi`) or JAX's distributed runtime (several JAX processes); identity in a single
-    process."""
+    """`int -> int`: the largest of the processes' numbers, on every process.
+
+    Args:
+      transport: the run's `--transport`: `mpi` agrees over MPI, `xla` over JAX's distributed
+        runtime (several JAX processes).
+
+    Returns:
+      The agreement function (`int`, the identity, in a single JAX process).
+    """
     if transport == "mpi":
         from mpi4py import MPI
 
@@ -85,7 +100,14 @@ def process_agreement(transport: str) -> Callable[[int], int]:
 
 
 def exit_code(signal_name: str | None) -> int:
-    """The command line's exit code for a run that stopped on `signal_name` (None: finished)."""
+    """The command line's exit code for a run that stopped on `signal_name`.
+
+    Args:
+      signal_name: the signal's name, or None for a run that finished.
+
+    Returns:
+      0 when finished, `EXIT_INTERRUPTED` after SIGINT, else `EXIT_PREEMPTED`.
+    """
     if signal_name is None:
         return 0
     return EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_PREEMPTED

@@ -31,8 +31,15 @@ from .options import RunConfig, make_optimizer, step_options
 class Trainer:
     """A run's train step and what the loop needs around it.
 
-    example_batch: ShapeDtypeStructs of one global batch; `preset`: the built-in model the options
-    name (None for a caller's model); `is_main`: this process reports (metrics, progress).
+    Attributes:
+      options: the run's config, its grid resolved.
+      model: the model the step trains.
+      step: the train step (`step.train_step.TrainStep`).
+      lr_schedule: the learning rate of a step number.
+      example_batch: ShapeDtypeStructs of one global batch.
+      preset: the built-in model the options name (None for a caller's model).
+      is_main: this process reports (metrics, progress).
+      make_checkpointer: `(directory, every, **Checkpointer options)` -> the run's checkpointer.
     """
 
     options: RunConfig
@@ -45,9 +52,17 @@ class Trainer:
     make_checkpointer: Callable[..., Checkpointer]  # (directory, every, **Checkpointer options)
 
     def init_state(self, abstract: bool = False):
-        """Fresh state (from `options.seed`, parameters from the preset's checkpoint if it has
-        one), created in its placement (`abstract`: ShapeDtypeStructs with those shardings,
-        nothing allocated)."""
+        """Fresh train state, created in its placement.
+
+        The key comes from `options.run.seed`; the parameters come from the preset's checkpoint
+        if it has one (each process reads its slices straight into the parameters' placement).
+
+        Args:
+          abstract: return ShapeDtypeStructs with the state's shardings, nothing allocated.
+
+        Returns:
+          (TrainState): the state (arrays, or ShapeDtypeStructs when `abstract`).
+        """
         if abstract:
             return self.step.abstract_state(self.local_example())
         params = None
@@ -62,23 +77,46 @@ class Trainer:
                                     params)
 
     def local_example(self):
-        """This process's share of the example batch (ShapeDtypeStructs)."""
+        """This process's share of the example batch.
+
+        Returns:
+          (Any): ShapeDtypeStructs like `example_batch`, the leading (row) dimension cut to
+            this process's share.
+        """
         return self.step.local_batch(self.example_batch)
 
     @property
     def bound(self):
-        """The step bound to this run's batch shape: its model functions, activation plan,
-        parameter specs and phases (`step.train_step.BoundStep`)."""
+        """The step bound to this run's batch shape (`step.train_step.BoundStep`).
+
+        It holds the model functions, the activation plan, the parameter specs and the phases.
+        """
         return self.step.bind(self.local_example())
 
     def place(self, host_batch):
-        """A global host batch as this process's device arrays."""
+        """A global host batch as this process's device arrays.
+
+        Args:
+          host_batch (Any): a numpy pytree of one global batch, shapes like `example_batch`.
+
+        Returns:
+          (Any): device arrays of this process's share: rows split over `data`, `expert` and
+            `depth`, the sequence (dim 1) over `context`.
+        """
         return self.step.place_batch(host_batch)
 
 
 def lm_example(config: RunConfig):
-    """The shapes of a language-model batch of the config's size (of packed documents, with their
-    segment ids and positions, when it reads document sources)."""
+    """The shapes of a language-model batch of the config's size.
+
+    Args:
+      config: the run's config (`data.batch_size`, `data.seq_len`, `data.sources`).
+
+    Returns:
+      A dict of int32 ShapeDtypeStructs of shape `(batch_size, seq_len)`: `inputs` and `targets`,
+      or, when the config reads document sources, the packed documents' keys
+      (`feeds.DOCUMENT_KEYS`, with their segment ids and positions).
+    """
     shape = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
     keys = DOCUMENT_KEYS if config.data.sources else ("inputs", "targets")
     return {k: shape for k in keys}
@@ -86,13 +124,28 @@ def lm_example(config: RunConfig):
 
 def build_trainer(config: RunConfig, devices=None, *, model: StackedModel | None = None,
                   example_batch=None) -> Trainer:
-    """Check `config` against the devices (every problem at once: `run.options.ConfigError`) and
-    build the run's train step.
+    """Check `config` against the devices and build the run's train step.
 
-    config: its grid resolved (`run.options.resolve_grid`; `data` None fills the devices).
-    model: None for the model the config names (language-model batches from the config), or any
-    `StackedModel`, whose batches look like `example_batch` (a global batch: arrays or
-    ShapeDtypeStructs).
+    Every problem of the config is reported at once (`run.options.ConfigError`).
+
+    Args:
+      config: the run's config; its grid is resolved here (`run.options.resolve_grid`; `data`
+        None fills the devices).
+      devices (Sequence[jax.Device] | None): the devices to run on (None: all of JAX's, or
+        this process's local devices with `--transport mpi`).
+      model: None for the model the config names (language-model batches from the config), or
+        any `StackedModel`, whose batches look like `example_batch`.
+      example_batch (Any): a global batch (arrays or ShapeDtypeStructs) for a caller's `model`.
+
+    Returns:
+      The run's `Trainer`.
+
+    Raises:
+      run.options.ConfigError: the config does not fit the devices or the model.
+      ValueError: `model` is given with `init_from`, without `example_batch`, or with an
+        `--attention` other than `auto`; or, with `--transport mpi`, the MPI world does not
+        match the launch or the batch size does not divide over the processes.
+      NotImplementedError: an option `--transport mpi --pipe > 1` does not run with.
     """
     num_devices = len(devices) if devices is not None else (
         len(jax.local_devices()) if config.run.transport == "mpi" else jax.device_count())
@@ -151,7 +204,14 @@ def _build_xla(config, model, optimizer, preset, devices):
 
 
 def refused_with_mpi_pipeline(config: RunConfig) -> str | None:
-    """The option `--transport mpi --pipe > 1` does not run, spelled as a flag, or None."""
+    """The option `--transport mpi --pipe > 1` does not run, spelled as a flag, or None.
+
+    Args:
+      config: the run's config.
+
+    Returns:
+      The first such option as its flag (e.g. `--offload-optimizer`), or None when all run.
+    """
     c = config.parallel
     m = config.memory
     for flag, used in (("--row/--col/--depth", c.tensor_parallel_size > 1),

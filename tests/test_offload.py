@@ -76,16 +76,33 @@ def test_offloaded_optimizer_gives_identical_losses_and_lives_on_host(reference,
     assert report["state_bytes_device"] < 4.1 * n
 
 
-def test_offloaded_optimizer_on_one_device_follows_the_on_device_one(devices):
+@pytest.fixture(scope="module")
+def one_device(devices):
+    """`run` on one device with the state on it and the activations kept."""
+    return run(devices[:1])
+
+
+def test_offloaded_optimizer_on_one_device_follows_the_on_device_one(devices, one_device):
     """One device (nothing to split the host state over): fp32 losses, gradient norms, masters
     and moments equal to the on-device optimizer's."""
-    records, state, trainer, _ = run(devices[:1])
+    records, state, trainer, _ = one_device
     off_records, off_state, off_trainer, _ = run(devices[:1], offload_optimizer=True)
     assert_steps_match(off_records, records, 1e-6)
     assert_states_match(comparable_state(off_trainer, off_state), comparable_state(trainer, state))
     for p, m in zip(jax.tree.leaves(off_state.params),
                     jax.tree.leaves(off_state.opt_state["master"])):
         assert m.sharding.spec == p.sharding.spec
+
+
+def test_offloaded_activations_on_one_device_train_like_kept_ones(devices, one_device):
+    """`--remat offload` on one device: the stack's backward is written by hand so that each
+    layer's host-resident activations are fetched during the backward of the layer above
+    (`ComputeFunctions.fetch_ahead`), and the fp32 run is the one that keeps them."""
+    records, state, trainer, _ = one_device
+    got_records, got, got_trainer, _ = run(devices[:1], remat="offload")
+    assert got_trainer.bound.compute.fetch_ahead and not trainer.bound.compute.fetch_ahead
+    assert_steps_match(got_records, records, 1e-6)
+    assert_states_match(comparable_state(got_trainer, got), comparable_state(trainer, state))
 
 
 @pytest.mark.parametrize("spec, shape, skip, expected", [

@@ -79,6 +79,10 @@ class ComputeFunctions:
     """Another exchange for those layers than the exact sum: `(axis, one layer's specs) ->
     stages` with state (CGX's, `step.reducers.LayerExchange`), whose per-layer state and key
     `blocks` takes as `layer_state`; the layers come out with its result (a mean)."""
+    fetch_ahead: bool = False
+    """Whether the stack's backward is written by hand without an exchange, so that each
+    layer's activations offloaded to host memory are fetched while the layer above runs its
+    backward (`step.layer_exchange`; with `vary_layers` they always are)."""
     fp8: bool = False
     rings: bool = False
 
@@ -113,22 +117,27 @@ class ComputeFunctions:
         with self._kernels():
             if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
                 (axis,) = self.vary_layers
-                # The custom backward traces each layer itself: its gathers are rewritten there.
-                def block(p, h, **side):
-                    return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(
-                        p, h, side)
-
                 if self.layer_stages is None:
                     stages = exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs)
                 else:
                     stages = self.layer_stages(axis, self._layer_specs)
                     layer_state = (None, None) if layer_state is None else layer_state
-                return unbatched_gathers(lambda s, x, b, st: scan_layers(
-                    block, s, x, groups, self.fns.model.side(b), exchange=stages,
-                    prepare=lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype),
-                    layer_state=st))(stacked, x, batch, layer_state)
-            return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
-                cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
+                prepare = lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)  # noqa: E731
+            elif self.fetch_ahead:
+                stages, prepare = (lambda g: g), (lambda p: cast_floating(p, self.dtype))
+            else:
+                return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
+                    cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(
+                        stacked, x, batch)
+
+            # The custom backward traces each layer itself: its gathers are rewritten there.
+            def block(p, h, **side):
+                return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(
+                    p, h, side)
+
+            return unbatched_gathers(lambda s, x, b, st: scan_layers(
+                block, s, x, groups, self.fns.model.side(b), exchange=stages, prepare=prepare,
+                layer_state=st))(stacked, x, batch, layer_state)
 
     def head(self, head_params, y, batch):
         with self._kernels():

@@ -14,7 +14,10 @@ stage and returns layer i's new slice from it too, written over the old one in p
 backward hands the updated stack back as the state input's "gradient". The forward is the same
 scans autodiff would run, each layer's pullback (`jax.vjp`, its remat wrapping included) saved for
 the backward without the layer's parameters, which the backward slices again from the stack
-instead of keeping a stacked copy.
+instead of keeping a stacked copy. The residuals a layer's remat policy moved to host memory
+(`--remat offload`) are fetched one layer ahead: layer i−1's copy to the device is issued in
+layer i's iteration and carried into the next, so it runs beside layer i's backward instead of
+before layer i−1's (one more layer's residuals on the device).
 """
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+def _on_host(x) -> bool:
+    """Whether `x` lives in host memory (an offloaded residual of `--remat offload`)."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
 def _index(tree, i):
@@ -170,13 +178,25 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
             v, new = stages[0](v, None if state is None else _index(new_state, layer), layer_key)
             return v, None if new is None else _place(new_state, new, layer)
 
-        def layer_backward(r, j, ct_h):
+        def fetched(layer):
+            """The host-resident residuals of `layer` (`(run, local index)`, or None: no layer),
+            copied to the device; None for each of the others."""
+            if layer is None:
+                return []
+            r, j = layer
+            return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
+                                   jax.memory.Space.Device) if _on_host(a) else None
+                    for a in residuals[r]]
+
+        def layer_backward(r, j, ct_h, ahead):
             """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
-            and the cotangent of its input."""
+            and the cotangent of its input; `ahead`: its host residuals, fetched already."""
             begin = runs[r][0]
             p = _index(stacked, begin + j)
             prepared = prepare(p)
-            pullback = _with_params(_index(residuals[r], j), *structure[r], prepared)
+            kept = [lax.dynamic_index_in_dim(a, j, keepdims=False) if b is None else b
+                    for a, b in zip(residuals[r], ahead)]
+            pullback = _with_params(kept, *structure[r], prepared)
             g, ct_in = pullback((ct_h, _index(ct_aux, begin + j)))
             return jax.tree.map(lambda g, q: g.astype(q.dtype), g, p), ct_in
 
@@ -192,24 +212,29 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
                 grads = _place(grads, moved[-1], below + len(stages))
             return (grads, new_state), moved[:-1]
 
-        def one(carry, r, j):
-            """Layer `begin + j`'s backward beside the exchanges of the layers above it."""
-            ct_h, flight, grads = carry
+        def one(carry, r, j, below):
+            """Layer `begin + j`'s backward beside the exchanges of the layers above it and the
+            fetch of the host residuals of the layer `below` it (`(run, local index)` or None)."""
+            ct_h, flight, grads, ahead = carry
             grads, moved = advance(grads, flight, runs[r][0] + j)
-            g, ct_h = layer_backward(r, j, ct_h)
-            return ct_h, [g, *moved], grads
+            g, ct_h = layer_backward(r, j, ct_h, ahead)
+            return ct_h, [g, *moved], grads, fetched(below)
 
         # The state stack starts as the old one: each layer's slice is replaced where it is read.
-        carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state))
+        last = len(runs) - 1
+        carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state),
+                 fetched((last, runs[last][1] - 1)))
         for r in reversed(range(len(runs))):
-            count = runs[r][1]
+            count, next_run = runs[r][1], (r - 1, runs[r - 1][1] - 1) if r else None
             while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline
                 count -= 1
-                carry = one(carry, r, count)
+                carry = one(carry, r, count, (r, count - 1) if count else next_run)
+            if count > 1:
+                carry, _ = lax.scan(lambda c, j, r=r: (one(c, r, j, (r, j - 1)), None), carry,
+                                    jnp.arange(1, count), reverse=True)
             if count:
-                carry, _ = lax.scan(lambda c, j, r=r: (one(c, r, j), None), carry,
-                                    jnp.arange(count), reverse=True)
-        ct_h, flight, grads = carry
+                carry = one(carry, r, 0, next_run)
+        ct_h, flight, grads, _ = carry
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)
             flight = [None, *moved]

@@ -741,7 +741,8 @@ class BoundStep:
         groups = plan.layer_groups(self.model.offload_names) if plan else None
         o = self.parts.options
         rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
-        return ComputeFunctions(self.fns, self.compute_dtype, groups=groups, fp8=o.fp8, rings=rings)
+        return ComputeFunctions(self.fns, self.compute_dtype, groups=groups, fp8=o.fp8, rings=rings,
+                                fetch_ahead=plan is not None and "offload" in plan.decisions)
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid

@@ -88,7 +88,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
     segment (`segment_ids`); both `(rows, seq)` integers, optional (packed documents: ids per
     document, positions restarting at each). Inside a shard_map manual over `context_axis`
     (more than one device) the sequence is split over it in the zig-zag layout and
-    `context_scheme` (`ring`, `allgather`) attends across it (`parallel.context.attention`).
+    `context_scheme` (a name in `parallel.context.SCHEMES`) attends across it (`parallel.context.attention`).
     `implementation`: see `resolve`."""
     context.check_scheme(context_scheme)
     if context.axis_size(context_axis) > 1:

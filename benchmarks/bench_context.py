@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             model = args.layers * context.flops((1, t // size, h, d), size)
             sent = sum(hlo.collective_bytes(text).values())
             stated = args.layers * sum(b for _, _, b in context.collectives(
-                scheme, (1, t // size, kv, d), jnp.float32, size))
+                scheme, (1, t // size, kv, d), jnp.float32, size, q_shape=(1, t // size, h, d)))
             temp = program.memory_analysis().temp_size_in_bytes
             print(f"| {scheme} | {size} | {hlo.flops(text):.3e} | {hlo.flops(text) / model:.3f} | "
                   f"{sent} | {sent / stated if stated else 1:.3f} | {temp / 1e6:.1f} | "

@@ -1,6 +1,7 @@
 """The communication model of the context and expert axes (issues 26, 27) against the compiled
-train step: ring and all-gather attention's key/value traffic, the token all-to-alls of a
-mixture of experts, and what the step sends over those axes itself (`step.batch_axes`)."""
+train step: ring and all-gather attention's key/value traffic, Ulysses' all-to-alls, the token
+all-to-alls of a mixture of experts, and what the step sends over those axes itself
+(`step.batch_axes`)."""
 import pytest
 
 from axonn_jax import ParallelConfig as P
@@ -28,8 +29,16 @@ GRIDS = {
     "llama-context4-row2-ring-remat-bf16": ("llama-tiny", P(context=4, row=2),
                                             dict(context_attention="ring", remat="full",
                                                  dtype="bfloat16"), ("row",)),
+    # Ulysses' all-to-alls of q, k, v and the output (llama: 2 key/value heads, each repeated
+    # for context 4), its forward run again under `--remat`
+    "gpt-context4-data2-ulysses": ("gpt-tiny", P(context=4, data=2),
+                                   dict(context_attention="ulysses"), ()),
+    "llama-context4-data2-ulysses-remat-bf16": ("llama-tiny", P(context=4, data=2),
+                                                dict(context_attention="ulysses", remat="full",
+                                                     dtype="bfloat16"), ()),
 }
-# CI tier: mixtral-expert2-context2-data2 (both axes, one compile); the rest in tests/extended.txt.
+# CI tier: mixtral-expert2-context2-data2 (both axes, one compile) and gpt-context4-data2-ulysses;
+# the rest in tests/extended.txt.
 
 
 COMBINED = """HloModule m, num_partitions=4

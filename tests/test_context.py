@@ -106,10 +106,11 @@ def test_bad_input_gets_one_line_naming_the_numbers():
          "4 query heads are not divisible by 3 key/value heads"),
         (lambda: context.attention(q, k, v, segment_ids=jnp.zeros((2, 11), jnp.int32)),
          r"segment_ids must be \(rows, seq\) = \(2, 12\) integers, got \(2, 11\)"),
-        (lambda: context.attention(q, k, v, scheme="ulysses"), "one of ring, allgather"),
+        (lambda: context.attention(q, k, v, scheme="x"), "one of ring, allgather"),
         (lambda: context.attention(q, k, v, query_tile=4), "query_tile 4 does not divide the "
                                                             "chunk length 6"),
         (lambda: gpt.GPTConfig(2, 32, 4, context_attention="x"), "one of ring, allgather"),
+        (lambda: context.register(context.RING), "scheme 'ring' is already registered"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -283,19 +284,19 @@ def _layers(scheme, kv_heads, layers=2):
     return stack
 
 
-SEQ = 512
+SEQ, HEADS = 512, 8  # heads: as many as devices, for the schemes that split them
 
 
 @pytest.fixture(scope="module")
 def forward_programs():
     """Compiled forward passes: {(scheme, context): (hlo text, compiled)}, rows 1, sequence 512,
-    2 heads of 64 (the matmuls dominate the elementwise work)."""
+    8 heads of 64 (the matmuls dominate the elementwise work)."""
     out = {}
     for scheme in context.SCHEMES:
         for size in (2, 8):
             fn = lambda q, k, v, s: context.attention(  # noqa: E731
                 q, k, v, scheme=scheme, segment_ids=s)
-            compiled = _compile(fn, grid(1, size), [((1, SEQ, 2, 64), jnp.float32)] * 3
+            compiled = _compile(fn, grid(1, size), [((1, SEQ, HEADS, 64), jnp.float32)] * 3
                                 + [((1, SEQ), jnp.int32)])
             out[scheme, size] = compiled.as_text(), compiled
     return out
@@ -337,7 +338,8 @@ def test_every_device_computes_the_balanced_schedule(size, forward_programs):
         assert " conditional(" not in text
         assert [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', text)] \
             == ([trips] if trips > 1 else []), scheme
-        ratio = hlo.flops(text) / context.flops((1, SEQ // size, 2, 64), size, backward=False)
+        ratio = hlo.flops(text) / context.flops((1, SEQ // size, HEADS, 64), size,
+                                                backward=False)
         assert 1.0 <= ratio <= 1.15, (scheme, ratio)
 
 
@@ -372,7 +374,7 @@ def test_collective_bytes_match_the_model(scheme, forward_programs):
     for size in (2, 8):
         got = hlo.bytes_by_axes(forward_programs[scheme, size][0], {"context": size}, buffers=True)
         want = {}
-        for kind, axis, nbytes in context.collectives(scheme, (1, SEQ // size, 2, 64),
+        for kind, axis, nbytes in context.collectives(scheme, (1, SEQ // size, HEADS, 64),
                                                       jnp.float32, size, segment_ids=True,
                                                       backward=False):
             want[kind, (axis,)] = want.get((kind, (axis,)), 0) + nbytes
@@ -383,7 +385,8 @@ def test_collective_bytes_match_the_model(scheme, forward_programs):
     got = hlo.bytes_by_axes(compiled.as_text(), {"data": 2, "context": 4}, buffers=True)
     want = {}
     for kind, axis, nbytes in context.collectives(scheme, (rows // 2, seq // 4, 2, 16),
-                                                  jnp.float32, 4):
+                                                  jnp.float32, 4,
+                                                  q_shape=(rows // 2, seq // 4, 4, 16)):
         want[kind, (axis,)] = want.get((kind, (axis,)), 0) + layers * nbytes
     assert got == want
 
@@ -408,7 +411,7 @@ def test_no_hop_masks_are_hoisted_out_of_the_layer_loop(scheme):
     size, spec = 4, P("data", "context")
     inner = jax.shard_map(_layers(scheme, 1, layers=3), mesh=grid(1, size), in_specs=(spec,),
                           out_specs=spec)
-    x = jax.ShapeDtypeStruct((1, 64, 2, 8), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, 64, 4, 8), jnp.float32)  # query heads: one per device
     text = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(inner(x))))(x))
     hops = size - 1 if scheme == "ring" else size
     stacked = [a for a in re.findall(r"bool\[([0-9,]+)\]", text)

@@ -792,7 +792,7 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
       backward;
     - `softmax`: XLA's attention core (not cuDNN's fused kernel, whose score traffic stays on
       chip and which the matmul term times): `SOFTMAX_PASSES` over the fp32 scores, every score
-      of the sequence (over context: the ring's share, `parallel.context.flops_share`);
+      of the sequence (over context: the scheme's share, `parallel.context.flops_share`);
     - `carry`: the layer loop's residual stream copied in and out of its carry, forward and
       backward (2`S` each);
     - `stacked`: what each block keeps for its backward (`kept_per_block`: under `none` its
@@ -837,7 +837,7 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
     if not fused_attention(work) or g.context > 1:
         from ..parallel.context import flops_share
         scores = inner * widths["heads"] * work.seq_len * FP32 * (
-            flops_share(g.context) if g.context > 1 else 1.0)
+            flops_share(g.context, work.context_attention) if g.context > 1 else 1.0)
         fwd["softmax"], bwd["softmax"] = (p * scores for p in SOFTMAX_PASSES)
     recomputed = (1 if g.pipe > 1 else 0) + (1 if work.remat == "full" else 0)
     out = {k: layers * (fwd[k] * (1 + recomputed) + bwd[k]) for k in fwd}

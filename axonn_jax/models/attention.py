@@ -119,7 +119,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
     segment (`segment_ids`); both `(rows, seq)` integers, optional (packed documents: ids per
     document, positions restarting at each). Inside a shard_map manual over `context_axis`
     (more than one device) the sequence is split over it in the zig-zag layout and
-    `context_scheme` (`ring`, `allgather`) attends across it (`parallel.context.attention`).
+    `context_scheme` (a name in `parallel.context.SCHEMES`) attends across it (`parallel.context.attention`).
 
     Args:
       q: queries, shape `(rows, seq, heads, head_dim)`.
@@ -129,7 +129,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
       segment_ids: `(rows, seq)` integer document ids, or None (one document).
       positions: `(rows, seq)` integer true positions, or None (positions in order).
       context_axis: the mesh axis that splits the sequence inside a manual shard_map.
-      context_scheme: the context-parallel scheme, `ring` or `allgather`.
+      context_scheme: the context-parallel scheme, a name in `parallel.context.SCHEMES`.
 
     Returns:
       The attended values, shape `(rows, seq, heads, head_dim)`, in q's dtype.

@@ -42,6 +42,8 @@ class DecoderShape:
     kv_features: int = 0
     """Key (= value) features of one token (kv_heads · head_dim): what context-parallel
     attention moves over `context` (`parallel.context.ContextAttention`)."""
+    head_dim: int = 0
+    """Features of one attention head (0: `d_model / num_heads`)."""
     parts: tuple = ()
     """Other per-block parts (`collectives.Part`), e.g. a mixture of experts (`models.moe`)."""
     metrics: float = 0.0
@@ -99,7 +101,8 @@ def communication(shape: DecoderShape, step: StepShape, flops: float,
     # Keys and values: heads over row (whole where replicated, GSPMD's layout)
     kv = shape.kv_features if shape.replicated else shape.kv_features / g.row
     context = ContextAttention(kv, stage, None if shape.replicated else "col",
-                               heads=shape.num_heads / g.row)
+                               heads=shape.num_heads / g.row,
+                               head_dim=shape.head_dim or shape.d_model / shape.num_heads)
     kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))
     traffic = [p.traffic(step) for p in shape.parts if hasattr(p, "traffic")]
     working = context.working_bytes(step) + sum(p.working_bytes(step) for p in shape.parts

@@ -192,7 +192,8 @@ class LlamaConfig:
         replicated = (KeyValueReplicated(d, kv, self.num_kv_heads, 2, n),) if rep else ()
         return decoder.DecoderShape(self.num_layers, d, self.num_heads, self.vocab_size, 0, layers,
                                     replicated, norm_stats=1, norm_params=1,
-                                    tied=self.tie_embeddings, kv_features=kv)
+                                    tied=self.tie_embeddings, kv_features=kv,
+                                    head_dim=self.head_dim)
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`).

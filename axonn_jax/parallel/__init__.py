@@ -1,0 +1,1 @@
+from . import ulysses  # noqa: F401  (registers --context-attention ulysses)

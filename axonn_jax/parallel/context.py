@@ -32,11 +32,17 @@ attention rotates `kv_heads / heads` of the bytes of multi-head attention.
 `collectives` states what the kernels send (the communication model); `causal_mask` is the same
 mask for one device (what `models.attention` uses); `block_schedule` / `kernel_blocks` list the
 chunk pairs with work and those the kernels compute, per device.
+
+The schemes are `Scheme`s in the registry `SCHEMES` (`register`): `attention`, `collectives`,
+`flops_share`, `ContextAttention` and the `--context-attention` choices read it, so a scheme
+defined in another module (`parallel.ulysses`) needs only its `register` call, made when
+`axonn_jax.parallel` is imported (its `__init__`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +51,6 @@ from jax import lax
 
 from ..collectives import Collective
 
-SCHEMES = ("ring", "allgather")
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite -inf: masked scores
 _TINY = 1e-30  # a row's sum of probabilities is >= 1 unless the block hides the whole row
 
@@ -167,7 +172,8 @@ def check_inputs(q, k, v, segment_ids=None, positions=None, size: int = 1) -> No
 
 
 def check_scheme(scheme: str) -> None:
-    """ValueError unless `scheme` names a context-parallel attention scheme."""
+    """ValueError unless `scheme` names a registered context-parallel attention scheme
+    (`SCHEMES`)."""
     if scheme not in SCHEMES:
         raise ValueError(f"context attention scheme must be one of {', '.join(SCHEMES)}, "
                          f"got {scheme!r}")
@@ -303,11 +309,13 @@ def _put(x, half, value):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What a kernel call knows statically: the axis, its size, the scheme and the query tile."""
+    """What a kernel call knows statically: the axis, its size, the scheme's forward and
+    backward block loops (`_ring_forward`, ...) and the query tile."""
 
     axis: str
     size: int
-    scheme: str
+    forward: object
+    backward: object
     tile: int
 
 
@@ -463,10 +471,6 @@ def _allgather_backward(plan, q, q_side, kv, lse, do, delta, dq):
     return dq, back(dks, dk), back(dvs, dv)
 
 
-_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
-_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
-
-
 # ----------------------------------------------------------------------------- the kernel
 
 def _halves(x, groups: int | None = None):
@@ -485,7 +489,7 @@ def _forward(plan, q, k, v, side):
     kv = {"k": _halves(k), "v": _halves(v), **{n: _halves(x) for n, x in side.items()}}
     q_side = {n: _halves(x) for n, x in side.items()}
     state = (jnp.zeros_like(qh, jnp.float32), jnp.full_like(qh[..., 0], _NEG, jnp.float32))
-    o, lse = _FORWARD[plan.scheme](plan, qh, q_side, kv, state)
+    o, lse = plan.forward(plan, qh, q_side, kv, state)
     return o.astype(q.dtype).reshape(q.shape), lse
 
 
@@ -506,13 +510,20 @@ def _attend_bwd(plan, residuals, d_out):
     delta = jnp.sum(do.astype(jnp.float32) * _halves(out, groups).astype(jnp.float32), axis=-1)
     kv = {"k": _halves(k), "v": _halves(v), **{n: _halves(x) for n, x in side.items()}}
     q_side = {n: _halves(x) for n, x in side.items()}
-    dq, dk, dv = _BACKWARD[plan.scheme](plan, qh, q_side, kv, lse, do, delta,
-                                        jnp.zeros_like(qh, jnp.float32))
+    dq, dk, dv = plan.backward(plan, qh, q_side, kv, lse, do, delta,
+                                jnp.zeros_like(qh, jnp.float32))
     return (dq.astype(q.dtype).reshape(q.shape), dk.astype(k.dtype).reshape(k.shape),
             dv.astype(v.dtype).reshape(v.shape), jax.tree.map(lambda _: None, side))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def _block_attention(forward, backward, q, k, v, segment_ids, positions, *, axis, size, tile):
+    """A `Scheme.attend` of the block schedule: `forward` / `backward` loop over the key/value
+    blocks (`_ring_forward`, `_allgather_forward`, ...) under one custom backward."""
+    return _attend(_Plan(axis, size, forward, backward, tile), q, k, v,
+                   _side(segment_ids, positions))
 
 
 def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,
@@ -525,7 +536,8 @@ def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_i
     `i` and `2C-1-i` of the sequence (dim 1 split over `axis`; any other dimension may be split
     over other axes); `segment_ids`, `positions`: `(rows, 2c)` integers in the same layout or
     None (no document boundaries; positions from the layout). Returns `(rows, 2c, heads,
-    head_dim)` in q's dtype. `scheme`: `ring` or `allgather` (module docstring).
+    head_dim)` in q's dtype. `scheme`: a name in `SCHEMES` (`ring`, `allgather`: module
+    docstring).
     `query_tile`: each `c × c` block runs this many queries at a time (it must divide `c` when
     smaller), so the scores in memory are `rows·heads·query_tile·c` floats per block."""
     check_scheme(scheme)
@@ -538,26 +550,28 @@ def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_i
     if c % tile:
         raise ValueError(f"query_tile {query_tile} does not divide the chunk length {c} "
                          f"(local sequence {q.shape[1]} / 2)")
-    plan = _Plan(axis, size, scheme, tile)
-    return _attend(plan, q, k, v, _side(segment_ids, positions))
+    return SCHEMES[scheme].attend(q, k, v, segment_ids, positions, axis=axis, size=size, tile=tile)
 
 
 # ----------------------------------------------------------------------------- communication model
 
 def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
-                axis: str = "context", segment_ids: bool = False, positions: bool = False,
-                backward: bool = True, home_dtype=None) -> list[tuple[str, str, int]]:
+                q_shape: tuple[int, ...] | None = None, axis: str = "context",
+                segment_ids: bool = False, positions: bool = False, backward: bool = True,
+                home_dtype=None) -> list[tuple[str, str, int]]:
     """What one `attention` call sends per device, as `[(kind, axis, bytes)]` in the convention
     of `axonn_jax.analysis.hlo` (full-buffer bytes: a collective-permute's buffer, an all-gather's
     result, a reduce-scatter's input), forward and (with `backward`) backward pass.
     `kv_shape`: the per-device key (= value) shape `(rows, 2c, kv_heads, head_dim)`; `dtype`:
-    theirs; `segment_ids`, `positions`: whether those travel with the keys (int32 each).
+    theirs; `q_shape`: the per-device query shape `(rows, 2c, heads, head_dim)` (default
+    `kv_shape`; the schemes that move queries read it); `segment_ids`, `positions`: whether those
+    travel (int32 each).
 
     ring: the keys, values (and side inputs) hop `size - 1` times forward and again backward,
     the fp32 key/value gradients `size` times (the last hop brings them home; `home_dtype`: the
     dtype that last hop carries when not fp32: XLA:GPU moves the gradients' cast to the keys'
     dtype ahead of it, measured on H100). allgather: one all-gather of the same forward, one
-    backward, and a reduce-scatter of the fp32 gradients.
+    backward, and a reduce-scatter of the fp32 gradients. Other schemes: their module.
 
     Forward and backward in separate loops (a train step's layer scan, rematerialized or not:
     `--remat` runs the forward hops once more, `ContextAttention`) send exactly this. In one
@@ -568,37 +582,77 @@ def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
     check_scheme(scheme)
     if size == 1:
         return []
+    return SCHEMES[scheme].collectives(q_shape or kv_shape, kv_shape, dtype, size, axis=axis,
+                                       segment_ids=segment_ids, positions=positions,
+                                       backward=backward, home_dtype=home_dtype)
+
+
+def _keys_bytes(kv_shape, dtype, side: int) -> int:
+    """Bytes of one device's keys and values in `dtype` and `side` int32 side inputs."""
     rows, t = kv_shape[:2]
-    keys = 2 * int(np.prod(kv_shape)) * jnp.dtype(dtype).itemsize \
-        + (int(segment_ids) + int(positions)) * rows * t * 4
-    grads = 2 * int(np.prod(kv_shape)) * 4
-    passes = 2 if backward else 1
-    if scheme == "ring":
-        home = 2 * int(np.prod(kv_shape)) * jnp.dtype(home_dtype or jnp.float32).itemsize
-        out = [("collective-permute", axis, passes * (size - 1) * keys)]
-        return out + ([("collective-permute", axis, (size - 1) * grads + home)] if backward
-                      else [])
-    out = [("all-gather", axis, passes * size * keys)]
+    return 2 * math.prod(kv_shape) * jnp.dtype(dtype).itemsize + side * rows * t * 4
+
+
+def _ring_collectives(q_shape, kv_shape, dtype, size, *, axis, segment_ids, positions, backward,
+                      home_dtype):
+    keys = _keys_bytes(kv_shape, dtype, int(segment_ids) + int(positions))
+    grads = 2 * math.prod(kv_shape) * 4
+    home = 2 * math.prod(kv_shape) * jnp.dtype(home_dtype or jnp.float32).itemsize
+    out = [("collective-permute", axis, (2 if backward else 1) * (size - 1) * keys)]
+    return out + ([("collective-permute", axis, (size - 1) * grads + home)] if backward else [])
+
+
+def _allgather_collectives(q_shape, kv_shape, dtype, size, *, axis, segment_ids, positions,
+                           backward, home_dtype):
+    keys = _keys_bytes(kv_shape, dtype, int(segment_ids) + int(positions))
+    grads = 2 * math.prod(kv_shape) * 4
+    out = [("all-gather", axis, (2 if backward else 1) * size * keys)]
     return out + ([("reduce-scatter", axis, size * grads)] if backward else [])
 
 
 def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
-    """Matmul FLOPs of one `attention` call per device: `2·size + 1` blocks of `c × c` scores
-    (c = half the local sequence) per query head, each 2 matmuls forward (scores, values) and 5
-    backward (scores again, and the gradients of the values, the probabilities, the queries and
-    the keys) of `2·c·c·head_dim`. `q_shape`: the per-device `(rows, 2c, heads, head_dim)`."""
+    """Matmul FLOPs of one `attention` call per device under the block schedule (`ring`,
+    `allgather`): `2·size + 1` blocks of `c × c` scores (c = half the local sequence) per query
+    head, each 2 matmuls forward (scores, values) and 5 backward (scores again, and the gradients
+    of the values, the probabilities, the queries and the keys) of `2·c·c·head_dim`. `q_shape`:
+    the per-device `(rows, 2c, heads, head_dim)`."""
     rows, t, heads, head_dim = q_shape
     block = 2 * (t // 2) ** 2 * head_dim * rows * heads
     return (2 * size + 1) * block * (2 + (5 if backward else 0))
 
 
-def flops_share(size: int) -> float:
-    """The kernels' training matmul FLOPs (`flops`) over those of an attention that computes
-    every score (forward 2 matmuls, backward 4: the `6·seq` per query feature that the models'
-    `flops_per_token` count) at the same shapes: `2·size + 1` of the `4·size` blocks of `c × c`,
-    at 7 matmuls instead of 6 (the backward computes the scores again), `7(2C+1) / 24C`; 0.60
-    at C = 16."""
+def flops_share(size: int, scheme: str = "ring") -> float:
+    """The training matmul FLOPs of `scheme` over those of an attention that computes every
+    score (forward 2 matmuls, backward 4: the `6·seq` per query feature that the models'
+    `flops_per_token` count) at the same shapes. The block schedule (`ring`, `allgather`,
+    `flops`): `2·size + 1` of the `4·size` blocks of `c × c`, at 7 matmuls instead of 6 (the
+    backward computes the scores again), `7(2C + 1) / 24C`; 0.60 at C = 16."""
+    check_scheme(scheme)
+    return SCHEMES[scheme].flops_share(size)
+
+
+def _block_flops_share(size: int) -> float:
     return 7 * (2 * size + 1) / (24 * size)
+
+
+def _block_scores_bytes(q_shape, query_tile) -> float:
+    """The fp32 scores and probabilities of one step's 3 blocks: `query_tile` queries × a chunk
+    of `c` keys per query head and row."""
+    rows, t, heads = q_shape[:3]
+    c = t / 2
+    return 2 * 3 * rows * heads * min(query_tile, c) * c * 4
+
+
+def _ring_working_bytes(q_shape, kv_shape, size, query_tile, compute_bytes) -> float:
+    # the key/value block in flight beside the one held and, backward, their fp32 gradients
+    return _block_scores_bytes(q_shape, query_tile) \
+        + 2 * 2 * math.prod(kv_shape) * (compute_bytes + 4)
+
+
+def _allgather_working_bytes(q_shape, kv_shape, size, query_tile, compute_bytes) -> float:
+    # every device's keys and values and, backward, their fp32 gradients
+    return _block_scores_bytes(q_shape, query_tile) \
+        + size * 2 * math.prod(kv_shape) * (compute_bytes + 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,49 +666,59 @@ class ContextAttention:
     `--remat` mode runs the kernel's forward again in the backward, its hops included (no
     policy keeps the attention's inner values, as the compiled H100 step's permutes show); the
     scheme is the step's
-    `context_attention`. No parameters. `heads`: query heads per device (for `working_bytes`)."""
+    `context_attention`. No parameters. `heads`: query heads per device; `head_dim`: their
+    width (0: `kv_features`, one key/value head); the schemes that move queries or count heads
+    read both (`working_bytes`, `collectives`)."""
 
     kv_features: float
     layers: int
     rows_over: str | None = "col"
     heads: float = 1.0
     query_tile: int = 512
+    head_dim: float = 0.0
 
     def _rows(self, step) -> float:
         g = step.grid
         return step.rows / (getattr(g, self.rows_over) if step.split and self.rows_over else 1)
 
+    def _shapes(self, step):
+        """The per-device query and key shapes `(rows, seq / C, heads, head_dim)` (floats)."""
+        rows, t = self._rows(step), step.seq_len / step.grid.context
+        head_dim = self.head_dim or self.kv_features
+        return ((rows, t, self.heads, head_dim),
+                (rows, t, self.kv_features / head_dim, head_dim))
+
     def working_bytes(self, step) -> float:
         """Temporary bytes one call holds on one device (one layer runs at a time; nothing of
-        size seq² is kept for the backward, only the output and its log-sum-exp): the fp32
-        scores and probabilities of one step's 3 blocks (`query_tile` queries × a chunk of `c`
-        keys per query head and row); ring: the key/value block in flight beside the one held
-        and, backward, their fp32 gradient accumulators; allgather: every device's keys and
-        values and, backward, their fp32 gradients."""
+        size seq² is kept for the backward, only the output and its log-sum-exp), the scheme's
+        `Scheme.working_bytes`: ring: the fp32 scores and probabilities of one step's 3 blocks
+        (`query_tile` queries × a chunk of `c` keys per query head and row), the key/value
+        block in flight beside the one held and, backward, their fp32 gradient accumulators;
+        allgather: the same scores, every device's keys and values and, backward, their fp32
+        gradients."""
         g = step.grid
         if g.context == 1:
             return 0.0
-        rows, c = self._rows(step), step.seq_len / (2 * g.context)
-        scores = 2 * 3 * rows * self.heads * min(self.query_tile, c) * c * 4
-        kv = 2 * rows * 2 * c * self.kv_features  # this device's keys and values (elements)
-        held = 2 if step.context_attention == "ring" else g.context
-        return scores + held * kv * (step.compute_bytes + 4)
+        q_shape, kv_shape = self._shapes(step)
+        return SCHEMES[step.context_attention].working_bytes(
+            q_shape, kv_shape, g.context, self.query_tile, step.compute_bytes)
 
     def collectives(self, step) -> list[Collective]:
         g = step.grid
         if g.context == 1:
             return []
-        kv_shape = (1, self._rows(step) * step.seq_len / g.context, 1, self.kv_features)  # only its product and rows·seq matter
+        q_shape, kv_shape = self._shapes(step)  # only products and rows·seq matter
         # XLA:CPU runs 16-bit collectives in f32 (`StepShape.gathered_bytes`); XLA:GPU sends the
         # ring's last gradient hop in the keys' dtype (`collectives`)
         dtype = jnp.float32 if step.gathered_bytes == 4 else jnp.bfloat16
         home = dtype if step.platform == "gpu" else None
         forward = dict((k, b) for k, _, b in collectives(step.context_attention, kv_shape, dtype,
-                                                          g.context, backward=False))
+                                                          g.context, q_shape=q_shape,
+                                                          backward=False))
         out = [Collective(k, ("context",), b, self.layers, stage_forward=True,
                           rematerialized=True) for k, b in forward.items()]
         for kind, _, b in collectives(step.context_attention, kv_shape, dtype, g.context,
-                                      home_dtype=home):
+                                      q_shape=q_shape, home_dtype=home):
             if b - forward.get(kind, 0):
                 out.append(Collective(kind, ("context",), b - forward.get(kind, 0), self.layers))
                 forward.pop(kind, None)
@@ -662,9 +726,66 @@ class ContextAttention:
 
     def executed_flops(self, step, scores: float) -> float:
         """Training FLOPs of the attention core where the model counts `scores` (every score
-        computed, as XLA's attention does): the kernels' share (`flops_share`) over context,
+        computed, as XLA's attention does): the scheme's share (`flops_share`) over context,
         `scores` without it."""
-        return scores * (flops_share(step.grid.context) if step.grid.context > 1 else 1.0)
+        g = step.grid
+        return scores * (flops_share(g.context, step.context_attention) if g.context > 1
+                         else 1.0)
 
     def parameters(self, step) -> list:
         return []
+
+
+# ----------------------------------------------------------------------------- the registry
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    """One context-parallel attention scheme: what `attention`, `collectives`, `flops_share`,
+    `ContextAttention` and the `--context-attention` option ask of it.
+
+    Attributes:
+      name: its `--context-attention` choice (`StepShape.context_attention`).
+      attend: `attend(q, k, v, segment_ids, positions, *, axis, size, tile)`, differentiable:
+        this device's q `(rows, 2c, heads, head_dim)` and k, v `(rows, 2c, kv_heads, head_dim)`
+        in the zig-zag layout over `axis` (`size` devices, the enclosing shard_map manual over
+        it when `size > 1`), `segment_ids` / `positions` `(rows, 2c)` integers or None, `tile`
+        queries at a time (it divides `c`); returns causal attention over the whole sequence,
+        `(rows, 2c, heads, head_dim)` in q's dtype. Inputs already checked (`check_inputs`).
+      collectives: `collectives(q_shape, kv_shape, dtype, size, *, axis, segment_ids,
+        positions, backward, home_dtype)`: what one call sends per device with `size > 1`,
+        `[(kind, axis, bytes)]` (the module function `collectives`).
+      flops_share: `flops_share(size)`: its training matmul FLOPs over every score's
+        (`flops_share`).
+      working_bytes: `working_bytes(q_shape, kv_shape, size, query_tile, compute_bytes)`:
+        temporary bytes of one call per device with `size > 1` (the planner's memory model).
+      cpu_pipeline: whether it runs inside pipeline stages on XLA:CPU (collective-permutes wait
+        for every device of the program, and stages idle in a tick never reach them).
+    """
+
+    name: str
+    attend: object
+    collectives: object
+    flops_share: object
+    working_bytes: object
+    cpu_pipeline: bool = True
+
+
+SCHEMES: dict[str, Scheme] = {}
+"""The registered schemes by name, in registration order (`register`)."""
+
+
+def register(scheme: Scheme) -> Scheme:
+    """Add `scheme` to `SCHEMES` (ValueError when its name is taken) and return it."""
+    if scheme.name in SCHEMES:
+        raise ValueError(f"context attention scheme {scheme.name!r} is already registered")
+    SCHEMES[scheme.name] = scheme
+    return scheme
+
+
+RING = register(Scheme("ring", functools.partial(_block_attention, _ring_forward, _ring_backward),
+                       _ring_collectives, _block_flops_share, _ring_working_bytes,
+                       cpu_pipeline=False))
+ALLGATHER = register(Scheme("allgather", functools.partial(_block_attention, _allgather_forward,
+                                                           _allgather_backward),
+                            _allgather_collectives, _block_flops_share,
+                            _allgather_working_bytes))

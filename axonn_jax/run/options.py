@@ -33,6 +33,7 @@ import optax
 
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..offload.activations import REMAT_MODES
+from ..parallel.context import SCHEMES as CONTEXT_SCHEMES, check_sequence
 from ..parallel.compression import ROUNDINGS, SCOPES, parse_rule
 from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
@@ -91,9 +92,9 @@ class ModelOptions:
     attention: str = option("auto", "attention core of built-in models: cuDNN flash attention (a "
                             "CUDA GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)",
                             choices=ATTENTION_CHOICES)
-    context_attention: str = option("ring", "attention across the context axis: keys/values "
-                                    "passed around a ring, or all-gathered",
-                                    choices=("ring", "allgather"))
+    context_attention: str = option("ring", "attention across the context axis: one of "
+                                    f"{', '.join(CONTEXT_SCHEMES)} (docs/axes/context.md)",
+                                    choices=tuple(CONTEXT_SCHEMES))
     sample_tokens: int = option(0, "generate a sample of this many tokens at the end")
     moe_capacity_factor: float | None = option(
         None, "mixture-of-experts layers route with a capacity: each expert takes "
@@ -742,15 +743,15 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
              microbatches=p.microbatches, num_layers=num_layers, flags=True)
     mpi = config.run.transport == "mpi"
     if grid.context > 1:
-        from ..parallel.context import check_sequence
-
         _attempt(found, check_sequence, config.data.seq_len, grid.context)
-        if grid.pipe > 1 and config.model.context_attention == "ring" and platform == "cpu":
+        scheme = CONTEXT_SCHEMES.get(config.model.context_attention)
+        if grid.pipe > 1 and scheme and not scheme.cpu_pipeline and platform == "cpu":
             # A stage's ring hops are one collective-permute of every device of the program,
             # which XLA:CPU runs only when all of them reach it: stages idle in that tick never do.
-            found.append("--context-attention ring inside pipeline stages deadlocks XLA:CPU (its "
-                         "collective-permutes wait for every stage); use --context-attention "
-                         "allgather on simulated devices")
+            others = " or ".join(s.name for s in CONTEXT_SCHEMES.values() if s.cpu_pipeline)
+            found.append(f"--context-attention {scheme.name} inside pipeline stages deadlocks "
+                         "XLA:CPU (its collective-permutes wait for every stage); use "
+                         f"--context-attention {others} on simulated devices")
     found += option_problems(grid, schedule=p.schedule, microbatches=p.microbatches,
                              virtual_stages=p.virtual_stages, remat=config.memory.remat,
                              memory_budget_gb=config.memory.budget_gb,

@@ -78,7 +78,8 @@ def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | Non
 
 
 def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None, positions=None,
-                     context_axis: str = "context", context_scheme: str = "ring"):
+                     context_axis: str = "context", context_scheme: str = "ring",
+                     replicated_rows: bool = False):
     """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`. q: `(rows, seq, heads,
     head_dim)`; k, v: `(rows, seq, kv_heads, head_dim)` with kv_heads dividing heads: query head
     `h` attends with key/value head `h // (heads / kv_heads)` (grouped-query attention; kv_heads =
@@ -89,7 +90,8 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
     document, positions restarting at each). Inside a shard_map manual over `context_axis`
     (more than one device) the sequence is split over it in the zig-zag layout and
     `context_scheme` (`ring`, `allgather`) attends across it (`parallel.context.attention`).
-    `implementation`: see `resolve`."""
+    `implementation`: see `resolve`. `replicated_rows`: q, k, v come from tensor-parallel layers
+    in the replicated layout (`tp.options.KernelOptions.replicated_rows`; `fully_manual`)."""
     context.check_scheme(context_scheme)
     if context.axis_size(context_axis) > 1:
         if implementation == "cudnn":
@@ -119,7 +121,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
                                            implementation="xla")
         return out.astype(q.dtype)
     if impl == "cudnn":
-        return fully_manual(_cudnn, q, k, v)
+        return fully_manual(_cudnn, q, k, v, replicated_rows)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
@@ -138,7 +140,7 @@ def _cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def fully_manual(core, q, k, v):
+def fully_manual(core, q, k, v, replicated_rows: bool = False):
     """`core(q, k, v)` (an attention core: cuDNN's) run in a shard_map manual over every axis of
     the mesh in context that is not manual yet: nested inside the train step's shard_map (manual
     over `data` or `pipe`), or at the top of a step that has none (`data` = 1 beside tensor axes;
@@ -147,15 +149,15 @@ def fully_manual(core, q, k, v):
     CUDA backend does (not for abstract H100s compiled from a CPU host), and lowers it as it is
     where every axis is manual: one mechanism for every grid. The nested specs are those
     `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
-    the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
-    these specs). With no mesh in context (a model called outside a step), every axis manual, or
-    one device (nothing to partition; the nested shard_map's VJP would run the forward again),
-    `core(q, k, v)` as it is."""
+    the built-in models (`_manual_specs`; `replicated_rows`: of a layer in the replicated layout);
+    inputs laid out otherwise are still correct (moved into these specs). With no mesh in context
+    (a model called outside a step), every axis manual, or one device (nothing to partition; the
+    nested shard_map's VJP would run the forward again), `core(q, k, v)` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.are_all_axes_manual or mesh.size == 1:
         return core(q, k, v)
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
-    q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape))
+    q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape), replicated_rows)
     groups = q.shape[2] // k.shape[2]
 
     def local(q, k, v):
@@ -169,7 +171,7 @@ def fully_manual(core, q, k, v):
                             out_specs=q_spec, axis_names=auto)(q, k, v)
 
 
-def _manual_specs(q, k, auto, sizes):
+def _manual_specs(q, k, auto, sizes, replicated_rows: bool = False):
     """(q's spec, k's and v's spec, the axis splitting the heads or None) over the `auto` axes:
     the layout of a normal layer's output in `tp.tensor` (batch over `depth`, and `col` where the
     layer keeps the batch split; heads over `row`), without the splits that do not divide. Key and
@@ -180,7 +182,8 @@ def _manual_specs(q, k, auto, sizes):
     if not {"depth", "row", "col"} <= set(sizes):  # not the tensor-parallel layout's mesh
         batch_axes = ()
     else:
-        batch_axes = ("depth", "col") if split_batch(q.shape, None, False) else ("depth",)
+        split = split_batch(q.shape, None, False, replicated_rows)
+        batch_axes = ("depth", "col") if split else ("depth",)
     batch_axes = tuple(a for a in batch_axes if a in auto and sizes[a] > 1)
     if q.shape[0] % math.prod(sizes[a] for a in batch_axes):
         batch_axes = ()

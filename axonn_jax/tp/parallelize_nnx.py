@@ -34,6 +34,7 @@ from . import layers_nnx
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
 from .conv import check_conv_options
+from .options import DEFAULT, KernelOptions
 from .rules import AsDense, Replicated, find_rule
 from .tensor import bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_dense_general
 
@@ -135,7 +136,7 @@ def _rule_call(rule: AsDense) -> Callable:
         bias = None if bias is None else bias[...]
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=getattr(self, "dtype", None))
         return tp_dense_general(x, kernel, bias, self._axonn_mesh, self._axonn_transpose,
-                                rule.in_ndim, rule.out_in)
+                                rule.in_ndim, rule.out_in, options=self._axonn_options)
     return __call__
 
 
@@ -209,9 +210,11 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
 # -- placement
 
 
-def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
+def _layer_specs(path, m, kind, flip, mesh, layout, notes,
+                 kernels: KernelOptions = DEFAULT) -> dict:
     """`{variable name: (one layer's shape, spec)}` for the layer `m`, switching its class to the
-    parallel one; `{}` (and a note) for a table or a convolution kernel the grid does not divide."""
+    parallel one (dense layers and tables run with the kernels' modes `kernels`); `{}` (and a
+    note) for a table or a convolution kernel the grid does not divide."""
     name = type(m).__name__
     if isinstance(kind, AsDense):
         kernel = getattr(m, kind.kernel, None)
@@ -223,7 +226,7 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
             else (layer[:kind.in_ndim], layer[kind.in_ndim:])
         specs = dense_placement(path, name, in_dims, out_dims, flip, kind.out_in, mesh)
         object.__setattr__(m, "__class__", _rule_class(type(m), kind))
-        m._axonn_mesh, m._axonn_transpose = mesh, flip
+        m._axonn_mesh, m._axonn_transpose, m._axonn_options = mesh, flip, kernels
         return {kind.kernel: specs["kernel"], **({kind.bias: specs["bias"]} if kind.bias else {})}
     if kind in _DENSE:
         in_dims, out_dims = (tuple(np.atleast_1d(m.in_features)), tuple(np.atleast_1d(m.out_features)))
@@ -255,6 +258,8 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
         return {"scale": ((features,), P(axis)), "bias": ((features,), P(axis))}
     object.__setattr__(m, "__class__", _under(type(m), _PARALLEL[kind], "Parallel"))
     m.mesh = mesh
+    if kind in _DENSE or kind is nnx.Embed:
+        m.options = kernels
     if kind in _DENSE or kind in _CONV:
         m.transpose = flip
     return specs
@@ -282,11 +287,12 @@ def _nnx_report(model, notes: dict, kept: list, mesh) -> _report.SplitReport:
 def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] | None = None,
                     rules: Mapping | None = None, report: bool | Callable = False,
                     max_replicated: int | None = None, example_args: tuple | None = None,
-                    example_kwargs: Mapping | None = None):
+                    example_kwargs: Mapping | None = None, kernels: KernelOptions = DEFAULT):
     """The tensor-parallel copy of the NNX `module` on `mesh` (see the module docstring).
 
     transpose: `{layer path: bool}` (paths like `'blocks/0/up'`) overriding the automatic choice.
-    rules / report / max_replicated: as for `axonn_jax.parallelize`.
+    rules / report / max_replicated / kernels: as for `axonn_jax.parallelize` (`kernels`: an
+    attribute of each dense layer and table, static in the graph definition).
     example_args / example_kwargs: inputs of `module.__call__` (arrays or ShapeDtypeStructs) from
     which the layout is traced; without them every dense layer not in `transpose` is normal.
     `module` is not changed; the copy's arrays are new shardings of its arrays (`jax.device_put`
@@ -308,7 +314,8 @@ def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] |
     notes: dict[str, str] = {}
     for path, (m, kind) in found.items():
         flip = layout.decisions.get(path, layout.overrides.get(path, False))
-        for name, (layer_shape, spec) in _layer_specs(path, m, kind, flip, mesh, layout, notes).items():
+        for name, (layer_shape, spec) in _layer_specs(path, m, kind, flip, mesh, layout, notes,
+                                                         kernels).items():
             var = getattr(m, name, None)
             if var is None:  # use_bias / use_scale off
                 continue

@@ -21,7 +21,6 @@ Choosing `transpose` follows the layout of activations through the trace (`axonn
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Callable, Mapping
 
@@ -41,7 +40,6 @@ from .rules import AsDense, Replicated, check_rules, find_rule
 from .tensor import (bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_attend,
                      tp_dense_general, tp_embed)
 
-_ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.InstanceNorm, nn.SpectralNorm,
                 nn.WeightNorm)
 _SUPPORTED_NAMES = ("nn.Dense, nn.DenseGeneral, nn.Embed (lookup and attend), nn.Conv, "
@@ -360,17 +358,10 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
     reported = []  # the report and notes come once per parallelized module
 
     def traced(call):
-        """`call()` under a fresh interceptor: (result, interceptor), or (result, None) when a
-        trace is already running (`init` calls `init_with_output`: intercept once)."""
-        if _ACTIVE.get():
-            return call(), None
+        """`call()` under a fresh interceptor: (result, interceptor)."""
         interceptor = _Interceptor(mesh, overrides, rules, kernels)
-        token = _ACTIVE.set(True)
-        try:
-            with nn.intercept_methods(interceptor):
-                return call(), interceptor
-        finally:
-            _ACTIVE.reset(token)
+        with nn.intercept_methods(interceptor):
+            return call(), interceptor
 
     def finish(interceptor, params):
         if not reported:
@@ -378,7 +369,7 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
             reported.append(True)
 
     def placed(variables, interceptor):
-        if interceptor is None or "params" not in variables:
+        if "params" not in variables:
             return variables
         variables = {**variables, "params": _box(variables["params"], interceptor)}
         finish(interceptor, variables["params"])
@@ -389,13 +380,15 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
         return y, placed(variables, interceptor)
 
     def init(self, *args, **kwargs):
-        return placed(*traced(lambda: base.init(self, *args, **kwargs)))
+        # Flax's `init` is `init_with_output`'s variables; calling the base's own keeps the
+        # trace under one interceptor (this class's `init_with_output` would add another)
+        (_, variables), interceptor = traced(lambda: base.init_with_output(self, *args, **kwargs))
+        return placed(variables, interceptor)
 
     def apply(self, variables, *args, **kwargs):
         variables = meta.unbox(variables)  # model code reading self.variables sees plain arrays
         out, interceptor = traced(lambda: base.apply(self, variables, *args, **kwargs))
-        if interceptor is not None:
-            finish(interceptor, variables.get("params", {}))
+        finish(interceptor, variables.get("params", {}))
         return out
 
     methods = {"init": init, "init_with_output": init_with_output, "apply": apply}

@@ -20,7 +20,6 @@ example inputs, a layer is normal unless the `transpose` overrides say otherwise
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Callable, Mapping
 
@@ -52,7 +51,6 @@ _UNSUPPORTED = (nnx.Einsum, nnx.BatchNorm, nnx.InstanceNorm, nnx.WeightNorm, nnx
 _SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.Conv, nnx.ConvTranspose, "
                     "nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, and modules given an AsDense or "
                     "Replicated rule")
-_TRACE = contextvars.ContextVar("axonn_nnx_trace", default=None)
 CLASS_CACHE = 256
 """Classes made per process (`_under`, `_rule_class`, `_tracing_rule`): one per user layer class
 (and rule) parallelized. The bound is far above what a program defines; were one evicted, a
@@ -146,8 +144,8 @@ def _rule_class(cls: type, rule: AsDense) -> type:
                                                       "__module__": cls.__module__})
 
 
-def _record(path: str, kind, x, y, attend: bool = False):
-    layout = _TRACE.get()
+def _record(layout: Layout, path: str, kind, x, y, attend: bool = False):
+    """Report the layer `path`'s call `x -> y` to the trace's `layout`; returns `y`."""
     if isinstance(kind, AsDense) or kind in _DENSE or kind in _CONV:
         layout.dense_output(y, layout.dense(path, x))
     elif kind is nnx.Embed:
@@ -158,12 +156,15 @@ def _record(path: str, kind, x, y, attend: bool = False):
 
 
 def _tracing_base(base):
-    """A subclass of the Flax layer `base` whose calls report to the active trace's `Layout`."""
+    """A subclass of the Flax layer `base` whose calls report to the `Layout` of the trace that
+    set the layer's `_axonn_layout`."""
     def __call__(self, x, *args, **kwargs):
-        return _record(self._axonn_path, base, x, base.__call__(self, x, *args, **kwargs))
+        return _record(self._axonn_layout, self._axonn_path, base, x,
+                       base.__call__(self, x, *args, **kwargs))
 
     def attend(self, query, *args, **kwargs):
-        return _record(self._axonn_path, base, query, base.attend(self, query, *args, **kwargs), True)
+        return _record(self._axonn_layout, self._axonn_path, base, query,
+                       base.attend(self, query, *args, **kwargs), True)
 
     methods = {"__call__": __call__, **({"attend": attend} if base is nnx.Embed else {})}
     return type(f"_Tracing{base.__name__}", (base,), methods)
@@ -175,7 +176,8 @@ _TRACING = {base: _tracing_base(base) for base in _FLAX}
 @functools.lru_cache(maxsize=CLASS_CACHE)
 def _tracing_rule(cls: type, rule: AsDense) -> type:
     def __call__(self, x, *args, **kwargs):
-        return _record(self._axonn_path, rule, x, cls.__call__(self, x, *args, **kwargs))
+        return _record(self._axonn_layout, self._axonn_path, rule, x,
+                       cls.__call__(self, x, *args, **kwargs))
     return type(f"_Tracing{cls.__name__}", (cls,), {"__call__": __call__})
 
 
@@ -196,12 +198,9 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
             cls = _tracing_rule(type(m), kind) if isinstance(kind, AsDense) \
                 else _under(type(m), _TRACING[kind], "_Tracing")
             object.__setattr__(m, "__class__", cls)
-            m._axonn_path = path  # static: survives the splits of nnx.scan / nnx.vmap
-        token = _TRACE.set(layout)
-        try:
-            model(*a, **k)
-        finally:
-            _TRACE.reset(token)
+            # static: survive the splits of nnx.scan / nnx.vmap (the layout compares by identity)
+            m._axonn_path, m._axonn_layout = path, layout
+        model(*a, **k)
 
     jax.eval_shape(call, state, [v for v, f in zip(leaves, is_array) if f])
     return layout

@@ -6,12 +6,13 @@ from .parallel.pipeline_module import pipeline
 from .run.distributed import init_distributed
 from .step import GradientReducer, StackedModel, TrainState, TrainStep, make_train_step
 from .tp import layers, layers_nnx
+from .tp.options import KernelOptions
 from .tp.parallelize import parallelize
 from .tp.report import SplitReport
 from .tp.rules import AsDense, Replicated
 
-__all__ = ["AXES", "AsDense", "GradientReducer", "ParallelConfig", "StackedModel", "TrainState",
-           "TrainStep",
+__all__ = ["AXES", "AsDense", "GradientReducer", "KernelOptions", "ParallelConfig", "StackedModel",
+           "TrainState", "TrainStep",
            "init_distributed", "layers", "layers_nnx", "make_mesh", "make_train_step",
            "parallelize", "pipeline", "Replicated", "simulate_cpu_devices", "SplitReport"]
 __version__ = "0.1.0"

@@ -158,7 +158,7 @@ class StepShape:
     make of their collectives (`gathered_bytes`, `tp.tensor.DenseLayer`)."""
     rings: bool = False
     """The tensor-parallel layers gather their rows in rings of permutes
-    (`tp.tensor.collective_matmuls`)."""
+    (`tp.options.KernelOptions.collective_matmuls`)."""
     expert_imbalance: float = 1.0
     """Tokens the busiest expert shard takes over the mean (`--expert-imbalance`): scales what
     the busiest device's ragged expert exchanges move (`parallel.experts.collectives`)."""

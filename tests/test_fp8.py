@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from axonn_jax import ParallelConfig, make_mesh
-from axonn_jax.tp.fp8 import fp8_matmuls
-from axonn_jax.tp.tensor import collective_matmuls, tp_dense
+from axonn_jax.tp.options import KernelOptions
+from axonn_jax.tp.tensor import tp_dense
 from axonn_jax.train import TrainOptions, train
 
 from conftest import PARITY, assert_steps_match
@@ -25,9 +25,10 @@ def qdq(a, dtype):
 
 
 def _dense_grads(mesh, x, w, b, transpose=False, rings=False):
+    options = KernelOptions(fp8=True, collective_matmuls=rings)
+
     def loss(x, w, b):
-        with fp8_matmuls(), collective_matmuls(rings):
-            return jnp.sum(jnp.sin(tp_dense(x, w, b, mesh, transpose)))
+        return jnp.sum(jnp.sin(tp_dense(x, w, b, mesh, transpose, options=options)))
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
     permutes = "collective-permute" in step.lower(x, w, b).as_text(dialect="hlo")

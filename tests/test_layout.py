@@ -84,3 +84,19 @@ def test_analysis_knows_no_model_type():
             if (dispatch or path.name == "comm_model.py") and any(c in text for c in configs):
                 found.append(f"{path.name}:{node.lineno} {text}")
     assert not found, found
+
+
+def test_no_context_variable_decides_what_is_traced():
+    """The kernels' modes (`tp.options.KernelOptions`) and the transforms' state are passed
+    explicitly: no module reads a `contextvars.ContextVar`, whose value at trace time would
+    change the program without being part of what `jax.jit` caches on."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(parse_python(path)):
+            names = [a.name for a in getattr(node, "names", [])] \
+                if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            if "contextvars" in names or getattr(node, "module", None) == "contextvars" or \
+                    (isinstance(node, ast.Attribute) and node.attr == "ContextVar") or \
+                    (isinstance(node, ast.Name) and node.id == "ContextVar"):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found

@@ -1,6 +1,8 @@
 """AxoNN's tensor-parallel matmul and embedding (`axonn_jax.tp.tensor`): outputs and every
 gradient equal the unsharded computation on each grid, and the compiled program holds exactly the
 collectives of the algorithm."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -10,8 +12,9 @@ from axonn_jax import ParallelConfig, make_mesh
 from axonn_jax._compat import shard_map, to_varying
 from axonn_jax.analysis import hlo
 from axonn_jax.analysis.hlo import collectives
-from axonn_jax.tp.tensor import (collective_matmuls, dense_specs, kernel_spec, looks_up_rows,
-                                 split_dims, tp_attend, tp_dense, tp_dense_general, tp_embed)
+from axonn_jax.tp.options import KernelOptions
+from axonn_jax.tp.tensor import (dense_specs, kernel_spec, looks_up_rows, split_batch, split_dims,
+                                 tp_attend, tp_dense, tp_dense_general, tp_embed)
 
 from conftest import relative_difference
 
@@ -56,8 +59,8 @@ def check_against_reference(value, grads, inputs):
         assert relative_difference(g, r) <= 1e-5, name
 
 
-def tp_loss(mesh):
-    return two_layers(lambda x, w, b, t: tp_dense(x, w, b, mesh, transpose=t),
+def tp_loss(mesh, options=KernelOptions()):
+    return two_layers(lambda x, w, b, t: tp_dense(x, w, b, mesh, transpose=t, options=options),
                       lambda tok, table: tp_embed(tok, table, mesh))
 
 
@@ -98,15 +101,16 @@ def test_tp_matches_reference_and_has_the_algorithms_collectives(grid, inputs, d
 
 @pytest.mark.parametrize("grid", [(4, 2, 1), (1, 4, 2)], ids=lambda g: "row%d_col%d_depth%d" % g)
 def test_collective_matmuls_match_reference_and_gather_rows_in_rings(grid, inputs, devices):
-    """`collective_matmuls`: the same values and gradients, and each of the four matmuls whose
-    input rows are gathered (both layers' forward and input gradient) gathers them in a ring of
-    n − 1 collective-permutes of one row block instead of an all-gather; its reduce-scatter stays."""
+    """`KernelOptions(collective_matmuls=True)`: the same values and gradients, and each of the
+    four matmuls whose input rows are gathered (both layers' forward and input gradient) gathers
+    them in a ring of n − 1 collective-permutes of one row block instead of an all-gather; its
+    reduce-scatter stays."""
     row, col, depth = grid
     mesh = make_mesh(ParallelConfig(row=row, col=col, depth=depth), devices)
-    with collective_matmuls():
-        step = jax.jit(jax.value_and_grad(tp_loss(mesh), argnums=DIFF_ARGS))
-        value, grads = step(*args(inputs))
-        text = step.lower(*args(inputs)).compile().as_text()
+    step = jax.jit(jax.value_and_grad(tp_loss(mesh, KernelOptions(collective_matmuls=True)),
+                                      argnums=DIFF_ARGS))
+    value, grads = step(*args(inputs))
+    text = step.lower(*args(inputs)).compile().as_text()
     check_against_reference(value, grads, inputs)
     shape = {"depth": depth, "row": row, "col": col}
     found = {}
@@ -277,32 +281,28 @@ def test_compiled_backward_leaves_room_for_overlap(devices):
     assert all(program[g.operands[0]].opcode == "parameter" for g in gathers)
 
 
-def test_replicated_rows_is_local_to_its_context():
-    """`replicated_rows` holds in the context that entered it (nested blocks included) and nowhere
-    else: a thread tracing at the same time keeps the split layout, and leaving the block restores
-    it (a module-global counter changed while tracing would leak into the thread)."""
-    import threading
+def test_kernel_options_are_static_and_part_of_the_jit_cache_key(inputs, devices):
+    """The modes reach the kernel as an argument, not from the context it is traced in: one
+    jitted function given other `KernelOptions` (static) compiles another program (FP8 operands,
+    rings of permutes, the replicated layout's all-reduces), the same ones reuse it."""
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    x, w = inputs["x"], inputs["w1"]
 
-    from axonn_jax.tp.tensor import replicated_rows, split_batch
+    @functools.partial(jax.jit, static_argnames="options")
+    def layer(x, w, options):
+        return tp_dense(x, w, None, mesh, options=options)
 
+    texts = {}
+    for options in (KernelOptions(), KernelOptions(fp8=True),
+                    KernelOptions(collective_matmuls=True), KernelOptions(replicated_rows=True),
+                    KernelOptions()):
+        texts[options] = layer.lower(x, w, options).as_text()  # StableHLO
+        layer(x, w, options)
+    assert layer._cache_size() == 4
+    plain = texts[KernelOptions()]
+    assert "f8E4M3FN" in texts[KernelOptions(fp8=True)] and "f8E4M3FN" not in plain
+    assert "collective_permute" in texts[KernelOptions(collective_matmuls=True)]
+    assert "collective_permute" not in plain
+    assert "all_reduce" in texts[KernelOptions(replicated_rows=True)] and "all_reduce" not in plain
     sizes = dict(data=1, pipe=1, depth=2, row=2, col=2)
-    seen = {}
-    entered, checked = threading.Event(), threading.Event()
-
-    def other():
-        entered.wait()
-        seen["thread"] = split_batch((8,), sizes)
-        checked.set()
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    assert split_batch((8,), sizes) and not split_batch((6,), sizes)
-    with replicated_rows():
-        with replicated_rows(False):  # a block that does not ask for it keeps the outer one
-            seen["nested"] = split_batch((8,), sizes)
-        entered.set()
-        checked.wait(10)
-        seen["inside"] = split_batch((8,), sizes)
-    thread.join()
-    assert seen == {"thread": True, "nested": False, "inside": False}
-    assert split_batch((8,), sizes)
+    assert split_batch((8,), sizes) and not split_batch((8,), sizes, replicated_rows=True)

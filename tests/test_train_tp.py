@@ -57,10 +57,10 @@ def test_tensor_parallel_composes_with_memory_modes(mode, devices, data_parallel
 
 def test_collective_matmuls_train_like_data_parallel(devices, data_parallel):
     """`--collective-matmul on`: every dense layer gathers its rows over row and col in rings of
-    permutes (`tp.tensor.collective_matmuls`), and the run follows the data-parallel one."""
+    permutes (`KernelOptions.collective_matmuls`), and the run follows the data-parallel one."""
     got = train(TrainOptions(**SHORT, collective_matmul="on",
                              parallel=ParallelConfig(data=2, row=2, col=2)), devices=devices)
-    assert got["trainer"].bound.compute.rings
+    assert got["trainer"].bound.kernels.collective_matmuls
     assert_trains_like(got, data_parallel())
 
 

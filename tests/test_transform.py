@@ -1,5 +1,7 @@
 """`axonn_jax.parallelize` on the GPT and small linen models: same parameter tree, parameters move
 both ways, outputs and gradients equal the original's, parameters created sharded, clear errors."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import axonn_jax
-from axonn_jax import ParallelConfig, make_mesh
+from axonn_jax import KernelOptions, ParallelConfig, make_mesh
 from axonn_jax.models import gpt
 from axonn_jax.tp.parallelize import transpose_plan
 
@@ -170,3 +172,41 @@ def test_replicated_rule_keeps_a_module_and_everything_inside_whole(devices):
         assert specs["params"]["blocks"][name]["kernel"] == jax.P()
         assert reports[0][f"blocks/{name}/kernel"].note == "kept whole by a Replicated rule"
     assert specs["params"]["head"]["lm_head"]["kernel"] == jax.P(("col", "depth"), "row")
+
+
+class _Wrapped(nn.Module):
+    """A dense layer inside a module that asks for the replicated layout (or not)."""
+
+    tp_replicated_rows: bool
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(x)
+
+
+def test_kernel_options_are_fixed_in_the_parallel_module(reference, devices):
+    """`parallelize(..., kernels=...)` fixes the kernels' modes in the module it returns, with no
+    context around the call: a jitted function taking the module as a static argument compiles one
+    program per module, FP8 operands only where asked. A module whose `tp_replicated_rows` is True
+    runs the layers inside it in the replicated layout (all-reduces instead of reduce-scatters)."""
+    model, params, _ = reference
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def logits(module, p, tokens):
+        return module.apply({"params": p}, tokens)
+
+    texts = []
+    for kernels in (KernelOptions(), KernelOptions(fp8=True)):
+        module = axonn_jax.parallelize(model, mesh, kernels=kernels)
+        texts.append(logits.lower(module, params, TOKENS[:, :-1]).as_text())
+        logits(module, params, TOKENS[:, :-1])
+    assert logits._cache_size() == 2
+    assert "f8E4M3FN" not in texts[0] and "f8E4M3FN" in texts[1]
+
+    x = jnp.ones((8, 4, 32))
+    for replicated in (False, True):
+        module = axonn_jax.parallelize(_Wrapped(replicated), mesh)
+        p = nn.unbox(module.init(jax.random.key(0), x))
+        text = jax.jit(module.apply).lower(p, x).as_text()
+        assert ("all_reduce" in text, "reduce_scatter" in text) == (replicated, not replicated)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import axonn_jax
-from axonn_jax import ParallelConfig, layers_nnx, make_mesh
+from axonn_jax import KernelOptions, ParallelConfig, layers_nnx, make_mesh
 from axonn_jax.analysis.hlo import collectives
 from axonn_jax.tp.tensor import kernel_spec
 from axonn_jax.tp.parallelize import transpose_plan
@@ -298,3 +298,18 @@ def test_rules_are_checked(devices):
     mesh = make_mesh(ParallelConfig(row=2, col=4), devices)
     with pytest.raises(TypeError, match="rules\\['up'\\] must be AsDense\\(...\\) or Replicated\\(\\)"):
         axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh, rules={"up": "replicated"})
+
+
+def test_kernel_options_are_static_in_the_graph_definition(devices):
+    """`parallelize(..., kernels=...)` gives each dense layer its kernels' modes as a static
+    attribute: the graph definitions differ (so `jax.jit` of the split model caches on them), and
+    the program computes FP8 GEMMs only where asked, with no context around the call."""
+    mesh = make_mesh(ParallelConfig(row=2, col=2, depth=2), devices)
+    graphdefs, texts = [], []
+    for kernels in (KernelOptions(), KernelOptions(fp8=True)):
+        graphdef, state = nnx.split(axonn_jax.parallelize(MLP(nnx.Rngs(0)), mesh, kernels=kernels,
+                                                          example_args=(X,)))
+        graphdefs.append(graphdef)
+        texts.append(jax.jit(lambda s: nnx.merge(graphdef, s)(X)).lower(state).as_text())
+    assert graphdefs[0] != graphdefs[1]
+    assert "f8E4M3FN" not in texts[0] and "f8E4M3FN" in texts[1]

@@ -109,7 +109,8 @@ def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | Non
 
 
 def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None, positions=None,
-                     context_axis: str = "context", context_scheme: str = "ring"):
+                     context_axis: str = "context", context_scheme: str = "ring",
+                     replicated_rows: bool = False):
     """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`.
 
     Query head `h` attends with key/value head `h // (heads / kv_heads)` (grouped-query
@@ -130,6 +131,8 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
       positions: `(rows, seq)` integer true positions, or None (positions in order).
       context_axis: the mesh axis that splits the sequence inside a manual shard_map.
       context_scheme: the context-parallel scheme, a name in `parallel.context.SCHEMES`.
+      replicated_rows: q, k, v come from tensor-parallel layers in the replicated layout
+        (`tp.options.KernelOptions.replicated_rows`; `fully_manual`).
 
     Returns:
       The attended values, shape `(rows, seq, heads, head_dim)`, in q's dtype.
@@ -167,7 +170,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
                                            implementation="xla")
         return out.astype(q.dtype)
     if impl == "cudnn":
-        return fully_manual(_cudnn, q, k, v)
+        return fully_manual(_cudnn, q, k, v, replicated_rows)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
@@ -194,7 +197,7 @@ def _cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def fully_manual(core, q, k, v):
+def fully_manual(core, q, k, v, replicated_rows: bool = False):
     """`core(q, k, v)` run in a shard_map manual over every mesh axis that is not manual yet.
 
     The shard_map is nested inside the train step's shard_map (manual over `data` or `pipe`), or
@@ -204,16 +207,18 @@ def fully_manual(core, q, k, v):
     CUDA backend does (not for abstract H100s compiled from a CPU host), and lowers it as it is
     where every axis is manual: one mechanism for every grid. The nested specs are those
     `tp.tensor` gives the output of a normal (non-transposed) layer, which q, k and v are in
-    the built-in models (`_manual_specs`); inputs laid out otherwise are still correct (moved into
-    these specs). With no mesh in context (a model called outside a step), every axis manual, or
-    one device (nothing to partition; the nested shard_map's VJP would run the forward again),
-    `core(q, k, v)` as it is.
+    the built-in models (`_manual_specs`; `replicated_rows`: of a layer in the replicated
+    layout); inputs laid out otherwise are still correct (moved into these specs). With no mesh
+    in context (a model called outside a step), every axis manual, or one device (nothing to
+    partition; the nested shard_map's VJP would run the forward again), `core(q, k, v)` as it
+    is.
 
     Args:
       core: an attention core `(q, k, v) -> out` (cuDNN's).
       q: queries, shape `(rows, seq, heads, head_dim)`.
       k: keys, shape `(rows, seq, kv_heads, head_dim)`.
       v: values, shaped like `k`.
+      replicated_rows: the inputs come from a layer in the replicated layout.
 
     Returns:
       `core`'s output, shape `(rows, seq, heads, head_dim)`, in q's nested spec: rows over
@@ -224,7 +229,7 @@ def fully_manual(core, q, k, v):
     if mesh.empty or mesh.are_all_axes_manual or mesh.size == 1:
         return core(q, k, v)
     auto = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
-    q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape))
+    q_spec, kv_spec, heads_axis = _manual_specs(q, k, auto, dict(mesh.shape), replicated_rows)
     groups = q.shape[2] // k.shape[2]
 
     def local(q, k, v):
@@ -238,7 +243,7 @@ def fully_manual(core, q, k, v):
                             out_specs=q_spec, axis_names=auto)(q, k, v)
 
 
-def _manual_specs(q, k, auto, sizes):
+def _manual_specs(q, k, auto, sizes, replicated_rows: bool = False):
     """(q's spec, k's and v's spec, the axis splitting the heads or None) over the `auto` axes:
     the layout of a normal layer's output in `tp.tensor` (batch over `depth`, and `col` where the
     layer keeps the batch split; heads over `row`), without the splits that do not divide. Key and
@@ -249,7 +254,8 @@ def _manual_specs(q, k, auto, sizes):
     if not {"depth", "row", "col"} <= set(sizes):  # not the tensor-parallel layout's mesh
         batch_axes = ()
     else:
-        batch_axes = ("depth", "col") if split_batch(q.shape, None, False) else ("depth",)
+        split = split_batch(q.shape, None, False, replicated_rows)
+        batch_axes = ("depth", "col") if split else ("depth",)
     batch_axes = tuple(a for a in batch_axes if a in auto and sizes[a] > 1)
     if q.shape[0] % math.prod(sizes[a] for a in batch_axes):
         batch_axes = ()

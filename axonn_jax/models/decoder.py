@@ -21,7 +21,7 @@ class DecoderShape:
         `transpose`, with the stage's `layers` blocks (`DenseLayer`s), then the output head
         (layers 0; with `tied`, its matrix is the token table).
       replicated: per-block parts GSPMD lays out, next to which the dense layers keep activations
-        whole over `row` (`tp.tensor.replicated_rows`; a Llama's key/value projections when
+        whole over `row` (`KernelOptions.replicated_rows`; a Llama's key/value projections when
         their heads do not divide over `row`).
     """
 

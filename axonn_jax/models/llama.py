@@ -36,7 +36,7 @@ from ..collectives import Collective, ModelCommunication, ParameterShard, StepSh
 from ..config import ParallelConfig, check_divisible
 from ..parallel import context
 from ..step.model import StackedModel
-from ..tp.tensor import DenseLayer, replicated_rows
+from ..tp.tensor import DenseLayer
 from . import attention, decoder, hf
 from .gpt import check_length, cross_entropy, output_logits
 
@@ -477,6 +477,13 @@ class Block(nn.Module):
     dtype: Any = jnp.float32
     replicate_kv: bool = False
 
+    @property
+    def tp_replicated_rows(self) -> bool:
+        """Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
+        activations whole over `row` (`tp.options.KernelOptions.replicated_rows`: `parallelize`
+        reads it)."""
+        return self.replicate_kv
+
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None):
         c = self.config
@@ -491,18 +498,16 @@ class Block(nn.Module):
                     rope_at(true_positions, c.head_dim, c.rope_theta, c.rope_scaling))
         heads = lambda y, n, name: checkpoint_name(y, name).reshape(b, t, n, c.head_dim)  # noqa: E731
 
-        # Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
-        # activations whole over `row` (`tp.tensor.replicated_rows`).
-        with replicated_rows(self.replicate_kv):
-            h = norm("attn_norm")(x)  # no checkpoint_name here: see gpt.Block
-            q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
-            k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
-            v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
-            y = attention.causal_attention(q, k, v, c.attention, segment_ids=segment_ids,
-                                           positions=positions, context_scheme=c.context_attention)
-            y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
-            x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
-            return self.mlp(x, norm("mlp_norm")(x))
+        h = norm("attn_norm")(x)  # no checkpoint_name here: see gpt.Block
+        q = apply_rope(heads(dense(c.q_features, "q_proj")(h), c.num_heads, "q"), cos, sin)
+        k = apply_rope(heads(kv_dense(c.kv_features, "k_proj")(h), c.num_kv_heads, "k"), cos, sin)
+        v = heads(kv_dense(c.kv_features, "v_proj")(h), c.num_kv_heads, "v")
+        y = attention.causal_attention(q, k, v, c.attention, segment_ids=segment_ids,
+                                       positions=positions, context_scheme=c.context_attention,
+                                       replicated_rows=self.replicate_kv)
+        y = checkpoint_name(y.reshape(b, t, c.q_features), "attn")
+        x = x + checkpoint_name(dense(c.d_model, "o_proj")(y), "attn_proj")
+        return self.mlp(x, norm("mlp_norm")(x))
 
     def mlp(self, x, h):
         """The block's second half, `x + SwiGLU(h)` with `h = mlp_norm(x)`.
@@ -537,6 +542,11 @@ class Head(nn.Module):
     dtype: Any = jnp.float32
     replicate_kv: bool = False
 
+    @property
+    def tp_replicated_rows(self) -> bool:
+        """The output layer keeps the blocks' layout (`Block.tp_replicated_rows`)."""
+        return self.replicate_kv
+
     def setup(self):
         self.norm = nn.RMSNorm(epsilon=self.config.norm_eps, dtype=self.dtype)
         if not self.config.tie_embeddings:
@@ -552,8 +562,7 @@ class Head(nn.Module):
         Returns:
           float32 logits, shape `(b, t, vocab)`.
         """
-        with replicated_rows(self.replicate_kv):
-            return output_logits(self, self.norm(x), table)
+        return output_logits(self, self.norm(x), table)
 
     def __call__(self, x, batch, embed_params=None):
         table = None if embed_params is None else embed_params["tokens"]["embedding"]

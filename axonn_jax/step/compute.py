@@ -7,7 +7,6 @@ Every gradient engine, the in-process ones (`step.engines`) and the message-driv
 alike, computes through these."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -17,8 +16,6 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import ensure_varying
 from ..parallel import exchange
-from ..tp.fp8 import fp8_matmuls
-from ..tp.tensor import collective_matmuls
 from .gathers import unbatched_gathers
 from .model import ModelFunctions, scan_layers
 
@@ -52,8 +49,8 @@ def aux_metrics(aux: dict) -> dict:
 class ComputeFunctions:
     """`fns` in `dtype` with the block groups `groups` (`((count, wrap), ...)`: how
     `step.model.scan_layers` wraps runs of layers, e.g. in `jax.checkpoint` with a policy; None
-    keeps every layer as it is); `fp8`: the tensor-parallel dense layers run FP8 GEMMs (`tp.fp8`;
-    `fns` bound with `fp8`); `rings`: they gather their rows in rings (`tp.tensor.collective_matmuls`).
+    keeps every layer as it is). The modes of the tensor-parallel kernels (FP8 GEMMs, gathers in
+    rings) are those `fns` was bound with (`StackedModel.bind`'s `kernels`).
 
         embed(params['embed'], batch) -> x            x: (rows, ...) in `activation_dtype`
         blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
@@ -83,8 +80,6 @@ class ComputeFunctions:
     """Whether the stack's backward is written by hand without an exchange, so that each
     layer's activations offloaded to host memory are fetched while the layer above runs its
     backward (`step.layer_exchange`; with `vary_layers` they always are)."""
-    fp8: bool = False
-    rings: bool = False
 
     @property
     def _layer_specs(self):
@@ -93,56 +88,45 @@ class ComputeFunctions:
         return jax.tree.map(lambda s: P(*s[1:]), self.fns.specs["blocks"],
                             is_leaf=lambda s: isinstance(s, P))
 
-    @contextlib.contextmanager
-    def _kernels(self):
-        """The modes of the tensor-parallel kernels traced within: FP8 GEMMs, gathers in rings."""
-        with fp8_matmuls(self.fp8), collective_matmuls(self.rings):
-            yield
-
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
 
     def embed(self, params, batch):
-        with self._kernels():
-            def embed(p, b):
-                x = self.fns.embed(cast_floating(p, self.dtype), b)
-                return x.astype(activation_dtype(x.dtype, self.dtype))
+        def embed(p, b):
+            x = self.fns.embed(cast_floating(p, self.dtype), b)
+            return x.astype(activation_dtype(x.dtype, self.dtype))
 
-            return unbatched_gathers(embed)(params, batch)
+        return unbatched_gathers(embed)(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None):
         """The stack on `x` with the plan's groups (or `groups`); `layer_state`: the per-layer
         state and key of `layer_stages` (`(state stacks or None, key or None)`)."""
         groups = self.groups if groups is None else groups
-        with self._kernels():
-            if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
-                (axis,) = self.vary_layers
-                if self.layer_stages is None:
-                    stages = exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs)
-                else:
-                    stages = self.layer_stages(axis, self._layer_specs)
-                    layer_state = (None, None) if layer_state is None else layer_state
-                prepare = lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)  # noqa: E731
-            elif self.fetch_ahead:
-                stages, prepare = (lambda g: g), (lambda p: cast_floating(p, self.dtype))
+        if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
+            (axis,) = self.vary_layers
+            if self.layer_stages is None:
+                stages = exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs)
             else:
-                return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
-                    cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(
-                        stacked, x, batch)
+                stages = self.layer_stages(axis, self._layer_specs)
+                layer_state = (None, None) if layer_state is None else layer_state
+            prepare = lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)  # noqa: E731
+        elif self.fetch_ahead:
+            stages, prepare = (lambda g: g), (lambda p: cast_floating(p, self.dtype))
+        else:
+            return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
+                cast_floating(s, self.dtype), x, groups, self.fns.model.side(b)))(stacked, x, batch)
 
-            # The custom backward traces each layer itself: its gathers are rewritten there.
-            def block(p, h, **side):
-                return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(
-                    p, h, side)
+        # The custom backward traces each layer itself: its gathers are rewritten there.
+        def block(p, h, **side):
+            return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(p, h, side)
 
-            return unbatched_gathers(lambda s, x, b, st: scan_layers(
-                block, s, x, groups, self.fns.model.side(b), exchange=stages, prepare=prepare,
-                layer_state=st))(stacked, x, batch, layer_state)
+        return unbatched_gathers(lambda s, x, b, st: scan_layers(
+            block, s, x, groups, self.fns.model.side(b), exchange=stages, prepare=prepare,
+            layer_state=st))(stacked, x, batch, layer_state)
 
     def head(self, head_params, y, batch):
-        with self._kernels():
-            return unbatched_gathers(lambda p, y, b: self.fns.head(
-                cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
+        return unbatched_gathers(lambda p, y, b: self.fns.head(
+            cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 
     def loss_and_metrics(self, params, batch, layer_state=None):
         """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics).

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from .layer_exchange import layer_runs, scan_exchanging, scan_runs
 
 from ..parallel import context as context_lib
+from ..tp.options import DEFAULT, KernelOptions
 from ..tp.parallelize import parallelize
 
 PARTS = ("embed", "blocks", "head")
@@ -86,9 +87,10 @@ class _LinenPart:
         with nn.intercept_methods(_refuse_flax_attention_over_context):
             return self.module.apply({"params": params}, *args, **kwargs)
 
-    def parallelize(self, mesh, *args, **kwargs):
-        """(the tensor-parallel part, PartitionSpecs of its parameters over the tensor axes)."""
-        part = _LinenPart(parallelize(self.module, mesh), self.name)
+    def parallelize(self, mesh, kernels: KernelOptions, *args, **kwargs):
+        """(the tensor-parallel part, its layers run with the kernels' modes `kernels`;
+        PartitionSpecs of its parameters over the tensor axes)."""
+        part = _LinenPart(parallelize(self.module, mesh, kernels=kernels), self.name)
         return part, part.specs(*args, **kwargs)
 
     def specs(self, *args, **kwargs):
@@ -139,8 +141,9 @@ class _NnxPart:
     def apply(self, params, *args, **kwargs):
         return self.module(params)(*args, **kwargs)
 
-    def parallelize(self, mesh, *args, **kwargs):
-        tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args)
+    def parallelize(self, mesh, kernels: KernelOptions, *args, **kwargs):
+        tp = parallelize(nnx.merge(self.graphdef, self.abstract), mesh, example_args=args,
+                         kernels=kernels)
         graphdef, abstract = nnx.split(tp, nnx.Param)
         part = _NnxPart(graphdef, abstract, self.values, self.name)
         return part, part.specs()
@@ -284,25 +287,25 @@ class StackedModel:
         """
         return ModelFunctions.of(self, _abstract(batch)).loss(params, batch)
 
-    def bind(self, example_batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
+    def bind(self, example_batch, mesh=None, kernels: KernelOptions = DEFAULT) -> "ModelFunctions":
         """The model's functions for batches shaped like `example_batch`.
 
         Tensor-parallel over `mesh`'s `depth, row, col` axes when they hold more than one
-        device, or when `fp8` (the FP8 GEMMs are the tensor-parallel kernel's, `tp.fp8`: run
-        under `fp8_matmuls`).
+        device, or when `kernels.fp8` (the FP8 GEMMs are the tensor-parallel kernel's,
+        `tp.fp8`); the tensor-parallel layers run with the modes `kernels`.
 
         Args:
           example_batch: a batch of arrays or ShapeDtypeStructs, each with a leading batch axis.
           mesh: the mesh (`make_mesh`), or None for the plain modules.
-          fp8: run the dense layers' FP8 kernel.
+          kernels: the tensor-parallel kernels' modes (`tp.options.KernelOptions`).
 
         Returns:
           The `ModelFunctions`.
 
         Raises:
-          ValueError: with `fp8` and a mesh without the axes `depth, row, col`.
+          ValueError: with `kernels.fp8` and a mesh without the axes `depth, row, col`.
         """
-        return ModelFunctions.of(self, _abstract(example_batch), mesh, fp8)
+        return ModelFunctions.of(self, _abstract(example_batch), mesh, kernels)
 
 
 def split_aux(out) -> tuple[Any, dict]:
@@ -399,24 +402,26 @@ class ModelFunctions:
     init: Callable  # key -> params (the plain modules: identical values on every grid)
 
     @classmethod
-    def of(cls, model: StackedModel, batch, mesh=None, fp8: bool = False) -> "ModelFunctions":
+    def of(cls, model: StackedModel, batch, mesh=None,
+           kernels: KernelOptions = DEFAULT) -> "ModelFunctions":
         """The functions of `model` for batches shaped like `batch` (`StackedModel.bind`).
 
         Tensor-parallel (`axonn_jax.parallelize`) when `mesh` has the axes `depth, row, col` and
-        they hold more than one device, or when `fp8`; else only what the modules' metadata
-        splits (with a mesh, limited to its axes that hold more than one device).
+        they hold more than one device, or when `kernels.fp8`; else only what the modules'
+        metadata splits (with a mesh, limited to its axes that hold more than one device).
 
         Args:
           model: the model.
           batch: a batch of ShapeDtypeStructs, each with a leading batch axis.
           mesh: the mesh, or None.
-          fp8: run the dense layers' FP8 kernel (needs the tensor axes).
+          kernels: the tensor-parallel kernels' modes (`tp.options.KernelOptions`; its FP8
+            kernel needs the tensor axes).
 
         Returns:
           The `ModelFunctions`.
 
         Raises:
-          ValueError: with `fp8` and a mesh without the axes `depth, row, col`.
+          ValueError: with `kernels.fp8` and a mesh without the axes `depth, row, col`.
         """
         embed, block, head = model._parts
         init_parts = (embed, block, head)
@@ -426,14 +431,16 @@ class ModelFunctions:
         head_extra = (e_abs,) if model.head_reads_embed else ()
         specs = None
         has_axes = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col"))
-        if fp8 and not has_axes:
+        if kernels.fp8 and not has_axes:
             raise ValueError("fp8 runs the dense layers' tensor-parallel kernel: it needs a mesh "
                              "with axes depth, row, col (make_mesh)")
-        tensor = has_axes and (fp8 or mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1)
+        tensor = has_axes and (kernels.fp8 or
+                               mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1)
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
-                embed.parallelize(mesh, batch), block.parallelize(mesh, x, **side),
-                head.parallelize(mesh, x, batch, *head_extra))
+                embed.parallelize(mesh, kernels, batch),
+                block.parallelize(mesh, kernels, x, **side),
+                head.parallelize(mesh, kernels, x, batch, *head_extra))
             specs = {"embed": e_spec, "blocks": jax.tree.map(lambda s: P(None, *s), b_spec,
                                                              is_leaf=lambda s: isinstance(s, P)),
                      "head": h_spec}

@@ -35,6 +35,7 @@ from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import compression, context as context_lib, exchange, pipeline as pipeline_lib
+from ..tp.options import KernelOptions
 from ..tp.tensor import collective_matmuls_on
 from . import hosted, xla_options
 from .compute import ComputeFunctions, activation_dtype
@@ -162,7 +163,7 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
         (XLA's defaults).
       collective_matmul: `auto` (on for GPU meshes without fp8) | `on` | `off`: the
         tensor-parallel layers gather their input rows in rings interleaved with the matmul
-        (`tp.tensor.collective_matmuls`).
+        (`tp.options.KernelOptions.collective_matmuls`).
 
     Args:
       model: the model.
@@ -715,7 +716,7 @@ class BoundStep:
                    num_layers=parts.model.num_layers)
         if grid.context > 1:
             check_sequences(batch, grid.context)
-        self.fns: ModelFunctions = parts.model.bind(batch, mesh, o.fp8)
+        self.fns: ModelFunctions = parts.model.bind(batch, mesh, self.kernels)
         self.compute_dtype = DTYPES[o.dtype]
         self.scaler = loss_scaler(o.dtype)
         self.specs = self._param_specs()
@@ -729,6 +730,16 @@ class BoundStep:
 
     # ------------------------------------------------------------------ pieces
 
+    @property
+    def kernels(self) -> KernelOptions:
+        """The modes of the model's tensor-parallel kernels (`tp.options.KernelOptions`).
+
+        FP8 GEMMs with `fp8`; gathers in rings as `collective_matmul` decides on this mesh.
+        """
+        o = self.parts.options
+        rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
+        return KernelOptions(fp8=o.fp8, collective_matmuls=rings)
+
     def compute_with(self, plan: activations.Plan | None) -> ComputeFunctions:
         """The model's functions in the compute dtype, its blocks run with `plan`.
 
@@ -739,9 +750,7 @@ class BoundStep:
           The `ComputeFunctions`, with the step's fp8 and collective-matmul options.
         """
         groups = plan.layer_groups(self.model.offload_names) if plan else None
-        o = self.parts.options
-        rings = collective_matmuls_on(o.collective_matmul, mesh_platform(self.parts.mesh), o.fp8)
-        return ComputeFunctions(self.fns, self.compute_dtype, groups=groups, fp8=o.fp8, rings=rings,
+        return ComputeFunctions(self.fns, self.compute_dtype, groups=groups,
                                 fetch_ahead=plan is not None and "offload" in plan.decisions)
 
     def _engine(self, compute: ComputeFunctions):

@@ -17,13 +17,11 @@ two scales applied to its result (`dot`). Written so rather than as a dot of deq
 compiled for H100, XLA fuses such a dequantization into a bf16 GEMM (measured), while a dot of
 float8 operands stays an FP8 GEMM.
 
-`fp8_matmuls()` is a context manager, read when a layer is traced: the train step traces its
-forward inside it with `--fp8`; user code may do the same around a `parallelize`d model.
+A layer runs in FP8 when its `KernelOptions` say so (`tp.options`, `fp8=True`): the train step
+passes them to its model with `--fp8`; user code passes them to `parallelize(..., kernels=...)`
+or to the layers of `tp.layers` / `tp.layers_nnx`.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +37,6 @@ BACKWARD = jnp.float8_e5m2
 TOKEN_AXES = ("data", "expert", "context")
 """The manual mesh axes of an enclosing step that may split a tensor's tokens: its amax is taken
 over those it varies over. Never `pipe`: each stage's tensors are other layers' tensors."""
-
-_FP8 = contextvars.ContextVar("axonn_fp8_matmuls", default=False)
-
-
-@contextlib.contextmanager
-def fp8_matmuls(enabled: bool = True):
-    """Within it (when `enabled`), `tp_dense` layers traced run their GEMMs in FP8."""
-    token = _FP8.set(_FP8.get() or bool(enabled))
-    try:
-        yield
-    finally:
-        _FP8.reset(token)
-
-
-def fp8_enabled() -> bool:
-    """Whether `tp_dense` layers traced now run in FP8 (inside `fp8_matmuls`)."""
-    return _FP8.get()
 
 
 def scale(x, q_dtype, axes: tuple[str, ...]):

@@ -17,18 +17,21 @@ import jax
 import jax.numpy as jnp
 
 from ..collectives import FP32, Collective, ParameterShard, StepShape
+from .options import DEFAULT, KernelOptions
 from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
 
 _default_kernel_init = nn.initializers.lecun_normal()
 _default_embed_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 
 
-def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
+def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool,
+               options: KernelOptions = DEFAULT):
     """Create (or read) `m`'s `kernel (in, features)` and `bias (features,)` and apply `tp_dense`.
 
     `m` is a linen module inside its own method, with the attributes of `nn.Dense` (`use_bias,
     dtype, param_dtype, kernel_init, bias_init, precision`). x: `(batch, ..., in)`, features split
     over `col` (`row` when `transpose`); returns `(batch, ..., features)` split over `row` (`col`).
+    `options`: the kernel's modes (`tp.options.KernelOptions`).
     """
     kernel = m.param("kernel", nn.with_partitioning(m.kernel_init, tuple(kernel_spec(transpose))),
                      (x.shape[-1], features), m.param_dtype)
@@ -37,7 +40,7 @@ def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool):
         bias = m.param("bias", nn.with_partitioning(m.bias_init, tuple(bias_spec(transpose))),
                        (features,), m.param_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=m.dtype)
-    return tp_dense(x, kernel, bias, mesh, transpose)
+    return tp_dense(x, kernel, bias, mesh, transpose, options=options)
 
 
 def embed_param(m: nn.Module):
@@ -150,7 +153,8 @@ class Dense(nn.Module):
     Normal: input features over `col`, output over `row`; `transpose=True` swaps them, so a normal
     layer followed by a transposed one needs no re-layout. The kernel is further split over `depth`
     (all-gathered just before use) and the batch over `depth`. `mesh`: the device mesh (axes
-    `depth, row, col` at least).
+    `depth, row, col` at least). `options`: the kernel's modes (`tp.options.KernelOptions`: FP8
+    GEMMs, gathers in rings, the replicated layout).
     """
 
     features: int
@@ -161,10 +165,11 @@ class Dense(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Callable = _default_kernel_init
     bias_init: Callable = nn.initializers.zeros_init()
+    options: KernelOptions = DEFAULT
 
     @nn.compact
     def __call__(self, x):
-        return dense_call(self, x, self.features, self.mesh, self.transpose)
+        return dense_call(self, x, self.features, self.mesh, self.transpose, self.options)
 
 
 class Embed(nn.Module):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .conv import check_conv_options, conv_apply
+from .options import DEFAULT, KernelOptions
 from .tensor import (bias_spec, conv_kernel_spec, dense_specs, embed_spec, kernel_spec, tp_attend,
                      tp_dense, tp_dense_general, tp_embed)
 
@@ -31,32 +32,34 @@ def _tuple(x) -> tuple:
 class Dense(nnx.Linear):
     """Tensor-parallel `nnx.Linear`: `x (batch, ..., in)` -> `(batch, ..., out)`; input features
     over `col` and output over `row` (`transpose=True` swaps them); kernel also split over `depth`,
-    batch over `depth`. See `axonn_jax.tp.tensor.tp_dense`."""
+    batch over `depth`. `options`: the kernel's modes (`tp.options.KernelOptions`). See
+    `axonn_jax.tp.tensor.tp_dense`."""
 
     def __init__(self, in_features: int, out_features: int, *, mesh, transpose: bool = False,
-                 rngs: nnx.Rngs, **kwargs):
+                 options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
         super().__init__(in_features, out_features, rngs=rngs,
                          kernel_metadata={"out_sharding": tuple(kernel_spec(transpose)), "mesh": mesh},
                          bias_metadata={"out_sharding": tuple(bias_spec(transpose)), "mesh": mesh},
                          **kwargs)
-        self.mesh, self.transpose = mesh, transpose
+        self.mesh, self.transpose, self.options = mesh, transpose, options
 
     def __call__(self, x, out_sharding=None):
         _no_out_sharding(self, out_sharding)
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        return tp_dense(x, kernel, bias, self.mesh, self.transpose)
+        return tp_dense(x, kernel, bias, self.mesh, self.transpose, options=self.options)
 
 
 class DenseGeneral(nnx.LinearGeneral):
     """Tensor-parallel `nnx.LinearGeneral` without `batch_axis`: `x` contracted over `axis` with a
     kernel `(*in_features, *out_features)` -> `(..., *out_features)`. Split like `Dense` over the
     flattened features, the mesh axes on the leading feature dims (attention's query projection,
-    kernel `(d_model, heads, head_dim)`: heads over `row`). See `tensor.tp_dense_general`."""
+    kernel `(d_model, heads, head_dim)`: heads over `row`). `options`: as `Dense`'s. See
+    `tensor.tp_dense_general`."""
 
     def __init__(self, in_features, out_features, *, mesh, transpose: bool = False,
-                 rngs: nnx.Rngs, **kwargs):
+                 options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
         specs = dense_specs(_tuple(in_features), _tuple(out_features), dict(mesh.shape), transpose)
         if specs is None:
             raise ValueError(f"DenseGeneral: features {in_features} -> {out_features} cannot be "
@@ -64,7 +67,7 @@ class DenseGeneral(nnx.LinearGeneral):
         super().__init__(in_features, out_features, rngs=rngs,
                          kernel_metadata={"out_sharding": tuple(specs[0]), "mesh": mesh},
                          bias_metadata={"out_sharding": tuple(specs[1]), "mesh": mesh}, **kwargs)
-        self.mesh, self.transpose = mesh, transpose
+        self.mesh, self.transpose, self.options = mesh, transpose, options
 
     def __call__(self, x, out_sharding=None):
         _no_out_sharding(self, out_sharding)
@@ -77,18 +80,21 @@ class DenseGeneral(nnx.LinearGeneral):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         x, kernel, bias = self.promote_dtype((x, kernel, bias), dtype=self.dtype)
-        return tp_dense_general(x, kernel, bias, self.mesh, self.transpose, len(axis))
+        return tp_dense_general(x, kernel, bias, self.mesh, self.transpose, len(axis),
+                                options=self.options)
 
 
 class Embed(nnx.Embed):
     """Vocabulary-parallel `nnx.Embed`: table vocab over (`row`, `depth`), features over `col`;
     `tokens (batch, ...)` -> `(batch, ..., features)` over `col` (zeros for out-of-range tokens);
-    `attend(query)` -> `(batch, ..., vocab)` over `row` (a tied output head, `tp_attend`)."""
+    `attend(query)` -> `(batch, ..., vocab)` over `row` (a tied output head, `tp_attend`, run
+    with `options`: `tp.options.KernelOptions`)."""
 
-    def __init__(self, num_embeddings: int, features: int, *, mesh, rngs: nnx.Rngs, **kwargs):
+    def __init__(self, num_embeddings: int, features: int, *, mesh,
+                 options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
         super().__init__(num_embeddings, features, rngs=rngs,
                          embedding_metadata={"out_sharding": tuple(embed_spec()), "mesh": mesh}, **kwargs)
-        self.mesh = mesh
+        self.mesh, self.options = mesh, options
 
     def __call__(self, tokens, out_sharding=None):
         _no_out_sharding(self, out_sharding)
@@ -98,7 +104,7 @@ class Embed(nnx.Embed):
     def attend(self, query, out_sharding=None):
         _no_out_sharding(self, out_sharding)
         query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        return tp_attend(query, embedding, self.mesh)
+        return tp_attend(query, embedding, self.mesh, options=self.options)
 
 
 class LayerNorm(nnx.LayerNorm):

@@ -21,7 +21,6 @@ Choosing `transpose` follows the layout of activations through the trace (`axonn
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Callable, Mapping
 
@@ -35,12 +34,12 @@ from jax.sharding import PartitionSpec as P
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
 from .conv import check_conv_options, conv_apply
+from .options import DEFAULT, KernelOptions
 from .parallelize_nnx import parallelize_nnx, trace_layout
 from .rules import AsDense, Replicated, check_rules, find_rule
 from .tensor import (bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_attend,
                      tp_dense_general, tp_embed)
 
-_ACTIVE = contextvars.ContextVar("axonn_parallelize_active", default=False)
 _UNSUPPORTED = (nn.ConvLocal, nn.Einsum, nn.BatchNorm, nn.InstanceNorm, nn.SpectralNorm,
                 nn.WeightNorm)
 _SUPPORTED_NAMES = ("nn.Dense, nn.DenseGeneral, nn.Embed (lookup and attend), nn.Conv, "
@@ -69,18 +68,31 @@ def _input(args, kwargs):
     return args[0] if args else next(iter(kwargs.values()))
 
 
+def _options(kernels: KernelOptions, m) -> KernelOptions:
+    """`kernels` for a layer `m`, in the replicated layout when a module around it (or `m`) says
+    so by its attribute `tp_replicated_rows` (a block whose other layers expect activations whole
+    over `row`: `models.llama.Block`)."""
+    while isinstance(m, nn.Module):
+        if getattr(m, "tp_replicated_rows", False):
+            return kernels.replace(replicated_rows=True)
+        m = m.parent
+    return kernels
+
+
 class _Interceptor:
-    """The method interceptor of one trace: runs Flax's layers tensor-parallel, chooses their
-    layout with a `Layout`, and records where each parameter it handles goes.
+    """The method interceptor of one trace: runs Flax's layers tensor-parallel with the kernels'
+    modes `kernels`, chooses their layout with a `Layout`, and records where each parameter it
+    handles goes.
 
     placed: `{parameter path: (shape in the layer's call, PartitionSpec)}`; notes: `{parameter
     path: why it stays whole}`; kept: paths of modules kept as written by a Replicated rule.
     """
 
-    def __init__(self, mesh, transpose: Mapping[str, bool], rules: Mapping):
+    def __init__(self, mesh, transpose: Mapping[str, bool], rules: Mapping,
+                 kernels: KernelOptions = DEFAULT):
         self.mesh, self.sizes = mesh, dict(mesh.shape)
         self.layout = Layout(transpose)
-        self.rules = rules
+        self.rules, self.kernels = rules, kernels
         self.placed: dict[tuple, tuple] = {}
         self.notes: dict[tuple, str] = {}
         self.kept: set[tuple] = set()
@@ -140,7 +152,8 @@ class _Interceptor:
         x, kernel, bias = promote(x, kernel, bias, dtype=getattr(m, "dtype", None))
         hint = f" (keep it whole with rules={{'{path}': Replicated()}})"
         try:
-            y = tp_dense_general(x, kernel, bias, self.mesh, transpose, len(axes), out_in)
+            y = tp_dense_general(x, kernel, bias, self.mesh, transpose, len(axes), out_in,
+                                 options=_options(self.kernels, m))
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{path}' ({kind}): {e}{hint}") from None
         n_in, n_out = len(axes), kernel.ndim - len(axes)
@@ -236,7 +249,8 @@ class _Interceptor:
             return next_fun(*args, **kwargs)
         query, table = m.promote_dtype(_input(args, kwargs), m.embedding, dtype=m.dtype)
         try:
-            return self.layout.dense_output(tp_attend(query, table, self.mesh), False)
+            return self.layout.dense_output(
+                tp_attend(query, table, self.mesh, options=_options(self.kernels, m)), False)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{_path(m)}' (Embed.attend): {e}") from None
 
@@ -336,24 +350,18 @@ def _linen_report(params, interceptor: _Interceptor) -> _report.SplitReport:
     return _report.build(entries, interceptor.sizes)
 
 
-def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, report, max_replicated):
+def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, report,
+                       max_replicated, kernels: KernelOptions = DEFAULT):
     """The linen form of `parallelize`: a subclass of `type(module)` with the same fields whose
     `init` / `init_with_output` / `apply` run under an `_Interceptor`."""
     base = type(module)
     reported = []  # the report and notes come once per parallelized module
 
     def traced(call):
-        """`call()` under a fresh interceptor: (result, interceptor), or (result, None) when a
-        trace is already running (`init` calls `init_with_output`: intercept once)."""
-        if _ACTIVE.get():
-            return call(), None
-        interceptor = _Interceptor(mesh, overrides, rules)
-        token = _ACTIVE.set(True)
-        try:
-            with nn.intercept_methods(interceptor):
-                return call(), interceptor
-        finally:
-            _ACTIVE.reset(token)
+        """`call()` under a fresh interceptor: (result, interceptor)."""
+        interceptor = _Interceptor(mesh, overrides, rules, kernels)
+        with nn.intercept_methods(interceptor):
+            return call(), interceptor
 
     def finish(interceptor, params):
         if not reported:
@@ -361,7 +369,7 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
             reported.append(True)
 
     def placed(variables, interceptor):
-        if interceptor is None or "params" not in variables:
+        if "params" not in variables:
             return variables
         variables = {**variables, "params": _box(variables["params"], interceptor)}
         finish(interceptor, variables["params"])
@@ -372,13 +380,15 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
         return y, placed(variables, interceptor)
 
     def init(self, *args, **kwargs):
-        return placed(*traced(lambda: base.init(self, *args, **kwargs)))
+        # Flax's `init` is `init_with_output`'s variables; calling the base's own keeps the
+        # trace under one interceptor (this class's `init_with_output` would add another)
+        (_, variables), interceptor = traced(lambda: base.init_with_output(self, *args, **kwargs))
+        return placed(variables, interceptor)
 
     def apply(self, variables, *args, **kwargs):
         variables = meta.unbox(variables)  # model code reading self.variables sees plain arrays
         out, interceptor = traced(lambda: base.apply(self, variables, *args, **kwargs))
-        if interceptor is not None:
-            finish(interceptor, variables.get("params", {}))
+        finish(interceptor, variables.get("params", {}))
         return out
 
     methods = {"init": init, "init_with_output": init_with_output, "apply": apply}
@@ -386,7 +396,8 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
         fn.__doc__ = getattr(base, name).__doc__
         methods[name] = nn.nowrap(fn)
     cls = type(f"Parallel{base.__name__}", (base,),
-               {**methods, "__module__": base.__module__, "axonn_mesh": mesh})
+               {**methods, "__module__": base.__module__, "axonn_mesh": mesh,
+                "axonn_kernels": kernels})
     fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
               if f.init and f.name not in ("parent", "name")}
     return cls(**fields)
@@ -395,7 +406,7 @@ def _parallelize_linen(module: nn.Module, mesh, overrides: dict, rules: dict, re
 def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
                 rules: Mapping | None = None, report: bool | Callable = False,
                 max_replicated: int | None = None, example_args: tuple | None = None,
-                example_kwargs: Mapping | None = None):
+                example_kwargs: Mapping | None = None, kernels: KernelOptions = DEFAULT):
     """The tensor-parallel version of a Flax `module` (linen or NNX) on `mesh` (axes `depth, row, col`).
 
     Linen: returns an instance of a subclass of `type(module)` with the same fields, whose `init` /
@@ -415,6 +426,10 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
     callable receives it instead. Weights left whole are named in one-line log notes either way.
     max_replicated: raise ValueError if a parameter above this many elements would stay whole on
     every device (except those kept so by a Replicated rule).
+    kernels: the modes of the tensor-parallel dense layers (`axonn_jax.tp.options.KernelOptions`:
+    FP8 GEMMs, gathers in rings, the replicated layout), fixed in the returned module, so part of
+    what `jax.jit` of a function calling it caches on. A linen module whose attribute
+    `tp_replicated_rows` is True runs the layers inside it in the replicated layout.
 
     Raises NotImplementedError naming a layer it cannot run tensor-parallel (grouped or local
     convolutions, batch norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
@@ -428,13 +443,14 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
     if isinstance(module, nnx.Module):
         return parallelize_nnx(module, mesh, transpose=transpose, rules=rules, report=report,
                                max_replicated=max_replicated, example_args=example_args,
-                               example_kwargs=example_kwargs)
+                               example_kwargs=example_kwargs, kernels=kernels)
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize takes a flax.linen or flax.nnx Module, got {type(module).__name__}")
     if example_args is not None or example_kwargs is not None:
         raise TypeError("parallelize: example_args / example_kwargs are for NNX modules; a linen "
                         "module's layout is traced from the inputs of its init / apply")
-    return _parallelize_linen(module, mesh, dict(transpose or {}), rules, report, max_replicated)
+    return _parallelize_linen(module, mesh, dict(transpose or {}), rules, report, max_replicated,
+                              kernels)
 
 
 def transpose_plan(module, mesh, *args, **kwargs) -> dict[str, bool]:

@@ -20,7 +20,6 @@ example inputs, a layer is normal unless the `transpose` overrides say otherwise
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Callable, Mapping
 
@@ -34,6 +33,7 @@ from . import layers_nnx
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
 from .conv import check_conv_options
+from .options import DEFAULT, KernelOptions
 from .rules import AsDense, Replicated, find_rule
 from .tensor import bias_spec, conv_kernel_spec, embed_spec, table_divides, tp_dense_general
 
@@ -51,7 +51,6 @@ _UNSUPPORTED = (nnx.Einsum, nnx.BatchNorm, nnx.InstanceNorm, nnx.WeightNorm, nnx
 _SUPPORTED_NAMES = ("nnx.Linear, nnx.LinearGeneral, nnx.Embed, nnx.Conv, nnx.ConvTranspose, "
                     "nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, and modules given an AsDense or "
                     "Replicated rule")
-_TRACE = contextvars.ContextVar("axonn_nnx_trace", default=None)
 CLASS_CACHE = 256
 """Classes made per process (`_under`, `_rule_class`, `_tracing_rule`): one per user layer class
 (and rule) parallelized. The bound is far above what a program defines; were one evicted, a
@@ -135,7 +134,7 @@ def _rule_call(rule: AsDense) -> Callable:
         bias = None if bias is None else bias[...]
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=getattr(self, "dtype", None))
         return tp_dense_general(x, kernel, bias, self._axonn_mesh, self._axonn_transpose,
-                                rule.in_ndim, rule.out_in)
+                                rule.in_ndim, rule.out_in, options=self._axonn_options)
     return __call__
 
 
@@ -145,8 +144,8 @@ def _rule_class(cls: type, rule: AsDense) -> type:
                                                       "__module__": cls.__module__})
 
 
-def _record(path: str, kind, x, y, attend: bool = False):
-    layout = _TRACE.get()
+def _record(layout: Layout, path: str, kind, x, y, attend: bool = False):
+    """Report the layer `path`'s call `x -> y` to the trace's `layout`; returns `y`."""
     if isinstance(kind, AsDense) or kind in _DENSE or kind in _CONV:
         layout.dense_output(y, layout.dense(path, x))
     elif kind is nnx.Embed:
@@ -157,12 +156,15 @@ def _record(path: str, kind, x, y, attend: bool = False):
 
 
 def _tracing_base(base):
-    """A subclass of the Flax layer `base` whose calls report to the active trace's `Layout`."""
+    """A subclass of the Flax layer `base` whose calls report to the `Layout` of the trace that
+    set the layer's `_axonn_layout`."""
     def __call__(self, x, *args, **kwargs):
-        return _record(self._axonn_path, base, x, base.__call__(self, x, *args, **kwargs))
+        return _record(self._axonn_layout, self._axonn_path, base, x,
+                       base.__call__(self, x, *args, **kwargs))
 
     def attend(self, query, *args, **kwargs):
-        return _record(self._axonn_path, base, query, base.attend(self, query, *args, **kwargs), True)
+        return _record(self._axonn_layout, self._axonn_path, base, query,
+                       base.attend(self, query, *args, **kwargs), True)
 
     methods = {"__call__": __call__, **({"attend": attend} if base is nnx.Embed else {})}
     return type(f"_Tracing{base.__name__}", (base,), methods)
@@ -174,7 +176,8 @@ _TRACING = {base: _tracing_base(base) for base in _FLAX}
 @functools.lru_cache(maxsize=CLASS_CACHE)
 def _tracing_rule(cls: type, rule: AsDense) -> type:
     def __call__(self, x, *args, **kwargs):
-        return _record(self._axonn_path, rule, x, cls.__call__(self, x, *args, **kwargs))
+        return _record(self._axonn_layout, self._axonn_path, rule, x,
+                       cls.__call__(self, x, *args, **kwargs))
     return type(f"_Tracing{cls.__name__}", (cls,), {"__call__": __call__})
 
 
@@ -195,12 +198,9 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
             cls = _tracing_rule(type(m), kind) if isinstance(kind, AsDense) \
                 else _under(type(m), _TRACING[kind], "_Tracing")
             object.__setattr__(m, "__class__", cls)
-            m._axonn_path = path  # static: survives the splits of nnx.scan / nnx.vmap
-        token = _TRACE.set(layout)
-        try:
-            model(*a, **k)
-        finally:
-            _TRACE.reset(token)
+            # static: survive the splits of nnx.scan / nnx.vmap (the layout compares by identity)
+            m._axonn_path, m._axonn_layout = path, layout
+        model(*a, **k)
 
     jax.eval_shape(call, state, [v for v, f in zip(leaves, is_array) if f])
     return layout
@@ -209,9 +209,11 @@ def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args:
 # -- placement
 
 
-def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
+def _layer_specs(path, m, kind, flip, mesh, layout, notes,
+                 kernels: KernelOptions = DEFAULT) -> dict:
     """`{variable name: (one layer's shape, spec)}` for the layer `m`, switching its class to the
-    parallel one; `{}` (and a note) for a table or a convolution kernel the grid does not divide."""
+    parallel one (dense layers and tables run with the kernels' modes `kernels`); `{}` (and a
+    note) for a table or a convolution kernel the grid does not divide."""
     name = type(m).__name__
     if isinstance(kind, AsDense):
         kernel = getattr(m, kind.kernel, None)
@@ -223,7 +225,7 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
             else (layer[:kind.in_ndim], layer[kind.in_ndim:])
         specs = dense_placement(path, name, in_dims, out_dims, flip, kind.out_in, mesh)
         object.__setattr__(m, "__class__", _rule_class(type(m), kind))
-        m._axonn_mesh, m._axonn_transpose = mesh, flip
+        m._axonn_mesh, m._axonn_transpose, m._axonn_options = mesh, flip, kernels
         return {kind.kernel: specs["kernel"], **({kind.bias: specs["bias"]} if kind.bias else {})}
     if kind in _DENSE:
         in_dims, out_dims = (tuple(np.atleast_1d(m.in_features)), tuple(np.atleast_1d(m.out_features)))
@@ -255,6 +257,8 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes) -> dict:
         return {"scale": ((features,), P(axis)), "bias": ((features,), P(axis))}
     object.__setattr__(m, "__class__", _under(type(m), _PARALLEL[kind], "Parallel"))
     m.mesh = mesh
+    if kind in _DENSE or kind is nnx.Embed:
+        m.options = kernels
     if kind in _DENSE or kind in _CONV:
         m.transpose = flip
     return specs
@@ -282,11 +286,12 @@ def _nnx_report(model, notes: dict, kept: list, mesh) -> _report.SplitReport:
 def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] | None = None,
                     rules: Mapping | None = None, report: bool | Callable = False,
                     max_replicated: int | None = None, example_args: tuple | None = None,
-                    example_kwargs: Mapping | None = None):
+                    example_kwargs: Mapping | None = None, kernels: KernelOptions = DEFAULT):
     """The tensor-parallel copy of the NNX `module` on `mesh` (see the module docstring).
 
     transpose: `{layer path: bool}` (paths like `'blocks/0/up'`) overriding the automatic choice.
-    rules / report / max_replicated: as for `axonn_jax.parallelize`.
+    rules / report / max_replicated / kernels: as for `axonn_jax.parallelize` (`kernels`: an
+    attribute of each dense layer and table, static in the graph definition).
     example_args / example_kwargs: inputs of `module.__call__` (arrays or ShapeDtypeStructs) from
     which the layout is traced; without them every dense layer not in `transpose` is normal.
     `module` is not changed; the copy's arrays are new shardings of its arrays (`jax.device_put`
@@ -308,7 +313,8 @@ def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] |
     notes: dict[str, str] = {}
     for path, (m, kind) in found.items():
         flip = layout.decisions.get(path, layout.overrides.get(path, False))
-        for name, (layer_shape, spec) in _layer_specs(path, m, kind, flip, mesh, layout, notes).items():
+        for name, (layer_shape, spec) in _layer_specs(path, m, kind, flip, mesh, layout, notes,
+                                                         kernels).items():
             var = getattr(m, name, None)
             if var is None:  # use_bias / use_scale off
                 continue

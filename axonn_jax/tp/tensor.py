@@ -36,8 +36,6 @@ moved, keeps what it kept, and runs the work between the layers on each device's
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -51,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 from ..collectives import Collective, ParameterShard, StepShape
 from . import fp8
+from .options import DEFAULT, KernelOptions
 
 TP_AXES = ("depth", "row", "col")
 TP_DENSE_NAME = "tp_dense"
@@ -201,52 +200,12 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
 
 
-_REPLICATED_ROWS = contextvars.ContextVar("axonn_replicated_rows", default=False)
-"""Whether the `tp_dense` layers being traced keep the replicated layout (`replicated_rows`): a
-ContextVar, so that traces in other threads or contexts never see it."""
-
-
-@contextlib.contextmanager
-def replicated_rows(enabled: bool = True):
-    """Within it (when `enabled`), `tp_dense` layers traced keep the replicated layout: for a
-    block whose other layers GSPMD lays out and which expect activations whole over `row` (a
-    Llama's `ReplicatedDense` key/value projections), where the split rows would be re-laid out
-    by gathering them over the whole grid."""
-    token = _REPLICATED_ROWS.set(_REPLICATED_ROWS.get() or bool(enabled))
-    try:
-        yield
-    finally:
-        _REPLICATED_ROWS.reset(token)
-
-
-_RINGS = contextvars.ContextVar("axonn_collective_matmuls", default=False)
-"""Whether the `tp_dense` layers being traced gather their rows in rings (`collective_matmuls`)."""
-
-
-@contextlib.contextmanager
-def collective_matmuls(enabled: bool = True):
-    """Within it (when `enabled`), `tp_dense` layers traced in the batch-split layout gather the
-    rows of each matmul's input (x over the output axis in the forward, dy over the input axis in
-    the backward) in a ring (`ring_gather`): one matmul per row block, each block's `ppermute` to
-    the next device in flight beside the previous block's matmul, so that the gather hides behind
-    the layer's own compute (Wang et al., ASPLOS'23, "collective matmul"). Same bytes as the
-    all-gather (float8 rows under `fp8_matmuls`), the same results up to the order of the weight
-    gradient's sums. The cost: each block's product is copied into place in the gathered result.
-    Reduce-scatters stay as they are (a ring of them measured slower:
-    `benchmarks/results/overlap_notes.md`). The train step traces its model inside it with
-    `--collective-matmul`."""
-    token = _RINGS.set(bool(enabled))
-    try:
-        yield
-    finally:
-        _RINGS.reset(token)
-
-
 COLLECTIVE_MATMUL_CHOICES = ("auto", "on", "off")
 
 
 def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool:
-    """Whether a step gathers rows in rings (`collective_matmuls`): `on`, `off`, or `auto` (on
+    """Whether a step gathers rows in rings (`KernelOptions.collective_matmuls`): `on`, `off`, or
+    `auto` (on
     when the step compiles for GPUs without FP8: XLA:CPU runs collectives synchronously, so there
     the rings would only add the copies; with FP8 GEMMs there is less matmul to hide the permutes
     behind than the copies cost: Llama-3-70B on data 4 × depth 16 × row 4 with `--fp8` replays at
@@ -280,13 +239,14 @@ def ring_gather(a, axis: str, n: int, block_fn):
     return rows, total
 
 
-def split_batch(x_shape, mesh, transpose: bool = False) -> bool:
+def split_batch(x_shape, mesh, transpose: bool = False, replicated_rows: bool = False) -> bool:
     """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
     layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
-    layer's two feature axes, outside `replicated_rows`. Otherwise the layer falls back to the
-    replicated layout. `mesh`: a Mesh, None (the mesh in context), or `{axis: size}` (e.g.
-    `ParallelConfig.as_dict()`: the communication model's count, without devices)."""
-    if _REPLICATED_ROWS.get():
+    layer's two feature axes, and not `replicated_rows` (`KernelOptions.replicated_rows`).
+    Otherwise the layer falls back to the replicated layout. `mesh`: a Mesh, None (the mesh in
+    context), or `{axis: size}` (e.g. `ParallelConfig.as_dict()`: the communication model's count,
+    without devices)."""
+    if replicated_rows:
         return False
     sizes = mesh if isinstance(mesh, Mapping) else dict(current_mesh(mesh).shape)
     return all(x_shape[0] % (sizes["depth"] * sizes[a]) == 0 for a in feature_axes(transpose))
@@ -432,7 +392,8 @@ class _Fp8Gemm:
         return kept
 
 
-def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False):
+def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: bool = False, *,
+             options: KernelOptions = DEFAULT):
     """`x @ kernel + bias` with AxoNN's 2D/3D tensor-parallel algorithm (see the module docstring).
 
     x: `(batch, ..., in)`; kernel: `(in, out)` (`(out, in)` when `out_in`, computing
@@ -440,22 +401,23 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
     (GSPMD re-lays them out if they arrive otherwise). Returns `(batch, ..., out)`: features over
     `row` (`col` when `transpose`), batch over (`depth`, `col`) (`row`), or over `depth` only when
     `split_batch` is False. `mesh` must have axes `depth, row, col` (inside an enclosing shard_map
-    its context mesh is used).
+    its context mesh is used). `options`: the kernel's modes (FP8 GEMMs, gathers in rings, the
+    replicated layout), static: each choice traces its own program.
     """
     _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
     # the data-manual step (its shard_maps must name the enclosing abstract mesh).
-    fp8_axes = fp8.amax_axes(x, kernel) if fp8.fp8_enabled() else None
-    rings = _RINGS.get()
+    fp8_axes = fp8.amax_axes(x, kernel) if options.fp8 else None
     fn = _dense_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, bool(out_in),
-                   split_batch(x.shape, mesh, transpose), fp8_axes, rings)
+                   split_batch(x.shape, mesh, transpose, options.replicated_rows), fp8_axes,
+                   options.collective_matmuls)
     # custom_vjp needs array arguments; an unused bias slot gets a zero-size placeholder.
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)
 
 
 def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n_in: int = 1,
-                     out_in: bool = False):
+                     out_in: bool = False, *, options: KernelOptions = DEFAULT):
     """`tp_dense` contracting the last `n_in` dims of `x` with a kernel of several feature dims:
     `(*in_dims, *out_dims)` (`(*out_dims, *in_dims)` when `out_in`), bias `out_dims` or None.
 
@@ -473,7 +435,8 @@ def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n
                          f"({'out..., in...' if out_in else 'in..., out...'}, {n_in} input dims)")
     n, m = math.prod(in_dims), math.prod(out_dims)
     y = tp_dense(x.reshape(*x.shape[:x.ndim - n_in], n), kernel.reshape((m, n) if out_in else (n, m)),
-                 None if bias is None else bias.reshape(-1), mesh, transpose, out_in)
+                 None if bias is None else bias.reshape(-1), mesh, transpose, out_in,
+                 options=options)
     return y.reshape(*y.shape[:-1], *out_dims)
 
 
@@ -741,16 +704,17 @@ def tp_embed(tokens, table, mesh=None):
     return _embed_fn(current_mesh(mesh), tokens.ndim, batched, rows_cross)(tokens, table)
 
 
-def tp_attend(x, table, mesh=None):
+def tp_attend(x, table, mesh=None, *, options: KernelOptions = DEFAULT):
     """`x @ table.T`: the logits of a tied output head against a vocabulary-parallel table.
 
     x: `(batch, ..., features)`, features over `col`, batch over `depth`; table: `(vocab,
     features)` placed as `embed_spec` (vocab over (`row`, `depth`), features over `col`). This is
     `tp_dense` with the table as an `(out, in)` kernel: no copy or re-layout of the table. Returns
     `(batch, ..., vocab)`, vocab over `row`; the table's gradient is reduce-scattered over `depth`.
+    `options`: `tp_dense`'s.
     """
     _check_table(table, dict(current_mesh(mesh).shape), "tp_attend")
-    return tp_dense(x, table, None, mesh, transpose=False, out_in=True)
+    return tp_dense(x, table, None, mesh, transpose=False, out_in=True, options=options)
 
 
 @dataclasses.dataclass(frozen=True)

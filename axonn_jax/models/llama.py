@@ -479,9 +479,11 @@ class Block(nn.Module):
 
     @property
     def tp_replicated_rows(self) -> bool:
-        """Next to the GSPMD-laid-out key/value projections the tensor-parallel layers keep
-        activations whole over `row` (`tp.options.KernelOptions.replicated_rows`: `parallelize`
-        reads it)."""
+        """Whether the block's tensor-parallel layers keep activations whole over `row`.
+
+        They do next to the GSPMD-laid-out key/value projections
+        (`tp.options.KernelOptions.replicated_rows`; `parallelize` reads it).
+        """
         return self.replicate_kv
 
     @nn.compact

@@ -225,15 +225,16 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
         carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state),
                  fetched((last, runs[last][1] - 1)))
         for r in reversed(range(len(runs))):
-            count, next_run = runs[r][1], (r - 1, runs[r - 1][1] - 1) if r else None
+            count = runs[r][1]
             while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline
                 count -= 1
-                carry = one(carry, r, count, (r, count - 1) if count else next_run)
-            if count > 1:
-                carry, _ = lax.scan(lambda c, j, r=r: (one(c, r, j, (r, j - 1)), None), carry,
-                                    jnp.arange(1, count), reverse=True)
-            if count:
-                carry = one(carry, r, 0, next_run)
+                carry = one(carry, r, count, (r, count - 1) if count else None)
+            if count:  # the bottom layer fetches itself again: one loop body, no unrolled layer
+                carry, _ = lax.scan(
+                    lambda c, j, r=r: (one(c, r, j, (r, jnp.maximum(j - 1, 0))), None), carry,
+                    jnp.arange(count), reverse=True)
+            if r:  # the next run's top layer, between the two runs' loops
+                carry = (*carry[:3], fetched((r - 1, runs[r - 1][1] - 1)))
         ct_h, flight, grads, _ = carry
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)

@@ -225,7 +225,8 @@ class Dense(nn.Module):
 class Embed(nn.Module):
     """Vocabulary-parallel `nn.Embed`: `tokens (batch, ...)` -> `(batch, ..., features)`.
 
-    Output features over `col`. The table `(num_embeddings, features)`: vocab over (`row`, `depth`), features over `col`.
+    Output features over `col`. The table `(num_embeddings, features)`: vocab over (`row`,
+    `depth`), features over `col`.
     """
 
     num_embeddings: int

@@ -58,14 +58,27 @@ _TINY = 1e-30  # a row's sum of probabilities is >= 1 unless the block hides the
 # ----------------------------------------------------------------------------- the layout
 
 def zigzag_order(size: int) -> np.ndarray:
-    """The `2·size` chunk indices in the order the devices hold them: `[0, 2C-1, 1, 2C-2, ...]`
-    (device `i` holds entries `2i` and `2i+1`)."""
+    """The `2·size` chunk indices in the order the devices hold them: `[0, 2C-1, 1, 2C-2, ...]`.
+
+    Args:
+      size: `C`, the devices on the context axis.
+
+    Returns:
+      `(2·size,)` ints; device `i` holds entries `2i` and `2i+1`.
+    """
     return np.stack([np.arange(size), 2 * size - 1 - np.arange(size)], axis=1).reshape(-1)
 
 
 def check_sequence(seq_len: int, size: int) -> None:
-    """ValueError unless a sequence of `seq_len` tokens cuts into the `2·size` equal chunks of the
-    load-balanced layout."""
+    """Check that a sequence cuts into the `2·size` equal chunks of the load-balanced layout.
+
+    Args:
+      seq_len: the sequence's tokens.
+      size: the devices on the context axis.
+
+    Raises:
+      ValueError: `seq_len` is not divisible by `2·size`.
+    """
     if seq_len % (2 * size):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2·context = {2 * size} "
                          "(the load-balanced layout cuts it into 2·context equal chunks)")
@@ -78,19 +91,48 @@ def _permute_chunks(x, size: int, dim: int, order: np.ndarray):
 
 
 def balance(x, size: int, dim: int = 1):
-    """`x` with dimension `dim` (the sequence, of length divisible by `2·size`) permuted into the
-    zig-zag layout: split that dimension evenly over `size` devices afterwards and device `i` holds
-    chunks `i` and `2·size-1-i`. Any array, e.g. `(rows, seq, ...)`."""
+    """`x` with its sequence dimension `dim` permuted into the zig-zag layout.
+
+    Split that dimension evenly over `size` devices afterwards and device `i` holds chunks `i`
+    and `2·size-1-i`.
+
+    Args:
+      x: any array, e.g. `(rows, seq, ...)`, whole (not split over the context axis).
+      size: the devices on the context axis.
+      dim: the sequence dimension, of length divisible by `2·size`.
+
+    Returns:
+      `x` permuted, of the same shape.
+
+    Raises:
+      ValueError: the sequence does not divide into `2·size` chunks.
+    """
     return _permute_chunks(x, size, dim, zigzag_order(size))
 
 
 def unbalance(x, size: int, dim: int = 1):
-    """The inverse of `balance`: dimension `dim` back in sequence order."""
+    """The inverse of `balance`: dimension `dim` back in sequence order.
+
+    Args:
+      x: an array whose dimension `dim` is in the zig-zag layout.
+      size: the devices on the context axis.
+      dim: the sequence dimension.
+
+    Returns:
+      `x` permuted, of the same shape.
+    """
     return _permute_chunks(x, size, dim, np.argsort(zigzag_order(size)))
 
 
 def axis_size(axis: str = "context") -> int:
-    """Devices on `axis` when the enclosing shard_map is manual over it, else 1."""
+    """Devices on `axis` when the enclosing shard_map is manual over it, else 1.
+
+    Args:
+      axis: the mesh axis.
+
+    Returns:
+      Its size in the abstract mesh in context, or 1.
+    """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or axis not in getattr(mesh, "manual_axes", ()):
         return 1
@@ -104,10 +146,19 @@ def _chunk(half, device, size):
 
 
 def positions(local_len: int, axis: str = "context"):
-    """`(local_len,)` int32: the true positions (indices in the whole sequence) of this device's
-    tokens in the zig-zag layout, inside a shard_map manual over `axis`; `arange(local_len)`
-    elsewhere (outside one, or an axis it does not split). ValueError for an odd `local_len`
-    on a split axis."""
+    """The true positions (indices in the whole sequence) of this device's tokens.
+
+    Args:
+      local_len: this device's sequence length (two chunks of the zig-zag layout).
+      axis: the context axis.
+
+    Returns:
+      `(local_len,)` int32: the positions in the zig-zag layout, inside a shard_map manual over
+      `axis`; `arange(local_len)` elsewhere (outside one, or an axis it does not split).
+
+    Raises:
+      ValueError: an odd `local_len` on a split axis.
+    """
     size = axis_size(axis)
     if size == 1:
         return jnp.arange(local_len, dtype=jnp.int32)
@@ -120,10 +171,20 @@ def positions(local_len: int, axis: str = "context"):
 
 
 def block_schedule(size: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
-    """Per device, the `(query chunk, key chunk)` pairs (chunks of `seq / 2·size` tokens) that a
-    causal mask leaves work in, for the `zigzag` layout (device `i`: chunks `i, 2·size-1-i`) or
-    a `contiguous` split (device `i`: chunks `2i, 2i+1`). Zig-zag: `2·size + 1` pairs on every
-    device; contiguous: `4i + 3` on device `i`."""
+    """Per device, the `(query chunk, key chunk)` pairs that a causal mask leaves work in.
+
+    Args:
+      size: the devices on the context axis; chunks are `seq / 2·size` tokens.
+      layout: `zigzag` (device `i`: chunks `i, 2·size-1-i`) or `contiguous` (device `i`: chunks
+        `2i, 2i+1`).
+
+    Returns:
+      One list of pairs per device. Zig-zag: `2·size + 1` pairs on every device; contiguous:
+      `4i + 3` on device `i`.
+
+    Raises:
+      ValueError: another layout.
+    """
     if layout not in ("zigzag", "contiguous"):
         raise ValueError(f"layout must be zigzag or contiguous, got {layout!r}")
     held = zigzag_order(size) if layout == "zigzag" else np.arange(2 * size)
@@ -135,8 +196,16 @@ def block_schedule(size: int, layout: str = "zigzag") -> list[list[tuple[int, in
 
 
 def kernel_blocks(size: int) -> list[list[tuple[int, int]]]:
-    """Per device, the `(query chunk, key chunk)` pairs the kernels compute, step by step, read off
-    the same slot rule the kernels run (`_slots`) with concrete device indices."""
+    """Per device, the `(query chunk, key chunk)` pairs the kernels compute, step by step.
+
+    Read off the same slot rule the kernels run (`_slots`) with concrete device indices.
+
+    Args:
+      size: the devices on the context axis.
+
+    Returns:
+      One list of pairs per device, in the order of the steps.
+    """
     out = []
     for i in range(size):
         pairs = []
@@ -151,9 +220,19 @@ def kernel_blocks(size: int) -> list[list[tuple[int, int]]]:
 # ----------------------------------------------------------------------------- checks
 
 def check_inputs(q, k, v, segment_ids=None, positions=None, size: int = 1) -> None:
-    """ValueError (one line, naming the numbers) unless q `(rows, t, heads, head_dim)`, k and v
-    `(rows, t, kv_heads, head_dim)` with kv_heads dividing heads, segment ids and positions
-    `(rows, t)` integers, and (with `size > 1` devices on the axis) `t` even."""
+    """Check the shapes and dtypes of `attention`'s inputs.
+
+    Args:
+      q: `(rows, t, heads, head_dim)`.
+      k: `(rows, t, kv_heads, head_dim)`, kv_heads dividing heads.
+      v: shaped as `k`.
+      segment_ids: `(rows, t)` integers, or None.
+      positions: `(rows, t)` integers, or None.
+      size: the devices on the context axis; with `size > 1`, `t` must be even.
+
+    Raises:
+      ValueError: one line, naming the numbers, for the first input that breaks these.
+    """
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"attention needs q (rows, seq, heads, head_dim) and k, v of one shape "
                          f"(rows, seq, kv_heads, head_dim); got {q.shape}, {k.shape}, {v.shape}")
@@ -172,8 +251,14 @@ def check_inputs(q, k, v, segment_ids=None, positions=None, size: int = 1) -> No
 
 
 def check_scheme(scheme: str) -> None:
-    """ValueError unless `scheme` names a registered context-parallel attention scheme
-    (`SCHEMES`)."""
+    """Check that `scheme` names a registered context-parallel attention scheme (`SCHEMES`).
+
+    Args:
+      scheme: the scheme's name.
+
+    Raises:
+      ValueError: no such scheme.
+    """
     if scheme not in SCHEMES:
         raise ValueError(f"context attention scheme must be one of {', '.join(SCHEMES)}, "
                          f"got {scheme!r}")
@@ -197,8 +282,18 @@ def _side(segment_ids, positions) -> dict:
 
 
 def causal_mask(seq_len: int, segment_ids=None, positions=None):
-    """`(rows or 1, seq, seq)` bool, True where query `t` may attend to key `s`: `s <= t`, not
-    later by `positions` and in the same segment (each `(rows, seq)` integers, optional)."""
+    """The causal mask of one device: True where query `t` may attend to key `s`.
+
+    That is where `s <= t`, `s` is not later by `positions` and in the same segment.
+
+    Args:
+      seq_len: the sequence length.
+      segment_ids: `(rows, seq)` integers, or None.
+      positions: `(rows, seq)` integers, or None.
+
+    Returns:
+      `(rows or 1, seq, seq)` bool.
+    """
     side = _side(segment_ids, positions)
     index = jnp.arange(seq_len)
     return _mask(index, index, side, side)
@@ -377,9 +472,9 @@ def _device(plan, q):
     """This device's index on the axis, made to depend on `q` (an integer zero read off its
     bits). The masks of every hop are functions of the device index alone; left so, JAX's
     loop-invariant residual hoisting (`lax.scan` partial evaluation) lifts their computation out
-    of an enclosing layer scan and keeps every hop's masks at once: 15 GiB of bool in the
-    compiled H100 step of Llama-3.1-8B at 131,072 tokens over context 16 (scale.md). The zero
-    costs one integer op per call."""
+    of an enclosing layer scan and keeps every hop's masks at once (the memory they took: the
+    Llama-3.1-8B row over context 16 of `benchmarks/results/scale.md`). The zero costs one
+    integer op per call."""
     if plan.size == 1:
         return 0
     bits = lax.bitcast_convert_type(q.reshape(-1)[:1], jnp.dtype(f"uint{8 * q.dtype.itemsize}"))
@@ -528,18 +623,30 @@ def _block_attention(forward, backward, q, k, v, segment_ids, positions, *, axis
 
 def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,
               positions=None, query_tile: int = 512):
-    """Causal softmax attention of the whole sequence, split over `axis` in the zig-zag layout,
-    scaled by `head_dim ** -0.5`. Call it inside a shard_map manual over `axis` (elsewhere it
+    """Causal softmax attention of the whole sequence, split over `axis` in the zig-zag layout.
+
+    Scaled by `head_dim ** -0.5`. Call it inside a shard_map manual over `axis` (elsewhere it
     attends the local sequence as one device would, through the same blocks).
 
-    q `(rows, 2c, heads, head_dim)`, k, v `(rows, 2c, kv_heads, head_dim)`: this device's chunks
-    `i` and `2C-1-i` of the sequence (dim 1 split over `axis`; any other dimension may be split
-    over other axes); `segment_ids`, `positions`: `(rows, 2c)` integers in the same layout or
-    None (no document boundaries; positions from the layout). Returns `(rows, 2c, heads,
-    head_dim)` in q's dtype. `scheme`: a name in `SCHEMES` (`ring`, `allgather`: module
-    docstring).
-    `query_tile`: each `c × c` block runs this many queries at a time (it must divide `c` when
-    smaller), so the scores in memory are `rows·heads·query_tile·c` floats per block."""
+    Args:
+      q: `(rows, 2c, heads, head_dim)`: this device's chunks `i` and `2C-1-i` of the sequence
+        (dim 1 split over `axis`; any other dimension may be split over other axes).
+      k: `(rows, 2c, kv_heads, head_dim)`, laid out as `q`.
+      v: shaped and laid out as `k`.
+      axis: the context axis.
+      scheme: a name in `SCHEMES` (`ring`, `allgather`: module docstring).
+      segment_ids: `(rows, 2c)` integers in the same layout, or None (no document boundaries).
+      positions: `(rows, 2c)` integers in the same layout, or None (positions from the layout).
+      query_tile: each `c × c` block runs this many queries at a time (it must divide `c` when
+        smaller), so the scores in memory are `rows·heads·query_tile·c` floats per block.
+
+    Returns:
+      `(rows, 2c, heads, head_dim)` in q's dtype, laid out as `q`.
+
+    Raises:
+      ValueError: an unknown scheme, inputs `check_inputs` refuses, an odd local sequence, or a
+        `query_tile` that does not divide `c`.
+    """
     check_scheme(scheme)
     size = axis_size(axis)
     check_inputs(q, k, v, segment_ids, positions, size)
@@ -559,13 +666,7 @@ def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
                 q_shape: tuple[int, ...] | None = None, axis: str = "context",
                 segment_ids: bool = False, positions: bool = False, backward: bool = True,
                 home_dtype=None) -> list[tuple[str, str, int]]:
-    """What one `attention` call sends per device, as `[(kind, axis, bytes)]` in the convention
-    of `axonn_jax.analysis.hlo` (full-buffer bytes: a collective-permute's buffer, an all-gather's
-    result, a reduce-scatter's input), forward and (with `backward`) backward pass.
-    `kv_shape`: the per-device key (= value) shape `(rows, 2c, kv_heads, head_dim)`; `dtype`:
-    theirs; `q_shape`: the per-device query shape `(rows, 2c, heads, head_dim)` (default
-    `kv_shape`; the schemes that move queries read it); `segment_ids`, `positions`: whether those
-    travel (int32 each).
+    """What one `attention` call sends per device, forward and (with `backward`) backward.
 
     ring: the keys, values (and side inputs) hop `size - 1` times forward and again backward,
     the fp32 key/value gradients `size` times (the last hop brings them home; `home_dtype`: the
@@ -578,7 +679,29 @@ def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
     computation (a lone call differentiated) XLA merges the backward's first hop (ring) or its
     all-gather with the forward's; and side inputs that are the same in every layer may have
     some hops hoisted out of the layer loop: their count here is an upper bound (they are 4
-    bytes a token each, beside `4·kv_heads·head_dim` of bf16 keys and values)."""
+    bytes a token each, beside `4·kv_heads·head_dim` of bf16 keys and values).
+
+    Args:
+      scheme: a name in `SCHEMES`.
+      kv_shape: the per-device key (= value) shape `(rows, 2c, kv_heads, head_dim)`.
+      dtype: the keys' and values' dtype.
+      size: the devices on the context axis.
+      q_shape: the per-device query shape `(rows, 2c, heads, head_dim)` (default `kv_shape`;
+        the schemes that move queries read it).
+      axis: the context axis, as named in the result.
+      segment_ids: whether segment ids travel (int32).
+      positions: whether positions travel (int32).
+      backward: count the backward pass too.
+      home_dtype: the dtype of the ring's last gradient hop when not fp32.
+
+    Returns:
+      `[(kind, axis, bytes)]` in the convention of `axonn_jax.analysis.hlo` (full-buffer bytes:
+      a collective-permute's buffer, an all-gather's result, a reduce-scatter's input); empty
+      when `size` is 1.
+
+    Raises:
+      ValueError: an unknown scheme.
+    """
     check_scheme(scheme)
     if size == 1:
         return []
@@ -611,22 +734,44 @@ def _allgather_collectives(q_shape, kv_shape, dtype, size, *, axis, segment_ids,
 
 
 def flops(q_shape: tuple[int, ...], size: int, *, backward: bool = True) -> int:
-    """Matmul FLOPs of one `attention` call per device under the block schedule (`ring`,
-    `allgather`): `2·size + 1` blocks of `c × c` scores (c = half the local sequence) per query
-    head, each 2 matmuls forward (scores, values) and 5 backward (scores again, and the gradients
-    of the values, the probabilities, the queries and the keys) of `2·c·c·head_dim`. `q_shape`:
-    the per-device `(rows, 2c, heads, head_dim)`."""
+    """Matmul FLOPs of one `attention` call per device under the block schedule.
+
+    The schedule of `ring` and `allgather`: `2·size + 1` blocks of `c × c` scores (c = half the
+    local sequence) per query head, each 2 matmuls forward (scores, values) and 5 backward
+    (scores again, and the gradients of the values, the probabilities, the queries and the keys)
+    of `2·c·c·head_dim`.
+
+    Args:
+      q_shape: the per-device `(rows, 2c, heads, head_dim)`.
+      size: the devices on the context axis.
+      backward: count the backward pass too.
+
+    Returns:
+      The FLOPs.
+    """
     rows, t, heads, head_dim = q_shape
     block = 2 * (t // 2) ** 2 * head_dim * rows * heads
     return (2 * size + 1) * block * (2 + (5 if backward else 0))
 
 
 def flops_share(size: int, scheme: str = "ring") -> float:
-    """The training matmul FLOPs of `scheme` over those of an attention that computes every
-    score (forward 2 matmuls, backward 4: the `6·seq` per query feature that the models'
-    `flops_per_token` count) at the same shapes. The block schedule (`ring`, `allgather`,
-    `flops`): `2·size + 1` of the `4·size` blocks of `c × c`, at 7 matmuls instead of 6 (the
-    backward computes the scores again), `7(2C + 1) / 24C`; 0.60 at C = 16."""
+    """The training matmul FLOPs of `scheme` over those of an attention computing every score.
+
+    The every-score attention: forward 2 matmuls, backward 4 (the `6·seq` per query feature that
+    the models' `flops_per_token` count) at the same shapes. The block schedule (`ring`,
+    `allgather`, `flops`): `2·size + 1` of the `4·size` blocks of `c × c`, at 7 matmuls instead
+    of 6 (the backward computes the scores again), `7(2C + 1) / 24C`; 0.60 at C = 16.
+
+    Args:
+      size: the devices on the context axis.
+      scheme: a name in `SCHEMES`.
+
+    Returns:
+      The ratio.
+
+    Raises:
+      ValueError: an unknown scheme.
+    """
     check_scheme(scheme)
     return SCHEMES[scheme].flops_share(size)
 
@@ -657,18 +802,23 @@ def _allgather_working_bytes(q_shape, kv_shape, size, query_tile, compute_bytes)
 
 @dataclasses.dataclass(frozen=True)
 class ContextAttention:
-    """`attention`'s collectives over the `context` axis in each of the `layers` blocks one device
-    holds, as a model declares them (`collectives.Part`): `kv_features` key (= value) features
-    per device (the key/value heads one device of the tensor axes holds, times `head_dim`),
-    `rows_over`: the mesh axis that splits the attention's rows besides depth in the batch-split
-    layout (`col`, a normal layer's input axis; None when the rows stay whole). Forward hops or
-    gathers are a stage's forward (a pipeline recomputes them) and rematerialized: every
-    `--remat` mode runs the kernel's forward again in the backward, its hops included (no
-    policy keeps the attention's inner values, as the compiled H100 step's permutes show); the
-    scheme is the step's
-    `context_attention`. No parameters. `heads`: query heads per device; `head_dim`: their
-    width (0: `kv_features`, one key/value head); the schemes that move queries or count heads
-    read both (`working_bytes`, `collectives`)."""
+    """`attention`'s collectives over the `context` axis, as a model declares them.
+
+    A `collectives.Part`: the collectives in each of the `layers` blocks one device holds.
+    Forward hops or gathers are a stage's forward (a pipeline recomputes them) and
+    rematerialized: every `--remat` mode runs the kernel's forward again in the backward, its
+    hops included (no policy keeps the attention's inner values, as the compiled H100 step's
+    permutes show); the scheme is the step's `context_attention`. No parameters.
+
+    Attributes:
+      kv_features: key (= value) features per device (the key/value heads one device of the
+        tensor axes holds, times `head_dim`).
+      rows_over: the mesh axis that splits the attention's rows besides depth in the batch-split
+        layout (`col`, a normal layer's input axis; None when the rows stay whole).
+      heads: query heads per device; the schemes that move queries or count heads read it
+        (`working_bytes`, `collectives`).
+      head_dim: the heads' width (0: `kv_features`, one key/value head).
+    """
 
     kv_features: float
     layers: int
@@ -689,13 +839,21 @@ class ContextAttention:
                 (rows, t, self.kv_features / head_dim, head_dim))
 
     def working_bytes(self, step) -> float:
-        """Temporary bytes one call holds on one device (one layer runs at a time; nothing of
-        size seq² is kept for the backward, only the output and its log-sum-exp), the scheme's
-        `Scheme.working_bytes`: ring: the fp32 scores and probabilities of one step's 3 blocks
+        """Temporary bytes one call holds on one device, the scheme's `Scheme.working_bytes`.
+
+        One layer runs at a time; nothing of size seq² is kept for the backward, only the output
+        and its log-sum-exp. ring: the fp32 scores and probabilities of one step's 3 blocks
         (`query_tile` queries × a chunk of `c` keys per query head and row), the key/value
         block in flight beside the one held and, backward, their fp32 gradient accumulators;
         allgather: the same scores, every device's keys and values and, backward, their fp32
-        gradients."""
+        gradients.
+
+        Args:
+          step: the step's `StepShape`.
+
+        Returns:
+          The bytes (0 without context parallelism).
+        """
         g = step.grid
         if g.context == 1:
             return 0.0
@@ -704,6 +862,7 @@ class ContextAttention:
             q_shape, kv_shape, g.context, self.query_tile, step.compute_bytes)
 
     def collectives(self, step) -> list[Collective]:
+        """The forward's hops or gathers (recomputed) and the backward's, over `context`."""
         g = step.grid
         if g.context == 1:
             return []
@@ -725,14 +884,21 @@ class ContextAttention:
         return out
 
     def executed_flops(self, step, scores: float) -> float:
-        """Training FLOPs of the attention core where the model counts `scores` (every score
-        computed, as XLA's attention does): the scheme's share (`flops_share`) over context,
-        `scores` without it."""
+        """Training FLOPs of the attention core where the model counts `scores`.
+
+        Args:
+          step: the step's `StepShape`.
+          scores: the FLOPs of computing every score, as XLA's attention does.
+
+        Returns:
+          The scheme's share (`flops_share`) of `scores` over context, `scores` without it.
+        """
         g = step.grid
         return scores * (flops_share(g.context, step.context_attention) if g.context > 1
                          else 1.0)
 
     def parameters(self, step) -> list:
+        """None: the attention core holds no parameters."""
         return []
 
 
@@ -740,8 +906,10 @@ class ContextAttention:
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
-    """One context-parallel attention scheme: what `attention`, `collectives`, `flops_share`,
-    `ContextAttention` and the `--context-attention` option ask of it.
+    """One context-parallel attention scheme.
+
+    What `attention`, `collectives`, `flops_share`, `ContextAttention` and the
+    `--context-attention` option ask of it.
 
     Attributes:
       name: its `--context-attention` choice (`StepShape.context_attention`).
@@ -775,7 +943,17 @@ SCHEMES: dict[str, Scheme] = {}
 
 
 def register(scheme: Scheme) -> Scheme:
-    """Add `scheme` to `SCHEMES` (ValueError when its name is taken) and return it."""
+    """Add `scheme` to `SCHEMES` and return it.
+
+    Args:
+      scheme: the `Scheme`.
+
+    Returns:
+      `scheme`.
+
+    Raises:
+      ValueError: its name is taken.
+    """
     if scheme.name in SCHEMES:
         raise ValueError(f"context attention scheme {scheme.name!r} is already registered")
     SCHEMES[scheme.name] = scheme

@@ -42,8 +42,16 @@ from . import context
 
 
 def check_heads(heads: int, kv_heads: int, size: int) -> None:
-    """ValueError (one line, naming the numbers) unless `heads` query heads and `kv_heads`
-    key/value heads split over `size` devices: both multiples of it, or `kv_heads` a divisor."""
+    """Check that the query and key/value heads split over `size` devices.
+
+    Args:
+      heads: query heads; must be a multiple of `size`.
+      kv_heads: key/value heads; a multiple of `size`, or a divisor of it.
+      size: the devices on the context axis.
+
+    Raises:
+      ValueError: one line, naming the numbers, when they do not split so.
+    """
     if heads % size or (kv_heads % size and size % kv_heads):
         raise ValueError(f"ulysses attention splits heads over context {size}: {heads} query "
                          f"heads and {kv_heads} key/value heads must be multiples of {size} "
@@ -189,15 +197,36 @@ def collectives(q_shape, kv_shape, dtype, size, *, axis, segment_ids, positions,
 
 
 def flops_share(size: int) -> float:
-    """`Scheme.flops_share`: every score of its heads, 2 matmuls forward and 5 backward (the
-    scores again) against the models' 6: 7/6 at every `size`."""
+    """`Scheme.flops_share`: every score of its heads at 7 matmuls against the models' 6.
+
+    2 matmuls forward and 5 backward (the scores again) against the models' 6.
+
+    Args:
+      size: the devices on the context axis (the share does not depend on it).
+
+    Returns:
+      7/6.
+    """
     return 7 / 6
 
 
 def working_bytes(q_shape, kv_shape, size, query_tile, compute_bytes) -> float:
-    """`Scheme.working_bytes`: the fp32 scores and probabilities of one tile of queries over the
-    whole sequence for `heads / size` heads, and the received q, k, v and output with, backward,
-    their fp32 gradients."""
+    """`Scheme.working_bytes`: the temporary bytes of one call per device.
+
+    The fp32 scores and probabilities of one tile of queries over the whole sequence for
+    `heads / size` heads, and the received q, k, v and output with, backward, their fp32
+    gradients.
+
+    Args:
+      q_shape: the per-device query shape `(rows, 2c, heads, head_dim)`.
+      kv_shape: the per-device key (= value) shape `(rows, 2c, kv_heads, head_dim)`.
+      size: the devices on the context axis.
+      query_tile: queries at a time.
+      compute_bytes: bytes of an element of the compute dtype.
+
+    Returns:
+      The bytes.
+    """
     rows, t, heads, head_dim = q_shape
     tile = min(query_tile, t / 2)
     scores = 2 * rows * heads * tile * t * 4  # (heads / size) × tile × (size · t)

@@ -21,36 +21,69 @@ from .model import ModelFunctions, scan_layers
 
 
 def cast_floating(tree, dtype):
-    """Every floating-point leaf of `tree` as `dtype` (integer leaves unchanged)."""
+    """Every floating-point leaf of `tree` as `dtype` (integer leaves unchanged).
+
+    Args:
+      tree: a pytree of arrays.
+      dtype: the floating dtype to cast to.
+
+    Returns:
+      The tree of the same structure, the arrays laid out as they were.
+    """
     return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                         tree)
 
 
 def activation_dtype(model_dtype, dtype):
-    """The dtype activations of `model_dtype` travel between the parts in under compute dtype
-    `dtype`: `dtype`, except that a model computing in a narrower floating dtype keeps its own
-    (widening them would only add bytes: the blocks compute in the model's dtype anyway)."""
+    """The dtype activations travel between the parts in under a compute dtype.
+
+    A model computing in a narrower floating dtype keeps its own (widening them would only add
+    bytes: the blocks compute in the model's dtype anyway).
+
+    Args:
+      model_dtype: the dtype the model's embedding produces.
+      dtype: the step's compute dtype.
+
+    Returns:
+      `dtype`, or `model_dtype` when it is a narrower floating dtype.
+    """
     model_dtype, dtype = jnp.dtype(model_dtype), jnp.dtype(dtype)
     narrower = jnp.issubdtype(model_dtype, jnp.floating) and model_dtype.itemsize < dtype.itemsize
     return model_dtype if narrower else dtype
 
 
 def aux_loss(aux: dict) -> jax.Array:
-    """The blocks' auxiliary loss (their `aux['loss']` summed over layers), float32."""
+    """The blocks' auxiliary loss (their `aux['loss']` summed over layers), float32.
+
+    Args:
+      aux: the blocks' auxiliary outputs, each with a leading layer axis.
+
+    Returns:
+      A float32 scalar (0 without a `loss` entry).
+    """
     return jnp.sum(aux["loss"]).astype(jnp.float32) if "loss" in aux else jnp.float32(0.0)
 
 
 def aux_metrics(aux: dict) -> dict:
-    """The blocks' auxiliary outputs other than the loss (per layer: leading layer axis)."""
+    """The blocks' auxiliary outputs other than the loss (per layer: leading layer axis).
+
+    Args:
+      aux: the blocks' auxiliary outputs.
+
+    Returns:
+      `aux` without its `loss` entry.
+    """
     return {k: v for k, v in aux.items() if k != "loss"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ComputeFunctions:
-    """`fns` in `dtype` with the block groups `groups` (`((count, wrap), ...)`: how
-    `step.model.scan_layers` wraps runs of layers, e.g. in `jax.checkpoint` with a policy; None
-    keeps every layer as it is). The modes of the tensor-parallel kernels (FP8 GEMMs, gathers in
-    rings) are those `fns` was bound with (`StackedModel.bind`'s `kernels`).
+    """A model's functions `fns` as a train step computes them in `dtype`.
+
+    `groups` are the block groups (`((count, wrap), ...)`: how `step.model.scan_layers` wraps
+    runs of layers, e.g. in `jax.checkpoint` with a policy; None keeps every layer as it is).
+    The modes of the tensor-parallel kernels (FP8 GEMMs, gathers in rings) are those `fns` was
+    bound with (`StackedModel.bind`'s `kernels`).
 
         embed(params['embed'], batch) -> x            x: (rows, ...) in `activation_dtype`
         blocks(stacked, x, batch) -> (x, aux)         the whole stack, with `groups`
@@ -92,6 +125,15 @@ class ComputeFunctions:
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
 
     def embed(self, params, batch):
+        """The model's embedding of `batch`, parameters cast to the compute dtype.
+
+        Args:
+          params: the model's `params['embed']`.
+          batch: the batch's arrays.
+
+        Returns:
+          x `(rows, ...)` in `activation_dtype`.
+        """
         def embed(p, b):
             x = self.fns.embed(cast_floating(p, self.dtype), b)
             return x.astype(activation_dtype(x.dtype, self.dtype))
@@ -99,8 +141,19 @@ class ComputeFunctions:
         return unbatched_gathers(embed)(params, batch)
 
     def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None):
-        """The stack on `x` with the plan's groups (or `groups`); `layer_state`: the per-layer
-        state and key of `layer_stages` (`(state stacks or None, key or None)`)."""
+        """The stack on `x` with the plan's groups (or `groups`).
+
+        Args:
+          stacked: the stacked block parameters (leading layer axis).
+          x: the activations `(rows, ...)`.
+          batch: the batch's arrays (the blocks read its side inputs).
+          groups: the block groups (None: the plan's `groups`).
+          layer_state: the per-layer state and key of `layer_stages` (`(state stacks or None,
+            key or None)`).
+
+        Returns:
+          `(x, aux)`: the stack's output and the blocks' auxiliary outputs (leading layer axis).
+        """
         groups = self.groups if groups is None else groups
         if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
             (axis,) = self.vary_layers
@@ -125,24 +178,59 @@ class ComputeFunctions:
             layer_state=st))(stacked, x, batch, layer_state)
 
     def head(self, head_params, y, batch):
+        """The model's head: the mean loss of the rows, float32.
+
+        Args:
+          head_params: the head's parameters (`ModelFunctions.head_params`).
+          y: the stack's output `(rows, ...)`.
+          batch: the batch's arrays.
+
+        Returns:
+          A float32 scalar.
+        """
         return unbatched_gathers(lambda p, y, b: self.fns.head(
             cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 
     def loss_and_metrics(self, params, batch, layer_state=None):
-        """(the mean loss of `batch`, the blocks' auxiliary losses included; their metrics).
-        layer_state: `blocks`'."""
+        """The mean loss of `batch`, the blocks' auxiliary losses included, and their metrics.
+
+        Args:
+          params: the model's tree `{'embed', 'blocks', 'head'}`.
+          batch: the batch's arrays.
+          layer_state: `blocks`'.
+
+        Returns:
+          `(loss, metrics)`: a float32 scalar and the blocks' other auxiliary outputs.
+        """
         x = self.embed(params["embed"], batch)
         y, aux = self.blocks(params["blocks"], x, batch, layer_state=layer_state)
         loss = self.head(self.fns.head_params(params), y, batch) + aux_loss(aux)
         return loss, aux_metrics(aux)
 
     def loss(self, params, batch):
+        """The mean loss of `batch`, the blocks' auxiliary losses included.
+
+        Args:
+          params: the model's tree `{'embed', 'blocks', 'head'}`.
+          batch: the batch's arrays.
+
+        Returns:
+          A float32 scalar.
+        """
         return self.loss_and_metrics(params, batch)[0]
 
     def stage(self, layers: int) -> Callable:
-        """`(chunk params, x, batch) -> (x, auxiliary loss, metrics)` of a pipeline chunk of
-        `layers` layers (`parallel.pipeline`'s stage function): the plan's decision for every
-        layer (a stage's layers run one program, so a plan must be uniform there)."""
+        """The stage function of a pipeline chunk of `layers` layers (`parallel.pipeline`'s).
+
+        It runs the plan's decision for every layer (a stage's layers run one program, so a plan
+        must be uniform there).
+
+        Args:
+          layers: the chunk's layers.
+
+        Returns:
+          `(chunk params, x, batch) -> (x, auxiliary loss, metrics)`.
+        """
         groups = None if self.groups is None else ((layers, self.groups[0][1]),)
 
         def run(params, x, batch):

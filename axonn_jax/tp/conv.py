@@ -17,7 +17,17 @@ def _tuple(v, n: int) -> tuple:
 
 
 def check_conv_options(path: str, m, transposed: bool):
-    """NotImplementedError naming the layer `path` if its options have no tensor-parallel form."""
+    """Raise NotImplementedError naming the layer `path` if its options have no parallel form.
+
+    Args:
+      path: the layer's name in the model, for the message.
+      m: the Flax convolution layer (linen or NNX).
+      transposed: a transposed convolution.
+
+    Raises:
+      NotImplementedError: grouped convolutions, `precision` or `preferred_element_type` set,
+        or a transposed convolution with `padding='CIRCULAR'`.
+    """
     kind = type(m).__name__
     if getattr(m, "feature_group_count", 1) != 1:
         raise NotImplementedError(f"parallelize: layer '{path}' ({kind}) has feature_group_count = "
@@ -33,8 +43,25 @@ def check_conv_options(path: str, m, transposed: bool):
 
 
 def conv_apply(m, x, kernel, bias, mesh, transpose: bool, transposed: bool):
-    """Flax's convolution `m` (its attributes) of `x (*batch, *spatial, in)` with `kernel` and
-    `bias` (already promoted to the compute dtype), as `tp_conv` with `transpose`."""
+    """Flax's convolution `m` (its attributes) of `x` with `kernel` and `bias`, as `tp_conv`.
+
+    Args:
+      m: the Flax convolution layer whose attributes (kernel size, strides, padding, dilations,
+        mask) give the arithmetic.
+      x: `(*batch, *spatial, in)`, channels over `col` (`row` when `transpose`).
+      kernel: `(*window, in, out)` (`(*window, out, in)` with `transpose_kernel`), split as
+        `conv_kernel_spec`, promoted to the compute dtype.
+      bias: `(out,)` or None, promoted to the compute dtype.
+      mesh: the device mesh (None: the mesh in context).
+      transpose: swap `row` and `col`.
+      transposed: a transposed convolution (`ConvTranspose`).
+
+    Returns:
+      `(*batch, *spatial', out)`, channels over `row` (`col` when `transpose`).
+
+    Raises:
+      ValueError: causal padding of a convolution that is not 1-D.
+    """
     ksize = _tuple(m.kernel_size, 1 if isinstance(m.kernel_size, int) else len(m.kernel_size))
     n = len(ksize)
     batch_shape = x.shape[:x.ndim - n - 1]

@@ -40,9 +40,19 @@ over those it varies over. Never `pipe`: each stage's tensors are other layers' 
 
 
 def scale(x, q_dtype, axes: tuple[str, ...]):
-    """The per-tensor scale (float32 scalar) that maps the global `x` onto `q_dtype`'s range:
-    `amax / fp8_max` (1 when x is all zeros), amax the local block's max |x| taken over the
-    manual mesh `axes` too (every axis splitting or replicating x). Call inside a shard_map."""
+    """The per-tensor scale that maps the global `x` onto `q_dtype`'s range.
+
+    Call inside a shard_map.
+
+    Args:
+      x: this device's block of the tensor.
+      q_dtype: the float8 dtype to quantize to.
+      axes: the manual mesh axes splitting or replicating `x`: the amax is the local block's
+        max |x| taken over them too.
+
+    Returns:
+      A float32 scalar: `amax / fp8_max` (1 when x is all zeros).
+    """
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     if axes:
         amax = jax.lax.pmax(amax, axes)
@@ -50,20 +60,47 @@ def scale(x, q_dtype, axes: tuple[str, ...]):
 
 
 def amax_axes(*operands) -> tuple[str, ...]:
-    """The enclosing manual `TOKEN_AXES` that any of `operands` varies over (sorted)."""
+    """The enclosing manual `TOKEN_AXES` that any of `operands` varies over.
+
+    Args:
+      *operands: arrays, typed with the manual axes they vary over.
+
+    Returns:
+      The axes, sorted.
+    """
     return tuple(sorted(frozenset().union(*map(varying_axes, operands)) & set(TOKEN_AXES)))
 
 
 def quantize(x, q_dtype, s):
-    """`x / s` saturated to `q_dtype`'s range, as `q_dtype` (Flax's `fp8_ops.quantize`)."""
+    """`x / s` saturated to `q_dtype`'s range, as `q_dtype` (Flax's `fp8_ops.quantize`).
+
+    Args:
+      x: the array to quantize.
+      q_dtype: the float8 dtype.
+      s: the scale (`scale`).
+
+    Returns:
+      `x / s` as `q_dtype`, the shape of `x`.
+    """
     return fp8_ops.quantize(x, q_dtype, s, x.dtype)
 
 
 def dot(a, b, dimension_numbers, dtype):
-    """The GEMM of two quantized operands `a = (q_a, s_a)`, `b = (q_b, s_b)`: float8 operands,
-    float32 accumulation (`preferred_element_type`), the product of the scales applied to the
-    float32 result, returned as `dtype`. XLA compiles it to an FP8 GEMM on Hopper (a Triton or
-    cuBLASLt kernel reading float8); XLA:CPU computes the same products exactly in float32."""
+    """The GEMM of two quantized operands, float32 accumulation, the scales applied to the result.
+
+    The operands stay float8 with float32 accumulation (`preferred_element_type`), the product of
+    the scales applied to the float32 result. XLA compiles it to an FP8 GEMM on Hopper (a Triton
+    or cuBLASLt kernel reading float8); XLA:CPU computes the same products exactly in float32.
+
+    Args:
+      a: `(q_a, s_a)`: a float8 operand and its scale.
+      b: `(q_b, s_b)`: the other.
+      dimension_numbers: `jax.lax.dot_general`'s.
+      dtype: the result's dtype.
+
+    Returns:
+      The product, as `dtype`.
+    """
     (qa, sa), (qb, sb) = a, b
     y = jax.lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
     return (y * (sa * sb)).astype(dtype)

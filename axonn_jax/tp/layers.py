@@ -28,10 +28,17 @@ def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool,
                options: KernelOptions = DEFAULT):
     """Create (or read) `m`'s `kernel (in, features)` and `bias (features,)` and apply `tp_dense`.
 
-    `m` is a linen module inside its own method, with the attributes of `nn.Dense` (`use_bias,
-    dtype, param_dtype, kernel_init, bias_init, precision`). x: `(batch, ..., in)`, features split
-    over `col` (`row` when `transpose`); returns `(batch, ..., features)` split over `row` (`col`).
-    `options`: the kernel's modes (`tp.options.KernelOptions`).
+    Args:
+      m: a linen module inside its own method, with the attributes of `nn.Dense` (`use_bias,
+        dtype, param_dtype, kernel_init, bias_init, precision`).
+      x: `(batch, ..., in)`, features split over `col` (`row` when `transpose`).
+      features: the output features.
+      mesh: the device mesh (axes `depth, row, col`; None: the mesh in context).
+      transpose: swap `row` and `col`.
+      options: the kernel's modes (`tp.options.KernelOptions`).
+
+    Returns:
+      `(batch, ..., features)`, features split over `row` (`col` when `transpose`).
     """
     kernel = m.param("kernel", nn.with_partitioning(m.kernel_init, tuple(kernel_spec(transpose))),
                      (x.shape[-1], features), m.param_dtype)
@@ -44,16 +51,34 @@ def dense_call(m: nn.Module, x, features: int, mesh, transpose: bool,
 
 
 def embed_param(m: nn.Module):
-    """Create (or read) `m.embedding (num_embeddings, features)`, vocab over (`row`,`depth`),
-    features over `col`. For use in `setup`, like `nn.Embed`."""
+    """Create (or read) `m.embedding (num_embeddings, features)`, in `setup` like `nn.Embed`.
+
+    Args:
+      m: a linen module with the attributes of `nn.Embed` (`num_embeddings, features,
+        embedding_init, param_dtype`).
+
+    Returns:
+      The table `(num_embeddings, features)`, vocab over (`row`, `depth`), features over `col`.
+    """
     return m.param("embedding", nn.with_partitioning(m.embedding_init, tuple(embed_spec())),
                    (m.num_embeddings, m.features), m.param_dtype)
 
 
 def embed_call(m: nn.Module, embedding, tokens, mesh):
-    """`embedding[tokens]` with `tp_embed`: tokens `(batch, ...)` int, batch over `depth` (1-D
-    tokens are unbatched) -> `(*tokens.shape, features)`, features over `col`. Tokens outside
-    `[0, num_embeddings)` give zeros."""
+    """`embedding[tokens]` with `tp_embed`; tokens outside `[0, num_embeddings)` give zeros.
+
+    Args:
+      m: a linen module with `nn.Embed`'s `dtype`.
+      embedding: the table `(num_embeddings, features)`, placed as `embed_spec`.
+      tokens: int `(batch, ...)`, batch over `depth` (1-D tokens are unbatched).
+      mesh: the device mesh (None: the mesh in context).
+
+    Returns:
+      `(*tokens.shape, features)`, features over `col`.
+
+    Raises:
+      ValueError: `tokens` are not integers.
+    """
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"Embed: input type must be an integer, got {tokens.dtype}")
     (embedding,) = nn.dtypes.promote_dtype(embedding, dtype=m.dtype, inexact=False)
@@ -61,10 +86,22 @@ def embed_call(m: nn.Module, embedding, tokens, mesh):
 
 
 def norm_call(m: nn.Module, x, axis: str, rms: bool = False):
-    """LayerNorm (or RMSNorm when `rms`) over the last dim of `x (batch, ..., features)` whose
-    features are split over `axis`: `scale`/`bias` `(features,)` are split the same way, and GSPMD
-    turns the feature mean into an all-reduce over `axis`. Numerics follow Flax's norms
-    (float32 statistics, `use_fast_variance`)."""
+    """LayerNorm (or RMSNorm when `rms`) over the last dim of `x`, whose features are split.
+
+    `scale`/`bias` `(features,)` are split the same way as the features, and GSPMD turns the
+    feature mean into an all-reduce over `axis`. Numerics follow Flax's norms (float32
+    statistics, `use_fast_variance`).
+
+    Args:
+      m: a linen module with the attributes of `nn.LayerNorm` (`epsilon, use_scale, use_bias,
+        scale_init, bias_init, use_fast_variance, dtype, param_dtype`).
+      x: `(batch, ..., features)`, features over `axis`.
+      axis: the mesh axis splitting the features.
+      rms: RMSNorm (no mean subtracted, no bias) rather than LayerNorm.
+
+    Returns:
+      `(batch, ..., features)`, laid out as `x`.
+    """
     features = x.shape[-1]
     spec = (axis,)
     stats_dtype = jnp.promote_types(x.dtype, jnp.float32)
@@ -92,11 +129,16 @@ def norm_call(m: nn.Module, x, axis: str, rms: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class Norms:
-    """The collectives and parameter shards of norms over activations whose `features` are split
-    over `col` (`norm_call`), as a model declares them (`collectives.Part`): LayerNorm (`stats`
-    2: the mean and the mean of squares) or RMSNorm (1), `vectors` parameter vectors each (scale
-    and bias, or scale); `count` such norms in each of the `layers` blocks one device holds
-    (`layers` 0: outside the stack, run once per step with the head)."""
+    """The collectives and parameter shards of norms over features split over `col` (`norm_call`).
+
+    As a model declares them (`collectives.Part`): `count` such norms in each of the `layers`
+    blocks one device holds.
+
+    Attributes:
+      stats: 2 for LayerNorm (the mean and the mean of squares), 1 for RMSNorm.
+      vectors: parameter vectors of each norm (scale and bias, or scale).
+      layers: blocks one device holds; 0: outside the stack, run once per step with the head.
+    """
 
     features: int
     stats: int = 2
@@ -105,9 +147,12 @@ class Norms:
     layers: int = 0
 
     def collectives(self, step: StepShape) -> list[Collective]:
-        """Per-token statistics summed over col, in float32 whatever the compute dtype, forward
-        and backward; the vectors' gradients summed over the devices that saw other rows (depth,
-        and row when the batch is split)."""
+        """The per-token statistics' sums over col and the vectors' gradient sums.
+
+        The statistics are summed in float32 whatever the compute dtype, forward and backward;
+        the vectors' gradients over the devices that saw other rows (depth, and row when the
+        batch is split).
+        """
         g, stacked = step.grid, self.layers > 0
         n = self.count * self.layers if stacked else self.count
         tokens = step.tokens / (g.row if step.split else 1)  # split: rows over row too
@@ -121,6 +166,7 @@ class Norms:
         ]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The scale and bias vectors, split over `col`."""
         g = step.grid
         if not self.layers:
             return [ParameterShard(self.features / g.col, 1, (("col",),), True)] * \
@@ -131,18 +177,22 @@ class Norms:
 
 @dataclasses.dataclass(frozen=True)
 class GroupNorms:
-    """The scales and biases of GroupNorms over `channels` channels in each of `layers` copies of a
-    part (`collectives.Part`; `stacked`: a block of the stack), counted whole on every device;
-    their collectives are not counted (GSPMD lays the GroupNorm out)."""
+    """The scales and biases of GroupNorms, counted whole on every device (`collectives.Part`).
+
+    GroupNorms over `channels` channels in each of `layers` copies of a part (`stacked`: a block
+    of the stack); their collectives are not counted (GSPMD lays the GroupNorm out).
+    """
 
     channels: int
     layers: int = 1
     stacked: bool = False
 
     def collectives(self, step: StepShape) -> list[Collective]:
+        """None: GSPMD lays the GroupNorm out."""
         return []
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The scales and biases, whole on every device."""
         return [ParameterShard(2 * self.channels * self.layers, 1 + self.stacked, (),
                                not self.stacked)]
 
@@ -173,8 +223,11 @@ class Dense(nn.Module):
 
 
 class Embed(nn.Module):
-    """Vocabulary-parallel `nn.Embed`: table `(num_embeddings, features)`, vocab over (`row`,
-    `depth`), features over `col`. `tokens (batch, ...)` -> `(batch, ..., features)` over `col`."""
+    """Vocabulary-parallel `nn.Embed`: `tokens (batch, ...)` -> `(batch, ..., features)`.
+
+    Output features over `col`. The table `(num_embeddings, features)`: vocab over (`row`,
+    `depth`), features over `col`.
+    """
 
     num_embeddings: int
     features: int
@@ -191,8 +244,10 @@ class Embed(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """`nn.LayerNorm` over the last dim of activations whose features are split over `axis`
-    (`col` for the residual stream of a parallelized transformer)."""
+    """`nn.LayerNorm` over the last dim of activations whose features are split over `axis`.
+
+    `axis` is `col` for the residual stream of a parallelized transformer.
+    """
 
     axis: str = "col"
     epsilon: float = 1e-6

@@ -30,10 +30,12 @@ def _tuple(x) -> tuple:
 
 
 class Dense(nnx.Linear):
-    """Tensor-parallel `nnx.Linear`: `x (batch, ..., in)` -> `(batch, ..., out)`; input features
-    over `col` and output over `row` (`transpose=True` swaps them); kernel also split over `depth`,
-    batch over `depth`. `options`: the kernel's modes (`tp.options.KernelOptions`). See
-    `axonn_jax.tp.tensor.tp_dense`."""
+    """Tensor-parallel `nnx.Linear`: `x (batch, ..., in)` -> `(batch, ..., out)`.
+
+    Input features over `col` and output over `row` (`transpose=True` swaps them); kernel also
+    split over `depth`, batch over `depth`. `options`: the kernel's modes
+    (`tp.options.KernelOptions`). See `axonn_jax.tp.tensor.tp_dense`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, mesh, transpose: bool = False,
                  options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
@@ -52,11 +54,13 @@ class Dense(nnx.Linear):
 
 
 class DenseGeneral(nnx.LinearGeneral):
-    """Tensor-parallel `nnx.LinearGeneral` without `batch_axis`: `x` contracted over `axis` with a
-    kernel `(*in_features, *out_features)` -> `(..., *out_features)`. Split like `Dense` over the
-    flattened features, the mesh axes on the leading feature dims (attention's query projection,
-    kernel `(d_model, heads, head_dim)`: heads over `row`). `options`: as `Dense`'s. See
-    `tensor.tp_dense_general`."""
+    """Tensor-parallel `nnx.LinearGeneral` without `batch_axis`.
+
+    `x` is contracted over `axis` with a kernel `(*in_features, *out_features)` ->
+    `(..., *out_features)`. Split like `Dense` over the flattened features, the mesh axes on the
+    leading feature dims (attention's query projection, kernel `(d_model, heads, head_dim)`:
+    heads over `row`). `options`: as `Dense`'s. See `tensor.tp_dense_general`.
+    """
 
     def __init__(self, in_features, out_features, *, mesh, transpose: bool = False,
                  options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
@@ -85,10 +89,12 @@ class DenseGeneral(nnx.LinearGeneral):
 
 
 class Embed(nnx.Embed):
-    """Vocabulary-parallel `nnx.Embed`: table vocab over (`row`, `depth`), features over `col`;
+    """Vocabulary-parallel `nnx.Embed`: table vocab over (`row`, `depth`), features over `col`.
+
     `tokens (batch, ...)` -> `(batch, ..., features)` over `col` (zeros for out-of-range tokens);
     `attend(query)` -> `(batch, ..., vocab)` over `row` (a tied output head, `tp_attend`, run
-    with `options`: `tp.options.KernelOptions`)."""
+    with `options`: `tp.options.KernelOptions`).
+    """
 
     def __init__(self, num_embeddings: int, features: int, *, mesh,
                  options: KernelOptions = DEFAULT, rngs: nnx.Rngs, **kwargs):
@@ -102,15 +108,29 @@ class Embed(nnx.Embed):
         return tp_embed(tokens, embedding, self.mesh)
 
     def attend(self, query, out_sharding=None):
+        """The logits `query @ embedding.T` of a tied output head (`tp_attend`).
+
+        Args:
+          query: `(batch, ..., features)`, features over `col`, batch over `depth`.
+          out_sharding: must be None (the layer places its own output).
+
+        Returns:
+          `(batch, ..., vocab)`, vocab over `row`.
+
+        Raises:
+          NotImplementedError: `out_sharding` is given.
+        """
         _no_out_sharding(self, out_sharding)
         query, embedding = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
         return tp_attend(query, embedding, self.mesh, options=self.options)
 
 
 class LayerNorm(nnx.LayerNorm):
-    """`nnx.LayerNorm` over the last dim of activations whose features are split over `axis`
-    (`col` for the residual stream): scale and bias are split the same way, and GSPMD turns the
-    feature statistics into all-reduces over `axis`."""
+    """`nnx.LayerNorm` over the last dim of activations whose features are split over `axis`.
+
+    `axis` is `col` for the residual stream: scale and bias are split the same way, and GSPMD
+    turns the feature statistics into all-reduces over `axis`.
+    """
 
     def __init__(self, num_features: int, *, mesh, axis: str = "col", rngs: nnx.Rngs, **kwargs):
         meta = {"out_sharding": (axis,), "mesh": mesh}
@@ -125,10 +145,12 @@ def _conv_call(layer, x, transposed: bool):
 
 
 class Conv(nnx.Conv):
-    """Tensor-parallel `nnx.Conv` (channels last): a dense layer over the channels of every
-    window, input channels over `col` and output over `row` (`transpose=True` swaps them), the
-    kernel `(*window, in, out)` also split over `depth`, the spatial dims untouched. See
-    `axonn_jax.tp.tensor.tp_conv`."""
+    """Tensor-parallel `nnx.Conv` (channels last): a dense layer over the channels of every window.
+
+    Input channels over `col` and output over `row` (`transpose=True` swaps them), the kernel
+    `(*window, in, out)` also split over `depth`, the spatial dims untouched. See
+    `axonn_jax.tp.tensor.tp_conv`.
+    """
 
     def __init__(self, in_features: int, out_features: int, kernel_size, *, mesh,
                  transpose: bool = False, rngs: nnx.Rngs, **kwargs):
@@ -147,8 +169,10 @@ class Conv(nnx.Conv):
 
 
 class ConvTranspose(nnx.ConvTranspose):
-    """Tensor-parallel `nnx.ConvTranspose`, split as `Conv` (a `transpose_kernel` kernel
-    `(*window, out, in)` keeps `depth` on its second-to-last dim)."""
+    """Tensor-parallel `nnx.ConvTranspose`, split as `Conv`.
+
+    A `transpose_kernel` kernel `(*window, out, in)` keeps `depth` on its second-to-last dim.
+    """
 
     def __init__(self, in_features: int, out_features: int, kernel_size, *, mesh,
                  transpose: bool = False, rngs: nnx.Rngs, **kwargs):

@@ -37,7 +37,14 @@ class KernelOptions:
     replicated_rows: bool = False
 
     def replace(self, **changes) -> "KernelOptions":
-        """A copy with `changes` (`dataclasses.replace`)."""
+        """A copy with `changes` (`dataclasses.replace`).
+
+        Args:
+          **changes: new values of fields, by name.
+
+        Returns:
+          The new `KernelOptions`.
+        """
         return dataclasses.replace(self, **changes)
 
 

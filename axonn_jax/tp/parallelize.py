@@ -407,34 +407,49 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
                 rules: Mapping | None = None, report: bool | Callable = False,
                 max_replicated: int | None = None, example_args: tuple | None = None,
                 example_kwargs: Mapping | None = None, kernels: KernelOptions = DEFAULT):
-    """The tensor-parallel version of a Flax `module` (linen or NNX) on `mesh` (axes `depth, row, col`).
+    """The tensor-parallel version of a Flax `module` (linen or NNX) on `mesh`.
 
-    Linen: returns an instance of a subclass of `type(module)` with the same fields, whose `init` /
-    `apply` run the model's dense layers, embeddings and norms tensor-parallel (see the module
-    docstring); the layout is traced at `init` / `apply`.
-    NNX: returns a copy of `module` whose `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Embed` run
-    tensor-parallel (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
-    `axonn_jax.tp.parallelize_nnx`); `example_args` / `example_kwargs` (inputs of `module.__call__`)
-    let it trace the layout and alternate `transpose`; without them dense layers are normal.
-
-    transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`, NNX `'blocks/0/up'`)
-    overriding the automatic choice of normal / transposed layers.
-    rules: `{module class or path glob: AsDense(...) | Replicated()}` (`axonn_jax.tp.rules`): run
-    a custom dense module tensor-parallel, or keep a module as written with whole parameters.
-    report: True prints a `SplitReport` (every parameter, its split and the bytes left whole on
-    each device) once the layout is known (linen: at the first `init` / `apply`; NNX: here); a
-    callable receives it instead. Weights left whole are named in one-line log notes either way.
-    max_replicated: raise ValueError if a parameter above this many elements would stay whole on
-    every device (except those kept so by a Replicated rule).
-    kernels: the modes of the tensor-parallel dense layers (`axonn_jax.tp.options.KernelOptions`:
-    FP8 GEMMs, gathers in rings, the replicated layout), fixed in the returned module, so part of
-    what `jax.jit` of a function calling it caches on. A linen module whose attribute
+    Embedding tables and convolution kernels whose channels the grid does not divide (an RGB
+    input or output layer) stay whole (noted). A linen module whose attribute
     `tp_replicated_rows` is True runs the layers inside it in the replicated layout.
 
-    Raises NotImplementedError naming a layer it cannot run tensor-parallel (grouped or local
-    convolutions, batch norm, DenseGeneral with batch_dims), ValueError naming a layer whose dimensions the grid does
-    not divide. Embedding tables and convolution kernels whose channels the grid does not divide
-    (an RGB input or output layer) stay whole (noted).
+    Args:
+      module: a `flax.linen` or `flax.nnx` Module.
+      mesh: a mesh with axes `depth, row, col` (`make_mesh`).
+      transpose: optional `{layer path: bool}` (paths like `'blocks/attn_out'`, NNX
+        `'blocks/0/up'`) overriding the automatic choice of normal / transposed layers.
+      rules: `{module class or path glob: AsDense(...) | Replicated()}` (`axonn_jax.tp.rules`):
+        run a custom dense module tensor-parallel, or keep a module as written with whole
+        parameters.
+      report: True prints a `SplitReport` (every parameter, its split and the bytes left whole on
+        each device) once the layout is known (linen: at the first `init` / `apply`; NNX: here);
+        a callable receives it instead. Weights left whole are named in one-line log notes
+        either way.
+      max_replicated: raise ValueError if a parameter above this many elements would stay whole
+        on every device (except those kept so by a Replicated rule).
+      example_args: NNX only: positional inputs of `module.__call__` that let it trace the layout
+        and alternate `transpose`; without them (and `example_kwargs`) dense layers are normal.
+      example_kwargs: NNX only: keyword inputs of `module.__call__`, as `example_args`.
+      kernels: the modes of the tensor-parallel dense layers
+        (`axonn_jax.tp.options.KernelOptions`: FP8 GEMMs, gathers in rings, the replicated
+        layout), fixed in the returned module, so part of what `jax.jit` of a function calling
+        it caches on.
+
+    Returns:
+      Linen: an instance of a subclass of `type(module)` with the same fields, whose `init` /
+      `apply` run the model's dense layers, embeddings and norms tensor-parallel (see the module
+      docstring); the layout is traced at `init` / `apply`. NNX: a copy of `module` whose
+      `nnx.Linear` / `nnx.LinearGeneral` / `nnx.Embed` run tensor-parallel
+      (`axonn_jax.layers_nnx`) and whose variables are placed on `mesh` (see
+      `axonn_jax.tp.parallelize_nnx`).
+
+    Raises:
+      NotImplementedError: naming a layer it cannot run tensor-parallel (grouped or local
+        convolutions, batch norm, DenseGeneral with batch_dims).
+      ValueError: naming a layer whose dimensions the grid does not divide; or the mesh lacks
+        `depth`, `row` or `col`.
+      TypeError: `module` is not a Flax module, or `example_args` / `example_kwargs` are given
+        for a linen module.
     """
     missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
     if missing:
@@ -454,9 +469,20 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
 
 
 def transpose_plan(module, mesh, *args, **kwargs) -> dict[str, bool]:
-    """`{dense layer path: transpose}` that `parallelize` chooses for a linen `module` with inputs
-    `args` / `kwargs` (or an NNX `module` with `example_args=args, example_kwargs=kwargs`), traced
-    abstractly; nothing is computed."""
+    """The `{dense layer path: transpose}` that `parallelize` chooses for `module` on its inputs.
+
+    Traced abstractly; nothing is computed.
+
+    Args:
+      module: a linen module, or an NNX module (then `args` / `kwargs` act as `parallelize`'s
+        `example_args` / `example_kwargs`).
+      mesh: a mesh with axes `depth, row, col`.
+      *args: positional inputs of the module (arrays or `jax.ShapeDtypeStruct`s).
+      **kwargs: keyword inputs of the module.
+
+    Returns:
+      `{dense layer path: transpose}`.
+    """
     if isinstance(module, nnx.Module):
         return dict(trace_layout(module, {}, args, kwargs).decisions)
     interceptor = _Interceptor(mesh, {}, {})

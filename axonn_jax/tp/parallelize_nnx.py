@@ -183,8 +183,20 @@ def _tracing_rule(cls: type, rule: AsDense) -> type:
 
 def trace_layout(module: nnx.Module, overrides: Mapping[str, bool] | None, args: tuple,
                  kwargs: Mapping | None = None, rules: Mapping | None = None) -> Layout:
-    """The `Layout` of one abstract call `module(*args, **kwargs)` (`jax.eval_shape`: nothing is
-    computed and `module` is not changed). Array arguments may be `jax.ShapeDtypeStruct`s."""
+    """The `Layout` of one abstract call `module(*args, **kwargs)`.
+
+    Traced with `jax.eval_shape`: nothing is computed and `module` is not changed.
+
+    Args:
+      module: the NNX module.
+      overrides: `{layer path: transpose}` overriding the automatic choice, or None.
+      args: positional inputs; array arguments may be `jax.ShapeDtypeStruct`s.
+      kwargs: keyword inputs, or None.
+      rules: `parallelize`'s rules, or None.
+
+    Returns:
+      The traced `Layout` (its `decisions`: `{dense layer path: transpose}`).
+    """
     layout = Layout(overrides)
     graphdef, state = nnx.split(module)
     leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})))
@@ -289,14 +301,31 @@ def parallelize_nnx(module: nnx.Module, mesh, *, transpose: Mapping[str, bool] |
                     example_kwargs: Mapping | None = None, kernels: KernelOptions = DEFAULT):
     """The tensor-parallel copy of the NNX `module` on `mesh` (see the module docstring).
 
-    transpose: `{layer path: bool}` (paths like `'blocks/0/up'`) overriding the automatic choice.
-    rules / report / max_replicated / kernels: as for `axonn_jax.parallelize` (`kernels`: an
-    attribute of each dense layer and table, static in the graph definition).
-    example_args / example_kwargs: inputs of `module.__call__` (arrays or ShapeDtypeStructs) from
-    which the layout is traced; without them every dense layer not in `transpose` is normal.
     `module` is not changed; the copy's arrays are new shardings of its arrays (`jax.device_put`
-    sends each device its shard); an abstract `module` (`nnx.eval_shape`) gives an abstract copy
-    whose ShapeDtypeStructs carry the shardings.
+    sends each device its shard).
+
+    Args:
+      module: the NNX module; an abstract one (`nnx.eval_shape`) gives an abstract copy whose
+        ShapeDtypeStructs carry the shardings.
+      mesh: a mesh with axes `depth, row, col`.
+      transpose: `{layer path: bool}` (paths like `'blocks/0/up'`) overriding the automatic
+        choice.
+      rules: as for `axonn_jax.parallelize`.
+      report: as for `axonn_jax.parallelize`.
+      max_replicated: as for `axonn_jax.parallelize`.
+      example_args: positional inputs of `module.__call__` (arrays or ShapeDtypeStructs) from
+        which the layout is traced; without them (and `example_kwargs`) every dense layer not in
+        `transpose` is normal.
+      example_kwargs: keyword inputs of `module.__call__`, as `example_args`.
+      kernels: as for `axonn_jax.parallelize`: an attribute of each dense layer and table,
+        static in the graph definition.
+
+    Returns:
+      The tensor-parallel copy, its variables placed on `mesh`.
+
+    Raises:
+      ValueError: `transpose` names no dense layer of the model, or a layer's dimensions do not
+        divide over the grid.
     """
     rules = dict(rules or {})
     if example_args is not None or example_kwargs is not None:

@@ -22,8 +22,16 @@ RULE_NOTE = "kept whole by a Replicated rule"
 
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
-    """One parameter: its path, global shape and dtype, placement `spec` over the mesh, the number
-    of devices it is split over (`parts`; 1: whole on every device) and why it stays whole."""
+    """One parameter of a `SplitReport` and how it is placed.
+
+    Attributes:
+      path: the parameter's `/`-joined path.
+      shape: its global shape.
+      dtype: its dtype's name.
+      spec: its placement over the mesh.
+      parts: the number of devices it is split over (1: whole on every device).
+      note: why it stays whole.
+    """
 
     path: str
     shape: tuple
@@ -34,6 +42,7 @@ class ParamSplit:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole (global) parameter."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     @property
@@ -43,6 +52,7 @@ class ParamSplit:
 
     @property
     def size(self) -> int:
+        """Elements of the whole (global) parameter."""
         return math.prod(self.shape)
 
 
@@ -71,6 +81,7 @@ class SplitReport:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all the parameters, whole."""
         return sum(p.nbytes for p in self.params)
 
     def __getitem__(self, path: str) -> ParamSplit:
@@ -100,13 +111,29 @@ def _size(n: int) -> str:
 
 
 def parts_of(spec: P, sizes) -> int:
-    """The number of devices a parameter placed by `spec` is split over."""
+    """The number of devices a parameter placed by `spec` is split over.
+
+    Args:
+      spec: the parameter's PartitionSpec.
+      sizes: `{mesh axis: size}`.
+
+    Returns:
+      The product of the sizes of the axes named in `spec` (1: whole on every device).
+    """
     axes = [a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)]
     return math.prod(sizes[a] for a in axes)
 
 
 def build(entries, sizes) -> SplitReport:
-    """A report from `(path, shape, dtype, spec, note)` tuples; `sizes`: `{mesh axis: size}`."""
+    """A report from `(path, shape, dtype, spec, note)` tuples.
+
+    Args:
+      entries: `(path, shape, dtype, spec, note)` of each parameter.
+      sizes: `{mesh axis: size}`.
+
+    Returns:
+      The `SplitReport`, with `tensor_devices` = depth × row × col of `sizes`.
+    """
     return SplitReport(tuple(ParamSplit(path, tuple(shape), str(np.dtype(dtype)), spec,
                                         parts_of(spec, sizes), note)
                              for path, shape, dtype, spec, note in entries),
@@ -114,8 +141,19 @@ def build(entries, sizes) -> SplitReport:
 
 
 def act(report: SplitReport, report_to, max_replicated: int | None, what: str = "parallelize"):
-    """Log the notes about whole weights, enforce `max_replicated` (elements) and hand the report
-    to `report_to` (True: print it; a callable: call it; False/None: nothing)."""
+    """Log the notes about whole weights, enforce `max_replicated` and hand the report on.
+
+    Args:
+      report: the parallelized model's `SplitReport`.
+      report_to: True: print the report; a callable: call it with the report; False/None:
+        nothing.
+      max_replicated: the most elements a weight left whole may have (weights kept whole by a
+        `Replicated` rule excepted); None: no limit.
+      what: the caller's name, for the messages.
+
+    Raises:
+      ValueError: a whole weight holds more than `max_replicated` elements.
+    """
     if max_replicated is not None:
         big = [p for p in report.replicated if p.size > max_replicated and p.note != RULE_NOTE]
         if big:

@@ -18,10 +18,12 @@ from typing import Mapping
 
 @dataclasses.dataclass(frozen=True)
 class AsDense:
-    """Run a module as a tensor-parallel dense layer: its `__call__(x)` computes
-    `x @ kernel (+ bias)` over the last `in_ndim` dims of `x`, from its parameters `kernel`
-    (shape `(*in_dims, *out_dims)`, or `(*out_dims, *in_dims)` when `out_in`, as torch-style
-    weights) and `bias` (`out_dims`; None: no bias). `out_ndim` counts the output feature dims.
+    """Run a module as a tensor-parallel dense layer.
+
+    Its `__call__(x)` computes `x @ kernel (+ bias)` over the last `in_ndim` dims of `x`, from its
+    parameters `kernel` (shape `(*in_dims, *out_dims)`, or `(*out_dims, *in_dims)` when `out_in`,
+    as torch-style weights) and `bias` (`out_dims`; None: no bias). `out_ndim` counts the output
+    feature dims.
 
     The module's own `__call__` runs only where its parameters do not exist yet (in `init`, to
     create them with its own initializers; XLA drops its unused result); the rule is a promise
@@ -38,16 +40,28 @@ class AsDense:
 
 @dataclasses.dataclass(frozen=True)
 class Replicated:
-    """Run the module (and every module inside it) as written, its parameters whole on every
-    device: e.g. grouped-query key/value projections whose heads do not divide `row`. Such
-    parameters count as asked for: `max_replicated` does not refuse them."""
+    """Run the module (and every module inside it) as written, its parameters whole everywhere.
+
+    E.g. grouped-query key/value projections whose heads do not divide `row`. Such parameters
+    count as asked for: `max_replicated` does not refuse them.
+    """
 
 
 Rule = AsDense | Replicated
 
 
 def check_rules(rules: Mapping | None) -> dict:
-    """`rules` as a dict, after checking its keys and values (TypeError naming a bad entry)."""
+    """`rules` as a dict, after checking its keys and values.
+
+    Args:
+      rules: `{module class or path glob: AsDense or Replicated}`, or None.
+
+    Returns:
+      A dict of the rules (empty for None).
+
+    Raises:
+      TypeError: a key or a value of another type, named in the message.
+    """
     rules = dict(rules or {})
     for key, rule in rules.items():
         if not isinstance(key, (str, type)):
@@ -60,8 +74,17 @@ def check_rules(rules: Mapping | None) -> dict:
 
 
 def find_rule(rules: Mapping, path: str, module) -> Rule | None:
-    """The rule for the module at `path`: the first path glob that matches, else the rule of the
-    nearest class in the module's MRO, else None."""
+    """The rule for the module at `path`.
+
+    Args:
+      rules: the checked rules (`check_rules`).
+      path: the module's `/`-joined path.
+      module: the module.
+
+    Returns:
+      The rule of the first path glob that matches, else that of the nearest class in the
+      module's MRO, else None.
+    """
     for key, rule in rules.items():
         if isinstance(key, str) and fnmatch.fnmatchcase(path, key):
             return rule

@@ -62,23 +62,49 @@ holding every one it ever traced."""
 
 
 def feature_axes(transpose: bool) -> tuple[str, str]:
-    """(axis splitting the input features, axis splitting the output features) of a layer."""
+    """The mesh axes splitting a layer's input and output features.
+
+    Args:
+      transpose: a transposed layer (`row` and `col` swapped).
+
+    Returns:
+      `(axis splitting the input features, axis splitting the output features)`: `("col", "row")`,
+      or `("row", "col")` when `transpose`.
+    """
     return ("row", "col") if transpose else ("col", "row")
 
 
 def kernel_spec(transpose: bool = False, out_in: bool = False) -> P:
-    """PartitionSpec of a `(in, out)` kernel: `in` over (in-axis, `depth`), `out` over out-axis;
-    of a `(out, in)` kernel (`out_in`): `out` over (out-axis, `depth`), `in` over in-axis."""
+    """PartitionSpec of a 2-D dense kernel.
+
+    Args:
+      transpose: a transposed layer (`feature_axes`).
+      out_in: the kernel is stored `(out, in)` rather than `(in, out)`.
+
+    Returns:
+      For an `(in, out)` kernel: `in` over (in-axis, `depth`), `out` over out-axis; for an
+      `(out, in)` kernel (`out_in`): `out` over (out-axis, `depth`), `in` over in-axis.
+    """
     fin, fout = feature_axes(transpose)
     return P((fout, "depth"), fin) if out_in else P((fin, "depth"), fout)
 
 
 def split_dims(dims, axes, sizes) -> tuple | None:
-    """PartitionSpec entries splitting `dims` (one multi-dim feature axis, e.g. (heads, head_dim))
-    over the mesh `axes` (outermost first) so that each device holds one contiguous block of the
-    flattened features, in the order the 2-D layer splits them: the axes fill the leading dims,
-    moving to the next dim only once one is split down to size 1. None when no such split exists
-    (e.g. 2 heads over `row` = 4). Axes of size 1 stay on the current dim."""
+    """PartitionSpec entries splitting a multi-dim feature axis over mesh axes in flattened order.
+
+    Each device holds one contiguous block of the flattened features, in the order the 2-D layer
+    splits them: the axes fill the leading dims, moving to the next dim only once one is split
+    down to size 1. Axes of size 1 stay on the current dim.
+
+    Args:
+      dims: the feature dims, e.g. `(heads, head_dim)`.
+      axes: the mesh axes to split them over, outermost first.
+      sizes: `{mesh axis: size}`.
+
+    Returns:
+      One PartitionSpec entry per dim (None, an axis, or a tuple of axes); None when `dims` is
+      empty or no such split exists (e.g. 2 heads over `row` = 4).
+    """
     if not dims:
         return None
     entries, left, i = [[] for _ in dims], list(dims), 0
@@ -95,10 +121,21 @@ def split_dims(dims, axes, sizes) -> tuple | None:
 
 
 def dense_specs(in_dims, out_dims, sizes, transpose: bool = False, out_in: bool = False):
-    """(kernel spec, bias spec) of a dense layer with input features `in_dims` and output features
-    `out_dims` (tuples; kernel `(*in_dims, *out_dims)`, or `(*out_dims, *in_dims)` when `out_in`),
-    split as `kernel_spec` over the flattened features (see `split_dims`); None when the dims
-    cannot be split so. `sizes`: `{mesh axis: size}`."""
+    """PartitionSpecs of a dense layer's kernel and bias with several feature dims.
+
+    The kernel is split as `kernel_spec` over the flattened features (see `split_dims`), the bias
+    like the layer's outputs.
+
+    Args:
+      in_dims: the input feature dims (a tuple).
+      out_dims: the output feature dims (a tuple).
+      sizes: `{mesh axis: size}`.
+      transpose: a transposed layer (`feature_axes`).
+      out_in: the kernel is `(*out_dims, *in_dims)` rather than `(*in_dims, *out_dims)`.
+
+    Returns:
+      `(kernel spec, bias spec)`, or None when the dims cannot be split so.
+    """
     fin, fout = feature_axes(transpose)
     kin = split_dims(in_dims, (fin,) if out_in else (fin, "depth"), sizes)
     kout = split_dims(out_dims, (fout, "depth") if out_in else (fout,), sizes)
@@ -109,13 +146,28 @@ def dense_specs(in_dims, out_dims, sizes, transpose: bool = False, out_in: bool 
 
 
 def bias_spec(transpose: bool = False) -> P:
-    """PartitionSpec of a `(out,)` bias: split like the layer's outputs."""
+    """PartitionSpec of a `(out,)` bias: split like the layer's outputs.
+
+    Args:
+      transpose: a transposed layer (`feature_axes`).
+
+    Returns:
+      `P(out-axis)`: `row`, or `col` when `transpose`.
+    """
     return P(feature_axes(transpose)[1])
 
 
 def activation_spec(ndim: int, features: str | None, batch: bool = True) -> P:
-    """PartitionSpec of a `(batch, ..., features)` activation: batch over `depth`, features over
-    `features` (None: replicated)."""
+    """PartitionSpec of a `(batch, ..., features)` activation with its batch over `depth`.
+
+    Args:
+      ndim: the activation's number of dims.
+      features: the mesh axis splitting the last dim (None: replicated).
+      batch: whether the leading dim is a batch split over `depth` (else replicated).
+
+    Returns:
+      The PartitionSpec: batch over `depth`, features over `features`.
+    """
     return P("depth" if batch else None, *([None] * (ndim - 2)), features)
 
 
@@ -204,12 +256,23 @@ COLLECTIVE_MATMUL_CHOICES = ("auto", "on", "off")
 
 
 def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool:
-    """Whether a step gathers rows in rings (`KernelOptions.collective_matmuls`): `on`, `off`, or
-    `auto` (on
-    when the step compiles for GPUs without FP8: XLA:CPU runs collectives synchronously, so there
-    the rings would only add the copies; with FP8 GEMMs there is less matmul to hide the permutes
-    behind than the copies cost: Llama-3-70B on data 4 × depth 16 × row 4 with `--fp8` replays at
-    10.40 s with rings, 10.01 s without, `benchmarks/results/overlap_notes.md`)."""
+    """Whether a step gathers rows in rings (`KernelOptions.collective_matmuls`).
+
+    `auto` is on when the step compiles for GPUs without FP8: XLA:CPU runs collectives
+    synchronously, so there the rings would only add the copies; with FP8 GEMMs there is less
+    matmul to hide the permutes behind than the copies cost (`benchmarks/results/overlap_notes.md`).
+
+    Args:
+      choice: `on`, `off` or `auto`.
+      platform: the platform the step compiles for (`gpu`, `cpu`, ...).
+      fp8: whether the step runs FP8 GEMMs.
+
+    Returns:
+      Whether the rings are on.
+
+    Raises:
+      ValueError: `choice` is not one of `COLLECTIVE_MATMUL_CHOICES`.
+    """
     if choice not in COLLECTIVE_MATMUL_CHOICES:
         raise ValueError(f"collective_matmul must be one of {COLLECTIVE_MATMUL_CHOICES}, "
                          f"got {choice!r}")
@@ -217,12 +280,23 @@ def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool
 
 
 def ring_gather(a, axis: str, n: int, block_fn):
-    """`block_fn` over each row block of `a` all-gathered over the manual `axis` (size `n`), the
-    blocks passed round a ring instead of gathered first: step s works on device (i + s) % n's
-    block while the next block is in flight. `block_fn(block, k) -> (rows, total)`: `rows` (a
-    tuple of arrays with the block's leading dim) are placed at block k of the results, `total`
-    (an array or None) is summed over the blocks. Returns (rows of all n blocks in the order of
-    `axis`, the sum of the totals). `a`: `(b, ...)` on each device; rows: `(n·b, ...)`."""
+    """`block_fn` over each row block of `a` gathered over `axis`, the blocks passed round a ring.
+
+    Instead of gathering first, step s works on device (i + s) % n's block while the next block
+    is in flight. Runs inside a shard_map manual over `axis`.
+
+    Args:
+      a: `(b, ...)`: this device's rows.
+      axis: the manual mesh axis to gather over.
+      n: the size of `axis`.
+      block_fn: `block_fn(block, k) -> (rows, total)`: `rows` (a tuple of arrays with the
+        block's leading dim) are placed at block k of the results, `total` (an array or None) is
+        summed over the blocks.
+
+    Returns:
+      `(rows, total)`: the rows of all n blocks in the order of `axis`, each `(n·b, ...)`, and
+      the sum of the totals.
+    """
     i, b = jax.lax.axis_index(axis), a.shape[0]
     to_previous = [(j, (j - 1) % n) for j in range(n)]  # so device i next holds i + 1's block
     rows, total, block = None, None, a
@@ -240,12 +314,22 @@ def ring_gather(a, axis: str, n: int, block_fn):
 
 
 def split_batch(x_shape, mesh, transpose: bool = False, replicated_rows: bool = False) -> bool:
-    """Whether `tp_dense` keeps the batch split over the replicated axes (the sequence-parallel
-    layout of the module docstring): the leading dim of `x` divides over `depth` times each of the
-    layer's two feature axes, and not `replicated_rows` (`KernelOptions.replicated_rows`).
-    Otherwise the layer falls back to the replicated layout. `mesh`: a Mesh, None (the mesh in
-    context), or `{axis: size}` (e.g. `ParallelConfig.as_dict()`: the communication model's count,
-    without devices)."""
+    """Whether `tp_dense` keeps the batch split over the replicated axes.
+
+    That is the sequence-parallel layout of the module docstring: the leading dim of `x` divides
+    over `depth` times each of the layer's two feature axes, and not `replicated_rows`.
+    Otherwise the layer falls back to the replicated layout.
+
+    Args:
+      x_shape: the shape of the layer's input `(batch, ..., in)`.
+      mesh: a Mesh, None (the mesh in context), or `{axis: size}` (e.g.
+        `ParallelConfig.as_dict()`: the communication model's count, without devices).
+      transpose: a transposed layer (`feature_axes`).
+      replicated_rows: `KernelOptions.replicated_rows`: force the replicated layout.
+
+    Returns:
+      True for the batch-split layout.
+    """
     if replicated_rows:
         return False
     sizes = mesh if isinstance(mesh, Mapping) else dict(current_mesh(mesh).shape)
@@ -253,8 +337,16 @@ def split_batch(x_shape, mesh, transpose: bool = False, replicated_rows: bool = 
 
 
 def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
-    """PartitionSpec of a `(batch, ..., features)` activation: batch over (`depth`, `batch_axis`)
-    (`depth` only when None), features over `features`."""
+    """PartitionSpec of a `(batch, ..., features)` activation with its batch split over two axes.
+
+    Args:
+      ndim: the activation's number of dims.
+      batch_axis: the axis splitting the batch besides `depth` (None: `depth` only).
+      features: the mesh axis splitting the last dim (None: replicated).
+
+    Returns:
+      The PartitionSpec: batch over (`depth`, `batch_axis`), features over `features`.
+    """
     return P(("depth", batch_axis) if batch_axis else "depth", *([None] * (ndim - 2)), features)
 
 
@@ -396,13 +488,28 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
              options: KernelOptions = DEFAULT):
     """`x @ kernel + bias` with AxoNN's 2D/3D tensor-parallel algorithm (see the module docstring).
 
-    x: `(batch, ..., in)`; kernel: `(in, out)` (`(out, in)` when `out_in`, computing
-    `x @ kernel.T`); bias: `(out,)` or None; all global arrays, placed by the shard_map's in_specs
-    (GSPMD re-lays them out if they arrive otherwise). Returns `(batch, ..., out)`: features over
-    `row` (`col` when `transpose`), batch over (`depth`, `col`) (`row`), or over `depth` only when
-    `split_batch` is False. `mesh` must have axes `depth, row, col` (inside an enclosing shard_map
-    its context mesh is used). `options`: the kernel's modes (FP8 GEMMs, gathers in rings, the
-    replicated layout), static: each choice traces its own program.
+    All arrays are global, placed by the shard_map's in_specs (GSPMD re-lays them out if they
+    arrive otherwise).
+
+    Args:
+      x: `(batch, ..., in)`: batch over (`depth`, `row`), `in` over `col` (`row` and `col`
+        swapped when `transpose`; batch over `depth` only in the replicated layout).
+      kernel: `(in, out)`, or `(out, in)` when `out_in` (computing `x @ kernel.T`); split as
+        `kernel_spec`.
+      bias: `(out,)` over the output axis, or None.
+      mesh: a mesh with axes `depth, row, col` (None: the mesh in context; inside an enclosing
+        shard_map its context mesh is used).
+      transpose: swap `row` and `col`.
+      out_in: the kernel is stored `(out, in)`.
+      options: the kernel's modes (FP8 GEMMs, gathers in rings, the replicated layout), static:
+        each choice traces its own program.
+
+    Returns:
+      `(batch, ..., out)`: features over `row` (`col` when `transpose`), batch over (`depth`,
+      `col`) (`row`), or over `depth` only when `split_batch` is False.
+
+    Raises:
+      ValueError: the shapes do not match or do not divide over the mesh axes.
     """
     _check_dense(x, kernel, bias, mesh, transpose, out_in)
     # Keyed by the mesh in context: a jitted function traced at top level must not be reused inside
@@ -418,14 +525,30 @@ def tp_dense(x, kernel, bias=None, mesh=None, transpose: bool = False, out_in: b
 
 def tp_dense_general(x, kernel, bias=None, mesh=None, transpose: bool = False, n_in: int = 1,
                      out_in: bool = False, *, options: KernelOptions = DEFAULT):
-    """`tp_dense` contracting the last `n_in` dims of `x` with a kernel of several feature dims:
-    `(*in_dims, *out_dims)` (`(*out_dims, *in_dims)` when `out_in`), bias `out_dims` or None.
+    """`tp_dense` contracting the last `n_in` dims of `x` with a kernel of several feature dims.
 
-    The features are flattened to run the 2-D layer and the output reshaped to
-    `(*x.shape[:-n_in], *out_dims)`; a kernel placed by `dense_specs` (mesh axes on the leading
-    feature dims) flattens to the 2-D layout without communication. E.g. attention's query
-    projection, kernel `(d_model, heads, head_dim)`: heads over `row`, output `(batch, seq, heads,
-    head_dim)` with heads over `row`.
+    The features are flattened to run the 2-D layer and the output reshaped; a kernel placed by
+    `dense_specs` (mesh axes on the leading feature dims) flattens to the 2-D layout without
+    communication. E.g. attention's query projection, kernel `(d_model, heads, head_dim)`: heads
+    over `row`, output `(batch, seq, heads, head_dim)` with heads over `row`.
+
+    Args:
+      x: `(batch, ..., *in_dims)`, laid out as `tp_dense`'s `x` over the flattened features.
+      kernel: `(*in_dims, *out_dims)`, or `(*out_dims, *in_dims)` when `out_in`.
+      bias: `out_dims`, or None.
+      mesh: as `tp_dense`'s.
+      transpose: swap `row` and `col`.
+      n_in: how many trailing dims of `x` are input features.
+      out_in: the kernel's output dims come first.
+      options: as `tp_dense`'s.
+
+    Returns:
+      `(*x.shape[:-n_in], *out_dims)`, laid out as `tp_dense`'s output over the flattened
+      features.
+
+    Raises:
+      ValueError: the kernel's input dims do not match `x`'s last `n_in` dims (and `tp_dense`'s
+        checks).
     """
     in_dims = x.shape[x.ndim - n_in:]
     n_out = kernel.ndim - n_in
@@ -453,14 +576,19 @@ def _row_gathers(axis: str, n: int, rows_bytes: float, placed_bytes: float, coun
 
 @dataclasses.dataclass(frozen=True)
 class DenseLayer:
-    """The collectives and parameter shards of `tp_dense` layers of `fan_in` → `fan_out`
-    features, as a model declares them (`collectives.Part`): `count` such layers in each of the
-    `layers` blocks one device holds (`layers` 0: a layer outside the stack, run once per step on
-    the last stage: the output head). `gathers`: per block, the input gathers of the batch-split
-    layout (layers reading one input, a GPT's query, key and value projections, share one);
-    None: one per layer. `table`: the kernel is the vocabulary-parallel token table (a tied head,
-    `tp_attend`'s matmul laid out by GSPMD: no parameters of its own, gradient all-reduced over
-    depth)."""
+    """The collectives and parameter shards of `tp_dense` layers, as a model declares them.
+
+    A `collectives.Part`: `count` layers of `fan_in` → `fan_out` features in each of the `layers`
+    blocks one device holds.
+
+    Attributes:
+      layers: blocks one device holds; 0: a layer outside the stack, run once per step on the
+        last stage (the output head).
+      gathers: per block, the input gathers of the batch-split layout (layers reading one input,
+        a GPT's query, key and value projections, share one); None: one per layer.
+      table: the kernel is the vocabulary-parallel token table (a tied head, `tp_attend`'s matmul
+        laid out by GSPMD: no parameters of its own, gradient all-reduced over depth).
+    """
 
     name: str
     fan_in: int
@@ -478,8 +606,11 @@ class DenseLayer:
     does not read (the block's last projection, whose sum leaves the block as its output)."""
 
     def collectives(self, step: StepShape) -> list[Collective]:
-        """AxoNN's 3D dense layer (module docstring): kernels split over (in, out) axes and over
-        depth, activations' features over one axis and (`step.split`) their rows over the other."""
+        """The collectives of AxoNN's 3D dense layer (module docstring).
+
+        Kernels split over (in, out) axes and over depth, activations' features over one axis
+        and (`step.split`) their rows over the other.
+        """
         g, cb = step.grid, step.compute_bytes
         wb = step.gathered_bytes
         stacked = self.layers > 0
@@ -540,8 +671,11 @@ class DenseLayer:
         return out
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
-        """The kernel `(in, out)`: in over in-axis·depth, out over out-axis (stacked over the
-        stage's blocks); the bias split like the outputs, whole over depth."""
+        """The kernel and bias shards of the layers.
+
+        The kernel `(in, out)`: in over in-axis·depth, out over out-axis (stacked over the
+        stage's blocks); the bias split like the outputs, whole over depth.
+        """
         g = step.grid
         fin, fout = feature_axes(self.transpose)
         kernel = ((fin, "depth"), (fout,))
@@ -560,7 +694,11 @@ class DenseLayer:
 
 
 def embed_spec() -> P:
-    """PartitionSpec of a `(vocab, features)` table: vocab over (`row`, `depth`), features over `col`."""
+    """PartitionSpec of a `(vocab, features)` table.
+
+    Returns:
+      `P(("row", "depth"), "col")`: vocab over (`row`, `depth`), features over `col`.
+    """
     return P(("row", "depth"), "col")
 
 
@@ -574,7 +712,15 @@ def _check_table(table, sizes, name):
 
 
 def table_divides(shape, mesh) -> bool:
-    """Whether a `(vocab, features)` table can be split as `embed_spec` on `mesh`."""
+    """Whether a `(vocab, features)` table can be split as `embed_spec` on `mesh`.
+
+    Args:
+      shape: the table's shape.
+      mesh: a mesh with axes `depth, row, col`.
+
+    Returns:
+      True when the shape is 2-D, vocab divides over `row` × `depth` and features over `col`.
+    """
     sizes = dict(mesh.shape)
     return len(shape) == 2 and shape[0] % (sizes["row"] * sizes["depth"]) == 0 \
         and shape[1] % sizes["col"] == 0
@@ -600,10 +746,19 @@ def _scatter_rows(idx, hit, dy, rows: int):
 
 
 def looks_up_rows(vocab: int, tokens: int, sizes: Mapping[str, int]) -> bool:
-    """Whether `tp_embed` exchanges looked-up rows over `depth` rather than the table: when the
-    `depth` group's `tokens` (per device, `depth` devices) are fewer than the table rows one
-    `row` device would gather (`vocab / row`). Both kinds of exchange carry `features / col`
-    values per row."""
+    """Whether `tp_embed` exchanges looked-up rows over `depth` rather than the table.
+
+    It does when the `depth` group's tokens are fewer than the table rows one `row` device would
+    gather (`vocab / row`). Both kinds of exchange carry `features / col` values per row.
+
+    Args:
+      vocab: the table's rows.
+      tokens: the tokens one device looks up.
+      sizes: `{mesh axis: size}`, with `depth` and `row`.
+
+    Returns:
+      True when `depth` > 1 and `depth · tokens < vocab // row`.
+    """
     return sizes["depth"] > 1 and sizes["depth"] * tokens < vocab // sizes["row"]
 
 
@@ -707,11 +862,21 @@ def tp_embed(tokens, table, mesh=None):
 def tp_attend(x, table, mesh=None, *, options: KernelOptions = DEFAULT):
     """`x @ table.T`: the logits of a tied output head against a vocabulary-parallel table.
 
-    x: `(batch, ..., features)`, features over `col`, batch over `depth`; table: `(vocab,
-    features)` placed as `embed_spec` (vocab over (`row`, `depth`), features over `col`). This is
-    `tp_dense` with the table as an `(out, in)` kernel: no copy or re-layout of the table. Returns
-    `(batch, ..., vocab)`, vocab over `row`; the table's gradient is reduce-scattered over `depth`.
-    `options`: `tp_dense`'s.
+    This is `tp_dense` with the table as an `(out, in)` kernel: no copy or re-layout of the
+    table. The table's gradient is reduce-scattered over `depth`.
+
+    Args:
+      x: `(batch, ..., features)`, features over `col`, batch over `depth`.
+      table: `(vocab, features)` placed as `embed_spec` (vocab over (`row`, `depth`), features
+        over `col`).
+      mesh: the mesh (default: the current one).
+      options: `tp_dense`'s.
+
+    Returns:
+      `(batch, ..., vocab)`, vocab over `row`.
+
+    Raises:
+      ValueError: the table does not divide over the mesh (and `tp_dense`'s checks).
     """
     _check_table(table, dict(current_mesh(mesh).shape), "tp_attend")
     return tp_dense(x, table, None, mesh, transpose=False, out_in=True, options=options)
@@ -719,17 +884,22 @@ def tp_attend(x, table, mesh=None, *, options: KernelOptions = DEFAULT):
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """The collectives and parameter shard of a vocabulary-parallel table (`tp_embed`) of
-    `rows` × `features`, as a model declares it (`collectives.Part`): rows over row·depth,
-    features over col, gathered over depth for the lookup like a dense kernel. `batched`: looks
-    up the step's tokens; else the `seq_len` positions (a learned position table), broadcast over
-    the batch."""
+    """The collectives and parameter shard of a vocabulary-parallel table (`tp_embed`).
+
+    A `collectives.Part` of `rows` × `features`: rows over row·depth, features over col,
+    gathered over depth for the lookup like a dense kernel.
+
+    Attributes:
+      batched: looks up the step's tokens; else the `seq_len` positions (a learned position
+        table), broadcast over the batch.
+    """
 
     rows: int
     features: int
     batched: bool = True
 
     def collectives(self, step: StepShape) -> list[Collective]:
+        """The lookup's sums over `row`, its exchange over `depth` and the gradient's sums."""
         g, cb = step.grid, step.compute_bytes
         shard = self.rows * self.features / (g.row * g.col) * step.gathered_bytes
         if self.batched:
@@ -775,17 +945,23 @@ class Table:
                 Collective("reduce-scatter", ("depth",), shard, per_microbatch=True)]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
+        """The table's shard: rows over (`row`, `depth`), features over `col`."""
         g = step.grid
         return [ParameterShard(self.rows * self.features / (g.depth * g.row * g.col), 2,
                                (("row", "depth"), ("col",)), True)]
 
 
 class ConvSpec(tuple):
-    """The window arithmetic of a channels-last convolution, hashable (it keys the compiled
-    function): `transposed` (`lax.conv_transpose` rather than `lax.conv_general_dilated`),
-    `strides`, `padding` (a lax padding string or a tuple of `(low, high)` pairs), `lhs_dilation`
-    (input dilation, normal convolutions only), `rhs_dilation` (kernel dilation), `transpose_kernel`
-    (a transposed convolution's kernel stored `(*window, out, in)`, as `lax.conv_transpose` takes it).
+    """A channels-last convolution's window arithmetic, hashable (it keys the compiled function).
+
+    Attributes:
+      transposed: `lax.conv_transpose` rather than `lax.conv_general_dilated`.
+      strides: the window strides.
+      padding: a lax padding string or a tuple of `(low, high)` pairs.
+      lhs_dilation: input dilation, normal convolutions only.
+      rhs_dilation: kernel dilation.
+      transpose_kernel: a transposed convolution's kernel stored `(*window, out, in)`, as
+        `lax.conv_transpose` takes it.
     """
 
     def __new__(cls, transposed: bool, strides, padding, lhs_dilation, rhs_dilation,
@@ -802,8 +978,15 @@ class ConvSpec(tuple):
     transpose_kernel = property(lambda s: s[5])
 
     def apply(self, x, w):
-        """The convolution of `x (batch, *spatial, in)` with `w (*window, in, out)` (`(*window,
-        out, in)` when `transpose_kernel`) on one device."""
+        """The convolution of `x` with `w` on one device.
+
+        Args:
+          x: `(batch, *spatial, in)`.
+          w: `(*window, in, out)`, or `(*window, out, in)` when `transpose_kernel`.
+
+        Returns:
+          `(batch, *spatial', out)`.
+        """
         if self.transposed:
             return jax.lax.conv_transpose(x, w, self.strides, self.padding,
                                           rhs_dilation=self.rhs_dilation,
@@ -816,9 +999,17 @@ class ConvSpec(tuple):
 
 
 def conv_kernel_spec(ndim: int, transpose: bool = False, transpose_kernel: bool = False) -> P:
-    """PartitionSpec of a `(*window, in, out)` convolution kernel of `ndim` dims: the window
-    unsplit, `in` over (in-axis, `depth`), `out` over out-axis, as `kernel_spec`; a
-    `transpose_kernel` kernel `(*window, out, in)` keeps `depth` on its second-to-last dim."""
+    """PartitionSpec of a `(*window, in, out)` convolution kernel, split as `kernel_spec`.
+
+    Args:
+      ndim: the kernel's number of dims.
+      transpose: a transposed layer (`feature_axes`).
+      transpose_kernel: the kernel is `(*window, out, in)`; `depth` stays on its second-to-last
+        dim.
+
+    Returns:
+      The window unsplit, `in` over (in-axis, `depth`), `out` over out-axis.
+    """
     fin, fout = feature_axes(transpose)
     a, b = (fout, fin) if transpose_kernel else (fin, fout)
     return P(*([None] * (ndim - 2)), (a, "depth"), b)
@@ -871,15 +1062,27 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
 
 
 def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False):
-    """A channels-last convolution with AxoNN's 2D/3D algorithm: `tp_dense` over the channels of
-    every window of `x`, the spatial dims untouched.
+    """A channels-last convolution with AxoNN's 2D/3D algorithm, the spatial dims untouched.
 
-    x: `(batch, *spatial, in)`, batch over `depth`, channels over `col` (`row` when `transpose`);
-    kernel: `(*window, in, out)` (`(*window, out, in)` for a `transpose_kernel` transposed
-    convolution), split as `conv_kernel_spec`; bias `(out,)` over `row` or None; `spec`: the window
-    arithmetic (`ConvSpec`). Forward: the kernel all-gathered over `depth`, the local convolution,
-    an all-reduce over `col`; backward: the input gradient all-reduced over `row`, the kernel's
-    reduce-scattered over `depth`. Returns `(batch, *spatial', out)`, channels over `row` (`col`).
+    It is `tp_dense` over the channels of every window of `x`. Forward: the kernel all-gathered
+    over `depth`, the local convolution, an all-reduce over `col`; backward: the input gradient
+    all-reduced over `row`, the kernel's reduce-scattered over `depth`.
+
+    Args:
+      x: `(batch, *spatial, in)`, batch over `depth`, channels over `col` (`row` when
+        `transpose`).
+      kernel: `(*window, in, out)` (`(*window, out, in)` for a `transpose_kernel` transposed
+        convolution), split as `conv_kernel_spec`.
+      bias: `(out,)` over `row` (`col`), or None.
+      spec: the window arithmetic (`ConvSpec`).
+      mesh: the mesh (default: the current one).
+      transpose: swap `row` and `col`.
+
+    Returns:
+      `(batch, *spatial', out)`, channels over `row` (`col` when `transpose`).
+
+    Raises:
+      ValueError: the shapes do not match or do not divide over the mesh axes.
     """
     _check_conv(x, kernel, bias, mesh, transpose, spec)
     fn = _conv_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, spec)
@@ -889,13 +1092,22 @@ def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False)
 
 @dataclasses.dataclass(frozen=True)
 class ConvLayer:
-    """The collectives and parameter shards of a `tp_conv` layer (a dense layer is one with a
-    window of 1), as a model declares it (`collectives.Part`): `window` kernel positions of `cin`
-    → `cout` channels, `pixels` output and `in_pixels` input positions per row (image), with
-    `transpose`; `layers` copies on one device (a stage's blocks, or 1), each run `runs` times per
-    step; `stacked`: a block of the stack (its forward recomputed in a pipeline stage's backward,
-    its backward a scan loop that gathers the kernel again); else every stage holds it. Rows keep
-    the replicated layout: batch over depth only."""
+    """The collectives and parameter shards of a `tp_conv` layer, as a model declares it.
+
+    A `collectives.Part` (a dense layer is one with a window of 1). Rows keep the replicated
+    layout: batch over depth only.
+
+    Attributes:
+      window: kernel positions.
+      cin: input channels.
+      cout: output channels.
+      pixels: output positions per row (image).
+      in_pixels: input positions per row (image).
+      layers: copies on one device (a stage's blocks, or 1).
+      runs: runs of each copy per step.
+      stacked: a block of the stack (its forward recomputed in a pipeline stage's backward, its
+        backward a scan loop that gathers the kernel again); else every stage holds it.
+    """
 
     window: int
     cin: int
@@ -908,9 +1120,11 @@ class ConvLayer:
     stacked: bool = False
 
     def collectives(self, step: StepShape) -> list[Collective]:
-        """AxoNN's dense layer over the channels of every window (`tp_conv`), with `window · cin`
-        input features and one row per output pixel; the input gradient sized by the input
-        pixels."""
+        """The collectives of AxoNN's dense layer over the channels of every window (`tp_conv`).
+
+        `window · cin` input features and one row per output pixel; the input gradient sized by
+        the input pixels.
+        """
         g, cb, pb = step.grid, step.compute_bytes, step.param_bytes
         n = self.layers * self.runs
         fin, fout = feature_axes(self.transpose)

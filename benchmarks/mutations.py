@@ -47,8 +47,9 @@ PIPELINE_GRADS = "tests/test_pipeline.py::test_gradients_equal_reference[grid0-1
 MUTATIONS = [
     Mutation(
         "data-sum", "axonn_jax/step/reducers.py",
-        "reduce=lambda grads, state, key: (pmean(grads, axis), state),",
-        "reduce=lambda grads, state, key: (jax.lax.psum(grads, axis), state),",
+        # Both paths: the sum exchanged here, and the one the engine made layer by layer.
+        "size = manual_axis_size(axis)",
+        "size = 1",
         ("tests/test_train.py::test_data_parallel_trajectory_equals_single_device",),
         "gradients summed over `data` instead of averaged"),
     Mutation(
@@ -119,8 +120,8 @@ MUTATIONS = [
         "the warm-up one step longer than asked"),
     Mutation(
         "expert-sum", "axonn_jax/step/train_step.py",
-        "return (psum(g, over) if over else g) / total",
-        "return psum(g, over) if over else g",
+        "return exchange.sum_divided(g, over, total)",
+        "return exchange.sum_divided(g, over)",
         ("tests/test_batch_axes.py::test_expert_grids_train_like_one_device[data2-expert2]",),
         "gradients summed over the expert/context axes instead of averaged"),
     Mutation(
@@ -131,20 +132,24 @@ MUTATIONS = [
         "a replicated parameter's gradient not summed over the context axis"),
     Mutation(
         "spmd-microbatch-mean", "axonn_jax/step/engines.py",
-        "grad_fn(params, b, scale / m)",
-        "grad_fn(params, b, scale)",
+        "grad_fn(low, b, scale / m)",
+        "grad_fn(low, b, scale)",
         ("tests/test_batch_axes.py::test_gradient_accumulation_trains_like_one_device",),
         "gradient accumulation sums the microbatches' gradients (the 1/M missing)"),
     Mutation(
         "cgx-residual-unused", "axonn_jax/parallel/compression.py",
-        "leaves = [x if r is None else x + r.astype(x.dtype) for x, r in zip(leaves, res)]",
-        "leaves = [x for x, r in zip(leaves, res)]",
+        # The quantized tensors' residual (added inside the quantizer's one pass); their new
+        # residual is still returned, the error of quantizing the gradient alone.
+        "residual=None if r is None else _leaf_rows(r, bucket_size),",
+        "residual=None,",
         ("tests/test_compression.py::test_compressed_psum_within_two_quantization_bound",),
         "CGX: the error-feedback residual is not added before quantizing"),
     Mutation(
         "cgx-residual-dropped", "axonn_jax/parallel/compression.py",
-        "out[i], new_res[i] = y, e",
-        "out[i], new_res[i] = y, jnp.zeros_like(e)",
+        """        for i, e in zip(idx, errors):
+            new_res[i] = e""",
+        """        for i, e in zip(idx, errors):
+            new_res[i] = e if e is None else jnp.zeros_like(e)""",
         ("tests/test_compression.py::test_compressed_psum_within_two_quantization_bound",),
         "CGX: the new residual is dropped (error feedback resets every step)"),
     Mutation(
@@ -212,7 +217,7 @@ def check_snippets(mutations) -> None:
 
 
 def run_test(copy: pathlib.Path, node: str, timeout: int) -> tuple[bool, float, str]:
-    """(passed, seconds, tail of the output) of one pytest node id in `copy`."""
+    """(passed, seconds, the whole output) of one pytest node id in `copy`."""
     # One compilation cache for all runs: a mutated program has other HLO, hence other keys.
     env = dict(os.environ, PYTHONPATH=str(copy), JAX_COMPILATION_CACHE_DIR=str(copy / ".jax-cache"))
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -224,7 +229,7 @@ def run_test(copy: pathlib.Path, node: str, timeout: int) -> tuple[bool, float, 
         passed, text = out.returncode == 0, out.stdout + out.stderr
     except subprocess.TimeoutExpired as e:
         passed, text = False, f"timed out after {timeout} s\n{e.stdout or ''}"
-    return passed, time.monotonic() - start, text[-2000:]
+    return passed, time.monotonic() - start, text
 
 
 def failure_line(text: str) -> str:
@@ -265,7 +270,8 @@ def main(argv=None) -> int:
                 print(f"baseline {node}: {'passed' if passed else 'FAILED'} ({seconds:.0f} s)",
                       flush=True)
                 if not passed:
-                    raise SystemExit(f"mutations.py: {node} fails without a mutation:\n{text}")
+                    raise SystemExit(f"mutations.py: {node} fails without a mutation:\n"
+                                     f"{text[-2000:]}")
         for m in chosen:
             path = copy / m.file
             pristine = path.read_text()

@@ -135,12 +135,16 @@ def test_activation_planner_keeps_the_trajectory(reference, devices, dtype):
     """`remat='auto'` plans a user's blocks within a budget below what keeping every activation
     needs (measured: 1.09 MB fp32, 1.16 MB bf16; the plan offloads the first block), and trains as
     one device does without remat (fp32, and bf16: the planner measures the block in the compute
-    dtype; the ViT's blocks return fp32, which the step casts back)."""
+    dtype; the ViT's blocks return fp32, which the step casts back). The swapped block sends the
+    stack through the hand-written layer backward (`ComputeFunctions.fetch_ahead`), another
+    program than the reference's autodiff scan: bf16 within the mode matrix's 16-bit bound
+    (measured 1.2e-3 on the loss)."""
     budget = 1e-3
     got = trajectory(devices, "vit", remat="auto", memory_budget_gb=budget, dtype=dtype)
     plan = got["summary"]["trainer"].bound.plan
     assert plan.predicted_peak <= budget * 1e9 and set(plan.decisions) != {"keep"}, plan
-    assert_trains_like(got, reference("vit", dtype))
+    assert got["summary"]["trainer"].bound.compute.fetch_ahead == ("offload" in plan.decisions)
+    assert_trains_like(got, reference("vit", dtype), None if dtype == "float32" else 1e-2)
 
 
 def test_stopped_run_resumes_with_the_same_trajectory(reference, devices, tmp_path):

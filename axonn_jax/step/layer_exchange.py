@@ -33,6 +33,46 @@ def _on_host(x) -> bool:
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 
+def _fetched(stacks: list, j) -> list:
+    """Layer `j`'s slices of the host-resident stacks among `stacks`, copied to the device; None
+    for each of the others (sliced where they are used)."""
+    return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
+                           jax.memory.Space.Device) if _on_host(a) else None for a in stacks]
+
+
+def _down_the_runs(one: Callable, runs, carry, fetched: Callable):
+    """`one(carry, run, local index, layer below)` on every layer, the top run first and each
+    run's layers from the top.
+
+    The carry is `(cotangent, layers in flight, gradients, the next layer's fetched residuals)`.
+    A run's top layers run unrolled while the exchange's stages fill (a layer in flight is None),
+    the rest in one loop whose bottom layer fetches itself once more (one loop body, no unrolled
+    bottom layer with temporaries of its own); the next run's top layer is fetched between the
+    two runs' loops.
+
+    Args:
+      one: one layer's backward.
+      runs: `layer_runs`' runs.
+      carry: the carry before the top layer.
+      fetched: `(run, local index)` or None -> that layer's fetched residuals.
+
+    Returns:
+      The carry after the bottom layer.
+    """
+    for r in reversed(range(len(runs))):
+        count = runs[r][1]
+        while count and any(v is None for v in carry[1]):
+            count -= 1
+            carry = one(carry, r, count, (r, count - 1) if count else None)
+        if count:
+            carry, _ = lax.scan(
+                lambda c, j, r=r: (one(c, r, j, (r, jnp.maximum(j - 1, 0))), None), carry,
+                jnp.arange(count), reverse=True)
+        if r:
+            carry = (*carry[:3], fetched((r - 1, runs[r - 1][1] - 1)))
+    return carry
+
+
 def _index(tree, i):
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
@@ -179,14 +219,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
             return v, None if new is None else _place(new_state, new, layer)
 
         def fetched(layer):
-            """The host-resident residuals of `layer` (`(run, local index)`, or None: no layer),
-            copied to the device; None for each of the others."""
-            if layer is None:
-                return []
-            r, j = layer
-            return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
-                                   jax.memory.Space.Device) if _on_host(a) else None
-                    for a in residuals[r]]
+            """`_fetched` of `layer` (`(run, local index)`; None: no layer, nothing fetched)."""
+            return [] if layer is None else _fetched(residuals[layer[0]], layer[1])
 
         def layer_backward(r, j, ct_h, ahead):
             """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
@@ -224,18 +258,7 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
         last = len(runs) - 1
         carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state),
                  fetched((last, runs[last][1] - 1)))
-        for r in reversed(range(len(runs))):
-            count = runs[r][1]
-            while count and any(v is None for v in carry[1]):  # the top layers fill the pipeline
-                count -= 1
-                carry = one(carry, r, count, (r, count - 1) if count else None)
-            if count:  # the bottom layer fetches itself again: one loop body, no unrolled layer
-                carry, _ = lax.scan(
-                    lambda c, j, r=r: (one(c, r, j, (r, jnp.maximum(j - 1, 0))), None), carry,
-                    jnp.arange(count), reverse=True)
-            if r:  # the next run's top layer, between the two runs' loops
-                carry = (*carry[:3], fetched((r - 1, runs[r - 1][1] - 1)))
-        ct_h, flight, grads, _ = carry
+        ct_h, flight, grads, _ = _down_the_runs(one, runs, carry, fetched)
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)
             flight = [None, *moved]

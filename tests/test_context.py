@@ -162,7 +162,12 @@ def test_context_attention_equals_one_device(scheme, size, data, kv_heads, docs,
     if docs:  # some document runs across a chunk boundary (one chunk: seq / 2·size tokens)
         cuts = np.arange(seq // (2 * size), seq, seq // (2 * size))
         assert np.any(np.asarray(seg)[:, cuts - 1] == np.asarray(seg)[:, cuts])
+    assert_attention_equals_one_device(scheme, size, data, tile, q, k, v, w, seg, pos)
 
+
+def assert_attention_equals_one_device(scheme, size, data, tile, q, k, v, w, seg, pos):
+    """`context.attention` with `scheme` over `size` devices (rows over `data`, `tile` queries at
+    a time): outputs and q/k/v gradients of `(q·w summed)` against one device's, relative ≤ TOL."""
     def kernel(q, k, v, s, p):
         return context.attention(q, k, v, scheme=scheme, segment_ids=s, positions=p,
                                  query_tile=tile)

@@ -17,9 +17,8 @@ from axonn_jax.parallel import context, ulysses
 from axonn_jax.run.plan import workload
 from axonn_jax.train import TrainOptions, train
 
-from conftest import relative_difference
 from test_batch_axes import OPTS, assert_trains_like, one_device  # noqa: F401  (a fixture)
-from test_context import (TOL, documents, grid, plain, qkvw, sharded, value_and_grads,
+from test_context import (assert_attention_equals_one_device, documents, grid, qkvw,
                           test_models_train_on_data_by_context_as_on_one_device as train_steps)
 
 CASES = [  # context, data, heads, kv_heads, documents, query tile
@@ -38,17 +37,7 @@ def test_ulysses_equals_one_device(size, data, heads, kv_heads, docs, tile):
     q, k, v, w = qkvw(rows, seq, heads, kv_heads, seed=size)
     seg, pos = documents(rows, seq, seed=size) if docs else (None, None)
     pos = pos if docs == "ids+positions" else None
-
-    def kernel(q, k, v, s, p):
-        return context.attention(q, k, v, scheme="ulysses", segment_ids=s, positions=p,
-                                 query_tile=tile)
-
-    mesh = grid(data, size)
-    ours = lambda q, k, v, s, p: sharded(kernel, mesh, 5)(q, k, v, s, p)  # noqa: E731
-    got, want = value_and_grads(ours, q, k, v, w, seg, pos), value_and_grads(plain, q, k, v, w,
-                                                                             seg, pos)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert relative_difference(a, b) <= TOL, name
+    assert_attention_equals_one_device("ulysses", size, data, tile, q, k, v, w, seg, pos)
 
 
 def test_heads_that_do_not_split_over_context_get_one_line():

@@ -96,9 +96,10 @@ def test_axes_bytes_match_compiled_hlo(name, devices):
 # `--remat full`, bf16, with the ragged expert exchange (benchmarks/results/moe_grouped.md,
 # jaxlib 0.12.0.1; `axonn-jax compile --target h100 ... --json`): its peak and its wire bytes per
 # (kind, axes), GB. The all-to-alls are the routed rows `analysis.hlo` charges a ragged one.
-MIXTRAL_8X7B_H100 = (21.8637, {("all-reduce", ("row",)): 767.5921,
-                               ("all-to-all", ("expert",)): 90.2090,
-                               ("all-reduce", ("expert",)): 1.4130})
+MIXTRAL_8X7B_H100 = (21.3294, {("all-reduce", ("row",)): 767.5921,
+                               ("all-to-all", ("expert",)): 90.1943,
+                               ("all-reduce", ("expert",)): 1.4130,
+                               ("all-gather", ("expert",)): 114688e-9})
 
 
 def test_mixtral_8x7b_plan_matches_its_compiled_h100_step():

@@ -2,6 +2,7 @@
 `ragged.reference` (the same interface from a padded all-to-all and masks) checks the offsets and
 sizes of the GPU path against the padded exchange; on abstract H100s the compiled module holds
 `ragged-all-to-all` and `analysis.hlo` charges its routed rows."""
+import dataclasses
 import json
 import math
 
@@ -47,7 +48,7 @@ def _layer(mesh, ragged_exchange: bool, dispatch_factor=None):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3, 4, 5), has_aux=True))
 
 
-@pytest.mark.parametrize("expert,dispatch_factor", [(2, None), (4, None), (4, 0.6)])
+@pytest.mark.parametrize("expert,dispatch_factor", [(2, None), (4, None), (4, 0.6), (8, None)])
 def test_ragged_exchange_matches_padded(devices, expert, dispatch_factor):
     """Loss, drops and every gradient (tokens, router logits, expert weights) of the ragged
     exchange equal the padded one's, float32, to 1e-6."""
@@ -67,23 +68,22 @@ def test_ragged_exchange_matches_padded(devices, expert, dispatch_factor):
 
 
 def test_chunk_plan_offsets(devices):
-    """Chunk `j` starts at `j·slots`; this device's rows land in its own chunk everywhere; the
-    receive sizes are the senders' counts, clipped to the chunk."""
+    """Both sides packed: each sender's chunks follow one another, each receiver stacks its rows
+    in the senders' order, the receive sizes are the senders' counts clipped to the chunk, and the
+    way back swaps the roles."""
     mesh = Mesh(np.array(devices[:4]), ("expert",))
     counts = np.array([[3, 0, 5, 9], [1, 2, 3, 4], [0, 0, 0, 0], [8, 8, 8, 8]], np.int32)
-    f = shard_map(lambda c: tuple(a[None] for a in _fields(
+    f = shard_map(lambda c: tuple(a[None] for a in dataclasses.astuple(
         ragged.chunk_plan(c[0], 8, "expert"))), mesh=mesh, in_specs=P("expert"),
-        out_specs=(P("expert"),) * 4)
-    starts, send, lands, recv = (np.asarray(a) for a in jax.jit(f)(counts))
-    np.testing.assert_array_equal(starts, np.tile(np.arange(4) * 8, (4, 1)))
-    np.testing.assert_array_equal(send, np.minimum(counts, 8))
-    np.testing.assert_array_equal(lands, np.repeat(np.arange(4)[:, None] * 8, 4, 1))
-    np.testing.assert_array_equal(recv, np.minimum(counts, 8).T)
-
-
-def _fields(plan):
-    """The plan's four arrays, in `jax.lax.ragged_all_to_all`'s order."""
-    return plan.input_offsets, plan.send_sizes, plan.output_offsets, plan.recv_sizes
+        out_specs=(P("expert"),) * 6)
+    starts, send, lands, recv, recv_at, peer_starts = (np.asarray(a) for a in jax.jit(f)(counts))
+    sent = np.minimum(counts, 8)
+    np.testing.assert_array_equal(send, sent)
+    np.testing.assert_array_equal(starts, np.cumsum(sent, 1) - sent)
+    np.testing.assert_array_equal(recv, sent.T)
+    np.testing.assert_array_equal(recv_at, np.cumsum(sent.T, 1) - sent.T)
+    np.testing.assert_array_equal(lands, recv_at.T)  # where mine land = where they take them
+    np.testing.assert_array_equal(peer_starts, starts.T)
 
 
 def test_hlo_charges_the_routed_rows():

@@ -263,11 +263,11 @@ class MoE(nn.Module):
 
 # ----------------------------------------------------------------------------- communication model
 
-DISPATCH_PASSES = (47, 28)
-"""(forward, backward) passes over one layer call's send buffer (`MoELayers._rows` rows of
+DISPATCH_PASSES = (9, 6)
+"""(forward, backward) passes over one layer call's receive buffer (`MoELayers._rows` rows of
 `d_model`) of the dispatch's memory-bound kernels: read off the compiled H100 step of
 mixtral-8x7b on expert 8 × row 8 (`benchmarks/plan_vs_replay.py`: its replayed other kernels
-over the buffer's bytes, the forward's loop body and the rest)."""
+over the buffer's bytes, the forward's loop body and the rest; the send side packed)."""
 DENSE_RAGGED_DOT = True
 """jaxlib computes `jax.lax.ragged_dot` densely on CPU and GPU (every row against every local
 expert, masked: `benchmarks/results/moe.md`), so a dropless layer that uses it runs
@@ -303,7 +303,8 @@ class MoELayers:
         batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
         shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
                      dtype_bytes=step.compute_bytes, batch_axes=batch_axes,
-                     ragged=self._grouped(step), imbalance=step.expert_imbalance)
+                     ragged=self._grouped(step), imbalance=step.expert_imbalance,
+                     calls=1 if g.pipe > 1 else step.microbatches)
         args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
         forward = experts_lib.collectives(*args, **shape, backward=False)
         # No remat policy keeps the layer's outputs: `--remat` runs its forward exchange again.
@@ -351,7 +352,8 @@ class MoELayers:
         """Bytes one device keeps for the backward of its layers' expert computation.
 
         For one (micro)batch: the send buffer, the rows received and the rows returned
-        (`groups·slots` rows of `d_model`, `parallel.experts.layout`), and of the rows received
+        (`groups·slots` rows of `d_model`, `parallel.experts.layout`; the ragged exchange's send
+        and return buffers: the routed rows only), and of the rows received
         the experts' outputs and their gate, up and gated hidden activations (`d_ff` each), once
         per local expert under `DENSE_RAGGED_DOT` (the compiled program holds
         `(local, rows, d_model)` and `(rows, local, d_ff)` arrays). All the step's tokens: the
@@ -365,9 +367,13 @@ class MoELayers:
           The kept bytes on one device.
         """
         g = step.grid
-        rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
-        features = 3 * self.d_model / g.col + self._expert_features(step)
-        return self.layers * rows * features * step.compute_bytes
+        calls = step.microbatches if g.pipe > 1 else 1
+        rows = self._rows(step) * calls
+        # The ragged exchange's send and return buffers hold the routed rows only.
+        sent = self._tokens(step) * self.config.top_k * calls if self._grouped(step) else rows
+        per_row = self.d_model / g.col
+        kept = rows * (per_row + self._expert_features(step)) + 2 * sent * per_row
+        return self.layers * kept * step.compute_bytes
 
     def traffic(self, step) -> tuple[float, float]:
         """HBM bytes (one forward, the backward) per step of one device's dispatch kernels.

@@ -20,8 +20,8 @@ Two ways to lay out the send buffer:
   With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
   dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
   assignments past a full chunk are dropped and counted. On a GPU mesh the chunks cross the axis
-  by `jax.lax.ragged_all_to_all` (`parallel.ragged`): the counts first (a small all-to-all), then
-  only the rows used, into a receive buffer of the same padded layout. XLA:CPU cannot run it
+  by `jax.lax.ragged_all_to_all` (`parallel.ragged`): the counts first (a small all-gather), then
+  only the rows used, packed on both sides (the receive buffer keeps the padded size). XLA:CPU cannot run it
   ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so there the exchange is a
   padded all-to-all of every chunk whole; both give the same result.
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
@@ -174,11 +174,33 @@ def grouped_swiglu(rows: jax.Array, ids: jax.Array, w_gate, w_up, w_down, *,
     experts = w_gate.shape[0]
     order = jnp.argsort(ids, stable=True)
     sizes = jnp.bincount(ids, length=experts).astype(jnp.int32)  # empty slots sort last, uncounted
-    gate, up = expert_matmul(rows[order], (w_gate, w_up), sizes, axes=("col", "row"),
+    out = sorted_swiglu(rows[order], sizes, w_gate, w_up, w_down, routed_rows=routed_rows)
+    return jnp.zeros_like(out).at[order].set(out)
+
+
+def sorted_swiglu(rows: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, *,
+                  routed_rows: int | None = None) -> jax.Array:
+    """Rows sorted by expert through their experts' SwiGLU, by grouped matmuls.
+
+    The gate and up projections run in one grouped matmul (`expert_matmul`), the down
+    projection in another.
+
+    Args:
+      rows: `(R, d)`, expert 0's first, then expert 1's, ...
+      sizes: `(E,)` int32 rows per expert; the rows past `Σ sizes` come out zero.
+      w_gate: `(E, d, ff)`.
+      w_up: `(E, d, ff)`.
+      w_down: `(E, ff, d)`.
+      routed_rows: the rows routed on average (the kernels' declared FLOPs).
+
+    Returns:
+      `(R, d)`.
+    """
+    gate, up = expert_matmul(rows, (w_gate, w_up), sizes, axes=("col", "row"),
                              routed_rows=routed_rows)
     (out,) = expert_matmul(jax.nn.silu(gate) * up, (w_down,), sizes, axes=("row", "col"),
                            routed_rows=routed_rows)
-    return jnp.zeros_like(out).at[order].set(out)
+    return out
 
 
 def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Array, *,
@@ -287,12 +309,12 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
     token = jnp.tile(jnp.arange(t), k)
     slot = assign_slots(ids, num_experts, groups, slots)
     size = groups * slots
-    buffer = jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop")
     if ragged is None:
         ragged = ragged_lib.use_ragged()
     if capacity_factor is None and n > 1 and ragged:
-        return _ragged_dropless(buffer, slot, ids, weights, w_gate, w_up, w_down, axis=axis,
+        return _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, axis=axis,
                                 slots=slots, local=local, routed_rows=min(size, t * k))
+    buffer = jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop")
     received = exchange(buffer, axis, n)
     if capacity_factor is not None:  # (source, expert, slot) -> (expert, source·slot)
         per_expert = received.reshape(n, local, slots, d).transpose(1, 0, 2, 3)
@@ -314,14 +336,20 @@ def _combine(rows: jax.Array, weights: jax.Array) -> jax.Array:
     return (rows * weights.T.reshape(-1, 1).astype(rows.dtype)).reshape(k, t, -1).sum(0)
 
 
-def _ragged_dropless(buffer, slot, ids, weights, w_gate, w_up, w_down, *, axis: str, slots: int,
+def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis: str, slots: int,
                      local: int, routed_rows: int) -> tuple[jax.Array, jax.Array]:
     """The dropless layer over `axis` with ragged exchanges (`routed_swiglu`'s result).
 
+    Both sides keep the rows packed (`ragged.chunk_plan`): the send buffer holds the routed rows
+    only (`T·k`, by destination), the receive buffer (`n·slots` rows, the most a dropless layer
+    can receive) what arrived from its first row on, so with one expert per device the rows go
+    through it unsorted.
+
     Args:
-      buffer: `(n·slots, d)` the send buffer, chunk `j` (rows `[j·slots, (j+1)·slots)`) for
-        device `j` of `axis`, filled from its start.
-      slot: `(k·T,)` int32 each assignment's row of `buffer` (`n·slots`: dropped).
+      x: `(T, d)` this device's tokens.
+      token: `(k·T,)` int32 each assignment's token (its row of `x`).
+      slot: `(k·T,)` int32 each assignment's row of the padded layout, `n·slots` rows in chunks
+        of `slots` per destination (`n·slots`: dropped).
       ids: `(k·T,)` int32 each assignment's expert.
       weights: `(T, k)` combine weights. Expert weights: as `routed_swiglu`'s, local slices.
       axis, slots, local: the manual mesh axis, rows per chunk, experts per device.
@@ -331,27 +359,43 @@ def _ragged_dropless(buffer, slot, ids, weights, w_gate, w_up, w_down, *, axis: 
     Returns:
       `(y (T, d), dropped)` as `routed_swiglu`.
     """
-    size, n = buffer.shape[0], buffer.shape[0] // slots
-    counts = jnp.bincount(jnp.minimum(slot, size) // slots, length=n + 1)[:n]  # dropped: bin n
+    assignments = slot.shape[0]
+    n = manual_axis_size(axis)
+    size = n * slots
+    chunk = slot // slots  # n: dropped
+    counts = jnp.bincount(chunk, length=n + 1)[:n]
     plan = ragged_lib.chunk_plan(counts.astype(jnp.int32), slots, axis)
-    local_ids = jnp.full((size,), local, jnp.int32).at[slot].set(ids % local, mode="drop")
+    sent = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
+    packed = jnp.where(chunk < n, sent[chunk] + slot % slots, assignments)  # (k·T,)
+    rows = jnp.zeros_like(token).at[packed].set(token, mode="drop")
+    # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff needs it).
     with ragged_lib.routed_rows(routed_rows):
-        received = ragged_lib.ragged_all_to_all(buffer, jnp.zeros_like(buffer), plan, axis)
-        # Unfilled rows read as empty slots (id `local`), as in the padded exchange.
-        received_ids = ragged_lib.ragged_all_to_all(
-            local_ids, jnp.full_like(local_ids, local), plan, axis)
-    out = grouped_swiglu(received, received_ids, w_gate, w_up, w_down, routed_rows=routed_rows)
+        received = ragged_lib.ragged_all_to_all(x[rows], jnp.zeros_like(x, shape=(size, x.shape[1])),
+                                                plan, axis)
+    if local == 1:  # the received rows are one expert's, from the first row on: no sort
+        out = sorted_swiglu(received, jnp.sum(plan.recv_sizes, keepdims=True), w_gate, w_up,
+                            w_down, routed_rows=routed_rows)
+    else:
+        packed_ids = jnp.full_like(ids, local).at[packed].set(ids % local, mode="drop")
+        with ragged_lib.routed_rows(routed_rows):
+            # Unfilled rows read as empty slots (id `local`), as in the padded exchange.
+            received_ids = ragged_lib.ragged_all_to_all(
+                packed_ids, jnp.full_like(ids, local, shape=(size,)), plan, axis)
+        out = grouped_swiglu(received, received_ids, w_gate, w_up, w_down,
+                             routed_rows=routed_rows)
     with ragged_lib.routed_rows(routed_rows):
-        back = ragged_lib.ragged_all_to_all(out, jnp.zeros_like(out), plan.reverse(), axis)
-    rows = back.at[slot].get(mode="fill", fill_value=0)
-    return _combine(rows, weights), jnp.sum(slot == size, dtype=jnp.int32)
+        back = ragged_lib.ragged_all_to_all(out, jnp.zeros_like(out, shape=(assignments,
+                                                                            out.shape[1])),
+                                            plan.reverse(), axis)
+    returned = back.at[packed].get(mode="fill", fill_value=0)
+    return _combine(returned, weights), jnp.sum(slot == size, dtype=jnp.int32)
 
 
 def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, expert: int, *,
                 capacity_factor: float | None = None, dispatch_factor: float | None = None,
                 dtype_bytes: int = 4, batch_axes: tuple[str, ...] | None = None,
-                backward: bool = True, ragged: bool = False,
-                imbalance: float = 1.0) -> list[tuple[str, tuple[str, ...], int]]:
+                backward: bool = True, ragged: bool = False, imbalance: float = 1.0,
+                calls: int = 1) -> list[tuple[str, tuple[str, ...], int]]:
     """The collectives one MoE layer (`models.moe.MoE`) issues per device.
 
     Forward: the rows out and back (two all-to-alls of the send buffer, `groups·slots·d_model`
@@ -366,8 +410,9 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
     only, `routed_rows(...)` of them, expected values (the bytes depend on the routing);
     `imbalance` (the busiest expert shard's load over the mean, `--expert-imbalance`) scales
     them to the busiest device's, which receives and returns that many more. Beside them the
-    counts cross before the forward exchange, and the transpose rule's send and receive
-    offsets (one all-to-all each) before the backward ones: `expert` int32 each.
+    devices gather every device's counts before the forward exchange (`expert²` int32), and
+    each backward exchange's transpose rule sends its send and receive offsets (one all-to-all
+    each, `expert` int32) first; with one expert per device the rows' expert ids stay home.
 
     Args:
       num_tokens: this device's tokens.
@@ -383,6 +428,8 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
       backward: include the backward's exchanges.
       ragged: the dropless exchange sends the routed rows only.
       imbalance: the busiest expert shard's load over the mean.
+      calls: the layer calls `num_tokens` are split into (microbatches accumulated one after
+        the other): the messages whose size does not depend on the tokens run once per call.
 
     Returns:
       `[(kind, axes, bytes)]`, bytes as `analysis.hlo` counts them.
@@ -396,17 +443,18 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
         rows = groups * slots
         if ragged and capacity_factor is None:
             rows = routed_rows(num_tokens, top_k, groups * slots, imbalance)
-            out.append(("all-to-all", ("expert",), expert * 4))  # the counts
+            out.append(("all-gather", ("expert",), calls * expert * expert * 4))  # the counts
         row_bytes = rows * d_model * dtype_bytes
         out += [("all-to-all", ("expert",), row_bytes)] * 2
-        if capacity_factor is None:
-            out.append(("all-to-all", ("expert",), rows * 4))
+        if capacity_factor is None and not (ragged and num_experts == expert):
+            out.append(("all-to-all", ("expert",), rows * 4))  # the rows' experts
         if backward:
             out += [("all-to-all", ("expert",), row_bytes)] * 2
             if ragged and capacity_factor is None:
-                out += [("all-to-all", ("expert",), expert * 4)] * 2  # the offsets
+                # The two transposes' offsets: the packed send side makes all four distinct.
+                out += [("all-to-all", ("expert",), calls * expert * 4)] * 4
     if batch_axes:
-        out.append(("all-reduce", tuple(batch_axes), (num_experts + 2) * 4))
+        out.append(("all-reduce", tuple(batch_axes), calls * (num_experts + 2) * 4))
     return out
 
 

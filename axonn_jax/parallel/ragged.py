@@ -1,11 +1,12 @@
 """Ragged all-to-all exchanges over one mesh axis: only the rows used cross the wire.
 
-A dropless MoE layer (`parallel.experts`) lays its send buffer out as one chunk per destination
-device, each chunk able to hold every assignment of the sender (`slots` rows), and fills chunk
-`j` from its start with the rows routed to device `j`. A padded all-to-all sends every chunk
-whole; `jax.lax.ragged_all_to_all` sends the filled part only, once both sides know the counts.
+A dropless MoE layer (`parallel.experts`) sends one chunk per destination device, each chunk
+able to hold every assignment of the sender (`slots` rows). A padded all-to-all sends every chunk
+whole; `jax.lax.ragged_all_to_all` sends the filled part only, once both sides know the counts,
+and both sides keep the rows packed (`chunk_plan`): the sender's buffer holds its routed rows
+only, the receiver's the rows it received from its first row on.
 
-- `chunk_plan`: the offsets and sizes of that exchange (one small all-to-all of the counts).
+- `chunk_plan`: the offsets and sizes of that exchange (one small all-gather of the counts).
 - `ragged_all_to_all`: `jax.lax.ragged_all_to_all` where the backend runs it (XLA:GPU), else
   `reference`: the same interface and result, built from a padded `all_to_all` and masks, for
   XLA:CPU, which has no `ragged-all-to-all` ("not supported by XLA:CPU"). Tests compare the two
@@ -70,33 +71,34 @@ class ChunkPlan:
 
     Each is `(n,)` int32, in `jax.lax.ragged_all_to_all`'s terms (from this device's view): the
     rows `[input_offsets[j], input_offsets[j] + send_sizes[j])` go to device `j`, where they land
-    at `output_offsets[j]`; `recv_sizes[i]` rows come from device `i`.
+    at `output_offsets[j]`; `recv_sizes[i]` rows come from device `i`, landing here at
+    `recv_offsets[i]`, where device `i` took them from its rows at `peer_input_offsets[i]`. The
+    last two make the way back (`reverse`).
     """
 
     input_offsets: jax.Array
     send_sizes: jax.Array
     output_offsets: jax.Array
     recv_sizes: jax.Array
+    recv_offsets: jax.Array
+    peer_input_offsets: jax.Array
 
     def reverse(self) -> ChunkPlan:
-        """The plan of the way back for a buffer laid out as the received one.
-
-        The chunk layout is the same on both sides: each device returns what it received to
-        where it came from.
+        """The plan of the way back: each device returns what it received to where it came from.
 
         Returns:
-          The `ChunkPlan` with the send and receive sizes swapped.
+          The `ChunkPlan` with the roles of the sent and the received rows swapped.
         """
-        return ChunkPlan(self.input_offsets, self.recv_sizes, self.output_offsets,
-                         self.send_sizes)
+        return ChunkPlan(self.recv_offsets, self.recv_sizes, self.peer_input_offsets,
+                         self.send_sizes, self.input_offsets, self.output_offsets)
 
 
 def chunk_plan(counts: jax.Array, slots: int, axis: str) -> ChunkPlan:
-    """The plan of an exchange of chunks of `slots` rows, chunk `j` of the sender to device `j`.
+    """The plan of a packed exchange of chunks of at most `slots` rows, chunk `j` to device `j`.
 
-    The first `counts[j]` rows of chunk `j` are used; the receiver keeps the chunk layout (the
-    rows from device `i` at `i·slots`), so the result equals a padded all-to-all's in every used
-    row.
+    The sender's chunk `j` starts right after chunk `j - 1`'s used rows; the receiver stacks
+    what it receives in the order of the senders from its first row on (the rows from device `i`
+    right after those from device `i - 1`), so only the rows sent are touched on either side.
 
     Args:
       counts: `(n,)` int32, rows used in each chunk (clipped to `slots`); `n` = the size of the
@@ -105,14 +107,15 @@ def chunk_plan(counts: jax.Array, slots: int, axis: str) -> ChunkPlan:
       axis: the mesh axis (manual in the enclosing shard_map).
 
     Returns:
-      The `ChunkPlan`; its `recv_sizes` come from a small all-to-all of `counts` over `axis`.
+      The `ChunkPlan`, from one small all-gather of every device's counts over `axis`.
     """
-    n = counts.shape[0]
     send = jnp.minimum(counts, slots).astype(jnp.int32)
-    starts = jnp.arange(n, dtype=jnp.int32) * slots
-    # Where this device's rows land on each receiver: its own chunk there.
-    mine = jnp.full((n,), jax.lax.axis_index(axis) * slots, jnp.int32)
-    return ChunkPlan(starts, send, mine, jax.lax.all_to_all(send, axis, 0, 0, tiled=True))
+    sent = jax.lax.all_gather(send, axis)  # (n, n): rows device i sends to device j
+    me = jax.lax.axis_index(axis)
+    before_in_row = jnp.cumsum(sent, axis=1) - sent  # sender i's start of its chunk j
+    before_in_col = jnp.cumsum(sent, axis=0) - sent  # receiver j's start of sender i's rows
+    return ChunkPlan(before_in_row[me], send, before_in_col[me], sent[:, me],
+                     before_in_col[:, me], before_in_row[:, me])
 
 
 def ragged_all_to_all(operand: jax.Array, output: jax.Array, plan: ChunkPlan, axis: str, *,

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import mesh_platform, nested_shard_map, platform_or_default
 from ..parallel import context
+from ..parallel.attention_blocks import causal_mask
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 DOCUMENT_INPUTS = ("segment_ids", "positions")
@@ -160,7 +161,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
             raise ValueError("--attention cudnn with document masks (segment ids, positions) is "
                              "not implemented yet; use --attention xla or auto")
         impl = "xla"
-        mask = context.causal_mask(q.shape[1], segment_ids, positions)[:, None]
+        mask = causal_mask(q.shape[1], segment_ids, positions)[:, None]
     if impl == "xla" and q.dtype == jnp.float16 and platform_or_default() == "cpu":
         # XLA:CPU has no float16 × float16 -> float32 dot, which the xla implementation asks for;
         # its scores and softmax are float32 either way, so computing in float32 changes nothing

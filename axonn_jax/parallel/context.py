@@ -29,9 +29,10 @@ Masks. A query attends to a key when the key is not later in the sequence, not l
 segment ids and positions travel with the keys. Only keys (`kv_heads`) move: grouped-query
 attention rotates `kv_heads / heads` of the bytes of multi-head attention.
 
-`collectives` states what the kernels send (the communication model); `causal_mask` is the same
-mask for one device (what `models.attention` uses); `block_schedule` / `kernel_blocks` list the
-chunk pairs with work and those the kernels compute, per device.
+`collectives` states what the kernels send (the communication model); `block_schedule` /
+`kernel_blocks` list the chunk pairs with work and those the kernels compute, per device. The
+blocks themselves (flash attention forward and backward, the masks, one device's
+`causal_mask`) are `parallel.attention_blocks`, which `parallel.ulysses` shares.
 
 The schemes are `Scheme`s in the registry `SCHEMES` (`register`): `attention`, `collectives`,
 `flops_share`, `ContextAttention` and the `--context-attention` choices read it, so a scheme
@@ -50,9 +51,9 @@ import numpy as np
 from jax import lax
 
 from ..collectives import Collective
+from .attention_blocks import (NEG, block_mask, merge, side_inputs, tiled_backward,
+                               tiled_forward)
 
-_NEG = -0.7 * float(np.finfo(np.float32).max)  # a finite -inf: masked scores
-_TINY = 1e-30  # a row's sum of probabilities is >= 1 unless the block hides the whole row
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -264,120 +265,6 @@ def check_scheme(scheme: str) -> None:
                          f"got {scheme!r}")
 
 
-# ----------------------------------------------------------------------------- masks and blocks
-
-def _mask(q_index, k_index, q_side, k_side):
-    """`(rows or 1, tq, tk)` bool: key not later in the sequence (`*_index`, `(t,)`), not later
-    by position, same segment (the optional `(rows, t)` entries `pos`, `seg` of `*_side`)."""
-    mask = (k_index[None, :] <= q_index[:, None])[None]
-    if "pos" in q_side:
-        mask = mask & (k_side["pos"][:, None, :] <= q_side["pos"][:, :, None])
-    if "seg" in q_side:
-        mask = mask & (k_side["seg"][:, None, :] == q_side["seg"][:, :, None])
-    return mask
-
-
-def _side(segment_ids, positions) -> dict:
-    return {n: x for n, x in (("seg", segment_ids), ("pos", positions)) if x is not None}
-
-
-def causal_mask(seq_len: int, segment_ids=None, positions=None):
-    """The causal mask of one device: True where query `t` may attend to key `s`.
-
-    That is where `s <= t`, `s` is not later by `positions` and in the same segment.
-
-    Args:
-      seq_len: the sequence length.
-      segment_ids: `(rows, seq)` integers, or None.
-      positions: `(rows, seq)` integers, or None.
-
-    Returns:
-      `(rows or 1, seq, seq)` bool.
-    """
-    side = _side(segment_ids, positions)
-    index = jnp.arange(seq_len)
-    return _mask(index, index, side, side)
-
-
-def _block_forward(q, k, v, mask, scale):
-    """Attention of a query block `(rows, tq, kv_heads, groups, d)` over a key block `(rows, tk,
-    kv_heads, d)` under `mask (rows|1, tq, tk)`: (output normalized over this block, fp32, like
-    q; log-sum-exp `(rows, tq, kv_heads, groups)` fp32, below `_NEG / 2` for rows the block
-    hides, whose output is 0)."""
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(mask[:, None, None], s, _NEG)
-    # A hidden row's max stays at _NEG / 2, so its masked scores still give exp(...) = 0.
-    m = jnp.maximum(jnp.max(s, axis=-1), _NEG / 2)
-    p = jnp.exp(s - m[..., None])
-    total = jnp.maximum(jnp.sum(p, axis=-1), _TINY)
-    o = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    to_rows = lambda x: jnp.moveaxis(x, -1, 1)  # noqa: E731  (b,k,g,q) -> (b,q,k,g)
-    return o / to_rows(total)[..., None], to_rows(m + jnp.log(total))
-
-
-def _tiles(x, tile: int, axis: int):
-    """`x` with `axis` (queries) cut into `(n, tile)`, the `n` tiles moved to the front."""
-    shape = x.shape[:axis] + (x.shape[axis] // tile, tile) + x.shape[axis + 1:]
-    return jnp.moveaxis(x.reshape(shape), axis, 0)
-
-
-def _untile(x, axis: int):
-    """The inverse of `_tiles` for an array of tiles `(n, ...)`."""
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
-
-
-def _tiled_forward(q, k, v, mask, scale, tile):
-    """`_block_forward` one tile of `tile` queries at a time (a loop): the scores in memory are
-    `tile × tk` per head, not `tq × tk`."""
-    if q.shape[1] <= tile:
-        return _block_forward(q, k, v, mask, scale)
-    o, lse = lax.map(lambda qm: _block_forward(qm[0], k, v, qm[1], scale),
-                     (_tiles(q, tile, 1), _tiles(mask, tile, 1)))
-    return _untile(o, 1), _untile(lse, 1)
-
-
-def _tiled_backward(q, k, v, mask, lse, do, delta, scale, tile):
-    """`_block_backward` one tile of `tile` queries at a time, summing the key/value gradients
-    over the tiles."""
-    if q.shape[1] <= tile:
-        return _block_backward(q, k, v, mask, lse, do, delta, scale)
-
-    def one(acc, x):
-        dq, dk, dv = _block_backward(x[0], k, v, x[1], *x[2:], scale)
-        return (acc[0] + dk, acc[1] + dv), dq
-    zero = jnp.zeros_like(k, jnp.float32)
-    (dk, dv), dq = lax.scan(one, (zero, jnp.zeros_like(v, jnp.float32)),
-                            tuple(_tiles(x, tile, 1) for x in (q, mask, lse, do, delta)))
-    return _untile(dq, 1), dk, dv
-
-
-def _merge(o, lse, o_block, lse_block):
-    """Online softmax: the output and log-sum-exp over the union of two disjoint key sets (all
-    log-sum-exps finite)."""
-    top = jnp.maximum(lse, lse_block)
-    new = top + jnp.log(jnp.exp(lse - top) + jnp.exp(lse_block - top))
-    return (o * jnp.exp(lse - new)[..., None] + o_block * jnp.exp(lse_block - new)[..., None],
-            new)
-
-
-def _block_backward(q, k, v, mask, lse, do, delta, scale):
-    """(dq, dk, dv) of one block, fp32, from the whole attention's log-sum-exp and
-    `delta = sum(do · o)` (both `(rows, tq, kv_heads, groups)`), recomputing the block's
-    probabilities (flash attention's backward)."""
-    to_heads = lambda x: jnp.moveaxis(x, 1, -1)[..., None]  # noqa: E731  (b,q,k,g) -> (b,k,g,q,1)
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * scale
-    p = jnp.exp(jnp.where(mask[:, None, None], s, _NEG) - to_heads(lse))  # lse is finite
-    dv = jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bqkgd,bskd->bkgqs", do, v, preferred_element_type=jnp.float32)
-    ds = p * (dp - to_heads(delta))
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k,
-                    preferred_element_type=jnp.float32) * scale
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q,
-                    preferred_element_type=jnp.float32) * scale
-    return dq, dk, dv
-
-
 # ----------------------------------------------------------------------------- the block schedule
 
 def _slots(i, j, diagonal: bool = False):
@@ -423,8 +310,8 @@ def _blocks(plan, q, q_side, kv, i, j, slots):
     stack = lambda tree, halves: jax.tree.map(  # noqa: E731
         lambda *xs: jnp.stack(xs, axis=1), *[_half(tree, h) for h in halves])
     qs, kvs = stack(q, [a for a, _ in slots]), stack(kv, [b for _, b in slots])
-    masks = [_mask(index(a, i), index(b, j), _half(q_side, a),
-                   {n: _half(kv[n], b) for n in ("seg", "pos") if n in kv}) for a, b in slots]
+    masks = [block_mask(index(a, i), index(b, j), _half(q_side, a),
+                         {n: _half(kv[n], b) for n in ("seg", "pos") if n in kv}) for a, b in slots]
     return qs, kvs["k"], kvs["v"], jnp.stack(masks, axis=1)
 
 
@@ -436,10 +323,10 @@ def _forward_step(plan, state, q, q_side, kv, i, j, diagonal=False):
     o, lse = state
     slots = _slots(i, j, diagonal)
     qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
-    forward = functools.partial(_tiled_forward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
+    forward = functools.partial(tiled_forward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
     o_blocks, lse_blocks = jax.vmap(forward, **_BATCHED)(qs, ks, vs, masks)
     for n, (a, _) in enumerate(slots):
-        o_a, lse_a = _merge(_half(o, a), _half(lse, a), o_blocks[:, n], lse_blocks[:, n])
+        o_a, lse_a = merge(_half(o, a), _half(lse, a), o_blocks[:, n], lse_blocks[:, n])
         o, lse = _put(o, a, o_a), _put(lse, a, lse_a)
     return o, lse
 
@@ -449,7 +336,7 @@ def _backward_step(plan, dq, q, q_side, kv, lse, do, delta, i, j, diagonal=False
     slots = _slots(i, j, diagonal)
     qs, ks, vs, masks = _blocks(plan, q, q_side, kv, i, j, slots)
     rows = lambda x: jnp.stack([_half(x, a) for a, _ in slots], axis=1)  # noqa: E731
-    backward = functools.partial(_tiled_backward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
+    backward = functools.partial(tiled_backward, scale=q.shape[-1] ** -0.5, tile=plan.tile)
     dqs, dks, dvs = jax.vmap(backward, **_BATCHED)(qs, ks, vs, masks, rows(lse), rows(do),
                                                    rows(delta))
     dk = jnp.zeros_like(kv["k"], jnp.float32)
@@ -583,7 +470,7 @@ def _forward(plan, q, k, v, side):
     qh = _halves(q, groups)
     kv = {"k": _halves(k), "v": _halves(v), **{n: _halves(x) for n, x in side.items()}}
     q_side = {n: _halves(x) for n, x in side.items()}
-    state = (jnp.zeros_like(qh, jnp.float32), jnp.full_like(qh[..., 0], _NEG, jnp.float32))
+    state = (jnp.zeros_like(qh, jnp.float32), jnp.full_like(qh[..., 0], NEG, jnp.float32))
     o, lse = plan.forward(plan, qh, q_side, kv, state)
     return o.astype(q.dtype).reshape(q.shape), lse
 
@@ -618,7 +505,7 @@ def _block_attention(forward, backward, q, k, v, segment_ids, positions, *, axis
     """A `Scheme.attend` of the block schedule: `forward` / `backward` loop over the key/value
     blocks (`_ring_forward`, `_allgather_forward`, ...) under one custom backward."""
     return _attend(_Plan(axis, size, forward, backward, tile), q, k, v,
-                   _side(segment_ids, positions))
+                   side_inputs(segment_ids, positions))
 
 
 def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,

@@ -39,6 +39,8 @@ import numpy as np
 from jax import lax
 
 from . import context
+from .attention_blocks import (block_backward, block_forward, block_mask, query_tiles,
+                               side_inputs, untile)
 
 
 def check_heads(heads: int, kv_heads: int, size: int) -> None:
@@ -81,8 +83,8 @@ def _grouped(x, kv_heads: int):
 def _query_tiles(tile: int, index, side: dict, *xs):
     """The per-query inputs cut into tiles of `tile` queries, the tiles first: `index (T,)`,
     side entries `(rows, T)`, `xs` `(rows, T, ...)`."""
-    return (index.reshape(-1, tile), {n: context._tiles(x, tile, 1) for n, x in side.items()},
-            *(context._tiles(x, tile, 1) for x in xs))
+    return (index.reshape(-1, tile), {n: query_tiles(x, tile, 1) for n, x in side.items()},
+            *(query_tiles(x, tile, 1) for x in xs))
 
 
 def _local_forward(tile, q, k, v, index, side):
@@ -92,10 +94,10 @@ def _local_forward(tile, q, k, v, index, side):
 
     def one(x):
         q_index, q_side, q_tile = x
-        mask = context._mask(q_index, index, q_side, side)
-        return context._block_forward(q_tile, k, v, mask, scale)
+        mask = block_mask(q_index, index, q_side, side)
+        return block_forward(q_tile, k, v, mask, scale)
     o, lse = lax.map(one, _query_tiles(tile, index, side, _grouped(q, k.shape[2])))
-    return context._untile(o, 1).astype(q.dtype).reshape(q.shape), context._untile(lse, 1)
+    return untile(o, 1).astype(q.dtype).reshape(q.shape), untile(lse, 1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -116,14 +118,14 @@ def _attend_local_bwd(tile, residuals, d_out):
 
     def one(acc, x):
         q_index, q_side, q_tile, lse_tile, do_tile, delta_tile = x
-        mask = context._mask(q_index, index, q_side, side)
-        dq, dk, dv = context._block_backward(q_tile, k, v, mask, lse_tile, do_tile, delta_tile,
+        mask = block_mask(q_index, index, q_side, side)
+        dq, dk, dv = block_backward(q_tile, k, v, mask, lse_tile, do_tile, delta_tile,
                                              scale)
         return (acc[0] + dk, acc[1] + dv), dq
     zeros = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     (dk, dv), dq = lax.scan(one, zeros, _query_tiles(tile, index, side, _grouped(q, kv_heads),
                                                      lse, do, delta))
-    return (context._untile(dq, 1).astype(q.dtype).reshape(q.shape), dk.astype(k.dtype),
+    return (untile(dq, 1).astype(q.dtype).reshape(q.shape), dk.astype(k.dtype),
             dv.astype(v.dtype), None, jax.tree.map(lambda _: None, side))
 
 
@@ -153,7 +155,7 @@ def attend(q, k, v, segment_ids, positions, *, axis: str, size: int, tile: int):
     """
     heads, kv_heads = q.shape[2], k.shape[2]
     check_heads(heads, kv_heads, size)
-    side = context._side(segment_ids, positions)
+    side = side_inputs(segment_ids, positions)
     index = jnp.asarray(_sequence_index(size, q.shape[1]), jnp.int32)
     if size == 1:
         return _attend_local(tile, q, k, v, index, side)

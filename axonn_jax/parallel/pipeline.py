@@ -68,6 +68,53 @@ from .backward_split import split_backward
 PIPE_AXIS = "pipe"
 
 
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """What sets one pipeline schedule apart from the others.
+
+    The rules its timetables (`make_schedule`) and the asynchronous pipeline
+    (`transport.mpi_pipeline`) follow.
+
+    Attributes:
+      name: as `--schedule` takes it (`config.SCHEDULES`).
+      flush: every forward runs before the first backward (GPipe).
+      split_backward: a stage's backward runs as B (the input gradient) and W (the parameter
+        gradients) apart, and a stage runs at most `pipe` forwards ahead of its Ws (zb-h1).
+      virtual_stages: a stage may run several chunks of layers, microbatches in groups of
+        `pipe` (interleaved 1F1B).
+    """
+
+    name: str
+    flush: bool = False
+    split_backward: bool = False
+    virtual_stages: bool = False
+
+
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", flush=True), ScheduleKind("1f1b"),
+    ScheduleKind("interleaved-1f1b", virtual_stages=True),
+    ScheduleKind("zb-h1", split_backward=True))}
+"""Every schedule of `config.SCHEDULES` by name."""
+assert tuple(SCHEDULE_KINDS) == SCHEDULES
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The rules of the schedule `name`.
+
+    Args:
+      name: a `--schedule` value.
+
+    Returns:
+      Its `ScheduleKind`.
+
+    Raises:
+      ValueError: an unknown schedule.
+    """
+    if name not in SCHEDULE_KINDS:
+        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
+    return SCHEDULE_KINDS[name]
+
+
 def _cond(pred, true_fn, false_fn, *operands):
     """`lax.cond`, but on CPU meshes both branches run and the cond only picks a result. Stages
     take different branches (stage 0 embeds, a stage idles in the bubble), and XLA:CPU's
@@ -123,8 +170,8 @@ class Schedule:
 
     @property
     def split_backward(self) -> bool:
-        """Whether a stage's backward runs as B and W apart (`zb-h1`)."""
-        return self.name == "zb-h1"
+        """Whether a stage's backward runs as B and W apart (`ScheduleKind.split_backward`)."""
+        return schedule_kind(self.name).split_backward
 
     @property
     def message_ticks(self) -> int:
@@ -257,7 +304,7 @@ def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,
       `[("F" | "B", microbatch, chunk), ...]`.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
-    if name == "gpipe":
+    if schedule_kind(name).flush:
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
     # Microbatches in groups of P, each group through chunk 0, 1, …, V−1 (backwards: V−1, …, 0).
     group = lambda k: (k // (p * v)) * p + k % p  # noqa: E731
@@ -286,16 +333,16 @@ def check_schedule(name: str, num_stages: int, num_microbatches: int, virtual_st
         the stages with `interleaved-1f1b`.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
-    if name not in SCHEDULES:
-        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
+    kind = schedule_kind(name)
     if p < 1 or m < 1:
         raise ValueError(f"need at least one stage and one microbatch, got pipe={p}, microbatches={m}")
     if v < 1:
         raise ValueError(f"--virtual-stages must be at least 1, got {v}")
-    if v > 1 and name != "interleaved-1f1b":
-        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved-1f1b, got {name!r}")
-    if name == "interleaved-1f1b" and m % p:
-        raise ValueError(f"--schedule interleaved-1f1b runs microbatches in groups of pipe = {p}: "
+    if v > 1 and not kind.virtual_stages:
+        chunked = " or ".join(k.name for k in SCHEDULE_KINDS.values() if k.virtual_stages)
+        raise ValueError(f"--virtual-stages {v} needs --schedule {chunked}, got {name!r}")
+    if kind.virtual_stages and m % p:
+        raise ValueError(f"--schedule {name} runs microbatches in groups of pipe = {p}: "
                          f"--microbatches {m} is not a multiple of {p}")
 
 
@@ -325,11 +372,12 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int,
     p, m, v = num_stages, num_microbatches, virtual_stages
     orders = [stage_order(name, p, m, s, virtual_stages=v) for s in range(p)]
     tables, done = _run_orders(orders, p, m, v)
-    if name == "zb-h1":
+    split = schedule_kind(name).split_backward
+    if split:
         tables = _place_weights(tables, done, p, m, cap=2 * p - 1)
     else:
         tables["W"] = np.full_like(tables["F"][0], -1), np.zeros_like(tables["F"][0])
-    slots, counts, in_flight = _assign_slots(tables, done, p, m, v, split=name == "zb-h1")
+    slots, counts, in_flight = _assign_slots(tables, done, p, m, v, split=split)
     (f, fc), (b, bc), (w, wc) = tables["F"], tables["B"], tables["W"]
     return Schedule(name, p, m, v, f, fc, b, bc, w, wc, slots, *counts, in_flight)
 

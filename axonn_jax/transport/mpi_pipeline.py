@@ -119,22 +119,23 @@ def permitted(schedule: str, num_stages: int, num_microbatches: int, stage: int,
       The permitted operations, F and B in static order, W last.
     """
     p, m, v = num_stages, num_microbatches, virtual_stages
+    kind = pipeline_lib.schedule_kind(schedule)
     order = pipeline_lib.stage_order(schedule, p, m, stage, lockstep=False, virtual_stages=v)
     f_ops = [op for op in order if op[0] == "F"]
     b_ops = [op for op in order if op[0] == "B"]
     in_flight = forwards - backwards
     # In flight at most: the forwards the static order runs before its first backward.
-    limit = m if schedule == "gpipe" else next(i for i, op in enumerate(order) if op[0] == "B")
+    limit = m if kind.flush else next(i for i, op in enumerate(order) if op[0] == "B")
     ops = []
-    if forwards < m * v and in_flight < limit and (schedule != "zb-h1" or forwards - weights < p):
+    if forwards < m * v and in_flight < limit and (not kind.split_backward or forwards - weights < p):
         ops.append(f_ops[forwards])
-    if backwards < m * v and (schedule != "gpipe" or forwards == m):
+    if backwards < m * v and (not kind.flush or forwards == m):
         b = b_ops[backwards]
         if f_ops.index(("F", *b[1:])) < forwards:  # its forward ran
             ops.append(b)
     if len(ops) == 2:
         ops.sort(key=order.index)
-    if schedule == "zb-h1" and weights < backwards:
+    if kind.split_backward and weights < backwards:
         ops.append(("W", *b_ops[weights][1:]))
     return ops
 
@@ -250,6 +251,7 @@ class StageEngine:
                                       "embeddings) with --transport mpi --pipe > 1 is not "
                                       "implemented yet")
         self.position, self.schedule, self.m = position, schedule, num_microbatches
+        self.split_backward = pipeline_lib.schedule_kind(schedule).split_backward
         self.v = virtual_stages
         self.comms = {ACT: position.pipe_comm.Dup(), GRAD: position.pipe_comm.Dup()}
         model = bound.model
@@ -345,7 +347,7 @@ class StageEngine:
                 return self._apply(self._chunk(p, c), x, self._microbatch(batch, mb), first, last)[0]
 
             program = jax.jit(forward)
-        elif kind == "B" and self.schedule != "zb-h1":
+        elif kind == "B" and not self.split_backward:
             backward = self._backward_fn(first, last)
 
             def full(p, grads, loss, x, batch, mb, c, cot, scale):
@@ -515,7 +517,7 @@ class StageEngine:
         sends: list = []
         done = {"F": 0, "B": 0, "W": 0}
         reordered = peak = idle = 0
-        while done["B"] < m * v or done["W"] < (m * v if self.schedule == "zb-h1" else 0):
+        while done["B"] < m * v or done["W"] < (m * v if self.split_backward else 0):
             ops = permitted(self.schedule, p, m, s, done["F"], done["B"], done["W"], v)
             op = next((o for o in ops if self._ready(o)), None)
             if op is None:  # nothing has arrived: let the sends progress, then look again

@@ -503,3 +503,30 @@ def test_memory_bound_kernels_follow_their_bytes():
     moe = cm.memory_bound_bytes(cm.Workload(get("mixtral-8x7b").config, 8, 4096,
                                             compute_bytes=2), ParallelConfig(expert=8))
     assert moe["parts"] > 0 and fused["parts"] == 0
+
+
+def test_plan_weighs_offload_and_compression_where_the_config_leaves_them(capsys):
+    """`plan` picks CGX's 8-bit exchange where the link between nodes is slow and exact where
+    the quantizer's passes cost more than the wire saves; it offloads the optimizer state where
+    nothing else fits; a config that sets either keeps it."""
+    from axonn_jax.run import cli
+    from axonn_jax.run.plan import ranked
+
+    def ranking(*flags, machine="consumer-pcie", search_state=True):
+        config = cli.parse(["plan", *flags]).run_config
+        return ranked(config, config.grid.devices, cm.MACHINES[machine],
+                      search_state=search_state)
+
+    slow = ["--model", "gpt-small", "--devices", "16", "--batch-size", "64", "--seq-len", "1024"]
+    assert ranking(*slow)[0].compress_bits == 8 and ranking(*slow)[0].grid.data > 1
+    assert {p.compress_bits for p in ranking(*slow, "--compress-bits", "0")} == {0}
+    fast = ["--model", "llama3-8b", "--devices", "64", "--batch-size", "512", "--seq-len", "8192",
+            "--dtype", "bfloat16"]
+    top = ranking(*fast, machine="h100-dgx")[0]
+    assert (top.compress_bits, top.grid) == (0, ParallelConfig(data=8, depth=8))
+    big = ["--model", "gpt-13b", "--devices", "1", "--batch-size", "4", "--seq-len", "2048",
+           "--dtype", "bfloat16", "--remat", "full"]
+    assert ranking(*big, machine="h100-dgx")[0].offload_optimizer
+    assert not ranking(*big, machine="h100-dgx", search_state=False)  # on the device: none fits
+    assert cli_main(["plan", *slow, "--machine", "consumer-pcie", "--top", "1"]) == 0
+    assert "device, 8-bit" in capsys.readouterr().out

@@ -21,6 +21,7 @@ Byte convention ("wire bytes"): see `axonn_jax.collectives`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Iterable
 
@@ -653,6 +654,10 @@ class Prediction:
     """Of `compute_s`, what kernel launches add (`kernel_count` × `Machine.kernel_s`)."""
     kernels: float = 0.0
     """Kernel launches per step (`kernel_count`)."""
+    offload_optimizer: bool = False
+    """Whether the optimizer state is in host memory (`Workload.offload_optimizer`)."""
+    compress_bits: int = 0
+    """CGX's bits per gradient value over `data` (`Workload.compress_bits`; 0: exact)."""
 
     def as_dict(self) -> dict:
         """Fields named as `axonn-jax compile --json` names the compiled figures.
@@ -661,7 +666,8 @@ class Prediction:
           A JSON-ready dict, the grid as `ParallelConfig.as_dict`.
         """
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
-                "remat": self.remat,
+                "remat": self.remat, "offload_optimizer": self.offload_optimizer,
+                "compress_bits": self.compress_bits,
                 "step_time_s": self.step_time_s,
                 "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "bubble_s": self.bubble_s, "comm_bytes_per_device": self.comm_bytes_per_device,
@@ -744,6 +750,11 @@ each hop's kernels apart, which this leaves out."""
 KERNELS_OUTSIDE_LAYERS = 250
 """Kernels of a step outside its blocks (embedding, loss, gradient exchange, the optimizer
 update's fusions), read off the same modules."""
+QUANTIZER_PASSES = 4.0
+"""HBM passes over one device's fp32 gradients that CGX's compressed exchange adds to the exact
+exchange's: read off the compiled H100 module of the one-pass quantizer, 8 bits with error
+feedback over data 8 (`benchmarks/results/compression_quantizer.md`: 5.6–6.1 passes in all,
+of which the exact all-reduce's input and output are 2)."""
 SOFTMAX_PASSES = (6, 6)
 """(forward, backward) passes over the attention scores of XLA's attention core, in fp32 scores
 (one pass: every score read or written once), besides the probabilities kept for the backward
@@ -805,7 +816,9 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
       exponentials, the gradient read and written), in the compute dtype on a GPU without a
       pipeline (as `memory_per_device` keeps them) else fp32;
     - `parts`: what per-block parts declare beyond (`ModelCommunication.part_traffic`: a
-      mixture of experts' dispatch), the forward's repeated as recomputed.
+      mixture of experts' dispatch), the forward's repeated as recomputed;
+    - `quantizer`: CGX's compressed exchange over `data` (`compress_bits`), `QUANTIZER_PASSES`
+      over the device's fp32 gradients beyond what the exact exchange moves.
 
     Recompute repeats the forward's kernels: the pipeline's and `full`'s whole forward,
     `selective`'s all but the MLP activation (whose inputs it keeps). A model that is not a
@@ -853,6 +866,8 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
     out["loss"] = 4 * logits * (cb if g.pipe == 1 and work.platform == "gpu" else FP32)
     forward, backward = d.part_traffic
     out["parts"] = forward * (1 + recomputed) * work.imbalance(grid) + backward
+    out["quantizer"] = QUANTIZER_PASSES * parameters_per_device(work, grid) * FP32 \
+        if work.compress_bits and g.data > 1 else 0.0
     return out
 
 
@@ -1008,7 +1023,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
                       .expert_flops / devices / rate * recompute + skew,
                       memory_bound_s=memory_bound,
-                      launch_s=launch, kernels=kernels)
+                      launch_s=launch, kernels=kernels,
+                      offload_optimizer=work.offload_optimizer, compress_bits=work.compress_bits)
 
 
 def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
@@ -1137,15 +1153,17 @@ PLANNED_REMAT = ("none", "selective", "full")
 
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
          microbatch_choices: Iterable[int] | None = None,
-         remat_choices: Iterable[str] | None = None) -> list[Prediction]:
+         remat_choices: Iterable[str] | None = None,
+         state_choices: Iterable[tuple[bool, int]] | None = None) -> list[Prediction]:
     """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
 
     A context grid only where the same grid with data in its place does not run or fit
     (`_data_instead`). For each grid the number of microbatches (default: pipe ×
-    `MICROBATCH_FACTORS` with a pipeline, 1 without) and the remat mode (default
-    `PLANNED_REMAT`) are chosen as the fastest pair that divides the batch and fits in memory
-    (the least memory among equally fast ones). Grids whose memory exceeds the device are
-    dropped.
+    `MICROBATCH_FACTORS` with a pipeline, 1 without), the remat mode (default
+    `PLANNED_REMAT`) and where the optimizer state lives and how the gradients cross `data`
+    (`state_choices`; default: the workload's) are chosen as the fastest that divides the
+    batch and fits in memory (the least memory among equally fast ones). Grids whose memory
+    exceeds the device are dropped.
 
     Args:
       work: the step.
@@ -1154,6 +1172,8 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
       grid: rank this grid alone (None: every `candidate_grids`).
       microbatch_choices: microbatch counts to try (None: the default above).
       remat_choices: `--remat` modes to try (None: `PLANNED_REMAT`).
+      state_choices: `(offload_optimizer, compress_bits)` pairs to try (None: the workload's
+        own); compressed pairs only on grids whose gradients cross `data`.
 
     Returns:
       The fitting grids' `Prediction`s, fastest first.
@@ -1168,6 +1188,7 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
     remats = list(remat_choices or PLANNED_REMAT)
     if not remat_choices and not declared(work, ParallelConfig()).saved_features:
         remats.remove("selective")  # a model that declares no selective bytes (a U-Net)
+    states = list(state_choices or [(work.offload_optimizer, work.compress_bits)])
     results, fitting = [], set()
     for g in sorted(candidates, key=lambda g: g.context):
         if _data_instead(g) in fitting:
@@ -1186,8 +1207,11 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
             w = dataclasses.replace(work, microbatches=mb)
             if infeasible_reason(w, g):
                 continue
-            for remat in modes:
-                p = predict(dataclasses.replace(w, remat=remat), g, machine)
+            for remat, (offload, bits) in itertools.product(modes, states):
+                if bits and g.data == 1:
+                    continue
+                p = predict(dataclasses.replace(w, remat=remat, offload_optimizer=offload,
+                                                compress_bits=bits), g, machine)
                 key = (p.step_time_s, p.memory_per_device_bytes)
                 if p.fits and (best is None or key < best[0]):
                     best = (key, p)

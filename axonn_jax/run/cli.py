@@ -157,7 +157,8 @@ def _plan(args) -> int:
                          device_memory=args.device_memory and args.device_memory * 1e9,
                          peak_flops=args.peak_tflops and args.peak_tflops * 1e12)
     grid = planned_grid(config, args.grid)
-    ranking = ranked(config, config.grid.devices, machine, grid, args.expert_imbalance)
+    ranking = ranked(config, config.grid.devices, machine, grid, args.expert_imbalance,
+                     search_state=True)
     if not ranking:
         raise ConfigError([f"no grid of {config.grid.devices} devices fits {config.model.name} in "
                            f"{machine.device_memory / 1e9:.0f} GB per device"])
@@ -181,9 +182,10 @@ def _plan(args) -> int:
 
 
 def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine=None):
-    """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`,
-    compiled for `target` (`analysis.targets.Target`) with `predict(grid, microbatches, remat)`'s
-    figures; `machine`: replay each schedule on it (the reports' `overlap`)."""
+    """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`
+    (or `(grid, microbatches, remat, offload_optimizer, compress_bits)`), compiled for `target`
+    (`analysis.targets.Target`) with `predict(*choice)`'s figures; `machine`: replay each
+    schedule on it (the reports' `overlap`)."""
     import jax
 
     from ..analysis import comm_model as cm, compiled as cc
@@ -195,8 +197,12 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine
     opts.check(config, platform=devices[0].platform)
     work = workload(config)
 
-    def build(grid, microbatches, remat):
-        trainer = build_trainer(opts.with_grid(config, grid, microbatches, remat), devices)
+    def build(grid, microbatches, remat, *state):
+        chosen = opts.with_grid(config, grid, microbatches, remat)
+        if state:
+            chosen = chosen.replace(**{"memory.offload_optimizer": state[0],
+                                       "compression.bits": state[1]})
+        trainer = build_trainer(chosen, devices)
         return trainer.step, trainer.local_example()
 
     return cc.compile_grids(build, grids, capacity_bytes=target.capacity_bytes, predict=predict,
@@ -214,7 +220,8 @@ def _verify(config, shown, args, machine) -> int:
 
     from ..analysis import compiled as cc, targets
 
-    by_grid = {(p.grid, p.microbatches, p.remat): p for p in shown[:args.verify]}
+    by_grid = {(p.grid, p.microbatches, p.remat, p.offload_optimizer, p.compress_bits): p
+               for p in shown[:args.verify]}
     reports = _compile_reports(config, list(by_grid), targets.target("h100"),
                                lambda *choice: by_grid[choice], machine=machine)
     order = sorted(range(len(reports)),
@@ -230,7 +237,7 @@ def _verify(config, shown, args, machine) -> int:
         mfu = f" ({r.model_flops_per_device / step / machine.peak_flops:.1%} MFU)" \
             if r.model_flops_per_device else ""
         print(f"{rank}. {grid} (plan's #{i + 1}, {r.microbatches} microbatches, --remat "
-              f"{r.remat}): compiled "
+              f"{r.remat}{_state_text(shown[i], ', ')}): compiled "
               f"{r.memory_per_device_bytes / 1e9:.1f} GB per device "
               f"({'fits' if r.fits else 'does NOT fit'}), plan "
               f"{r.predicted['memory_per_device_bytes'] / 1e9:.1f} GB; step replayed "
@@ -248,18 +255,28 @@ def _plan_table(shown, title: str) -> None:
 
     imbalance = any(p.expert_imbalance_s for p in shown)
     table = Table(title=title)
-    for col in ("rank", "grid", "M", "remat", "step s", "MFU", "compute s",
+    for col in ("rank", "grid", "M", "remat", "state, wire", "step s", "MFU", "compute s",
                 *(["imbalance s"] if imbalance else []),
                 "exposed comm s", "bubble s", "memory GB", "comm GB/device"):
         table.add_column(col, justify="right")
     for i, p in enumerate(shown, 1):
         table.add_row(str(i), grid_text(p.grid), str(p.microbatches), p.remat,
-                      f"{p.step_time_s:.3f}", f"{p.mfu:.1%}", f"{p.compute_s:.3f}",
+                      _state_text(p) or "device, exact", f"{p.step_time_s:.3f}", f"{p.mfu:.1%}", f"{p.compute_s:.3f}",
                       *([f"{p.expert_imbalance_s:.3f}"] if imbalance else []),
                       f"{sum(p.exposed_comm_s.values()):.3f}", f"{p.bubble_s:.3f}",
                       f"{p.memory_per_device_bytes / 1e9:.1f}",
                       f"{sum(p.comm_bytes_per_device.values()) / 1e9:.2f}")
-    Console(width=170 if imbalance else 150).print(table)
+    Console(width=190 if imbalance else 170).print(table)
+
+
+def _state_text(p, prefix: str = "") -> str:
+    """Where a prediction's optimizer state lives and how its gradients cross `data`, as flags
+    would say it; empty for the state on the device and the exact exchange."""
+    if not (p.offload_optimizer or p.compress_bits):
+        return ""
+    parts = ["host" if p.offload_optimizer else "device",
+             f"{p.compress_bits}-bit" if p.compress_bits else "exact"]
+    return prefix + ", ".join(parts)
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:

@@ -67,14 +67,22 @@ def given_grid(config: RunConfig) -> bool:
     return any(f"grid.{a}" in config.given for a in AXES)
 
 
+PLANNED_COMPRESS_BITS = 8
+"""CGX's bits that `plan` weighs against the exact exchange when the config sets none: with
+error feedback their trajectories stay within 1e-3 of exact (tests/test_distributed.py); fewer
+bits are the user's choice."""
+
+
 def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
-           grid: ParallelConfig | None = None, expert_imbalance: float = 1.0
-           ) -> list[cm.Prediction]:
+           grid: ParallelConfig | None = None, expert_imbalance: float = 1.0,
+           search_state: bool = False) -> list[cm.Prediction]:
     """The planner's predictions of the grids of `num_devices` devices that fit, fastest first.
 
     Microbatches and the remat mode: the config's when it sets them (a mode the planner models),
-    else the planner's choice for each grid. CGX's `--compress-scope inter-node` counts nodes of
-    the machine's devices unless `--compress-node-size` says otherwise.
+    else the planner's choice for each grid; with `search_state` also where the optimizer state
+    lives and whether the gradients cross `data` compressed (`PLANNED_COMPRESS_BITS`), each
+    where the config does not set it. CGX's `--compress-scope inter-node` counts nodes of the
+    machine's devices unless `--compress-node-size` says otherwise.
 
     Args:
       config: the run's config (a built-in model).
@@ -82,6 +90,8 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
       machine: the machine the planner models.
       grid: predict only this grid (None: every grid that fits).
       expert_imbalance: `cm.Workload.expert_imbalance`, at least 1.
+      search_state: weigh `--offload-optimizer` and `--compress-bits` too (the `plan` command;
+        the trainer's `--auto-grid` keeps the config's own).
 
     Returns:
       A list of `cm.Prediction`, fastest first.
@@ -100,7 +110,17 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None
     return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices,
-                   remat_choices=remats)
+                   remat_choices=remats, state_choices=_state_choices(config) if search_state
+                   else None)
+
+
+def _state_choices(config: RunConfig) -> list[tuple[bool, int]]:
+    """`(offload_optimizer, compress_bits)` pairs `plan` weighs: the config's where it sets them."""
+    offloads = [config.memory.offload_optimizer] \
+        if "memory.offload_optimizer" in config.given else [False, True]
+    bits = [config.compression.bits] if "compression.bits" in config.given \
+        else [0, PLANNED_COMPRESS_BITS]
+    return [(o, b) for o in offloads for b in bits]
 
 
 def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int, str]:

@@ -81,6 +81,10 @@ class Collective:
     """Consecutive devices of `axes` each group lies within (one node's share of `data` under
     CGX's inter-node scope: the group is `span` neighbours); 0: a group may spread over all of
     them (what decides whether it crosses nodes)."""
+    waited: bool = False
+    """The step waits for it as soon as it is issued: its result is read at once and nothing
+    independent runs beside it (a mixture of experts' partial sums over the tensor axes, inside
+    its dispatch), so no compute hides any of it."""
     copied: float = 0.0
     """HBM bytes read and written per occurrence to put what it brought in place (a collective
     matmul's ring: each block's product and rows copied into the gathered result); `predict`

@@ -926,7 +926,7 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
     flag per entry of `timed`: whether it spans nodes) puts the collectives inside nodes and those
     across on two streams, as XLA runs them and the replay of a compiled step
     (`analysis.overlap`) counts them, each busy with its own collectives; None: one stream.
-    Other modes: its time less what the
+    A collective the step `waited` for is exposed whole. Other modes: its time less what the
     compiled schedule hides of its axes' communication (`hidden_shares`), and never more than
     the compute it can hide behind: a tensor-parallel collective that declares the matmul it
     overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
@@ -947,11 +947,11 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
         links = links or [False] * len(timed)
         busy = {link: stream_utilisation(sum(t for (_, t), on in zip(timed, links) if on == link),
                                          compute_s) for link in set(links)}
-        return [(c, t * busy[link]) for (c, t), link in zip(timed, links)]
+        return [(c, t if c.waited else t * busy[link]) for (c, t), link in zip(timed, links)]
     out = []
     for c, t in timed:
         if not _overlaps_backward(c):
-            hidden = t * hidden_shares.hidden_share(c.axes, mode)
+            hidden = 0.0 if c.waited else t * hidden_shares.hidden_share(c.axes, mode)
             if c.overlappable:
                 hidden = min(hidden, c.count * c.overlappable / rate)
             out.append((c, t - hidden))

@@ -1154,7 +1154,8 @@ PLANNED_REMAT = ("none", "selective", "full")
 def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfig | None = None,
          microbatch_choices: Iterable[int] | None = None,
          remat_choices: Iterable[str] | None = None,
-         state_choices: Iterable[tuple[bool, int]] | None = None) -> list[Prediction]:
+         state_choices: Iterable[tuple[bool, int]] | None = None,
+         lossy_margin: float = 0.0) -> list[Prediction]:
     """Every feasible grid of `num_devices` (or just `grid`) ranked by predicted step time.
 
     A context grid only where the same grid with data in its place does not run or fit
@@ -1174,6 +1175,8 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
       remat_choices: `--remat` modes to try (None: `PLANNED_REMAT`).
       state_choices: `(offload_optimizer, compress_bits)` pairs to try (None: the workload's
         own); compressed pairs only on grids whose gradients cross `data`.
+      lossy_margin: a compressed pair (which changes the numerics) is chosen over an exact one
+        only when it is predicted this much faster (a fraction of the step).
 
     Returns:
       The fitting grids' `Prediction`s, fastest first.
@@ -1212,7 +1215,8 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                     continue
                 p = predict(dataclasses.replace(w, remat=remat, offload_optimizer=offload,
                                                 compress_bits=bits), g, machine)
-                key = (p.step_time_s, p.memory_per_device_bytes)
+                key = (p.step_time_s * (1 + lossy_margin if bits else 1),
+                       p.memory_per_device_bytes)
                 if p.fits and (best is None or key < best[0]):
                     best = (key, p)
         if best:

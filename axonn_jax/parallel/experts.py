@@ -364,9 +364,11 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
     size = n * slots
     chunk = slot // slots  # n: dropped
     counts = jnp.bincount(chunk, length=n + 1)[:n]
-    plan = ragged_lib.chunk_plan(counts.astype(jnp.int32), slots, axis)
-    sent = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
-    packed = jnp.where(chunk < n, sent[chunk] + slot % slots, assignments)  # (k·T,)
+    plan = ragged_lib.chunk_plan(counts, slots, axis)
+    # Each assignment's row of the packed send buffer; a dropped one (chunk n, slot n·slots)
+    # lands on `assignments`, past the buffer.
+    starts = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
+    packed = starts[chunk] + slot % slots  # (k·T,)
     rows = jnp.zeros_like(token).at[packed].set(token, mode="drop")
     # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff needs it).
     with ragged_lib.routed_rows(routed_rows):

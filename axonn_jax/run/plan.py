@@ -113,10 +113,11 @@ def ranked(config: RunConfig, num_devices: int, machine: cm.Machine,
     choices = [config.pipeline.microbatches] if "pipeline.microbatches" in config.given else None
     remat = config.memory.remat
     remats = [remat] if "memory.remat" in config.given and remat in cm.REMAT_POLICIES else None
-    searched = search_state and "compression.bits" not in config.given
+    # The margin only weighs compressed choices against exact ones of the same grid: with the
+    # config's own bits every choice is compressed alike, and it changes nothing.
     return cm.plan(work, num_devices, machine, grid, microbatch_choices=choices,
                    remat_choices=remats, state_choices=_state_choices(config) if search_state
-                   else None, lossy_margin=LOSSY_MARGIN if searched else 0.0)
+                   else None, lossy_margin=LOSSY_MARGIN)
 
 
 def _state_choices(config: RunConfig) -> list[tuple[bool, int]]:

@@ -25,6 +25,7 @@ import pathlib
 import sys
 
 from .._compat import register_cuda_plugin
+from ..checks import check_choice
 
 GPUS_PER_NODE = 8
 
@@ -253,6 +254,4 @@ def target(name: str) -> Target:
     Raises:
       ValueError: an unknown name.
     """
-    if name not in TARGETS:
-        raise ValueError(f"--target must be one of {', '.join(TARGETS)}, got {name!r}")
-    return TARGETS[name]
+    return TARGETS[check_choice("--target", name, TARGETS)]

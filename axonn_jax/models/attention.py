@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import mesh_platform, nested_shard_map, platform_or_default
+from ..checks import check_choice
 from ..parallel import context
 from ..parallel.attention_blocks import causal_mask
 
@@ -40,7 +41,7 @@ DOCUMENT_INPUTS = ("segment_ids", "positions")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def check_choice(choice: str) -> None:
+def check_implementation(choice: str) -> None:
     """Raise ValueError unless `choice` names an implementation.
 
     Args:
@@ -49,9 +50,7 @@ def check_choice(choice: str) -> None:
     Raises:
       ValueError: `choice` is not one of `IMPLEMENTATIONS`.
     """
-    if choice not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation must be one of {', '.join(IMPLEMENTATIONS)}, "
-                         f"got {choice!r}")
+    check_choice("attention implementation", choice, IMPLEMENTATIONS)
 
 
 def _cudnn_problem(dtype, head_dim: int | None, platform: str) -> str | None:
@@ -80,7 +79,7 @@ def check(choice: str, dtype, head_dim: int | None = None, platform: str | None 
         cannot run (not a CUDA GPU, not bfloat16 or float16, head_dim not a multiple of 8 or
         above 128).
     """
-    check_choice(choice)
+    check_implementation(choice)
     if choice == "cudnn":
         problem = _cudnn_problem(dtype, head_dim, platform_or_default(platform))
         if problem:
@@ -147,7 +146,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
         if implementation == "cudnn":
             raise ValueError("--attention cudnn does not run inside context parallelism (its "
                              "blocks are XLA einsums); use --attention xla or auto")
-        check_choice(implementation)
+        check_implementation(implementation)
         return context.attention(q, k, v, axis=context_axis, scheme=context_scheme,
                                  segment_ids=segment_ids, positions=positions)
     context.check_inputs(q, k, v, segment_ids, positions)

@@ -48,7 +48,7 @@ class GPTConfig:
     `to_pretrained` keeps."""
 
     def __post_init__(self):
-        attention.check_choice(self.attention)
+        attention.check_implementation(self.attention)
         context.check_scheme(self.context_attention)
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)

@@ -36,6 +36,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from ..checks import check_choice
 from ..config import ParallelConfig
 from ..mesh import config_of
 
@@ -82,8 +83,7 @@ class Tensor:
     experts: int = 0
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Tensor kind {self.kind!r} is not one of {KINDS}")
+        check_choice("Tensor kind", self.kind, KINDS)
 
     @property
     def stacked(self) -> tuple[int, ...]:

@@ -91,7 +91,7 @@ class LlamaConfig:
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
-        attention.check_choice(self.attention)
+        attention.check_implementation(self.attention)
         context.check_scheme(self.context_attention)
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)

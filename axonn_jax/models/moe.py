@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import psum, varying_axes
+from ..checks import check_choice
 from ..collectives import Collective, ParameterShard
 from ..parallel import experts as experts_lib, grouped_matmul
 
@@ -87,8 +88,7 @@ class MoEConfig:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k = {self.top_k} must be between 1 and num_experts = "
                              f"{self.num_experts}")
-        if self.score not in SCORES:
-            raise ValueError(f"score = {self.score!r} is not one of {SCORES}")
+        check_choice("score", self.score, SCORES)
         for name in ("capacity_factor", "dispatch_factor"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..checks import check_choice
 from ..tp.tensor import TP_DENSE_NAME
 
 DECISIONS = ("keep", "selective", "offload", "recompute")
@@ -70,8 +71,7 @@ def policy(decision: str, offload_names: tuple[str, ...] | None = None):
         return None
     if decision == "recompute":
         return cp.nothing_saveable
-    if decision not in DECISIONS:
-        raise ValueError(f"unknown activation decision {decision!r}; expected one of {DECISIONS}")
+    check_choice("activation decision", decision, DECISIONS)
     names = list(offload_names or (TP_DENSE_NAME,))
     if decision == "selective":
         named, dots = cp.save_only_these_names(*names), cp.dots_with_no_batch_dims_saveable
@@ -417,8 +417,7 @@ def check_options(remat, memory_budget_gb: float | None) -> None:
     """
     if isinstance(remat, Plan):
         return
-    if remat not in REMAT_MODES:
-        raise ValueError(f"--remat must be one of {REMAT_MODES}, got {remat!r}")
+    check_choice("--remat", remat, REMAT_MODES)
     if memory_budget_gb is not None and remat != "auto":
         raise ValueError(f"--memory-budget is used by --remat auto only (got --remat {remat})")
     if remat == "auto" and (memory_budget_gb is None or memory_budget_gb <= 0):

@@ -14,6 +14,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..checks import check_choice
+
 INITIAL_SCALE = 2.0**15
 GROWTH_INTERVAL = 200
 MIN_SCALE = 1.0
@@ -29,8 +31,7 @@ def check_dtype(dtype: str) -> None:
     Raises:
       ValueError: another name.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    check_choice("dtype", dtype, DTYPES)
 
 
 class LossScaler(NamedTuple):

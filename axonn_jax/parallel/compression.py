@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from . import quantizer
 from .._compat import (all_gather_invariant, current_mesh, psum, psum_scatter, shard_map,
                        to_varying, varying_axes)
+from ..checks import check_choice
 
 DEFAULT_BUCKET_SIZE = 1024
 DEFAULT_MIN_SIZE = 1024
@@ -255,9 +256,7 @@ def check_rounding(rounding: str) -> None:
     Raises:
       ValueError: `rounding` is not one of `ROUNDINGS`.
     """
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"compression rounding must be one of {', '.join(ROUNDINGS)}, "
-                         f"got {rounding!r}")
+    check_choice("compression rounding", rounding, ROUNDINGS)
 
 
 def stochastic(rounding: str, error_feedback: bool) -> bool:
@@ -468,8 +467,7 @@ def check_scope(scope: str) -> None:
     Raises:
       ValueError: `scope` is not one of `SCOPES`.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"compression scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    check_choice("compression scope", scope, SCOPES)
 
 
 class Nodes(NamedTuple):

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..checks import check_choice
 from ..collectives import Collective
 from .attention_blocks import (NEG, block_mask, merge, side_inputs, tiled_backward,
                                tiled_forward)
@@ -260,9 +261,7 @@ def check_scheme(scheme: str) -> None:
     Raises:
       ValueError: no such scheme.
     """
-    if scheme not in SCHEMES:
-        raise ValueError(f"context attention scheme must be one of {', '.join(SCHEMES)}, "
-                         f"got {scheme!r}")
+    check_choice("context attention scheme", scheme, SCHEMES)
 
 
 # ----------------------------------------------------------------------------- the block schedule

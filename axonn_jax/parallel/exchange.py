@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import (all_gather_invariant, current_mesh, manual_axes,
                        manual_axis_size, psum, shard_map, varying_axes)
+from ..checks import check_choice
 
 ReduceDtype = Literal["float32", "bfloat16"]
 REDUCE_DTYPES: tuple[str, ...] = get_args(ReduceDtype)
@@ -36,8 +37,7 @@ def check_reduce_dtype(dtype: str) -> None:
     Raises:
       ValueError: `dtype` is not one of `REDUCE_DTYPES`.
     """
-    if dtype not in REDUCE_DTYPES:
-        raise ValueError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {dtype!r}")
+    check_choice("reduce_dtype", dtype, REDUCE_DTYPES)
 
 
 def _is_16bit(g) -> bool:

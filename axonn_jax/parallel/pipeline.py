@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
+from ..checks import check_choice
 from ..collectives import Collective
 from ..config import SCHEDULES
 from .backward_split import split_backward
@@ -110,9 +111,7 @@ def schedule_kind(name: str) -> ScheduleKind:
     Raises:
       ValueError: an unknown schedule.
     """
-    if name not in SCHEDULE_KINDS:
-        raise ValueError(f"--schedule must be one of {SCHEDULES}, got {name!r}")
-    return SCHEDULE_KINDS[name]
+    return SCHEDULE_KINDS[check_choice("--schedule", name, SCHEDULES)]
 
 
 def _cond(pred, true_fn, false_fn, *operands):

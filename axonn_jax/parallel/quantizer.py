@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import platform_or_default, shape_dtype_like, triton_compiler_params
+from ..checks import check_choice
 
 Impl = Literal["auto", "xla", "pallas"]
 IMPLS = ("auto", "xla", "pallas")
@@ -249,8 +250,7 @@ def use_kernel(impl: Impl, bits: int, bucket_size: int) -> bool:
       ValueError: `impl` is not one of `IMPLS`, or is "pallas" where the bucket does not fit a
         kernel (`kernel_fits`).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"quantizer impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    check_choice("quantizer impl", impl, IMPLS)
     if impl == "pallas" and not kernel_fits(bits, bucket_size):
         raise ValueError(f"the Pallas quantizer needs {bucket_size} / {segments(bits)} values per "
                          f"segment to be a power of two >= 16 (bits {bits}, bucket {bucket_size})")

@@ -18,6 +18,7 @@ import difflib
 import pathlib
 from typing import Any
 
+from ..checks import check_choice
 from .options import SECTIONS, Leaf, RunConfig, build, leaves
 
 
@@ -163,9 +164,7 @@ def value_of(key: str, leaf: Leaf, value) -> Any:
         raise ValueError(f"config key {key!r} must be a string, got {value!r} "
                          f"({type(value).__name__}; in YAML, quote it)")
     choices = leaf.choices()
-    if choices is not None and value not in choices:
-        raise ValueError(f"config key {key!r} must be one of {sorted(choices)}, got {value!r}")
-    return value
+    return value if choices is None else check_choice(f"config key {key!r}", value, choices)
 
 
 def _list_value(key: str, value) -> tuple:

@@ -44,6 +44,7 @@ try:
 except ImportError as e:  # the `data` extra
     raise ImportError("document sources (data.sources) need grain: pip install 'axonn_jax[data]'") from e
 
+from ..checks import check_choice
 from . import packing, sources
 from .sources import LONG_DOCUMENTS
 
@@ -131,9 +132,7 @@ class DataConfig:
     def __post_init__(self):
         if not self.sources:
             raise ValueError("data.sources is empty: give at least one {path, weight}")
-        if self.long_documents not in LONG_DOCUMENTS:
-            raise ValueError(f"long_documents must be one of {', '.join(LONG_DOCUMENTS)}, got "
-                             f"{self.long_documents!r}")
+        check_choice("long_documents", self.long_documents, LONG_DOCUMENTS)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.workers < 0 or self.prefetch < 0:

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import optax
 
+from ..checks import check_choice, collect
 from ..config import AXES, SCHEDULES, ParallelConfig
 from ..offload.activations import REMAT_MODES
 from ..parallel.context import SCHEMES as CONTEXT_SCHEMES, check_sequence
@@ -579,14 +580,6 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
-def _attempt(found: list[str], check: Callable, *args, **kwargs) -> None:
-    """Run a check that raises ValueError/NotImplementedError; keep its message."""
-    try:
-        check(*args, **kwargs)
-    except (ValueError, NotImplementedError) as e:
-        found.append(str(e))
-
-
 def _field_problems(config: RunConfig) -> list[str]:
     """Values that no grid or device count can make right."""
     found = []
@@ -594,9 +587,8 @@ def _field_problems(config: RunConfig) -> list[str]:
         section, field = leaf.path.split(".")
         value = getattr(getattr(config, section), field)
         choices = leaf.choices()
-        if choices is not None and value not in choices:
-            found.append(f"{leaf.flags[0]} must be one of {', '.join(map(str, choices))}, "
-                         f"got {value!r}")
+        if choices is not None:
+            collect(found, check_choice, leaf.flags[0], value, choices)
     c, d, r = config.checkpoint, config.data, config.run
     positive = [("--steps", r.steps), ("--batch-size", d.batch_size), ("--seq-len", d.seq_len),
                 ("--eval-batches", d.eval_batches), ("--microbatches", config.pipeline.microbatches),
@@ -627,9 +619,9 @@ def _field_problems(config: RunConfig) -> list[str]:
     if r.profile_steps is not None:
         from .hooks import parse_step_range
 
-        _attempt(found, parse_step_range, r.profile_steps)
+        collect(found, parse_step_range, r.profile_steps)
     for rule in config.compression.rules:
-        _attempt(found, parse_rule, rule)
+        collect(found, parse_rule, rule)
     if config.compression.min_size < 0:
         found.append(f"--compress-min-size must be >= 0, got {config.compression.min_size}")
     return found + _data_problems(config)
@@ -737,13 +729,13 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
 
     found: list[str] = []
     if num_devices is not None:
-        _attempt(found, grid.validate, num_devices)
+        collect(found, grid.validate, num_devices)
     p = config.pipeline
-    _attempt(found, check_grid, grid, batch_size=rows or config.data.batch_size,
-             microbatches=p.microbatches, num_layers=num_layers, flags=True)
+    collect(found, check_grid, grid, batch_size=rows or config.data.batch_size,
+            microbatches=p.microbatches, num_layers=num_layers, flags=True)
     mpi = config.run.transport == "mpi"
     if grid.context > 1:
-        _attempt(found, check_sequence, config.data.seq_len, grid.context)
+        collect(found, check_sequence, config.data.seq_len, grid.context)
         scheme = CONTEXT_SCHEMES.get(config.model.context_attention)
         if grid.pipe > 1 and scheme and not scheme.cpu_pipeline and platform == "cpu":
             # A stage's ring hops are one collective-permute of every device of the program,
@@ -759,8 +751,8 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              reduce_dtype=config.precision.reduce_dtype,
                              num_layers=num_layers, between_processes=mpi,
                              compress_scope=config.compression.scope)
-    _attempt(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
-             config.precision.fp8)
+    collect(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
+            config.precision.fp8)
     return found
 
 
@@ -795,15 +787,15 @@ def model_problems(config: RunConfig, grid: ParallelConfig | None,
     if config.data.seq_len > preset.config.max_seq_len:
         found.append(f"--seq-len {config.data.seq_len} exceeds {preset.name}'s max_seq_len "
                      f"{preset.config.max_seq_len}")
-    _attempt(found, attention.check, config.model.attention, DTYPES[config.precision.dtype],
-             getattr(preset.config, "head_dim", None), platform)
+    collect(found, attention.check, config.model.attention, DTYPES[config.precision.dtype],
+            getattr(preset.config, "head_dim", None), platform)
     return found + ([] if grid is None else _grid_of_model(preset, grid))
 
 
 def _grid_of_model(preset, grid: ParallelConfig) -> list[str]:
     found: list[str] = []
     if grid.tensor_parallel_size > 1:
-        _attempt(found, preset.check_grid, grid)
+        collect(found, preset.check_grid, grid)
     return found
 
 

@@ -29,6 +29,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._compat import ensure_varying, mesh_platform, pmean, shard_map, tracing_in
+from ..checks import collect
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
@@ -103,27 +104,22 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
     """
     found = []
 
-    def attempt(check, *args):
-        try:
-            check(*args)
-        except (ValueError, NotImplementedError) as e:
-            found.append(str(e))
-
-    attempt(check_dtype, dtype)
-    attempt(exchange.check_reduce_dtype, reduce_dtype)
+    collect(found, check_dtype, dtype)
+    collect(found, exchange.check_reduce_dtype, reduce_dtype)
     if compress_bits and reduce_dtype != "float32":
         found.append(f"reduce_dtype={reduce_dtype} is the exact exchange's; with compress_bits="
                      f"{compress_bits} CGX sets what the exchange sends")
-    attempt(activations.check_options, remat, memory_budget_gb)
+    collect(found, activations.check_options, remat, memory_budget_gb)
     if grid.pipe > 1:
-        attempt(pipeline_lib.check_schedule, schedule, grid.pipe, microbatches, virtual_stages)
+        collect(found, pipeline_lib.check_schedule, schedule, grid.pipe, microbatches,
+                virtual_stages)
         if num_layers is not None:
-            attempt(pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
+            collect(found, pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
         if remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
             found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
     elif virtual_stages > 1:
         found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
-    attempt(compression.check_scope, compress_scope)
+    collect(found, compression.check_scope, compress_scope)
     if compress_bits and between_processes and compress_scope != "all":
         found.append(f"compress_scope={compress_scope} between processes (--transport mpi) "
                      f"{_NOT_YET}")

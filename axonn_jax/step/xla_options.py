@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 
 from .._compat import mesh_platform
+from ..checks import check_choice
 
 CHOICES = ("library", "xla")
 
@@ -53,7 +54,7 @@ buffering, the analytical latency estimator), are in `benchmarks/results/overlap
 `benchmarks/results/layer_exchange.md`."""
 
 
-def check_choice(choice: str) -> None:
+def check_setting(choice: str) -> None:
     """Check that `choice` is one of `CHOICES`.
 
     Args:
@@ -62,8 +63,7 @@ def check_choice(choice: str) -> None:
     Raises:
       ValueError: when `choice` is not in `CHOICES`.
     """
-    if choice not in CHOICES:
-        raise ValueError(f"xla_options must be one of {', '.join(CHOICES)}, got {choice!r}")
+    check_choice("xla_options", choice, CHOICES)
 
 
 def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | None:
@@ -82,7 +82,7 @@ def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | N
     Raises:
       ValueError: when `choice` is not in `CHOICES`.
     """
-    check_choice(choice)
+    check_setting(choice)
     if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
         return None
     return accepted(mesh, {**GPU_OPTIONS, OVERLAP_LIMIT: overlap_limit(dict(mesh.shape))}) or None

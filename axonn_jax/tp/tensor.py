@@ -47,6 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
+from ..checks import check_choice
 from ..collectives import Collective, ParameterShard, StepShape
 from . import fp8
 from .options import DEFAULT, KernelOptions
@@ -273,9 +274,7 @@ def collective_matmuls_on(choice: str, platform: str, fp8: bool = False) -> bool
     Raises:
       ValueError: `choice` is not one of `COLLECTIVE_MATMUL_CHOICES`.
     """
-    if choice not in COLLECTIVE_MATMUL_CHOICES:
-        raise ValueError(f"collective_matmul must be one of {COLLECTIVE_MATMUL_CHOICES}, "
-                         f"got {choice!r}")
+    check_choice("collective_matmul", choice, COLLECTIVE_MATMUL_CHOICES)
     return choice == "on" or (choice == "auto" and platform == "gpu" and not fp8)
 
 

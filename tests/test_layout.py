@@ -7,8 +7,8 @@ from conftest import parse_python
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "axonn_jax"
 
 # Lowest first; a module may import only modules of its own layer or below.
-LAYERS = [("config", "mesh", "_compat", "collectives", "checks"), ("tp",), ("parallel",), ("offload",),
-          ("step",),
+LAYERS = [("config", "mesh", "_compat", "collectives", "checks", "batch_axis"), ("tp",), ("parallel",),
+          ("offload",), ("step",),
           ("models",), ("transport",), ("analysis",), ("run",), ("__init__", "__main__", "train")]
 
 

@@ -33,7 +33,7 @@ from ..offload.activations import UNIFORM_REMAT
 from ..parallel.context import check_sequence
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
-from ..step.batch_axes import batch_axes_collectives
+from ..step.batch_axes import PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives
 from ..step.reducers import exchange_collectives, scalar_collectives
 from ..tp.tensor import collective_matmuls_on
 from . import hidden_shares
@@ -685,10 +685,8 @@ def _overlaps_backward(c: Collective) -> bool:
     """The gradient exchange over the batch axes (data's, and the sums over expert and context
     of the parameters they do not split, `step.batch_axes`), hidden behind the backward pass up
     to its compute time."""
-    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= set(BATCH_AXES_ALL))
-
-
-BATCH_AXES_ALL = ("data", "expert", "context")
+    batch = {a.name for a in BATCH_AXIS_PLUGINS}
+    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= batch)
 
 
 def recompute_factor(work: Workload, grid: ParallelConfig) -> float:

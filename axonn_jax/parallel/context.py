@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..batch_axis import BatchAxis
 from ..checks import check_choice
 from ..collectives import Collective
 from .attention_blocks import (NEG, block_mask, merge, side_inputs, tiled_backward,
@@ -139,6 +140,60 @@ def axis_size(axis: str = "context") -> int:
     if mesh.empty or axis not in getattr(mesh, "manual_axes", ()):
         return 1
     return mesh.shape[axis]
+
+
+# ----------------------------------------------------------------------------- the batch axis
+
+def check_batch(batch, size: int) -> None:
+    """Check that every batch leaf's sequence (dim 1) cuts into the `2·size` chunks of the layout.
+
+    Args:
+      batch: a batch pytree of arrays or ShapeDtypeStructs.
+      size: the `context` axis's size.
+
+    Raises:
+      ValueError: (one line) unless every batch leaf has a sequence dimension that cuts into
+        the `2·size` chunks.
+    """
+    for path, a in jax.tree_util.tree_leaves_with_path(batch):
+        if len(a.shape) < 2:
+            raise ValueError(f"context = {size} splits dim 1 of every batch leaf (the sequence), "
+                             f"but batch{jax.tree_util.keystr(path)} has shape {tuple(a.shape)}")
+        check_sequence(a.shape[1], size)
+
+
+def balanced_share(batch, size: int):
+    """This device's chunks of every sequence in the zig-zag layout, not its contiguous part.
+
+    Inside a shard_map manual over `context` (the layout is `balance`'s). One all-gather of the batch over `context` (token ids: small beside the activations).
+
+    Args:
+      batch: a batch pytree, each leaf `(rows, seq / size, ...)`: this device's contiguous part.
+      size: the `context` axis's size.
+
+    Returns:
+      The batch, each leaf of the same shape: chunks `i` and `2·size-1-i` of device `i`.
+    """
+
+    def mine(a):
+        local = a.shape[1]
+        whole = lax.all_gather(a, "context", axis=1, tiled=True)
+        return lax.dynamic_slice_in_dim(balance(whole, size), lax.axis_index("context") * local,
+                                        local, 1)
+
+    return jax.tree.map(mine, batch)
+
+
+def _layout_collectives(step, declared) -> list[Collective]:
+    """`balanced_share`'s all-gather: this device's rows (over data, expert, depth), whole
+    sequences."""
+    return [Collective("all-gather", ("context",),
+                       step.rows * step.seq_len * declared.batch_token_bytes)]
+
+
+AXIS = BatchAxis("context", dim=1, layout=balanced_share, check=check_batch,
+                 collectives=_layout_collectives)
+"""Context parallelism as a batch axis: the sequence over `context`, in the zig-zag layout."""
 
 
 def _chunk(half, device, size):

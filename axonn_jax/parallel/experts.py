@@ -43,7 +43,12 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import manual_axes, manual_axis_size, nested_shard_map
+from ..batch_axis import BatchAxis
 from . import grouped_matmul, ragged as ragged_lib
+
+AXIS = BatchAxis("expert", dim=0)
+"""Expert parallelism as a batch axis: the rows over `expert`; the experts' weights split over it
+and the rest of the model is data-parallel over it (the step sums those gradients)."""
 
 
 def local_experts(num_experts: int, axis: str) -> int:

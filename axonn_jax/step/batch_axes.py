@@ -1,32 +1,134 @@
-"""What the train step itself sends over the batch axes that split something besides `data`
-(`expert`, `context`; `step.train_step`), as the communication model counts it
-(`collectives.Part`'s convention, per device and step):
+"""The batch axes the step loops over, and what the step itself sends over them.
 
-- the load-balanced layout of the batch over `context` (`TrainStep._balanced`): every batch leaf
-  gathered over `context` before each device takes its two chunks;
-- the gradient sums over the batch axes that do not split a parameter (`_sum_over_unsplit`): one
-  all-reduce per group of axes, over every parameter shard not split over all of them (an
-  expert's weights, split over `expert`, are summed over `context` only);
+`PLUGINS` lists every axis that splits the batch (`batch_axis.BatchAxis`), in mesh order: `data`,
+`expert`, `context`. Each states its own split, layout, checks and collectives beside its code;
+the step (`step.train_step`) and the engines (`step.engines`) ask this module which are manual
+and how they split a batch, and never name an axis. Adding a batch axis is its record and one line
+here.
+
+What the step sends over them, as the communication model counts it (`collectives.Part`'s
+convention, per device and step):
+
+- each axis's own (`BatchAxis.collectives`: `context`'s gather of the batch for its layout);
+- the gradient sums over the axes besides `data` (`_sum_over_unsplit`): one all-reduce per group
+  of axes, over every parameter shard not split over all of them (an expert's weights, split
+  over `expert`, are summed over `context` only);
 - the loss and the blocks' metrics averaged over those axes, and the metrics over `data` too (the
   reducer's mean; the loss's is `step.reducers.scalar_collectives`').
 """
 from __future__ import annotations
 
+from jax.sharding import PartitionSpec as P
+
+from ..batch_axis import DATA, BatchAxis
 from ..collectives import FP32, Collective, ModelCommunication, StepShape
+from ..parallel import context, experts
 
-EXTRA_AXES = ("expert", "context")
+PLUGINS: tuple[BatchAxis, ...] = (DATA, experts.AXIS, context.AXIS)
+"""Every axis that splits the batch, in mesh order (`config.AXES`)."""
 
 
-def extra_axes(grid) -> tuple[str, ...]:
-    """The batch axes besides `data` that split something on `grid`, in mesh order.
+def manual_axes(grid) -> tuple[str, ...]:
+    """The batch axes the step's shard_map holds manual on `grid`, in mesh order.
 
     Args:
       grid: the run's `ParallelConfig`.
 
     Returns:
-      The names of `EXTRA_AXES` (`expert`, `context`) whose size on `grid` is above 1.
+      `data` always (the gradient reduction is explicit over it), and each other batch axis where
+      it splits something (its size above 1: its layers exchange tokens or keys over it).
     """
-    return tuple(a for a in EXTRA_AXES if getattr(grid, a) > 1)
+    return tuple(a.name for a in PLUGINS if a.manual(grid))
+
+
+def extra_axes(grid) -> tuple[str, ...]:
+    """The batch axes besides the reducer's that split something on `grid`, in mesh order.
+
+    Args:
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      The names of the manual axes whose gradients the step sums itself (`expert`, `context`).
+    """
+    return tuple(a.name for a in PLUGINS if not a.reducer_sums and a.manual(grid))
+
+
+def _dim_entry(names: tuple[str, ...]):
+    """A PartitionSpec entry for one dimension split over `names`."""
+    return names[0] if len(names) == 1 else (names or None)
+
+
+def local_spec(manual) -> P:
+    """How the manual batch axes split every batch leaf inside the step's shard_map.
+
+    Args:
+      manual: the manual axes' names.
+
+    Returns:
+      The rows (dim 0) over the manual axes that split rows, the sequence (dim 1) over those that
+      split it.
+    """
+    rows = tuple(a.name for a in PLUGINS if a.dim == 0 and a.name in manual)
+    seq = tuple(a.name for a in PLUGINS if a.dim == 1 and a.name in manual)
+    return P(rows, _dim_entry(seq)) if seq else P(rows)
+
+
+def sequence_axes(grid) -> tuple[str, ...]:
+    """The batch axes that split the sequence (dim 1) of every batch leaf on `grid`.
+
+    Args:
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      Their names, in mesh order (`context` when above 1).
+    """
+    return tuple(a.name for a in PLUGINS if a.dim == 1 and a.size(grid) > 1)
+
+
+def global_spec(rows: tuple[str, ...], grid) -> P:
+    """The PartitionSpec of every batch leaf over the whole mesh.
+
+    Args:
+      rows: the axes that split the rows (`config.BATCH_AXES`: the batch axes and `depth`).
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      The rows over `rows`; the sequence (dim 1) over `sequence_axes`.
+    """
+    seq = sequence_axes(grid)
+    return P(rows, _dim_entry(seq)) if seq else P(rows)
+
+
+def lay_out(batch, manual, grid):
+    """Inside the step's shard_map: this device's share of `batch` in each manual axis's layout.
+
+    Args:
+      batch: the batch pytree as the shard_map hands it in (`local_spec`).
+      manual: the manual axes' names.
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      The batch after each manual axis's `layout`, in mesh order (unchanged where none has one).
+    """
+    for a in PLUGINS:
+        if a.layout is not None and a.name in manual:
+            batch = a.layout(batch, a.size(grid))
+    return batch
+
+
+def check_batch(batch, grid) -> None:
+    """Check `batch` against every batch axis that splits something on `grid`.
+
+    Args:
+      batch: a batch pytree of arrays or ShapeDtypeStructs.
+      grid: the run's `ParallelConfig`.
+
+    Raises:
+      ValueError: (one line) an axis's `check` refuses the batch.
+    """
+    for a in PLUGINS:
+        if a.check is not None and a.size(grid) > 1:
+            a.check(batch, a.size(grid))
 
 
 def gradient_sums(shards, grid, param_bytes: int) -> list[Collective]:
@@ -56,7 +158,7 @@ def gradient_sums(shards, grid, param_bytes: int) -> list[Collective]:
 
 
 def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> list[Collective]:
-    """Everything the step sends over `expert` and `context` itself, and the metrics' mean.
+    """Everything the step sends over the batch axes itself, and the metrics' mean.
 
     What the module docstring lists, and the metrics' mean over `data`.
 
@@ -66,20 +168,19 @@ def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> lis
 
     Returns:
       The collectives per device and step: the metrics' all-reduce over `data` (if there are
-      metrics), and with `expert` or `context` above 1 the gradient sums, the loss's and the
-      metrics' all-reduce over those axes, and with `context > 1` the batch's all-gather over
-      `context`.
+      metrics), and with a batch axis besides `data` above 1 (`extra_axes`) the gradient sums,
+      the loss's and the metrics' all-reduce over those axes, and each one's own collectives
+      (`BatchAxis.collectives`: `context`'s gather of the batch).
     """
     g = step.grid
     extra = extra_axes(g)
     metrics = declared.metrics * FP32
-    out = [Collective("all-reduce", ("data",), metrics)] if metrics else []
+    out = [Collective("all-reduce", (DATA.name,), metrics)] if metrics else []
     if not extra:
         return out
     out += gradient_sums(declared.parameters, g, step.param_bytes)
     out.append(Collective("all-reduce", extra, FP32 + metrics))
-    if g.context > 1:
-        # The gathered result: this device's rows (over data, expert, depth), whole sequences.
-        out.append(Collective("all-gather", ("context",),
-                              step.rows * step.seq_len * declared.batch_token_bytes))
+    for a in PLUGINS:
+        if a.collectives is not None and a.name in extra:
+            out += a.collectives(step, declared)
     return out

@@ -29,24 +29,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from .._compat import ensure_varying, to_varying
-from ..config import ParallelConfig
 from ..parallel import pipeline as pipeline_lib
 from .compute import ComputeFunctions, cast_floating
-
-
-def batch_manual_axes(grid: ParallelConfig) -> tuple[str, ...]:
-    """The batch axes manual in the step's shard_map.
-
-    `data` always (the gradient reduction is explicit over it), `expert` and `context` when they
-    split something (their layers exchange tokens or keys over them).
-
-    Args:
-      grid: the run's parallel configuration.
-
-    Returns:
-      `("data",)` followed by `expert` and `context` where their size on `grid` is above 1.
-    """
-    return ("data",) + tuple(a for a in ("expert", "context") if getattr(grid, a) > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +161,7 @@ class PipelineEngine:
     Attributes:
       compute: the model's functions as the step computes them.
       schedule: the pipeline's timetable (`parallel.pipeline.Schedule`).
-      batch_axes: the batch axes manual besides `pipe` (`batch_manual_axes`).
+      batch_axes: the batch axes manual besides `pipe` (`step.batch_axes.manual_axes`).
     """
 
     compute: ComputeFunctions

@@ -35,12 +35,12 @@ from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import ParamUpdate, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
-from ..parallel import compression, context as context_lib, exchange, pipeline as pipeline_lib
+from ..parallel import compression, exchange, pipeline as pipeline_lib
 from ..tp.options import KernelOptions
 from ..tp.tensor import collective_matmuls_on
-from . import hosted, xla_options
+from . import batch_axes, hosted, xla_options
 from .compute import ComputeFunctions, activation_dtype
-from .engines import PipelineEngine, SpmdEngine, batch_manual_axes
+from .engines import PipelineEngine, SpmdEngine
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
 from .state import TrainState
@@ -317,26 +317,6 @@ def _take_program(sharding, index: tuple[int, ...]):
     return jax.jit(lambda x: jnp.take(x, jnp.asarray(index), axis=0), out_shardings=sharding)
 
 
-def check_sequences(batch, size: int) -> None:
-    """Check that every batch leaf's sequence (dim 1) cuts into the context axis's `2·size` chunks.
-
-    The chunks of the load-balanced layout (`parallel.context`).
-
-    Args:
-      batch: a batch pytree of arrays or ShapeDtypeStructs.
-      size: the `context` axis's size.
-
-    Raises:
-      ValueError: (one line) unless every batch leaf has a sequence dimension that cuts into
-        the `2·size` chunks.
-    """
-    for path, a in jax.tree_util.tree_leaves_with_path(batch):
-        if len(a.shape) < 2:
-            raise ValueError(f"context = {size} splits dim 1 of every batch leaf (the sequence), "
-                             f"but batch{jax.tree_util.keystr(path)} has shape {tuple(a.shape)}")
-        context_lib.check_sequence(a.shape[1], size)
-
-
 def batch_spec(grid: ParallelConfig) -> P:
     """The PartitionSpec of every batch leaf.
 
@@ -346,7 +326,7 @@ def batch_spec(grid: ParallelConfig) -> P:
     Returns:
       Rows over `BATCH_AXES`; with `context > 1` the sequence (dim 1) over `context`.
     """
-    return P(BATCH_AXES, "context") if grid.context > 1 else P(BATCH_AXES)
+    return batch_axes.global_spec(BATCH_AXES, grid)
 
 
 def _manual_specs(specs, manual) -> Any:
@@ -540,9 +520,8 @@ class TrainStep:
           The `BoundStep`, cached by the batch's structure, shapes and dtypes.
 
         Raises:
-          ValueError: when the grid cannot split the batch (`config.check_grid`), a sequence
-            does not cut into the context axis's chunks (`check_sequences`), or as
-            `StackedModel.bind` raises.
+          ValueError: when the grid cannot split the batch (`config.check_grid`), a batch axis
+            refuses the batch (`step.batch_axes.check_batch`), or as `StackedModel.bind` raises.
         """
         key = jax.tree.structure(batch), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(batch))
         if key not in self._bound:
@@ -698,9 +677,9 @@ class BoundStep:
       batch: abstract, this process's share (`TrainStep.local_batch`).
 
     Raises:
-      ValueError: when the grid cannot split the batch (`config.check_grid`), a sequence does
-        not cut into the context axis's chunks (`check_sequences`), or as `StackedModel.bind`
-        raises.
+      ValueError: when the grid cannot split the batch (`config.check_grid`), a batch axis
+        refuses the batch (`step.batch_axes.check_batch`: a sequence that does not cut into the
+        context axis's chunks), or as `StackedModel.bind` raises.
     """
 
     def __init__(self, parts: StepParts, batch):
@@ -710,8 +689,7 @@ class BoundStep:
         rows = jax.tree.leaves(batch)[0].shape[0]
         check_grid(grid, batch_size=rows, microbatches=o.microbatches,
                    num_layers=parts.model.num_layers)
-        if grid.context > 1:
-            check_sequences(batch, grid.context)
+        batch_axes.check_batch(batch, grid)
         self.fns: ModelFunctions = parts.model.bind(batch, mesh, self.kernels)
         self.compute_dtype = DTYPES[o.dtype]
         self.scaler = loss_scaler(o.dtype)
@@ -751,14 +729,14 @@ class BoundStep:
 
     def _engine(self, compute: ComputeFunctions):
         o, grid = self.parts.options, self.parts.grid
-        axes = batch_manual_axes(grid)
+        axes, extra = batch_axes.manual_axes(grid), batch_axes.extra_axes(grid)
         if grid.pipe > 1:
             return PipelineEngine(compute, pipeline_lib.make_schedule(
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
         in_step = o.compress_bits and self.parts.process_reducer is None
         # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a
         # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
-        alone = axes == ("data",) and grid.data == 1 and not in_step
+        alone = not extra and grid.data == 1 and not in_step
         # The reduction over `data` issued layer by layer in the backward (exact, or CGX's where
         # its reducer offers it), for float32 device parameters: a layer's sum returns in its
         # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
@@ -767,7 +745,7 @@ class BoundStep:
         wide = not o.offload_optimizer or o.dtype == "float32"
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
                           layer_reduce=(not in_step or layer is not None) and wide
-                          and axes == ("data",),
+                          and not extra,
                           reduce_dtype=o.reduce_dtype,
                           layer_stages=None if layer is None else layer.stages)
 
@@ -937,14 +915,14 @@ class BoundStep:
             return loss, grads, red_state, metrics
         manual = engine.manual_axes
         p_specs = _manual_specs(self.specs, manual)
-        extra = tuple(a for a in ("expert", "context") if a in manual)
+        extra = tuple(a for a in batch_axes.extra_axes(self.parts.grid) if a in manual)
 
         layer = self.reducer.layer_exchange
         with_state = layer is not None and getattr(engine, "layer_stages", None) is not None \
             and engine.exchanges_layers
 
         def local(params, batch, scale, key, red_state):
-            batch = self._balanced(batch, manual)
+            batch = batch_axes.lay_out(batch, manual, self.parts.grid)
             if with_state:  # the blocks' reduction (and their state's update) in the backward
                 loss, grads, metrics, new = engine.loss_and_grads(
                     params, batch, scale, layer.state_in(red_state, key))
@@ -960,8 +938,8 @@ class BoundStep:
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
             else P("data")
         loss, grads, red_state, metrics = shard_map(
-            local, mesh=self.parts.mesh, in_specs=(p_specs, self._batch_spec(manual), P(), P(),
-                                                   r_specs),
+            local, mesh=self.parts.mesh,
+            in_specs=(p_specs, batch_axes.local_spec(manual), P(), P(), r_specs),
             out_specs=(P(), p_specs, r_specs, engine.metric_spec),
             axis_names=set(manual))(params, batch, scale, key, red_state)
         # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
@@ -970,29 +948,6 @@ class BoundStep:
             metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
                                    metrics)
         return loss, grads, red_state, metrics
-
-    def _balanced(self, batch, manual):
-        """Inside the shard_map: with `context` manual, this device's chunks of every sequence in
-        the load-balanced zig-zag layout (`parallel.context.balance`) instead of its contiguous
-        part (one all-gather of the batch over `context`: token ids, small beside the
-        activations); else `batch`."""
-        if "context" not in manual:
-            return batch
-        size = self.parts.grid.context
-
-        def mine(a):
-            local = a.shape[1]
-            whole = jax.lax.all_gather(a, "context", axis=1, tiled=True)
-            return jax.lax.dynamic_slice_in_dim(context_lib.balance(whole, size),
-                                                jax.lax.axis_index("context") * local, local, 1)
-
-        return jax.tree.map(mine, batch)
-
-    def _batch_spec(self, manual) -> P:
-        """How the manual axes split every batch leaf: rows over `data` (and `expert`), the
-        sequence (dim 1) over `context`."""
-        rows = tuple(a for a in ("data", "expert") if a in manual)
-        return P(rows, "context") if "context" in manual else P(rows)
 
     # ------------------------------------------------------------------ the step
 
@@ -1047,17 +1002,18 @@ class BoundStep:
 
     def _eval(self, params, batch):
         grid = self.parts.grid
-        manual = frozenset(batch_manual_axes(grid))
-        if manual == {"data"} and grid.data == 1 and grid.pipe == 1:
+        manual = frozenset(batch_axes.manual_axes(grid))
+        if not batch_axes.extra_axes(grid) and grid.data == 1 and grid.pipe == 1:
             with tracing_in(self.parts.mesh):
                 return self.loss_fn(params, batch)
 
         def local(p, b):
-            loss = self.loss_fn(ensure_varying(p, tuple(sorted(manual))), self._balanced(b, manual))
+            loss = self.loss_fn(ensure_varying(p, tuple(sorted(manual))),
+                                batch_axes.lay_out(b, manual, grid))
             return pmean(loss, tuple(sorted(manual)))
 
         return shard_map(local, mesh=self.parts.mesh,
-                         in_specs=(_manual_specs(self.specs, manual), self._batch_spec(manual)),
+                         in_specs=(_manual_specs(self.specs, manual), batch_axes.local_spec(manual)),
                          out_specs=P(), axis_names=set(manual))(params, batch)
 
     @functools.cached_property

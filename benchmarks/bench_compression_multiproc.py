@@ -8,7 +8,9 @@ from the compiled train step's HLO (`--dump-hlo`); step time is the median `step
 Unshaped loopback moves bytes at memory speed, so it is never communication-bound. `--link-mbit`
 caps the loopback interface with a token-bucket filter (`tc qdisc ... tbf`, needs root; removed
 afterwards) to emulate a slower link between the processes: every process's traffic to the others
-shares that one bucket, as it would share one NIC. `0` leaves loopback unshaped.
+shares that one bucket, as it would share one NIC. `0` leaves loopback unshaped. Run it in a
+private network namespace so that the cap leaves the machine's own loopback alone:
+`unshare -n sh -c 'ip link set lo up; python benchmarks/bench_compression_multiproc.py ...'`.
 
     python benchmarks/bench_compression_multiproc.py [--models gpt-small] [--link-mbit 0 1000 500]
 """

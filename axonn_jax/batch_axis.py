@@ -30,6 +30,8 @@ class BatchAxis:
         split beyond what `config.check_grid` checks (None: nothing more).
       collectives: `(step, declared) -> [Collective]`, what `layout` sends per device and step
         (None: nothing).
+      splits: `(model config, seq_len) -> bool`, whether the axis can split anything of that
+        model (the planner searches it only then; None: any model).
     """
 
     name: str
@@ -38,6 +40,7 @@ class BatchAxis:
     layout: Callable[[Any, int], Any] | None = None
     check: Callable[[Any, int], None] | None = None
     collectives: Callable[[StepShape, ModelCommunication], list[Collective]] | None = None
+    splits: Callable[[Any, int], bool] | None = None
 
     def size(self, grid) -> int:
         """Devices on this axis in `grid`.
@@ -60,6 +63,18 @@ class BatchAxis:
           True for the reducer's axis, and for another where it splits something (size > 1).
         """
         return self.reducer_sums or self.size(grid) > 1
+
+    def splits_model(self, model, seq_len: int) -> bool:
+        """Whether this axis can split anything of `model` at `seq_len`.
+
+        Args:
+          model: a model config (`GPTConfig`, `MixtralConfig`, ...).
+          seq_len: the positions of a sequence.
+
+        Returns:
+          `splits(model, seq_len)`, or True where the axis states no condition.
+        """
+        return self.splits is None or self.splits(model, seq_len)
 
 
 DATA = BatchAxis("data", dim=0, reducer_sums=True)

@@ -1082,14 +1082,12 @@ def searched_axes(work: Workload) -> tuple[str, ...]:
       work: the step.
 
     Returns:
-      `expert` only for a mixture of experts (a model with `num_experts`), `context` only for a
-      decoder whose attention runs over it (`kv_features`: `parallel.context.ContextAttention`);
-      the others always.
+      Every axis but the batch axes that split nothing of the model (`BatchAxis.splits_model`):
+      `expert` only for a mixture of experts, `context` only for a decoder whose attention runs
+      over it.
     """
-    model = work.model
-    allowed = {"expert": getattr(model, "num_experts", 1) > 1,
-               "context": getattr(model, "kv_features", 0) > 0 and work.seq_len > 1}
-    return tuple(a for a in AXES if allowed.get(a, True))
+    refused = {a.name for a in BATCH_AXIS_PLUGINS if not a.splits_model(work.model, work.seq_len)}
+    return tuple(a for a in AXES if a not in refused)
 
 
 def candidate_grids(work: Workload, num_devices: int) -> list[ParallelConfig]:
@@ -1126,8 +1124,9 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
         check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
                    num_layers=work.model.num_layers)
         work.model.check_grid(grid)
-        for axis in ("expert", "context"):
-            if getattr(grid, axis) > 1 and axis not in searched_axes(work):
+        searched = searched_axes(work)
+        for axis in AXES:
+            if getattr(grid, axis) > 1 and axis not in searched:
                 raise ValueError(f"{type(work.model).__name__} has no {axis} axis")
         if grid.context > 1:
             check_sequence(work.seq_len, grid.context)

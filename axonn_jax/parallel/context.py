@@ -192,8 +192,11 @@ def _layout_collectives(step, declared) -> list[Collective]:
 
 
 AXIS = BatchAxis("context", dim=1, layout=balanced_share, check=check_batch,
-                 collectives=_layout_collectives)
-"""Context parallelism as a batch axis: the sequence over `context`, in the zig-zag layout."""
+                 collectives=_layout_collectives,
+                 splits=lambda model, seq_len: getattr(model, "kv_features", 0) > 0 and seq_len > 1)
+"""Context parallelism as a batch axis: the sequence over `context`, in the zig-zag layout; for
+decoders whose attention runs over it (`kv_features`: `ContextAttention`) and sequences of more
+than one position."""
 
 
 def _chunk(half, device, size):

@@ -46,9 +46,11 @@ from .._compat import manual_axes, manual_axis_size, nested_shard_map
 from ..batch_axis import BatchAxis
 from . import grouped_matmul, ragged as ragged_lib
 
-AXIS = BatchAxis("expert", dim=0)
+AXIS = BatchAxis("expert", dim=0,
+                 splits=lambda model, seq_len: getattr(model, "num_experts", 1) > 1)
 """Expert parallelism as a batch axis: the rows over `expert`; the experts' weights split over it
-and the rest of the model is data-parallel over it (the step sums those gradients)."""
+and the rest of the model is data-parallel over it (the step sums those gradients); for mixtures
+of experts (a model with `num_experts`)."""
 
 
 def local_experts(num_experts: int, axis: str) -> int:

@@ -20,10 +20,12 @@ Two ways to lay out the send buffer:
   With `expert > 1` a chunk holds every assignment of the device (`T·k` rows, nothing is ever
   dropped) unless `dispatch_factor` sets it to `ceil(dispatch_factor·T·k/expert)`, when
   assignments past a full chunk are dropped and counted. On a GPU mesh the chunks cross the axis
-  by `jax.lax.ragged_all_to_all` (`parallel.ragged`): the counts first (a small all-gather), then
-  only the rows used, packed on both sides (the receive buffer keeps the padded size). XLA:CPU cannot run it
-  ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so there the exchange is a
-  padded all-to-all of every chunk whole; both give the same result.
+  by `jax.lax.ragged_all_to_all` (`parallel.ragged`): the counts first (a small all-gather of
+  every device's rows per expert), then only the rows used, packed on both sides (the receive
+  buffer keeps the padded size), and the receiver regroups them by expert from the counts
+  instead of sorting. XLA:CPU cannot run it ("HLO opcode `ragged-all-to-all` is not supported by
+  XLA:CPU"), so there the exchange is a padded all-to-all of every chunk whole; both give the
+  same result.
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
   assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
   priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.
@@ -349,8 +351,10 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
 
     Both sides keep the rows packed (`ragged.chunk_plan`): the send buffer holds the routed rows
     only (`T·k`, by destination), the receive buffer (`n·slots` rows, the most a dropless layer
-    can receive) what arrived from its first row on, so with one expert per device the rows go
-    through it unsorted.
+    can receive) what arrived from its first row on. With one expert per device the rows go
+    through the grouped kernels as they lie; with several, the sender orders its rows by expert
+    and the receiver regroups them by expert from every device's counts (`_regroup`: two
+    gathers, no sort, no expert ids exchanged).
 
     Args:
       x: `(T, d)` this device's tokens.
@@ -370,12 +374,14 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
     n = manual_axis_size(axis)
     size = n * slots
     chunk = slot // slots  # n: dropped
-    counts = jnp.bincount(chunk, length=n + 1)[:n]
-    plan = ragged_lib.chunk_plan(counts, slots, axis)
-    # Each assignment's row of the packed send buffer; a dropped one (chunk n, slot n·slots)
-    # lands on `assignments`, past the buffer.
-    starts = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
-    packed = starts[chunk] + slot % slots  # (k·T,)
+    if local == 1:
+        plan = ragged_lib.chunk_plan(jnp.bincount(chunk, length=n + 1)[:n], slots, axis)
+        # Each assignment's row of the packed send buffer; a dropped one (chunk n, slot n·slots)
+        # lands on `assignments`, past the buffer.
+        starts = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
+        packed = starts[chunk] + slot % slots  # (k·T,)
+    else:
+        packed, plan, from_each = _send_by_expert(ids, chunk, n, local, axis)
     rows = jnp.zeros_like(token).at[packed].set(token, mode="drop")
     # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff needs it).
     with ragged_lib.routed_rows(routed_rows):
@@ -384,20 +390,72 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
     if local == 1:  # the received rows are one expert's, from the first row on: no sort
         out = sorted_swiglu(received, jnp.sum(plan.recv_sizes, keepdims=True), w_gate, w_up,
                             w_down, routed_rows=routed_rows)
-    else:
-        packed_ids = jnp.full_like(ids, local).at[packed].set(ids % local, mode="drop")
-        with ragged_lib.routed_rows(routed_rows):
-            # Unfilled rows read as empty slots (id `local`), as in the padded exchange.
-            received_ids = ragged_lib.ragged_all_to_all(
-                packed_ids, jnp.full_like(ids, local, shape=(size,)), plan, axis)
-        out = grouped_swiglu(received, received_ids, w_gate, w_up, w_down,
-                             routed_rows=routed_rows)
+    else:  # regrouped by expert by the counts, not sorted
+        to_sorted, to_received, sizes = _regroup(from_each, plan.recv_offsets, size)
+        out = sorted_swiglu(received[to_sorted], sizes, w_gate, w_up, w_down,
+                            routed_rows=routed_rows)[to_received]
     with ragged_lib.routed_rows(routed_rows):
         back = ragged_lib.ragged_all_to_all(out, jnp.zeros_like(out, shape=(assignments,
                                                                             out.shape[1])),
                                             plan.reverse(), axis)
     returned = back.at[packed].get(mode="fill", fill_value=0)
     return _combine(returned, weights), jnp.sum(slot == size, dtype=jnp.int32)
+
+
+def _send_by_expert(ids, chunk, n: int, local: int, axis: str):
+    """With several experts per device: the packed send buffer ordered by expert.
+
+    Args:
+      ids: `(k·T,)` int32 each assignment's expert.
+      chunk: `(k·T,)` int32 each assignment's destination device, `n` for a dropped one.
+      n: devices on `axis`.
+      local: experts per device.
+      axis: the manual mesh axis.
+
+    Returns:
+      `(packed, plan, from_each)`: each assignment's row of the packed send buffer (by expert,
+      so by destination; `k·T`, past the buffer, for a dropped one), the exchange's
+      `ragged.ChunkPlan`, and `(n, local)` int32 the rows each device sends to each of this
+      device's experts, from one all-gather of every device's rows per expert.
+    """
+    experts = n * local
+    key = jnp.where(chunk < n, ids, experts)  # dropped assignments last
+    order = jnp.argsort(key, stable=True)
+    packed = jnp.zeros_like(key).at[order].set(jnp.arange(key.shape[0], dtype=key.dtype))
+    packed = jnp.where(chunk < n, packed, key.shape[0])
+    per_expert = jnp.bincount(key, length=experts + 1)[:experts].astype(jnp.int32)
+    gathered = jax.lax.all_gather(per_expert, axis)  # (n, experts)
+    plan = ragged_lib.plan_of(gathered.reshape(n, n, local).sum(-1), axis)
+    mine = jax.lax.dynamic_slice_in_dim(gathered, jax.lax.axis_index(axis) * local, local, 1)
+    return packed, plan, mine
+
+
+def _regroup(from_each, recv_offsets, size: int):
+    """Index maps between the received rows (by source, then expert) and the rows by expert.
+
+    Args:
+      from_each: `(n, local)` int32 rows from device `i` for local expert `l`.
+      recv_offsets: `(n,)` int32 where device `i`'s rows start in the received buffer.
+      size: rows of the received buffer.
+
+    Returns:
+      `(to_sorted, to_received, sizes)`: `(size,)` int32 the received row that each row of the
+      by-expert layout reads, `(size,)` int32 the by-expert row that each received row reads
+      back, and `(local,)` int32 the rows per expert. Rows past the received ones map anywhere
+      in range (the grouped kernels leave them out, the way back does not send them).
+    """
+    sizes = jnp.sum(from_each, axis=0)
+    received = recv_offsets[:, None] + jnp.cumsum(from_each, axis=1) - from_each
+    by_expert = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(from_each, axis=0) - from_each
+    row = jnp.arange(size, dtype=jnp.int32)
+
+    def follow(starts_from, starts_to):  # row of the `from` layout -> its row in the `to` one
+        # Its block: the last to start at or before it (`n·local` blocks: one fused compare).
+        block = jnp.sum(starts_from[None, :] <= row[:, None], axis=1, dtype=jnp.int32) - 1
+        return jnp.clip(starts_to[block] + row - starts_from[block], 0, size - 1)
+
+    to_sorted = follow(by_expert.T.reshape(-1), received.T.reshape(-1))
+    return to_sorted, follow(received.reshape(-1), by_expert.reshape(-1)), sizes
 
 
 def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, expert: int, *,
@@ -419,9 +477,10 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
     only, `routed_rows(...)` of them, expected values (the bytes depend on the routing);
     `imbalance` (the busiest expert shard's load over the mean, `--expert-imbalance`) scales
     them to the busiest device's, which receives and returns that many more. Beside them the
-    devices gather every device's counts before the forward exchange (`expert²` int32), and
-    each backward exchange's transpose rule sends its send and receive offsets (one all-to-all
-    each, `expert` int32) first; with one expert per device the rows' expert ids stay home.
+    devices gather every device's rows per expert before the forward exchange
+    (`expert·num_experts` int32), from which the receiver regroups its rows by expert (the rows'
+    expert ids stay home), and each backward exchange's transpose rule sends its send and
+    receive offsets (one all-to-all each, `expert` int32) first.
 
     Args:
       num_tokens: this device's tokens.
@@ -452,10 +511,11 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
         rows = groups * slots
         if ragged and capacity_factor is None:
             rows = routed_rows(num_tokens, top_k, groups * slots, imbalance)
-            out.append(("all-gather", ("expert",), calls * expert * expert * 4))  # the counts
+            # Every device's rows per expert (per destination device where each holds one).
+            out.append(("all-gather", ("expert",), calls * expert * num_experts * 4))
         row_bytes = rows * d_model * dtype_bytes
         out += [("all-to-all", ("expert",), row_bytes)] * 2
-        if capacity_factor is None and not (ragged and num_experts == expert):
+        if capacity_factor is None and not ragged:
             out.append(("all-to-all", ("expert",), rows * 4))  # the rows' experts
         if backward:
             out += [("all-to-all", ("expert",), row_bytes)] * 2

@@ -6,7 +6,8 @@ whole; `jax.lax.ragged_all_to_all` sends the filled part only, once both sides k
 and both sides keep the rows packed (`chunk_plan`): the sender's buffer holds its routed rows
 only, the receiver's the rows it received from its first row on.
 
-- `chunk_plan`: the offsets and sizes of that exchange (one small all-gather of the counts).
+- `chunk_plan`: the offsets and sizes of that exchange (one small all-gather of the counts);
+  `plan_of` where the counts are gathered already.
 - `ragged_all_to_all`: `jax.lax.ragged_all_to_all` where the backend runs it (XLA:GPU), else
   `reference`: the same interface and result, built from a padded `all_to_all` and masks, for
   XLA:CPU, which has no `ragged-all-to-all` ("not supported by XLA:CPU"). Tests compare the two
@@ -110,11 +111,24 @@ def chunk_plan(counts: jax.Array, slots: int, axis: str) -> ChunkPlan:
       The `ChunkPlan`, from one small all-gather of every device's counts over `axis`.
     """
     send = jnp.minimum(counts, slots).astype(jnp.int32)
-    sent = jax.lax.all_gather(send, axis)  # (n, n): rows device i sends to device j
+    return plan_of(jax.lax.all_gather(send, axis), axis)
+
+
+def plan_of(sent: jax.Array, axis: str) -> ChunkPlan:
+    """The plan of a packed exchange whose every device's counts are known (`chunk_plan`'s).
+
+    Args:
+      sent: `(n, n)` int32, the rows device `i` sends to device `j`, the same on every device
+        of the manual mesh axis `axis` (gathered over it).
+      axis: the mesh axis.
+
+    Returns:
+      This device's `ChunkPlan`.
+    """
     me = jax.lax.axis_index(axis)
     before_in_row = jnp.cumsum(sent, axis=1) - sent  # sender i's start of its chunk j
     before_in_col = jnp.cumsum(sent, axis=0) - sent  # receiver j's start of sender i's rows
-    return ChunkPlan(before_in_row[me], send, before_in_col[me], sent[:, me],
+    return ChunkPlan(before_in_row[me], sent[me], before_in_col[me], sent[:, me],
                      before_in_col[:, me], before_in_row[:, me])
 
 

@@ -685,8 +685,10 @@ def _overlaps_backward(c: Collective) -> bool:
     """The gradient exchange over the batch axes (data's, and the sums over expert and context
     of the parameters they do not split, `step.batch_axes`), hidden behind the backward pass up
     to its compute time."""
-    batch = {a.name for a in BATCH_AXIS_PLUGINS}
-    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= batch)
+    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= _BATCH_AXIS_NAMES)
+
+
+_BATCH_AXIS_NAMES = frozenset(a.name for a in BATCH_AXIS_PLUGINS)
 
 
 def recompute_factor(work: Workload, grid: ParallelConfig) -> float:

@@ -165,7 +165,8 @@ def check_batch(batch, size: int) -> None:
 def balanced_share(batch, size: int):
     """This device's chunks of every sequence in the zig-zag layout, not its contiguous part.
 
-    Inside a shard_map manual over `context` (the layout is `balance`'s). One all-gather of the batch over `context` (token ids: small beside the activations).
+    Inside a shard_map manual over `context` (the layout is `balance`'s). One all-gather of the
+    batch over `context` (token ids: small beside the activations).
 
     Args:
       batch: a batch pytree, each leaf `(rows, seq / size, ...)`: this device's contiguous part.

@@ -53,9 +53,11 @@ def extra_axes(grid) -> tuple[str, ...]:
     return tuple(a.name for a in PLUGINS if not a.reducer_sums and a.manual(grid))
 
 
-def _dim_entry(names: tuple[str, ...]):
-    """A PartitionSpec entry for one dimension split over `names`."""
-    return names[0] if len(names) == 1 else (names or None)
+def _spec(rows: tuple[str, ...], seq: tuple[str, ...]) -> P:
+    """Rows (dim 0) over `rows`, the sequence (dim 1) over `seq` where any axis splits it."""
+    if not seq:
+        return P(rows)
+    return P(rows, seq[0] if len(seq) == 1 else seq)
 
 
 def local_spec(manual) -> P:
@@ -69,8 +71,7 @@ def local_spec(manual) -> P:
       split it.
     """
     rows = tuple(a.name for a in PLUGINS if a.dim == 0 and a.name in manual)
-    seq = tuple(a.name for a in PLUGINS if a.dim == 1 and a.name in manual)
-    return P(rows, _dim_entry(seq)) if seq else P(rows)
+    return _spec(rows, tuple(a.name for a in PLUGINS if a.dim == 1 and a.name in manual))
 
 
 def sequence_axes(grid) -> tuple[str, ...]:
@@ -95,8 +96,7 @@ def global_spec(rows: tuple[str, ...], grid) -> P:
     Returns:
       The rows over `rows`; the sequence (dim 1) over `sequence_axes`.
     """
-    seq = sequence_axes(grid)
-    return P(rows, _dim_entry(seq)) if seq else P(rows)
+    return _spec(rows, sequence_axes(grid))
 
 
 def lay_out(batch, manual, grid):

@@ -166,6 +166,10 @@ class StepShape:
     expert_imbalance: float = 1.0
     """Tokens the busiest expert shard takes over the mean (`--expert-imbalance`): scales what
     the busiest device's ragged expert exchanges move (`parallel.experts.collectives`)."""
+    layer_sums: bool = False
+    """The blocks' gradients are summed layer by layer inside the backward, over `data` and the
+    other batch axes at once (`step.engines.SpmdEngine.layer_reduce`: an exact float32 exchange
+    of float32 parameters, one microbatch, no pipeline)."""
 
     @property
     def gathered_bytes(self) -> int:

@@ -47,6 +47,30 @@ def test_sum_over_equals_the_float32_sum(devices, dtype):
         assert summed[k].dtype == jnp.float32 and summed[k].shape == want.shape
 
 
+def test_sum_over_unsplit_sums_each_leaf_over_the_batch_axes_that_leave_it_whole(devices):
+    """Over data × expert: a shared leaf is summed over both, an expert's weights (split over
+    `expert`) over `data` only, and a leaf already summed (invariant) is only divided."""
+    from axonn_jax._compat import ensure_varying
+
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("data", "expert"))
+    shared = jax.random.normal(jax.random.key(0), (2, 4, 3))  # per (data, expert) shard
+    experts = jax.random.normal(jax.random.key(1), (2, 4, 5))  # each expert shard's own rows
+    specs = {"shared": P(), "experts": P("expert"), "summed": P()}
+
+    def local(shared, experts, summed):
+        tree = {"shared": ensure_varying(shared[0, 0], ("data", "expert")),
+                "experts": ensure_varying(experts[0], ("data",)), "summed": summed}
+        return exchange.sum_over_unsplit(tree, specs, ("data", "expert"), divide_by=2.0)
+
+    out = jax.jit(shard_map(
+        local, mesh=mesh, in_specs=(P("data", "expert"), P("data", "expert"), P()),
+        out_specs={"shared": P(), "experts": P("expert"), "summed": P()},
+        axis_names={"data", "expert"}))(shared, experts, jnp.ones(3))
+    np.testing.assert_allclose(out["shared"], np.asarray(shared).sum((0, 1)) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["experts"], np.asarray(experts).sum(0) / 2, rtol=1e-6)
+    np.testing.assert_allclose(out["summed"], np.full(3, 0.5))
+
+
 def _stack_grads(exchanged: bool, dtype: str, devices, width: int = 16):
     """The jitted gradient function and arguments of a 5-layer stack (runs of 2 plain and 3 rematerialized layers, an auxiliary
     loss per layer) over data = 4: by `scan_layers` with `exchange` (the hand-written backward), or

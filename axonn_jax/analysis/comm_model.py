@@ -33,7 +33,8 @@ from ..offload.activations import UNIFORM_REMAT
 from ..parallel.context import check_sequence
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
-from ..step.batch_axes import PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives
+from ..step.batch_axes import (PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives,
+                               summed_with_data)
 from ..step.reducers import exchange_collectives, scalar_collectives
 from ..tp.tensor import collective_matmuls_on
 from . import hidden_shares
@@ -284,7 +285,10 @@ class Workload:
         return StepShape(grid, self.batch, self.seq_len, self.microbatches, self.compute_bytes,
                          self.param_bytes, context_attention=self.context_attention,
                          platform=self.platform, rings=rings,
-                         expert_imbalance=self.imbalance(grid))
+                         expert_imbalance=self.imbalance(grid),
+                         layer_sums=not self.compress_bits and self.reduce_dtype == "float32"
+                         and self.microbatches == 1 and grid.pipe == 1
+                         and (not self.offload_optimizer or self.compute_bytes == 4))
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -334,14 +338,15 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     Returns:
       The `Collective`s, each with its count per step.
     """
-    d = declared(work, grid)
+    d, shape = declared(work, grid), work.step(grid)
     stage_layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe)
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
-             *exchange_collectives(d.parameters, grid.data, bits=work.compress_bits,
+             *exchange_collectives([p for p in d.parameters if not summed_with_data(p, shape)],
+                                   grid.data, bits=work.compress_bits,
                                    param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
                                    piece_bytes=4 if work.platform == "cpu" else 2,
                                    layers=stage_layers, node_shards=work.node_shards(grid)),
-             *batch_axes_collectives(d, work.step(grid))]
+             *batch_axes_collectives(d, shape)]
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)

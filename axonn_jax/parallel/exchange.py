@@ -65,6 +65,36 @@ def sum_divided(g, axes, divide_by: float = 1):
     return x.astype(low) if low else x
 
 
+def _spec_axes(spec) -> set[str]:
+    """The mesh axes a PartitionSpec splits its array over."""
+    return {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+
+
+def sum_over_unsplit(tree, specs, axes: tuple[str, ...], divide_by: float = 1):
+    """Every leaf of `tree` summed over those of the manual `axes` it is a partial sum over.
+
+    A leaf is a partial sum over an axis that splits the batch but not its parameter (its spec
+    does not name the axis) while it still varies over it; one already summed there (invariant)
+    or split there (an expert's weights over `expert`: the all-to-all's transpose already brought
+    it every shard's tokens) is only divided.
+
+    Args:
+      tree: gradients, any pytree of arrays.
+      specs: PartitionSpecs like `tree`, each naming the mesh axes its parameter is split over.
+      axes: manual mesh axes that split the batch (`data`, `expert`, `context`).
+      divide_by: every leaf is divided by it (16-bit leaves in float32, `sum_divided`).
+
+    Returns:
+      `tree`, each leaf summed and divided, in its own dtype.
+    """
+    def one(g, spec):
+        split = _spec_axes(spec)
+        over = tuple(a for a in axes if a not in split and a in varying_axes(g))
+        return sum_divided(g, over, divide_by)
+
+    return jax.tree.map(one, tree, specs)
+
+
 def _scatter_packed(leaves: list, axis: str, parts: int, divide_by: int):
     """This device's piece of the bfloat16 exchange of its `leaves` (local blocks) packed in one
     buffer: the all-to-all of the pieces, summed in float32 and rounded once. Returns

@@ -12,7 +12,8 @@ convention, per device and step):
 - each axis's own (`BatchAxis.collectives`: `context`'s gather of the batch for its layout);
 - the gradient sums over the axes besides `data` (`_sum_over_unsplit`): one all-reduce per group
   of axes, over every parameter shard not split over all of them (an expert's weights, split
-  over `expert`, are summed over `context` only);
+  over `expert`, are summed over `context` only); a block's with `data` in the same all-reduce
+  where the step sums the layers in the backward (`summed_with_data`);
 - the loss and the blocks' metrics averaged over those axes, and the metrics over `data` too (the
   reducer's mean; the loss's is `step.reducers.scalar_collectives`').
 """
@@ -131,30 +132,52 @@ def check_batch(batch, grid) -> None:
             a.check(batch, a.size(grid))
 
 
-def gradient_sums(shards, grid, param_bytes: int) -> list[Collective]:
-    """The all-reduces of `_sum_over_unsplit`, one per group of extra batch axes.
+def _unsplit_extras(shard, grid) -> tuple[str, ...]:
+    """The extra batch axes `shard`'s parameter is not split over: its gradient's sum runs there."""
+    split = {a for axes in shard.splits for a in axes}
+    return tuple(a for a in extra_axes(grid) if a not in split)
+
+
+def summed_with_data(shard, step: StepShape) -> bool:
+    """Whether `shard`'s gradient is summed over `data` and its unsplit extra batch axes at once.
+
+    A block's, layer by layer in the backward, where `step.layer_sums` says the step sums them
+    there and an extra batch axis leaves the parameter whole (`ComputeFunctions.vary_layers`);
+    the data exchange (`step.reducers.exchange_collectives`) then leaves it out.
+
+    Args:
+      shard: a `ParameterShard` one device holds.
+      step: the train step's shape.
+
+    Returns:
+      True where one all-reduce over `data` and those axes sums it.
+    """
+    return step.layer_sums and not shard.outside_blocks and bool(_unsplit_extras(shard, step.grid))
+
+
+def gradient_sums(shards, step: StepShape) -> list[Collective]:
+    """The all-reduces of the gradient sums over the extra batch axes, one per group of axes.
 
     Each shard's gradient (the elements the exact exchange reduces) is summed over the extra
-    batch axes its parameter is not split over.
+    batch axes its parameter is not split over (`_sum_over_unsplit`), together with `data` where
+    the step sums it layer by layer (`summed_with_data`).
 
     Args:
       shards: the `ParameterShard`s one device holds (`ModelCommunication.parameters`).
-      grid: the run's `ParallelConfig`.
-      param_bytes: the bytes of one parameter element.
+      step: the train step's shape (grid, parameter bytes, `layer_sums`).
 
     Returns:
       One `all-reduce` `Collective` per group of axes, sized with the elements of every shard
       summed over that group.
     """
-    extra = extra_axes(grid)
     groups: dict[tuple[str, ...], float] = {}
     for s in shards:
-        split = {a for axes in s.splits for a in axes}
-        over = tuple(a for a in extra if a not in split)
+        over = _unsplit_extras(s, step.grid)
         if over:
+            over = (DATA.name, *over) if summed_with_data(s, step) else over
             groups[over] = groups.get(over, 0.0) + (s.elements if s.exchanged is None
                                                     else s.exchanged)
-    return [Collective("all-reduce", axes, n * param_bytes) for axes, n in groups.items()]
+    return [Collective("all-reduce", axes, n * step.param_bytes) for axes, n in groups.items()]
 
 
 def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> list[Collective]:
@@ -178,7 +201,7 @@ def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> lis
     out = [Collective("all-reduce", (DATA.name,), metrics)] if metrics else []
     if not extra:
         return out
-    out += gradient_sums(declared.parameters, g, step.param_bytes)
+    out += gradient_sums(declared.parameters, step)
     out.append(Collective("all-reduce", extra, FP32 + metrics))
     for a in PLUGINS:
         if a.collectives is not None and a.name in extra:

@@ -99,8 +99,9 @@ class ComputeFunctions:
     _: dataclasses.KW_ONLY  # the modes by name: a field added here must not shift the others
     groups: tuple | None = None
     vary_layers: tuple[str, ...] = ()
-    """The manual axis (one) each layer's gradients are summed over inside the backward (the
-    stack arrives invariant over it): the stack's backward is written by hand
+    """The manual axes each layer's gradients are summed over inside the backward (the stack
+    arrives invariant over them; over several, each gradient over those that do not split its
+    parameter, in float32): the stack's backward is written by hand
     (`step.layer_exchange`), each layer's sum running while the layer below computes its
     backward (`SpmdEngine.layer_reduce`)."""
     reduce_dtype: str = "float32"
@@ -120,6 +121,17 @@ class ComputeFunctions:
         layer axis)."""
         return jax.tree.map(lambda s: P(*s[1:]), self.fns.specs["blocks"],
                             is_leaf=lambda s: isinstance(s, P))
+
+    def _layer_sum(self, axes: tuple[str, ...]) -> tuple:
+        """The stages of one layer's exchange over `axes`: `layer_stages`' over its one axis,
+        the exact sum in `reduce_dtype` over one axis, or over several (a batch axis besides
+        `data`) each gradient's float32 sum over those that do not split its parameter."""
+        if self.layer_stages is not None:
+            (axis,) = axes
+            return self.layer_stages(axis, self._layer_specs)
+        if len(axes) == 1:
+            return exchange.sum_over_stages(axes[0], self.reduce_dtype, self._layer_specs)
+        return (lambda tree: exchange.sum_over_unsplit(tree, self._layer_specs, axes),)
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
@@ -156,13 +168,11 @@ class ComputeFunctions:
         """
         groups = self.groups if groups is None else groups
         if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
-            (axis,) = self.vary_layers
-            if self.layer_stages is None:
-                stages = exchange.sum_over_stages(axis, self.reduce_dtype, self._layer_specs)
-            else:
-                stages = self.layer_stages(axis, self._layer_specs)
+            axes = self.vary_layers
+            stages = self._layer_sum(axes)
+            if self.layer_stages is not None:
                 layer_state = (None, None) if layer_state is None else layer_state
-            prepare = lambda p: cast_floating(ensure_varying(p, (axis,)), self.dtype)  # noqa: E731
+            prepare = lambda p: cast_floating(ensure_varying(p, axes), self.dtype)  # noqa: E731
         elif self.fetch_ahead:
             stages, prepare = (lambda g: g), (lambda p: cast_floating(p, self.dtype))
         else:

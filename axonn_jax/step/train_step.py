@@ -343,20 +343,13 @@ def _manual_specs(specs, manual) -> Any:
 
 def _sum_over_unsplit(grads, specs, axes: tuple[str, ...], grid: ParallelConfig):
     """Gradients over the batch `axes` besides `data` (`expert`, `context`): each summed over the
-    axes that do not split its parameter and divided by all their sizes, so that with the mean
-    over `data` after it every gradient is the global batch's mean. (A gradient of expert weights
-    split over `expert` already sums the tokens of every expert shard through the all-to-all's
-    transpose.)"""
+    axes that do not split its parameter where the backward has not summed it already
+    (`exchange.sum_over_unsplit`), and divided by all their sizes, so that with the mean over
+    `data` after it every gradient is the global batch's mean."""
     if not axes:
         return grads
     total = float(np.prod([getattr(grid, a) for a in axes]))
-
-    def one(g, spec):
-        split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
-        over = tuple(a for a in axes if a not in split)
-        return exchange.sum_divided(g, over, total)
-
-    return jax.tree.map(one, grads, specs)
+    return exchange.sum_over_unsplit(grads, specs, axes, total)
 
 
 def _abstract_batch(batch):
@@ -741,11 +734,13 @@ class BoundStep:
         # its reducer offers it), for float32 device parameters: a layer's sum returns in its
         # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
         # before they are cast back.
+        # With a batch axis besides `data` the layers' sums run over several axes, exact and in
+        # float32 only (`ComputeFunctions.vary_layers`).
         layer = self.reducer.layer_exchange if in_step else None
         wide = not o.offload_optimizer or o.dtype == "float32"
+        several = not extra or (not in_step and o.reduce_dtype == "float32")
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=(not in_step or layer is not None) and wide
-                          and not extra,
+                          layer_reduce=(not in_step or layer is not None) and wide and several,
                           reduce_dtype=o.reduce_dtype,
                           layer_stages=None if layer is None else layer.stages)
 

@@ -17,7 +17,8 @@ Writes `gpu_<device>.md` and `.json` (device: the accelerator's kind, e.g. `h100
     with `--offload-optimizer`, and with both offloads (optimizer state and activations), each with
     its step time and MFU (the largest size whose step compiles and runs);
 (d) CGX quantize + dequantize throughput in GB/s of fp32 input, against the device's measured copy
-    bandwidth;
+    bandwidth; and chained copies of two sizes: the HBM rate a large kernel reaches and what each
+    kernel costs beyond its bytes (`chained_copies`);
 (e) overlap of tensor-parallel collectives with compute: needs several devices; recorded as skipped
     on one;
 (f) step variants of one Llama (llama3.2-1b) on one device, each against the first in the same
@@ -400,7 +401,48 @@ def cgx_throughput(s: Sizes) -> dict:
     t_cgx, t_copy = timed(lambda: round_trip(x), s.repeats), timed(lambda: copy(x), s.repeats)
     return {"elements": s.cgx_elements, "bits": 4, "bucket": 1024,
             "quantize_dequantize_gb_s": nbytes / t_cgx / 1e9,
-            "copy_bandwidth_gb_s": 2 * nbytes / t_copy / 1e9}
+            "copy_bandwidth_gb_s": 2 * nbytes / t_copy / 1e9,
+            "chained_copy": chained_copies((s.cgx_elements // 4, s.cgx_elements), s.repeats)}
+
+
+def copy_seconds(elements: int, repeats: int, chain: int = 10) -> float:
+    """Seconds of one device copy (read + write) of `elements` fp32 values, `chain` of them in one
+    program (each reads the last's result through an optimization barrier, so that XLA fuses
+    none): one dispatch per `chain`, so the host's share is negligible, as for `matmul_rate`."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(v):
+        for _ in range(chain):
+            v = jax.lax.optimization_barrier(v * 2.0)
+        return v
+
+    x = jnp.ones((elements,), jnp.float32)
+    f = jax.jit(run)
+    return timed(lambda: f(x), repeats) / chain
+
+
+def chained_copies(sizes: tuple[int, int], repeats: int) -> dict:
+    """(d): one kernel's time against the bytes it moves, from chained copies of two sizes (both
+    above the L2 cache on a GPU): the slope is the HBM rate a large kernel reaches, the intercept
+    what each kernel costs beyond its bytes (launch, ramp and tail), the two figures the replay's
+    memory-bound kernels depend on.
+
+    Args:
+      sizes: fp32 elements of the smaller and the larger copy.
+      repeats: timed calls of each chain (median).
+
+    Returns:
+      `{"bytes": [read + written per copy], "seconds": [per copy], "hbm_bw_gb_s",
+      "per_kernel_us"}`; the last two None where the larger copy was not the slower.
+    """
+    moved = [8 * n for n in sizes]  # 4 bytes read and 4 written per element
+    seconds = [copy_seconds(n, repeats) for n in sizes]
+    slope = (seconds[1] - seconds[0]) / (moved[1] - moved[0])
+    fitted = slope > 0
+    return {"bytes": moved, "seconds": seconds,
+            "hbm_bw_gb_s": 1 / slope / 1e9 if fitted else None,
+            "per_kernel_us": (seconds[0] - slope * moved[0]) * 1e6 if fitted else None}
 
 
 def main(argv=None) -> int:
@@ -529,6 +571,18 @@ def _variant_rows(r: dict):
                       f"{gemms or 'none named'} | {kernels} |")
 
 
+def _chained(c: dict) -> str:
+    """(d)'s chained copies in words (empty where the run predates them)."""
+    k = c.get("chained_copy")
+    if not k:
+        return ""
+    sizes = " and ".join(f"{b / 1e9:.2f} GB in {t * 1e6:.0f} µs" for b, t in
+                         zip(k["bytes"], k["seconds"]))
+    fit = (f": HBM rate {k['hbm_bw_gb_s']:.1f} GB/s (read + written), "
+           f"{k['per_kernel_us']:.1f} µs per kernel" if k["hbm_bw_gb_s"] else "")
+    return f"; chained copies (ten per dispatch) moving {sizes}{fit}"
+
+
 def markdown(r: dict) -> str:
     lines = [f"# GPU suite: {r['device']} ({r['devices']} device(s), JAX {r['jax']})", "",
              f"Command: `{r['command']}`" + ("  (tiny sizes: smoke run, figures mean nothing)"
@@ -551,7 +605,7 @@ def markdown(r: dict) -> str:
     lines += ["", f"(d) CGX: {_not_run(c)}" if _not_run(c) else
               f"(d) CGX {c['bits']}-bit quantize + dequantize of {c['elements']:,} fp32 values: "
               f"{c['quantize_dequantize_gb_s']:.1f} GB/s of input; device copy bandwidth "
-              f"{c['copy_bandwidth_gb_s']:.1f} GB/s", "",
+              f"{c['copy_bandwidth_gb_s']:.1f} GB/s (one copy per dispatch)" + _chained(c), "",
               f"(e) tensor-parallel overlap: {(r.get('tp_overlap') or {}).get('skipped')}", "",
               "(f) step variants on one device (time relative to the first row)", ""]
     lines += _table(r.get("variants"), ["model", "variant", "batch × seq", "step time s",

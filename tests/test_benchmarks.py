@@ -27,6 +27,7 @@ def test_gpu_suite_runs_tiny(tmp_path, devices):
     assert [r["mode"] for r in result["largest_model"]][1] == "--offload-optimizer"
     assert all(r["layers"] >= 1 for r in result["largest_model"])
     assert result["cgx"]["quantize_dequantize_gb_s"] > 0
+    assert all(t > 0 for t in result["cgx"]["chained_copy"]["seconds"])
     ran = {v["variant"] for v in result["variants"] if "step_time_s" in v}
     losses = [v["loss"] for v in result["variants"] if "step_time_s" in v]
     assert max(losses) - min(losses) < 1e-2 * losses[0]  # same parameters and batch

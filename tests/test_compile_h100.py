@@ -332,3 +332,32 @@ def test_one_device_step_is_no_costlier_than_a_plain_jit_step():
     plain, ours = texts["plain jit"], texts["axonn_jax"]
     assert overlap.kernel_count(ours) <= 1.01 * overlap.kernel_count(plain)
     assert overlap.hbm_bytes(ours) <= 1.01 * overlap.hbm_bytes(plain)
+
+
+@needs_cuda
+def test_a_lone_swapped_block_is_swapped():
+    """A run of one `offload` block (here the bottom block of two, the top one recomputed)
+    compiled for one H100 keeps its activations in host memory, as a longer run does: its
+    residual stack of one layer is read where the backward uses it (`layer_exchange._fetched`;
+    fetched ahead like a longer run's, XLA dropped its host copies)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from axonn_jax import ParallelConfig, make_mesh, make_train_step
+    from axonn_jax.models import gpt
+    from axonn_jax.offload.activations import Plan
+
+    config = gpt.GPTConfig(num_layers=2, d_model=256, num_heads=4, max_seq_len=128,
+                           vocab_size=512)
+    mesh = make_mesh(ParallelConfig(), targets.h100_devices(1))
+    for decisions in (("offload", "recompute"), ("recompute", "offload")):
+        step = make_train_step(gpt.stacked(config, jnp.bfloat16), optax.adamw(1e-3), mesh,
+                               dtype="bfloat16", remat=Plan(decisions))
+        tokens = np.zeros((4, 129), np.int32)
+        batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                             {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+        report, compiled = cc.compile_step(step, batch,
+                                           capacity_bytes=targets.H100_CAPACITY_BYTES)
+        assert report.host_memory_per_device_bytes > 0 and "S(5)" in compiled.as_text(), decisions

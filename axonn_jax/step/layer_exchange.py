@@ -35,9 +35,12 @@ def _on_host(x) -> bool:
 
 def _fetched(stacks: list, j) -> list:
     """Layer `j`'s slices of the host-resident stacks among `stacks`, copied to the device; None
-    for each of the others (sliced where they are used)."""
+    for each of the others (sliced where they are used). A stack of one layer is left to its use:
+    XLA:GPU drops the host copies of a one-layer residual stack fetched this way, keeping the
+    activations on the device (tests/test_compile_h100.py)."""
     return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
-                           jax.memory.Space.Device) if _on_host(a) else None for a in stacks]
+                           jax.memory.Space.Device) if _on_host(a) and a.shape[0] > 1 else None
+            for a in stacks]
 
 
 def _down_the_runs(one: Callable, runs, carry, fetched: Callable):

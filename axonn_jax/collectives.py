@@ -167,9 +167,9 @@ class StepShape:
     """Tokens the busiest expert shard takes over the mean (`--expert-imbalance`): scales what
     the busiest device's ragged expert exchanges move (`parallel.experts.collectives`)."""
     layer_sums: bool = False
-    """The blocks' gradients are summed layer by layer inside the backward, over `data` and the
-    other batch axes at once (`step.engines.SpmdEngine.layer_reduce`: an exact float32 exchange
-    of float32 parameters, one microbatch, no pipeline)."""
+    """The blocks' gradients are summed layer by layer inside the backward
+    (`step.engines.SpmdEngine.layer_reduce`: one microbatch, no pipeline, float32 parameters; with
+    a batch axis besides `data`, an exact float32 exchange over it and `data` at once)."""
 
     @property
     def gathered_bytes(self) -> int:

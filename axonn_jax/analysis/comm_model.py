@@ -286,9 +286,25 @@ class Workload:
                          self.param_bytes, context_attention=self.context_attention,
                          platform=self.platform, rings=rings,
                          expert_imbalance=self.imbalance(grid),
-                         layer_sums=not self.compress_bits and self.reduce_dtype == "float32"
-                         and self.microbatches == 1 and grid.pipe == 1
-                         and (not self.offload_optimizer or self.compute_bytes == 4))
+                         layer_sums=self.exchanges_layers(grid))
+
+    def exchanges_layers(self, grid: ParallelConfig) -> bool:
+        """Whether the step sums the blocks' gradients layer by layer inside the backward.
+
+        As `step.train_step` builds its engine: one microbatch, no pipeline, float32 device
+        parameters (16-bit ones under `offload_optimizer` are summed after the backward), and
+        with a batch axis besides `data` an exact float32 exchange.
+
+        Args:
+          grid: the mesh.
+
+        Returns:
+          True where `SpmdEngine.layer_reduce` runs (`StepShape.layer_sums`).
+        """
+        extra = any(getattr(grid, a.name) > 1 for a in BATCH_AXIS_PLUGINS if not a.reducer_sums)
+        return self.microbatches == 1 and grid.pipe == 1 \
+            and (not self.offload_optimizer or self.compute_bytes == 4) \
+            and (not extra or (not self.compress_bits and self.reduce_dtype == "float32"))
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -923,7 +939,7 @@ def stream_utilisation(comm_s: float, compute_s: float) -> float:
 
 
 def exposed_communication(timed: list[tuple[Collective, float]], compute_s: float, rate: float,
-                          mode: str, links: list[bool] | None = None
+                          mode: str, links: list[bool] | None = None, layers: int = 0
                           ) -> list[tuple[Collective, float]]:
     """The seconds of each collective in `timed` that the step waits for.
 
@@ -937,6 +953,10 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
     overlaps (`Collective.overlappable`) hides up to that matmul, the data-parallel gradient
     exchange (`_overlaps_backward`) up to the backward pass (2/3 of the compute).
 
+    Under `spmd` a gradient exchange the backward issues layer by layer (`layers` > 0) is the
+    exception to the stream law: nothing waits for it before the update, so it is exposed only
+    where its link has no room left in the backward (`_backward_exchange_share`).
+
     Args:
       timed: `(collective, its time in seconds)` pairs.
       compute_s: the step's compute, in seconds.
@@ -944,15 +964,24 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
       mode: `spmd` (no pipeline, rows gathered in rings), `spmd-gathers`, or a pipeline
         schedule.
       links: for `spmd`, one flag per entry of `timed`: whether it spans nodes.
+      layers: the layers whose gradients the backward exchanges one by one (`StepShape
+        .layer_sums`); 0: the exchange runs after the backward.
 
     Returns:
       `(collective, exposed seconds)` pairs.
     """
     if mode == "spmd":
         links = links or [False] * len(timed)
-        busy = {link: stream_utilisation(sum(t for (_, t), on in zip(timed, links) if on == link),
-                                         compute_s) for link in set(links)}
-        return [(c, t if c.waited else t * busy[link]) for (c, t), link in zip(timed, links)]
+        grads = [bool(layers) and not c.waited and _overlaps_backward(c) for c, _ in timed]
+        busy, share = {}, {}
+        for link in set(links):
+            mine = [(t, g) for (_, t), on, g in zip(timed, links, grads) if on == link]
+            busy[link] = stream_utilisation(sum(t for t, _ in mine), compute_s)
+            share[link] = _backward_exchange_share(sum(t for t, g in mine if g),
+                                                   sum(t for t, g in mine if not g),
+                                                   compute_s, layers)
+        return [(c, t if c.waited else t * (share[link] if g else busy[link]))
+                for (c, t), link, g in zip(timed, links, grads)]
     out = []
     for c, t in timed:
         if not _overlaps_backward(c):
@@ -965,6 +994,31 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
         hidden = min(data_time * hidden_shares.hidden_share(("data",), mode), compute_s * 2 / 3)
         out += [(c, t * (1 - hidden / data_time)) for c, t in timed if _overlaps_backward(c)]
     return out
+
+
+def _backward_exchange_share(exchange_s: float, other_s: float, compute_s: float,
+                             layers: int) -> float:
+    """The exposed share of a link's gradient exchange issued layer by layer in the backward.
+
+    Each layer's exchange runs while the layers below compute their backward
+    (`step.layer_exchange`) and only the update reads the sums, so the exchange waits for
+    nothing but its link: it hides in the backward (2/3 of `compute_s`) less the link's other
+    collectives in that window (2/3 of `other_s`), and the last layer's share (1/`layers`)
+    always follows the backward.
+
+    Args:
+      exchange_s: the link's gradient-exchange seconds.
+      other_s: the link's other collectives' seconds.
+      compute_s: the step's compute.
+      layers: the layers exchanged one by one.
+
+    Returns:
+      The exposed fraction of `exchange_s`, in [1/`layers`, 1].
+    """
+    if not exchange_s:
+        return 0.0
+    room = max(0.0, (compute_s - other_s) * 2 / 3)
+    return 1 - min(exchange_s * (1 - 1 / layers), room) / exchange_s
 
 
 def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Prediction:
@@ -1009,7 +1063,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     exposed = {k: 0.0 for k in KINDS}
     by_axis: dict[str, float] = {}
     links = [spans_nodes(c, grid, machine) for c, _ in timed]
-    for c, t in exposed_communication(timed, compute, rate, mode, links):
+    layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe) \
+        if work.step(grid).layer_sums else 0
+    for c, t in exposed_communication(timed, compute, rate, mode, links, layers):
         exposed[c.kind] += t
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t
     bubble = 0.0

@@ -124,8 +124,9 @@ def _state_choices(config: RunConfig) -> list[tuple[bool, int]]:
     """`(offload_optimizer, compress_bits)` pairs `plan` weighs: the config's where it sets them."""
     offloads = [config.memory.offload_optimizer] \
         if "memory.offload_optimizer" in config.given else [False, True]
-    bits = [config.compression.bits] if "compression.bits" in config.given \
-        else [0, PLANNED_COMPRESS_BITS]
+    # A wire dtype the config names is a choice of the exact exchange: the search keeps it.
+    chosen = {"compression.bits", "precision.reduce_dtype"} & set(config.given)
+    bits = [config.compression.bits] if chosen else [0, PLANNED_COMPRESS_BITS]
     return [(o, b) for o in offloads for b in bits]
 
 

@@ -169,7 +169,9 @@ class StepShape:
     layer_sums: bool = False
     """The blocks' gradients are summed layer by layer inside the backward
     (`step.engines.SpmdEngine.layer_reduce`: one microbatch, no pipeline, float32 parameters; with
-    a batch axis besides `data`, an exact float32 exchange over it and `data` at once)."""
+    a batch axis besides `data`, an exact exchange over it and `data` at once)."""
+    reduce_dtype: str = "float32"
+    """What the exact gradient exchange sends (`parallel.exchange`)."""
 
     @property
     def gathered_bytes(self) -> int:

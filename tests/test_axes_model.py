@@ -23,6 +23,10 @@ GRIDS = {
                                      dict(context_attention="allgather"), ()),
     "mixtral-expert2-context2-data2": ("mixtral-tiny", P(expert=2, context=2, data=2), {}, ()),
     "mixtral-expert2-data2-row2": ("mixtral-tiny", P(expert=2, data=2, row=2), {}, ("row",)),
+    # each layer's bfloat16 exchange in the backward: the shared parameters packed over
+    # data+expert, an expert's weights over data (XLA:CPU sends its pieces in f32)
+    "mixtral-expert2-data2-bf16-wire": ("mixtral-tiny", P(expert=2, data=2),
+                                        dict(reduce_dtype="bfloat16"), ()),
     # `--remat` runs the ring's forward hops again (before: 0.77× the compiled permutes); bf16
     # hops travel in f32 on XLA:CPU (so do the dense layers' bf16 activations over row, which
     # `tp.tensor` counts in bf16: row is left out)

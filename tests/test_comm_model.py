@@ -520,6 +520,10 @@ def test_a_backward_exchange_is_exposed_only_where_its_link_is_full():
                                                       layers=10)]
     assert law == pytest.approx([0.1 * 0.5, 0.4 * 0.5])  # the stream law: busy half the step
     assert layered == pytest.approx([0.01, 0.4 * 0.5])
+    # A layer that sends its tokens to experts starts the exchange after its last token
+    # exchange: the stream law stays (`moe_grouped.md`).
+    assert cm._exchanges_tokens([cm.Collective("all-to-all", ("expert",), 1.0)])
+    assert not cm._exchanges_tokens([cm.Collective("all-to-all", ("context",), 1.0), data])
 
 
 def test_plan_weighs_offload_and_compression_where_the_config_leaves_them(capsys):

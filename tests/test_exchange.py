@@ -173,6 +173,24 @@ def test_reduce_dtype_trajectories(devices, one_device, grid, extra):
     assert 0 < assert_steps_match(runs["bfloat16"]["history"], ref, 5e-3)
 
 
+@pytest.mark.parametrize("model, grid, norm_rtol", [
+    ("gpt-tiny", dict(data=2, context=2), 5e-3),
+    # A rounded sum can move a token to another expert: the norm then moves by a few percent.
+    ("mixtral-tiny", dict(data=2, expert=2), 5e-2),
+])
+def test_bfloat16_wire_over_several_batch_axes_tracks_float32(devices, model, grid, norm_rtol):
+    """With `context` or `expert` beside `data` each layer's gradients are exchanged in the
+    backward over the axes that leave each parameter whole (an expert's weights over `data`, the
+    rest over both: two packed groups): a bfloat16 wire stays within its rounding of the float32
+    exchange on the same grid, and differs from it."""
+    options = dict(model=model, steps=3, batch_size=8, seq_len=16, lr=1e-2,
+                   parallel=ParallelConfig(**grid), **PARITY)
+    runs = {dtype: train(TrainOptions(**options, reduce_dtype=dtype), devices=devices[:4])
+            for dtype in exchange.REDUCE_DTYPES}
+    assert 0 < assert_steps_match(runs["bfloat16"]["history"], runs["float32"]["history"], 5e-3,
+                                  norm_rtol=norm_rtol)
+
+
 def test_bad_wire_dtypes_are_refused_in_one_line():
     from axonn_jax.run.options import ConfigError, problems
 

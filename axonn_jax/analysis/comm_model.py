@@ -31,6 +31,7 @@ from ..config import AXES, ParallelConfig, check_grid, devices_inside
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..offload.activations import UNIFORM_REMAT
 from ..parallel.context import check_sequence
+from ..parallel.experts import AXIS as EXPERT_AXIS
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import (PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives,
@@ -286,14 +287,15 @@ class Workload:
                          self.param_bytes, context_attention=self.context_attention,
                          platform=self.platform, rings=rings,
                          expert_imbalance=self.imbalance(grid),
-                         layer_sums=self.exchanges_layers(grid))
+                         layer_sums=self.exchanges_layers(grid),
+                         reduce_dtype=self.reduce_dtype)
 
     def exchanges_layers(self, grid: ParallelConfig) -> bool:
         """Whether the step sums the blocks' gradients layer by layer inside the backward.
 
         As `step.train_step` builds its engine: one microbatch, no pipeline, float32 device
         parameters (16-bit ones under `offload_optimizer` are summed after the backward), and
-        with a batch axis besides `data` an exact float32 exchange.
+        with a batch axis besides `data` an exact exchange.
 
         Args:
           grid: the mesh.
@@ -304,7 +306,7 @@ class Workload:
         extra = any(getattr(grid, a.name) > 1 for a in BATCH_AXIS_PLUGINS if not a.reducer_sums)
         return self.microbatches == 1 and grid.pipe == 1 \
             and (not self.offload_optimizer or self.compute_bytes == 4) \
-            and (not extra or (not self.compress_bits and self.reduce_dtype == "float32"))
+            and (not extra or not self.compress_bits)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
@@ -996,6 +998,16 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
     return out
 
 
+def _exchanges_tokens(found: list[Collective]) -> bool:
+    """Whether the layers send their tokens to experts (all-to-alls over `expert`).
+
+    In the compiled schedule of such a step (DeepSeek-MoE-16B on 64 H100s,
+    `benchmarks/results/moe_grouped.md`) each layer's gradient exchange starts only after the
+    layer's last token exchange, with little compute left beside it: the backward does not hide
+    it (`_backward_exchange_share` does not apply; the stream law does)."""
+    return any(c.kind == "all-to-all" and EXPERT_AXIS.name in c.axes for c in found)
+
+
 def _backward_exchange_share(exchange_s: float, other_s: float, compute_s: float,
                              layers: int) -> float:
     """The exposed share of a link's gradient exchange issued layer by layer in the backward.
@@ -1064,7 +1076,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     by_axis: dict[str, float] = {}
     links = [spans_nodes(c, grid, machine) for c, _ in timed]
     layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe) \
-        if work.step(grid).layer_sums else 0
+        if work.step(grid).layer_sums and not _exchanges_tokens(found) else 0
     for c, t in exposed_communication(timed, compute, rate, mode, links, layers):
         exposed[c.kind] += t
         by_axis["+".join(c.axes)] = by_axis.get("+".join(c.axes), 0.0) + t

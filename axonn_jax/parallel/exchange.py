@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .._compat import (all_gather_invariant, current_mesh, manual_axes,
@@ -38,6 +39,12 @@ def check_reduce_dtype(dtype: str) -> None:
       ValueError: `dtype` is not one of `REDUCE_DTYPES`.
     """
     check_choice("reduce_dtype", dtype, REDUCE_DTYPES)
+
+
+def _size(axis) -> int:
+    """The devices of a manual mesh axis or of a tuple of them (1 where none is manual)."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([manual_axis_size(a) for a in names]))
 
 
 def _is_16bit(g) -> bool:
@@ -95,6 +102,50 @@ def sum_over_unsplit(tree, specs, axes: tuple[str, ...], divide_by: float = 1):
     return jax.tree.map(one, tree, specs)
 
 
+def sum_over_unsplit_stages(axes: tuple[str, ...], dtype: str = "float32", specs=None) -> tuple:
+    """`sum_over_unsplit` (undivided) as stages, sending `dtype`.
+
+    The leaves that sum over the same axes are exchanged together by `sum_over_stages` over
+    those axes: in bfloat16 an expert's weights are packed apart from the layer's shared
+    parameters, which sum over `expert` as well.
+
+    Args:
+      axes: manual mesh axes that split the batch.
+      dtype: the wire dtype (module docstring).
+      specs: PartitionSpecs like the gradients, each naming the mesh axes its parameter is split
+        over.
+
+    Returns:
+      The stages, applied in order to a tree of gradients (two in bfloat16: each group's
+      all-to-all, then its all-gather).
+    """
+    if dtype == "float32":
+        return (lambda tree: sum_over_unsplit(tree, specs, axes),)
+    layout = {}  # the first stage's groups, which the second reads (static per tree structure)
+
+    def scatter(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, (g, spec) in enumerate(zip(leaves, spec_leaves)):
+            over = tuple(a for a in axes if a not in _spec_axes(spec) and a in varying_axes(g))
+            groups.setdefault(over, []).append(i)
+        plans = [(members, sum_over_stages(over, dtype, [spec_leaves[i] for i in members]))
+                 for over, members in groups.items()]
+        layout["plan"] = treedef, len(leaves), plans
+        return [stages[0]([leaves[i] for i in members]) for members, stages in plans]
+
+    def gather(shares):
+        treedef, count, plans = layout["plan"]
+        out = [None] * count
+        for (members, stages), share in zip(plans, shares):
+            for i, g in zip(members, stages[-1](share)):
+                out[i] = g
+        return jax.tree.unflatten(treedef, out)
+
+    return scatter, gather
+
+
 def _scatter_packed(leaves: list, axis: str, parts: int, divide_by: int):
     """This device's piece of the bfloat16 exchange of its `leaves` (local blocks) packed in one
     buffer: the all-to-all of the pieces, summed in float32 and rounded once. Returns
@@ -146,13 +197,14 @@ def sum_over(tree, axis: str, dtype: str = "float32", specs=None, divide_by: int
     return tree
 
 
-def sum_over_stages(axis: str, dtype: str = "float32", specs=None, divide_by: int = 1) -> tuple:
+def sum_over_stages(axis: str | tuple[str, ...], dtype: str = "float32", specs=None,
+                    divide_by: int = 1) -> tuple:
     """`sum_over` as a sequence of functions whose composition it is.
 
     A caller can run each stage in its own window of compute (`step.layer_exchange`).
 
     Args:
-      axis: a manual mesh axis (e.g. `data`).
+      axis: a manual mesh axis (e.g. `data`), or a tuple of them (one exchange over all).
       dtype: the wire dtype (module docstring).
       specs: a tree of PartitionSpecs like the gradients, how the mesh's automatic axes split
         each leaf (None: they split none).
@@ -172,7 +224,7 @@ def sum_over_stages(axis: str, dtype: str = "float32", specs=None, divide_by: in
         layout["plan"] = plan = _packing(tree, axis, specs)
         if plan is None:
             return tree
-        parts = manual_axis_size(axis)
+        parts = _size(axis)
         leaves = jax.tree.leaves(tree)
         shares = []
         for split, members, local in plan[1]:
@@ -213,7 +265,7 @@ def _packing(tree, axis: str, specs):
     `(split axes in mesh order, leaf indices, their local specs)`; and each leaf's local shape
     and dtype (its block on one device)."""
     leaves, treedef = jax.tree.flatten(tree)
-    if manual_axis_size(axis) == 1 or not leaves:
+    if _size(axis) == 1 or not leaves:
         return None
     manual = set(manual_axes())
     spec_leaves = [P()] * len(leaves) if specs is None else jax.tree.leaves(

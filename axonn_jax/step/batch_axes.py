@@ -160,7 +160,8 @@ def gradient_sums(shards, step: StepShape) -> list[Collective]:
 
     Each shard's gradient (the elements the exact exchange reduces) is summed over the extra
     batch axes its parameter is not split over (`_sum_over_unsplit`), together with `data` where
-    the step sums it layer by layer (`summed_with_data`).
+    the step sums it layer by layer (`summed_with_data`; with a bfloat16 wire in its packed
+    all-to-all and all-gather).
 
     Args:
       shards: the `ParameterShard`s one device holds (`ModelCommunication.parameters`).
@@ -171,13 +172,20 @@ def gradient_sums(shards, step: StepShape) -> list[Collective]:
       summed over that group.
     """
     groups: dict[tuple[str, ...], float] = {}
+    layered: dict[tuple[str, ...], float] = {}
     for s in shards:
         over = _unsplit_extras(s, step.grid)
         if over:
-            over = (DATA.name, *over) if summed_with_data(s, step) else over
-            groups[over] = groups.get(over, 0.0) + (s.elements if s.exchanged is None
-                                                    else s.exchanged)
-    return [Collective("all-reduce", axes, n * step.param_bytes) for axes, n in groups.items()]
+            into = layered if summed_with_data(s, step) else groups
+            key = (DATA.name, *over) if into is layered else over
+            into[key] = into.get(key, 0.0) + (s.elements if s.exchanged is None else s.exchanged)
+    out = [Collective("all-reduce", axes, n * step.param_bytes) for axes, n in groups.items()]
+    if step.reduce_dtype == "bfloat16":  # the packed exchange (`parallel.exchange`)
+        piece = 4 if step.platform == "cpu" else 2
+        return out + [Collective(kind, axes, n * piece) for axes, n in layered.items()
+                      for kind in ("all-to-all", "all-gather")]
+    return out + [Collective("all-reduce", axes, n * step.param_bytes)
+                  for axes, n in layered.items()]
 
 
 def batch_axes_collectives(declared: ModelCommunication, step: StepShape) -> list[Collective]:

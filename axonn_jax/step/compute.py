@@ -101,7 +101,7 @@ class ComputeFunctions:
     vary_layers: tuple[str, ...] = ()
     """The manual axes each layer's gradients are summed over inside the backward (the stack
     arrives invariant over them; over several, each gradient over those that do not split its
-    parameter, in float32): the stack's backward is written by hand
+    parameter): the stack's backward is written by hand
     (`step.layer_exchange`), each layer's sum running while the layer below computes its
     backward (`SpmdEngine.layer_reduce`)."""
     reduce_dtype: str = "float32"
@@ -125,13 +125,13 @@ class ComputeFunctions:
     def _layer_sum(self, axes: tuple[str, ...]) -> tuple:
         """The stages of one layer's exchange over `axes`: `layer_stages`' over its one axis,
         the exact sum in `reduce_dtype` over one axis, or over several (a batch axis besides
-        `data`) each gradient's float32 sum over those that do not split its parameter."""
+        `data`) each gradient's sum over those that do not split its parameter."""
         if self.layer_stages is not None:
             (axis,) = axes
             return self.layer_stages(axis, self._layer_specs)
         if len(axes) == 1:
             return exchange.sum_over_stages(axes[0], self.reduce_dtype, self._layer_specs)
-        return (lambda tree: exchange.sum_over_unsplit(tree, self._layer_specs, axes),)
+        return exchange.sum_over_unsplit_stages(axes, self.reduce_dtype, self._layer_specs)
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).

@@ -734,11 +734,11 @@ class BoundStep:
         # its reducer offers it), for float32 device parameters: a layer's sum returns in its
         # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
         # before they are cast back.
-        # With a batch axis besides `data` the layers' sums run over several axes, exact and in
-        # float32 only (`ComputeFunctions.vary_layers`).
+        # With a batch axis besides `data` the layers' sums run over several axes, exact only
+        # (`ComputeFunctions.vary_layers`).
         layer = self.reducer.layer_exchange if in_step else None
         wide = not o.offload_optimizer or o.dtype == "float32"
-        several = not extra or (not in_step and o.reduce_dtype == "float32")
+        several = not extra or not in_step
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
                           layer_reduce=(not in_step or layer is not None) and wide and several,
                           reduce_dtype=o.reduce_dtype,

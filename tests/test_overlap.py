@@ -382,15 +382,18 @@ def test_hidden_shares_per_axis_and_mode():
 def test_plan_exposes_what_the_stream_is_busy_for():
     """Without a pipeline, with rings: each collective waits for the share of the compute time
     the communication stream is busy, so the step exposes comm² / compute; twice the batch
-    (twice the compute, the same gradient bytes) exposes less of the data-parallel exchange."""
+    (twice the compute, the same gradient bytes) exposes less of the data-parallel exchange.
+    Here the exchange runs after the backward (two microbatches accumulated); issued layer by
+    layer inside it (one microbatch), only its last layer's share is exposed while the link has
+    room in the backward."""
     from axonn_jax import ParallelConfig
     from axonn_jax.models.gpt import get_config
 
     grid = ParallelConfig(data=16)
     shares = []
     for batch in (1024, 2048):
-        work = cm.Workload(get_config("gpt-1.3b"), batch=batch, seq_len=1024)
-        assert work.step(grid).rings
+        work = cm.Workload(get_config("gpt-1.3b"), batch=batch, seq_len=1024, microbatches=2)
+        assert work.step(grid).rings and not work.step(grid).layer_sums
         comm = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(work, grid))
         p = cm.predict(work, grid, H100)
         compute = p.compute_s - cm.update_seconds(work, grid, H100, p.memory_breakdown)
@@ -399,6 +402,12 @@ def test_plan_exposes_what_the_stream_is_busy_for():
         shares.append(p.exposed_comm_by_axis["data"] / comm)
     assert shares[1] == pytest.approx(shares[0] / 2, rel=0.05)
     assert cm.stream_utilisation(3.0, 2.0) == 1.0 and cm.stream_utilisation(1.0, 0.0) == 1.0
+    config = get_config("gpt-1.3b")
+    layered = cm.Workload(config, batch=2048, seq_len=1024)
+    assert layered.step(grid).layer_sums
+    comm = sum(cm._collective_time(c, grid, H100) for c in cm.collectives(layered, grid))
+    p = cm.predict(layered, grid, H100)
+    assert p.exposed_comm_by_axis["data"] == pytest.approx(comm / config.num_layers)
 
 
 def test_plan_exposes_what_the_measured_schedule_cannot_hide(monkeypatch):

@@ -199,6 +199,20 @@ class StepShape:
         return self.rows * self.seq_len / self.grid.context
 
     @property
+    def layer_calls(self) -> int:
+        """The calls of each layer one step's per-call counts stand for.
+
+        A pipeline stage runs each layer once per microbatch (`microbatches`); without a pipeline
+        a call's counts take every microbatch's rows together (`accumulated`), once."""
+        return self.microbatches if self.grid.pipe > 1 else 1
+
+    @property
+    def accumulated(self) -> int:
+        """The microbatches one layer call's counts hold together: every one without a pipeline
+        (the engine's accumulation loop), one under a pipeline."""
+        return self.microbatches // self.layer_calls
+
+    @property
     def layer_rows(self) -> float:
         """Rows one layer call sees on a data (and expert) shard.
 

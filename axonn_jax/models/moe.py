@@ -294,17 +294,17 @@ class MoELayers:
 
     def _tokens(self, step) -> float:
         """Tokens one layer call routes on one device (a microbatch's under a pipeline)."""
-        return step.tokens * step.grid.depth / (step.microbatches if step.grid.pipe > 1 else 1)
+        return step.tokens * step.grid.depth / step.layer_calls
 
     def collectives(self, step) -> list[Collective]:
         """The token exchanges, routing-statistics sums and the experts' tensor-axis sums."""
         c, g = self.config, step.grid
-        calls = self.layers * (step.microbatches if g.pipe > 1 else 1)
+        calls = self.layers * step.layer_calls
         batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
         shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
                      dtype_bytes=step.compute_bytes, batch_axes=batch_axes,
                      ragged=self._grouped(step), imbalance=step.expert_imbalance,
-                     calls=1 if g.pipe > 1 else step.microbatches)
+                     calls=step.accumulated)
         args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
         forward = experts_lib.collectives(*args, **shape, backward=False)
         # No remat policy keeps the layer's outputs: `--remat` runs its forward exchange again.
@@ -369,7 +369,7 @@ class MoELayers:
           The kept bytes on one device.
         """
         g = step.grid
-        calls = step.microbatches if g.pipe > 1 else 1
+        calls = step.layer_calls
         rows = self._rows(step) * calls
         # The ragged exchange's send and return buffers hold the routed rows only.
         sent = self._tokens(step) * self.config.top_k * calls if self._grouped(step) else rows
@@ -393,7 +393,7 @@ class MoELayers:
         """
         g = step.grid
         # `_rows`: one call's rows under a pipeline, every microbatch's together without one
-        rows = self._rows(step) * (step.microbatches if g.pipe > 1 else 1)
+        rows = self._rows(step) * step.layer_calls
         buffer = rows * self.d_model / g.col * step.compute_bytes
         return tuple(self.layers * buffer * p for p in DISPATCH_PASSES)
 
@@ -411,7 +411,7 @@ class MoELayers:
         Returns:
           The temporary bytes on one device.
         """
-        rows = self._rows(step) / (step.microbatches if step.grid.pipe == 1 else 1)
+        rows = self._rows(step) / step.accumulated
         return rows * self._expert_features(step) * step.compute_bytes
 
     def _expert_features(self, step) -> float:
@@ -483,11 +483,11 @@ class MoELayers:
           The FLOPs one device runs in its routed experts per step.
         """
         c, g = self.config, step.grid
-        calls = step.microbatches if g.pipe > 1 else 1
+        calls = step.layer_calls
         per_row = 3 * 2 * 3 * self.d_model * c.d_ff / (g.row * g.col)
         rows = self._rows(step)
         if self._grouped(step):
             # `_tokens` holds every microbatch's tokens unless a pipeline calls once for each.
-            tiles = c.num_experts // g.expert * (1 if g.pipe > 1 else step.microbatches)
+            tiles = c.num_experts // g.expert * step.accumulated
             rows = min(rows, self._tokens(step) * c.top_k + tiles * grouped_matmul.TILE_M)
         return self.layers * calls * rows * self._local(step) * per_row

@@ -208,8 +208,9 @@ class StepShape:
 
     @property
     def accumulated(self) -> int:
-        """The microbatches one layer call's counts hold together: every one without a pipeline
-        (the engine's accumulation loop), one under a pipeline."""
+        """The microbatches one layer call's counts hold together.
+
+        Every one without a pipeline (the engine's accumulation loop), one under a pipeline."""
         return self.microbatches // self.layer_calls
 
     @property

@@ -199,6 +199,13 @@ class StepShape:
         return self.rows * self.seq_len / self.grid.context
 
     @property
+    def packed_bytes(self) -> int:
+        """Bytes of one element of the bfloat16 exchange's pieces (`parallel.exchange`).
+
+        2, or 4 on XLA:CPU, which runs 16-bit collectives in f32."""
+        return 4 if self.platform == "cpu" else 2
+
+    @property
     def layer_calls(self) -> int:
         """The calls of each layer one step's per-call counts stand for.
 

@@ -362,7 +362,7 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
              *exchange_collectives([p for p in d.parameters if not summed_with_data(p, shape)],
                                    grid.data, bits=work.compress_bits,
                                    param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
-                                   piece_bytes=4 if work.platform == "cpu" else 2,
+                                   piece_bytes=shape.packed_bytes,
                                    layers=stage_layers, node_shards=work.node_shards(grid)),
              *batch_axes_collectives(d, shape)]
     if grid.pipe > 1:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import quantizer
+from .exchange import spec_axes
 from .._compat import (all_gather_invariant, current_mesh, psum, psum_scatter, shard_map,
                        to_varying, varying_axes)
 from ..checks import check_choice
@@ -920,7 +921,7 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwarg
             lambda s: _without_axes(s, manual), specs, is_leaf=lambda x: isinstance(x, P)))
         parts: dict[tuple, list[int]] = {}
         for i, spec in enumerate(spec_leaves):
-            split = {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+            split = spec_axes(spec)
             parts.setdefault(tuple(a for a in context.axis_names if a in split), []).append(i)
         return context, treedef, [leaf_path(p) for p, _ in leaves], spec_leaves, list(parts.items())
 

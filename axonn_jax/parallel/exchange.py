@@ -72,9 +72,22 @@ def sum_divided(g, axes, divide_by: float = 1):
     return x.astype(low) if low else x
 
 
-def _spec_axes(spec) -> set[str]:
-    """The mesh axes a PartitionSpec splits its array over."""
-    return {n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n}
+def spec_axes(spec) -> frozenset[str]:
+    """The mesh axes a PartitionSpec splits its array over.
+
+    Args:
+      spec: a PartitionSpec (entries None, an axis name or a tuple of them).
+
+    Returns:
+      The names of every axis it names.
+    """
+    return frozenset(n for e in spec for n in (e if isinstance(e, tuple) else (e,)) if n)
+
+
+def _unsplit_axes(g, spec, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `axes` gradient `g` is still a partial sum over: not splitting its parameter
+    (`spec`), and `g` varying over them."""
+    return tuple(a for a in axes if a not in spec_axes(spec) and a in varying_axes(g))
 
 
 def sum_over_unsplit(tree, specs, axes: tuple[str, ...], divide_by: float = 1):
@@ -94,12 +107,8 @@ def sum_over_unsplit(tree, specs, axes: tuple[str, ...], divide_by: float = 1):
     Returns:
       `tree`, each leaf summed and divided, in its own dtype.
     """
-    def one(g, spec):
-        split = _spec_axes(spec)
-        over = tuple(a for a in axes if a not in split and a in varying_axes(g))
-        return sum_divided(g, over, divide_by)
-
-    return jax.tree.map(one, tree, specs)
+    return jax.tree.map(lambda g, spec: sum_divided(g, _unsplit_axes(g, spec, axes), divide_by),
+                        tree, specs)
 
 
 def sum_over_unsplit_stages(axes: tuple[str, ...], dtype: str = "float32", specs=None) -> tuple:
@@ -128,8 +137,7 @@ def sum_over_unsplit_stages(axes: tuple[str, ...], dtype: str = "float32", specs
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
         groups: dict[tuple[str, ...], list[int]] = {}
         for i, (g, spec) in enumerate(zip(leaves, spec_leaves)):
-            over = tuple(a for a in axes if a not in _spec_axes(spec) and a in varying_axes(g))
-            groups.setdefault(over, []).append(i)
+            groups.setdefault(_unsplit_axes(g, spec, axes), []).append(i)
         plans = [(members, sum_over_stages(over, dtype, [spec_leaves[i] for i in members]))
                  for over, members in groups.items()]
         layout["plan"] = treedef, len(leaves), plans
@@ -274,8 +282,7 @@ def _packing(tree, axis: str, specs):
     mesh = current_mesh(None)
     groups: dict[tuple[frozenset, frozenset], list[int]] = {}
     for i, s in enumerate(local):
-        split = frozenset(n for e in s for n in (e if isinstance(e, tuple) else (e,)) if n)
-        groups.setdefault((split, varying_axes(leaves[i])), []).append(i)
+        groups.setdefault((spec_axes(s), varying_axes(leaves[i])), []).append(i)
     like = [jax.ShapeDtypeStruct(_block_shape(g.shape, s, mesh), g.dtype)
             for g, s in zip(leaves, local)]
     packed = [(tuple(n for n in mesh.axis_names if n in split), members,

@@ -174,15 +174,14 @@ def gradient_sums(shards, step: StepShape) -> list[Collective]:
     groups: dict[tuple[str, ...], float] = {}
     layered: dict[tuple[str, ...], float] = {}
     for s in shards:
-        over = _unsplit_extras(s, step.grid)
-        if over:
-            into = layered if summed_with_data(s, step) else groups
-            key = (DATA.name, *over) if into is layered else over
-            into[key] = into.get(key, 0.0) + (s.elements if s.exchanged is None else s.exchanged)
+        over, n = _unsplit_extras(s, step.grid), s.elements if s.exchanged is None else s.exchanged
+        if over and summed_with_data(s, step):
+            layered[(DATA.name, *over)] = layered.get((DATA.name, *over), 0.0) + n
+        elif over:
+            groups[over] = groups.get(over, 0.0) + n
     out = [Collective("all-reduce", axes, n * step.param_bytes) for axes, n in groups.items()]
     if step.reduce_dtype == "bfloat16":  # the packed exchange (`parallel.exchange`)
-        piece = 4 if step.platform == "cpu" else 2
-        return out + [Collective(kind, axes, n * piece) for axes, n in layered.items()
+        return out + [Collective(kind, axes, n * step.packed_bytes) for axes, n in layered.items()
                       for kind in ("all-to-all", "all-gather")]
     return out + [Collective("all-reduce", axes, n * step.param_bytes)
                   for axes, n in layered.items()]

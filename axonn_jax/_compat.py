@@ -113,6 +113,12 @@ def compute_on_host(f: Callable, out_memory_spaces) -> Callable:
     return compute_on("device_host")(jax.jit(f))
 
 
+def in_host_memory(x) -> bool:
+    """Whether `x` (an array or a tracer) lives in host memory: an offloaded residual of
+    `--remat offload`, a gradient of `--offload-gradients`."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def memory_kind_of(x: jax.Array) -> str | None:
     """The memory kind an array lives in (`device`, `pinned_host`, ...), or None for non-arrays."""
     sharding = getattr(x, "sharding", None)

@@ -10,6 +10,9 @@ from typing import Callable, Collection, TypeVar
 
 T = TypeVar("T")
 
+NOT_YET = "is not implemented yet"
+"""How a refusal of a combination not built yet ends (callers raise NotImplementedError on it)."""
+
 
 def check_choice(name: str, value: T, choices: Collection) -> T:
     """Return `value` when it is one of `choices`; raise a one-line ValueError otherwise.

@@ -22,6 +22,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODES = {"on device": {}, "offloaded state": dict(offload_optimizer=True),
+         "offloaded state and gradients": dict(offload_optimizer=True, offload_gradients=True),
          "offloaded state, remat offload": dict(offload_optimizer=True, remat="offload"),
          "on device, remat full": dict(remat="full"),
          "on device, remat offload": dict(remat="offload")}

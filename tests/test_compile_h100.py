@@ -248,6 +248,33 @@ def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
 
 
 @needs_cuda
+def test_offloaded_gradients_leave_the_device_in_the_backward(capsys):
+    """gpt-tiny on one H100 with `--offload-optimizer`, and `--offload-gradients` added: the
+    blocks' 16-bit gradients become a host buffer (host temporaries, which `plan` counts to the
+    byte) that the replay moves over the host link both ways beside the state, and the device's
+    temporaries shrink by at least as much."""
+    reports = []
+    for extra in ([], ["--offload-gradients"]):
+        assert cli_main(["compile", "--target", "h100", "--devices", "1", "--model", "gpt-tiny",
+                         "--batch-size", "8", "--seq-len", "64", "--dtype", "bfloat16",
+                         "--offload-optimizer", *extra, "--overlap-report", "--json"]) == 0
+        (report,) = json.loads(capsys.readouterr().out)
+        reports.append(report)
+    state, moved = reports
+    grads = moved["memory_breakdown"]["host_temporaries"]
+    assert state["memory_breakdown"]["host_temporaries"] == 0 and grads > 0
+    assert moved["host_memory_per_device_bytes"] == state["host_memory_per_device_bytes"] + grads
+    for report in reports:
+        host = report["host_memory_per_device_bytes"]
+        assert report["predicted"]["host_memory_per_device_bytes"] == host
+        rows = report["overlap"]["by_axes"]
+        assert rows["device-to-host over host"]["bytes"] == host
+        assert rows["host-to-device over host"]["bytes"] == host
+    shrunk = state["memory_breakdown"]["temporaries"] - moved["memory_breakdown"]["temporaries"]
+    assert shrunk >= grads
+
+
+@needs_cuda
 def test_one_device_keeps_cudnn_attention_residuals(tmp_path, capsys):
     """On one device cuDNN's attention runs as it is, not in the nested shard_map of
     `models.attention.fully_manual`, whose custom VJP keeps only the inputs and runs the attention

@@ -14,13 +14,14 @@ from axonn_jax.offload import activations
 from axonn_jax.offload.optimizer import (lowered_for_gpu, on_device, partition_spec,
                                          placement_transfers)
 from axonn_jax.run.loop import state_report
+from axonn_jax.run.options import ConfigError
 from axonn_jax.step.state import TrainState
 from axonn_jax.step.update import make_update, update_chain
 from axonn_jax.offload.precision import loss_scaler
 from axonn_jax.train import TrainOptions, build_trainer
 
 from conftest import (PARITY, adam_state, assert_states_match, assert_steps_match, comparable_state, field,
-                      lm_batch, lm_batches, relative_difference, run_steps)
+                      lm_batch, lm_batches, relative_difference, run_steps, state_tolerances)
 
 STEPS = 3
 TOKENS = (np.arange(4096, dtype=np.int64) * 7919 % 251).astype(np.int32)
@@ -103,6 +104,51 @@ def test_offloaded_activations_on_one_device_train_like_kept_ones(devices, one_d
     assert got_trainer.bound.compute.fetch_ahead and not trainer.bound.compute.fetch_ahead
     assert_steps_match(got_records, records, 1e-6)
     assert_states_match(comparable_state(got_trainer, got), comparable_state(trainer, state))
+
+
+def test_gradients_in_host_memory_on_one_device_train_like_the_device_state(devices, one_device):
+    """`--offload-gradients` on one device, fp32: each block's gradient leaves for host memory as
+    its backward finishes, and the offloaded update streams it back in; losses, gradient norms
+    (the blocks' squares summed in the backward), masters and moments equal the on-device run's.
+    """
+    records, state, trainer, _ = one_device
+    got_records, got, got_trainer, _ = run(devices[:1], offload_optimizer=True,
+                                           offload_gradients=True)
+    assert_steps_match(got_records, records, 1e-6)
+    assert_states_match(comparable_state(got_trainer, got), comparable_state(trainer, state))
+
+
+@pytest.mark.parametrize("dtype, grid", [
+    ("bfloat16", dict(depth=2, row=2)),
+    pytest.param("float16", {}, marks=pytest.mark.extended),
+    pytest.param("float32", dict(row=2, col=2), marks=pytest.mark.extended),
+])
+def test_gradients_in_host_memory_train_like_device_gradients(devices, dtype, grid):
+    """`--offload-gradients` on tensor grids and in 16 bits (fp16: with its loss scale): the
+    same steps as the offloaded state with the gradients on the device."""
+    grid = ParallelConfig(**grid)
+    runs = [run(devices[:grid.num_devices], offload_optimizer=True, offload_gradients=on,
+                dtype=dtype, parallel=grid) for on in (False, True)]
+    (want, want_state, want_trainer, _), (got, got_state, got_trainer, _) = runs
+    assert_steps_match(got, want, 1e-6 if dtype == "float32" else 1e-5)
+    assert_states_match(comparable_state(got_trainer, got_state),
+                        comparable_state(want_trainer, want_state), **state_tolerances(dtype))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(offload_gradients=True), "needs offload_optimizer"),
+    (dict(offload_gradients=True, offload_optimizer=True, parallel=ParallelConfig(data=2)),
+     "offload_gradients on data 2 .* is not implemented yet"),
+    (dict(offload_gradients=True, offload_optimizer=True, microbatches=2),
+     "offload_gradients with microbatches=2 .* is not implemented yet"),
+])
+def test_gradients_in_host_memory_refused_where_something_sums_them(devices, kw, message):
+    """Where the gradients are still summed after the backward (a batch axis, accumulated
+    microbatches) or no offloaded update reads them, the run is refused in one line."""
+    grid = kw.get("parallel", ParallelConfig())
+    with pytest.raises(ConfigError, match=message) as raised:
+        build_trainer(TrainOptions(**{**SMALL, **kw}), devices[:grid.num_devices])
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize("spec, shape, skip, expected", [

@@ -30,6 +30,7 @@ from ..collectives import (FP32, KINDS, Collective, ModelCommunication, Paramete
 from ..config import AXES, ParallelConfig, check_grid, devices_inside
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..offload.activations import UNIFORM_REMAT
+from ..offload.optimizer import gradient_offload_problems
 from ..parallel.context import check_sequence
 from ..parallel.experts import AXIS as EXPERT_AXIS
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
@@ -197,6 +198,9 @@ class Workload:
     """What the exact data-parallel exchange sends (`parallel.exchange`): XLA:CPU runs a bfloat16
     exchange's collectives in float32, so on `platform` cpu it counts 4 bytes an element."""
     offload_optimizer: bool = False
+    offload_gradients: bool = False
+    """`--offload-gradients`: the blocks' gradients leave for host memory as the backward
+    finishes each layer (with `offload_optimizer`, on grids where nothing sums them after)."""
     context_attention: str = "ring"  # the context axis's scheme (`parallel.context.SCHEMES`)
     expert_imbalance: float = 1.0
     """Tokens the busiest expert shard takes over the mean (the metrics' `load_imbalance`):
@@ -517,6 +521,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     n = sum(p.elements for p in d.parameters)
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
     grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
+    if work.offload_gradients:  # only the parameters outside the blocks keep theirs
+        grads -= _block_elements(d) * work.compute_bytes
     if g.pipe > 1:  # every stage's gradient of the embedding and head, summed over pipe in fp32
         # beside the accumulator (compiled H100 step of Llama-3-8B on data 8 × pipe 8)
         grads += sum(p.elements for p in d.parameters if p.outside_blocks) * FP32
@@ -679,6 +685,8 @@ class Prediction:
     """Kernel launches per step (`kernel_count`)."""
     offload_optimizer: bool = False
     """Whether the optimizer state is in host memory (`Workload.offload_optimizer`)."""
+    offload_gradients: bool = False
+    """Whether the blocks' gradients go to host memory too (`Workload.offload_gradients`)."""
     compress_bits: int = 0
     """CGX's bits per gradient value over `data` (`Workload.compress_bits`; 0: exact)."""
 
@@ -690,6 +698,7 @@ class Prediction:
         """
         return {"grid": self.grid.as_dict(), "microbatches": self.microbatches,
                 "remat": self.remat, "offload_optimizer": self.offload_optimizer,
+                "offload_gradients": self.offload_gradients,
                 "compress_bits": self.compress_bits,
                 "step_time_s": self.step_time_s,
                 "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
@@ -882,7 +891,7 @@ def memory_bound_bytes(work: Workload, grid: ParallelConfig) -> dict[str, float]
     per_block = block_residual_bytes(work, grid, tokens / work.microbatches, d.split)
     kept = kept_per_block(work, d, per_block, tokens / work.microbatches / (g.row * g.col))
     out["stacked"] = 5 * kept * work.microbatches * layers
-    n_blocks = sum(p.elements for p in d.parameters if not p.outside_blocks)
+    n_blocks = _block_elements(d)
     cast = work.param_bytes + cb if cb < work.param_bytes else 0
     out["weights"] = n_blocks * (cast * (1 + recomputed) + 6 * work.param_bytes)
     logits = tokens / rows[1] * m.vocab_size / g.row
@@ -1097,7 +1106,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
                       .expert_flops / devices / rate * recompute + skew,
                       memory_bound_s=memory_bound,
                       launch_s=launch, kernels=kernels,
-                      offload_optimizer=work.offload_optimizer, compress_bits=work.compress_bits)
+                      offload_optimizer=work.offload_optimizer,
+                      offload_gradients=work.offload_gradients, compress_bits=work.compress_bits)
 
 
 def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
@@ -1121,11 +1131,35 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
       Seconds.
     """
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
-    return hbm / machine.hbm_bw + 2 * host_memory_per_device(work, grid) / machine.host_bw
+    state = host_memory_per_device(work, grid) - host_gradient_bytes(work, grid)
+    return hbm / machine.hbm_bw + (2 * state + host_gradient_bytes(work, grid)) / machine.host_bw
+
+
+def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
+    """Bytes of the blocks' gradients one device writes to host memory (`offload_gradients`).
+
+    They leave during the backward, on the link's other direction, and come back in the
+    update beside the state: only that second crossing is counted in `update_seconds`.
+
+    Args:
+      work: the step.
+      grid: the mesh.
+
+    Returns:
+      Bytes (0 without `offload_gradients`).
+    """
+    if not work.offload_gradients:
+        return 0.0
+    return _block_elements(declared(work, grid)) * work.compute_bytes
+
+
+def _block_elements(d: ModelCommunication) -> float:
+    """Parameter elements of the stacked blocks one device holds."""
+    return sum(p.elements for p in d.parameters if not p.outside_blocks)
 
 
 def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
-    """Host bytes of one device's optimizer state.
+    """Host bytes of one device's optimizer state (and gradients).
 
     Args:
       work: the step.
@@ -1133,11 +1167,12 @@ def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
 
     Returns:
       With `offload_optimizer`, its parameters' fp32 masters and Adam's two fp32 moments
-      (`offload.optimizer`); else 0.
+      (`offload.optimizer`), plus the blocks' gradients with `offload_gradients`; else 0.
     """
     if not work.offload_optimizer:
         return 0.0
-    return parameters_per_device(work, grid) * 3 * work.param_bytes
+    return parameters_per_device(work, grid) * 3 * work.param_bytes + \
+        host_gradient_bytes(work, grid)
 
 
 def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
@@ -1212,6 +1247,9 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
             raise ValueError(f"--virtual-stages {work.virtual_stages} needs --pipe > 1")
     except ValueError as e:
         return str(e)
+    if work.offload_gradients:
+        return next(iter(gradient_offload_problems(grid, work.offload_optimizer,
+                                                   work.microbatches)), None)
     return None
 
 
@@ -1287,6 +1325,7 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
                     continue
                 p = predict(dataclasses.replace(w, remat=remat, offload_optimizer=offload,
                                                 compress_bits=bits), g, machine)
+                p = _gradients_offloaded_if_needed(p, w, g, machine)
                 key = (p.step_time_s * (1 + lossy_margin if bits else 1),
                        p.memory_per_device_bytes)
                 if p.fits and (best is None or key < best[0]):
@@ -1295,6 +1334,17 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
             results.append(best[1])
             fitting.add(g)
     return sorted(results, key=lambda p: p.step_time_s)
+
+
+def _gradients_offloaded_if_needed(p: Prediction, work: Workload, grid: ParallelConfig,
+                                   machine: Machine) -> Prediction:
+    """`p`, or where its offloaded state does not fit but would with the blocks' gradients in
+    host memory too (`offload_gradients`, where the grid allows it), that prediction."""
+    if p.fits or not p.offload_optimizer or work.offload_gradients:
+        return p
+    moved = dataclasses.replace(work, remat=p.remat, offload_optimizer=True,
+                                compress_bits=p.compress_bits, offload_gradients=True)
+    return p if infeasible_reason(moved, grid) else predict(moved, grid, machine)
 
 
 def _data_instead(grid: ParallelConfig) -> ParallelConfig | None:

@@ -39,7 +39,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import HOST_MEMORY_KIND, with_memory_kind
+from .._compat import HOST_MEMORY_KIND, in_host_memory, with_memory_kind
+from ..checks import NOT_YET
+from ..config import AXES
+from ..tp.tensor import TP_AXES
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -279,8 +282,9 @@ class _Streamed:
             {"master": master, "inner": inner}
 
     def apply(self, grads, opt_state, params, **extra):
-        """One step of `tx` over the streamed pieces. grads: like `params` (compute dtype);
-        extra: `tx`'s extra arguments. Returns (params, opt_state)."""
+        """One step of `tx` over the streamed pieces. grads: like `params` (compute dtype; in
+        host memory too, `--offload-gradients`: streamed in with the state); extra: `tx`'s extra
+        arguments. Returns (params, opt_state)."""
         param_leaves, param_def = jax.tree.flatten(params)
         grad_leaves = jax.tree.leaves(grads)
         master = jax.tree.leaves(opt_state["master"])
@@ -296,7 +300,8 @@ class _Streamed:
             the new shared scalars."""
             chosen = set(index)
             sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
-            g = [None if x is None else x for x in sel(grad_leaves)]
+            g = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
+                 if in_host_memory(x) else x for x in sel(grad_leaves)]
             m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
                  for x in sel(master)]
             s_in, scalar_iter = [], iter(scalars)
@@ -358,6 +363,36 @@ class _Streamed:
         new_opt_state = {"master": jax.tree.unflatten(param_def, master),
                          "inner": jax.tree.unflatten(state_def, state_leaves)}
         return jax.tree.unflatten(param_def, param_leaves), new_opt_state
+
+
+def gradient_offload_problems(grid, offload_optimizer: bool,
+                              microbatches: int) -> list[str]:
+    """Why the blocks' gradients cannot go to host memory in the backward on `grid`.
+
+    They leave each layer's backward as it finishes (`step.layer_exchange`), so nothing may
+    still sum them afterwards: no axis but the tensor axes (whose layers sum their own) and no
+    accumulation over microbatches. The offloaded update streams them back in with its state.
+
+    Args:
+      grid: the run's parallel configuration.
+      offload_optimizer: whether the optimizer state is in host memory.
+      microbatches: the step's microbatches.
+
+    Returns:
+      One message per problem (empty: they can).
+    """
+    found = []
+    if not offload_optimizer:
+        found.append("offload_gradients needs offload_optimizer: the update that reads the "
+                     "gradients from host memory is the offloaded one")
+    summed = {a: getattr(grid, a) for a in AXES if a not in TP_AXES and getattr(grid, a) > 1}
+    if summed:
+        found.append("offload_gradients on " + " × ".join(f"{a} {n}" for a, n in summed.items())
+                     + f" (gradients summed over a batch axis after the backward) {NOT_YET}")
+    if microbatches > 1:
+        found.append(f"offload_gradients with microbatches={microbatches} (gradients "
+                     f"accumulated on the device) {NOT_YET}")
+    return found
 
 
 def lowered_for_gpu(jitted, *args) -> str:

@@ -183,7 +183,8 @@ def _plan(args) -> int:
 
 def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine=None):
     """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`
-    (or `(grid, microbatches, remat, offload_optimizer, compress_bits)`), compiled for `target`
+    (or `(grid, microbatches, remat, offload_optimizer, compress_bits, offload_gradients)`),
+    compiled for `target`
     (`analysis.targets.Target`) with `predict(*choice)`'s figures; `machine`: replay each
     schedule on it (the reports' `overlap`)."""
     import jax
@@ -201,7 +202,8 @@ def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine
         chosen = opts.with_grid(config, grid, microbatches, remat)
         if state:
             chosen = chosen.replace(**{"memory.offload_optimizer": state[0],
-                                       "compression.bits": state[1]})
+                                       "compression.bits": state[1],
+                                       "memory.offload_gradients": state[2]})
         trainer = build_trainer(chosen, devices)
         return trainer.step, trainer.local_example()
 
@@ -220,7 +222,8 @@ def _verify(config, shown, args, machine) -> int:
 
     from ..analysis import compiled as cc, targets
 
-    by_grid = {(p.grid, p.microbatches, p.remat, p.offload_optimizer, p.compress_bits): p
+    by_grid = {(p.grid, p.microbatches, p.remat, p.offload_optimizer, p.compress_bits,
+                p.offload_gradients): p
                for p in shown[:args.verify]}
     reports = _compile_reports(config, list(by_grid), targets.target("h100"),
                                lambda *choice: by_grid[choice], machine=machine)
@@ -274,7 +277,8 @@ def _state_text(p, prefix: str = "") -> str:
     would say it; empty for the state on the device and the exact exchange."""
     if not (p.offload_optimizer or p.compress_bits):
         return ""
-    parts = ["host" if p.offload_optimizer else "device",
+    parts = ["host+grads" if p.offload_gradients else
+             "host" if p.offload_optimizer else "device",
              f"{p.compress_bits}-bit" if p.compress_bits else "exact"]
     return prefix + ", ".join(parts)
 

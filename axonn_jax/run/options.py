@@ -183,6 +183,9 @@ class MemoryOptions:
 
     offload_optimizer: bool = option(False, "fp32 master weights and optimizer state in host "
                                      "memory, streamed through the device per layer")
+    offload_gradients: bool = option(False, "with --offload-optimizer: each block's gradients "
+                                     "go to host memory as its backward finishes (no gradient "
+                                     "stack on the device; grids without a batch axis)")
     remat: str = option("none", "what each block keeps for the backward (auto: KARMA's planner "
                         "within --memory-budget)", choices=REMAT_MODES)
     budget_gb: float | None = option(None, "device memory budget of --remat auto", kind=float,
@@ -750,7 +753,9 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
                              compress_bits=config.compression.bits, dtype=config.precision.dtype,
                              reduce_dtype=config.precision.reduce_dtype,
                              num_layers=num_layers, between_processes=mpi,
-                             compress_scope=config.compression.scope)
+                             compress_scope=config.compression.scope,
+                             offload_optimizer=config.memory.offload_optimizer,
+                             offload_gradients=config.memory.offload_gradients)
     collect(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
             config.precision.fp8)
     return found
@@ -937,7 +942,8 @@ def step_options(config: RunConfig) -> dict:
     """
     p, m, c = config.pipeline, config.memory, config.compression
     return dict(microbatches=p.microbatches, schedule=p.schedule, virtual_stages=p.virtual_stages,
-                offload_optimizer=m.offload_optimizer, remat=m.remat,
+                offload_optimizer=m.offload_optimizer, offload_gradients=m.offload_gradients,
+                remat=m.remat,
                 memory_budget_gb=m.budget_gb, compress_bits=c.bits, compress_bucket=c.bucket,
                 error_feedback=c.error_feedback, compress_min_size=c.min_size,
                 compress_rules=c.rules, compress_rounding=c.rounding,

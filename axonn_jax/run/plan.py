@@ -33,6 +33,7 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        compress_node_size=config.compression.node_size,
                        reduce_dtype=config.precision.reduce_dtype,
                        offload_optimizer=config.memory.offload_optimizer,
+                       offload_gradients=config.memory.offload_gradients,
                        context_attention=config.model.context_attention,
                        remat=_modelled_remat(config.memory.remat), platform=platform,
                        collective_matmul=config.grid.collective_matmul, fp8=config.precision.fp8)

@@ -152,7 +152,8 @@ class ComputeFunctions:
 
         return unbatched_gathers(embed)(params, batch)
 
-    def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None):
+    def blocks(self, stacked, x, batch, groups: tuple | None = None, layer_state=None,
+               sink=None):
         """The stack on `x` with the plan's groups (or `groups`).
 
         Args:
@@ -162,6 +163,8 @@ class ComputeFunctions:
           groups: the block groups (None: the plan's `groups`).
           layer_state: the per-layer state and key of `layer_stages` (`(state stacks or None,
             key or None)`).
+          sink: None, or the host stacks each layer's gradient is written to as the backward
+            finishes it (`step.layer_exchange.scan_exchanging`'s; `--offload-gradients`).
 
         Returns:
           `(x, aux)`: the stack's output and the blocks' auxiliary outputs (leading layer axis).
@@ -173,7 +176,7 @@ class ComputeFunctions:
             if self.layer_stages is not None:
                 layer_state = (None, None) if layer_state is None else layer_state
             prepare = lambda p: cast_floating(ensure_varying(p, axes), self.dtype)  # noqa: E731
-        elif self.fetch_ahead:
+        elif self.fetch_ahead or sink is not None:
             stages, prepare = (lambda g: g), (lambda p: cast_floating(p, self.dtype))
         else:
             return unbatched_gathers(lambda s, x, b: self.fns.run_blocks(
@@ -183,9 +186,9 @@ class ComputeFunctions:
         def block(p, h, **side):
             return unbatched_gathers(lambda p, h, side: self.fns.block(p, h, **side))(p, h, side)
 
-        return unbatched_gathers(lambda s, x, b, st: scan_layers(
+        return unbatched_gathers(lambda s, x, b, st, sk: scan_layers(
             block, s, x, groups, self.fns.model.side(b), exchange=stages, prepare=prepare,
-            layer_state=st))(stacked, x, batch, layer_state)
+            layer_state=st, sink=sk))(stacked, x, batch, layer_state, sink)
 
     def head(self, head_params, y, batch):
         """The model's head: the mean loss of the rows, float32.
@@ -201,19 +204,19 @@ class ComputeFunctions:
         return unbatched_gathers(lambda p, y, b: self.fns.head(
             cast_floating(p, self.dtype), y, b).astype(jnp.float32))(head_params, y, batch)
 
-    def loss_and_metrics(self, params, batch, layer_state=None):
+    def loss_and_metrics(self, params, batch, layer_state=None, sink=None):
         """The mean loss of `batch`, the blocks' auxiliary losses included, and their metrics.
 
         Args:
           params: the model's tree `{'embed', 'blocks', 'head'}`.
           batch: the batch's arrays.
-          layer_state: `blocks`'.
+          layer_state, sink: `blocks`'.
 
         Returns:
           `(loss, metrics)`: a float32 scalar and the blocks' other auxiliary outputs.
         """
         x = self.embed(params["embed"], batch)
-        y, aux = self.blocks(params["blocks"], x, batch, layer_state=layer_state)
+        y, aux = self.blocks(params["blocks"], x, batch, layer_state=layer_state, sink=sink)
         loss = self.head(self.fns.head_params(params), y, batch) + aux_loss(aux)
         return loss, aux_metrics(aux)
 

@@ -73,7 +73,7 @@ class SpmdEngine:
         """
         return self.layer_reduce and self.microbatches == 1 and bool(self.manual_axes)
 
-    def loss_and_grads(self, params, batch, scale, layer_state=None):
+    def loss_and_grads(self, params, batch, scale, layer_state=None, sink=None):
         """This device's `(loss, grads, metrics)`, as the module docstring says.
 
         With `microbatches > 1` the rows are split into that many slices, each slice's loss
@@ -87,12 +87,16 @@ class SpmdEngine:
           scale: the loss scale the gradients are multiplied by.
           layer_state: `(state stack or None, key or None)` of `layer_stages`, when
             `exchanges_layers`; one microbatch only.
+          sink: `{"grads": host stacks like params['blocks'], "squares": float32 (layers,)}`
+            to write the blocks' gradients to in the backward (`--offload-gradients`); no
+            manual axes, one microbatch only.
 
         Returns:
           `(loss, grads, metrics)`: this device's mean loss (unscaled), its gradients like
           `params` (times `scale`; the blocks' already summed over the manual axes when
           `exchanges_layers`), and the blocks' per-layer metrics. With `layer_state`, also the
-          new state stack, as a fourth.
+          new state stack, as a fourth; with `sink`, the blocks' gradients are the sink's host
+          stacks and the fourth is their per-layer sums of squares.
 
         Raises:
           ValueError: when the local rows are not divisible by `microbatches`.
@@ -111,6 +115,8 @@ class SpmdEngine:
             params = ensure_varying(params, axes)
         if layer_state is not None:
             return self._with_layer_state(compute, params, batch, scale, layer_state)
+        if sink is not None:
+            return self._into_sink(compute, params, batch, scale, sink)
 
         def scaled(p, b, weight):
             loss, metrics = compute.loss_and_metrics(p, b)
@@ -149,6 +155,22 @@ class SpmdEngine:
         (_, (loss, metrics)), (grads, new) = jax.value_and_grad(
             scaled, argnums=(0, 1), has_aux=True)(params, state, batch, scale)
         return loss, grads, metrics, new
+
+
+    @staticmethod
+    def _into_sink(compute, params, batch, scale, sink):
+        """`loss_and_grads` of one microbatch whose blocks' gradients go to host memory layer by
+        layer: the sink differentiated instead of the blocks, its "gradient" the filled one."""
+        blocks = params["blocks"]
+
+        def scaled(rest, sk, b, weight):
+            loss, metrics = compute.loss_and_metrics({**rest, "blocks": blocks}, b, sink=sk)
+            return loss * weight, (loss, metrics)
+
+        rest = {k: v for k, v in params.items() if k != "blocks"}
+        (_, (loss, metrics)), (grads, filled) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True)(rest, sink, batch, scale)
+        return loss, {**grads, "blocks": filled["grads"]}, metrics, filled["squares"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,9 @@ the backward without the layer's parameters, which the backward slices again fro
 instead of keeping a stacked copy. The residuals a layer's remat policy moved to host memory
 (`--remat offload`) are fetched one layer ahead: layer i−1's copy to the device is issued in
 layer i's iteration and carried into the next, so it runs beside layer i's backward instead of
-before layer i−1's (one more layer's residuals on the device).
+before layer i−1's (one more layer's residuals on the device). With a gradient sink
+(`--offload-gradients`) each layer's finished gradient leaves for host memory as it is placed, with
+its sum of squares, and no gradient stack is held on the device.
 """
 from __future__ import annotations
 
@@ -27,10 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-def _on_host(x) -> bool:
-    """Whether `x` lives in host memory (an offloaded residual of `--remat offload`)."""
-    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+from .._compat import in_host_memory
 
 
 def _fetched(stacks: list, j) -> list:
@@ -39,7 +38,7 @@ def _fetched(stacks: list, j) -> list:
     XLA:GPU drops the host copies of a one-layer residual stack fetched this way, keeping the
     activations on the device (tests/test_compile_h100.py)."""
     return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
-                           jax.memory.Space.Device) if _on_host(a) and a.shape[0] > 1 else None
+                           jax.memory.Space.Device) if in_host_memory(a) and a.shape[0] > 1 else None
             for a in stacks]
 
 
@@ -81,8 +80,22 @@ def _index(tree, i):
 
 
 def _place(stack, tree, i):
-    return jax.tree.map(lambda s, a: lax.dynamic_update_index_in_dim(s, a.astype(s.dtype), i, 0),
-                        stack, tree)
+    """`stack` with layer `i`'s slice replaced by `tree`, cast to the stack's dtype (and moved
+    to host memory for a stack there)."""
+    def one(s, a):
+        a = a.astype(s.dtype)
+        return lax.dynamic_update_index_in_dim(
+            s, jax.device_put(a, jax.memory.Space.Host) if in_host_memory(s) else a, i, 0)
+
+    return jax.tree.map(one, stack, tree)
+
+
+def _sunk(sink, tree, i):
+    """`sink` (`{"grads", "squares"}`, `scan_exchanging`'s) with layer `i`'s gradients `tree`
+    written to its host stacks and their sum of squares (float32) to `squares[i]`."""
+    squares = sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree))
+    return {"grads": _place(sink["grads"], tree, i),
+            "squares": sink["squares"].at[i].set(squares)}
 
 
 def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callable]]:
@@ -158,7 +171,8 @@ def _with_params(saved: list, treedef, where: list, params) -> Callable:
                                         for source, k in where])
 
 
-def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, layer_state=None):
+def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, layer_state=None,
+                    sink=None):
     """`x` through the stacked layers, their gradients exchanged one layer late in the backward.
 
     As `step.model.scan_layers` in the forward; the backward as the module docstring says.
@@ -179,10 +193,15 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
         of `(layers, ...)` stacks (error-feedback residuals), `key` None or a PRNG key. The
         first stage then takes `(gradients, layer i's slice of state or None, key folded with i
         or None)` and returns `(its value, layer i's new slice or None)`.
+      sink: None, or `{"grads": stacks shaped like `stacked` in host memory, "squares": float32
+        (layers,)}`: each layer's exchanged gradient is then written to the host stacks as the
+        backward finishes it, and its sum of squares to `squares`; that is the sink's
+        "gradient", and `stacked` gets none (no gradient stack on the device).
 
     Returns:
       (h, aux): the stack's output and every aux entry stacked on a leading layer axis; the
-      gradient of `stacked` is the exchanged one, that of `state` the stack of new slices.
+      gradient of `stacked` is the exchanged one (or the sink's), that of `state` the stack of
+      new slices.
     """
     structure = {}  # per run: the pullback's treedef and residual sources (static, set by fwd)
 
@@ -207,7 +226,8 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
     state, key = layer_state if stateful else (None, None)
 
     def backward(saved, cotangent):
-        stacked, residuals, state, key_data = saved
+        stacked, residuals, state, key_data, sink = saved
+        store = _place if sink is None else _sunk
         ct_h, ct_aux = cotangent
 
         def first(v, layer, new_state):
@@ -246,7 +266,7 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
             if flight[0] is not None:
                 moved[0], new_state = first(flight[0], below + 1, new_state)
             if moved[-1] is not None:
-                grads = _place(grads, moved[-1], below + len(stages))
+                grads = store(grads, moved[-1], below + len(stages))
             return (grads, new_state), moved[:-1]
 
         def one(carry, r, j, below):
@@ -259,23 +279,26 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
 
         # The state stack starts as the old one: each layer's slice is replaced where it is read.
         last = len(runs) - 1
-        carry = (ct_h, [None] * len(stages), (jax.tree.map(jnp.zeros_like, stacked), state),
+        first_grads = jax.tree.map(jnp.zeros_like, stacked) if sink is None else sink
+        carry = (ct_h, [None] * len(stages), (first_grads, state),
                  fetched((last, runs[last][1] - 1)))
         ct_h, flight, grads, _ = _down_the_runs(one, runs, carry, fetched)
         for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
             grads, moved = advance(grads, flight, -1 - t)
             flight = [None, *moved]
         grads, new_state = grads
-        return grads, ct_h, new_state, None
+        if sink is None:
+            return grads, ct_h, new_state, None, None
+        return None, ct_h, new_state, None, grads
 
     @jax.custom_vjp
-    def run(stacked, x, state, key_data):
+    def run(stacked, x, state, key_data, sink):
         return scan_runs(runs, stacked, x, prepare)
 
-    def run_forward(stacked, x, state, key_data):
+    def run_forward(stacked, x, state, key_data, sink):
         out, res = forward(stacked, x)
-        return out, (stacked, res, state, key_data)
+        return out, (stacked, res, state, key_data, sink)
 
     run.defvjp(run_forward, backward)
     # The key as its raw data: a custom_vjp's integer inputs take no cotangent.
-    return run(stacked, x, state, None if key is None else jax.random.key_data(key))
+    return run(stacked, x, state, None if key is None else jax.random.key_data(key), sink)

@@ -324,7 +324,7 @@ def split_aux(out) -> tuple[Any, dict]:
 
 def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = None,
                 exchange: Callable | None = None, prepare: Callable | None = None,
-                layer_state=None):
+                layer_state=None, sink=None):
     """`x` through the stacked layers, as one `lax.scan` per group of consecutive layers.
 
     A remat policy is fixed when a scan body is traced, so layers with different decisions need
@@ -345,6 +345,7 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
         stages, as `scan_exchanging` takes it); None: plain autodiff.
       prepare: one layer's stored parameters -> what `block` takes (with `exchange`).
       layer_state: an exchange's per-layer state and key, as `scan_exchanging` takes them.
+      sink: host stacks for the gradients, as `scan_exchanging` takes them (with `exchange`).
 
     Returns:
       (x, aux): the stack's output and every aux entry stacked on a leading layer axis ({} for
@@ -361,7 +362,7 @@ def scan_layers(block: Callable, stacked, x, groups=None, side: dict | None = No
 
     runs = layer_runs(layer, stacked, groups or ((jax.tree.leaves(stacked)[0].shape[0], None),))
     if exchange is not None:
-        return scan_exchanging(runs, stacked, x, exchange, prepare, layer_state)
+        return scan_exchanging(runs, stacked, x, exchange, prepare, layer_state, sink)
     return scan_runs(runs, stacked, x)
 
 

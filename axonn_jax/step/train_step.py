@@ -28,12 +28,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .._compat import ensure_varying, mesh_platform, pmean, shard_map, tracing_in
-from ..checks import collect
+from .._compat import (HOST_MEMORY_KIND, ensure_varying, in_host_memory, mesh_platform, pmean,
+                       shard_map, tracing_in, with_memory_kind)
+from ..checks import NOT_YET, collect
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
-from ..offload.optimizer import ParamUpdate, host_offload, on_device
+from ..offload.optimizer import ParamUpdate, gradient_offload_problems, host_offload, on_device
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import compression, exchange, pipeline as pipeline_lib
 from ..tp.options import KernelOptions
@@ -55,6 +56,7 @@ class StepOptions:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     offload_optimizer: bool = False
+    offload_gradients: bool = False
     remat: Any = "none"  # 'none' | 'full' | 'offload' | 'auto' | activations.Plan
     memory_budget_gb: float | None = None
     compress_bits: int = 0
@@ -74,14 +76,12 @@ class StepOptions:
     collective_matmul: str = "auto"
 
 
-_NOT_YET = "is not implemented yet"
-
-
 def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
                     virtual_stages: int, remat, memory_budget_gb: float | None,
                     compress_bits: int, dtype: str, reduce_dtype: str = "float32",
                     num_layers: int | None = None, between_processes: bool = False,
-                    compress_scope: str = "all") -> list[str]:
+                    compress_scope: str = "all", offload_optimizer: bool = False,
+                    offload_gradients: bool = False) -> list[str]:
     """Why a step with these options cannot run on `grid`, one line each (empty: it can).
 
     Args:
@@ -97,10 +97,12 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
       num_layers: the model's layers (checked against the pipeline's stages), or None.
       between_processes: the gradients are reduced between processes (MPI).
       compress_scope: where CGX compresses (`all` | `inter-node`).
+      offload_optimizer, offload_gradients: where the optimizer state and the blocks'
+        gradients live (`offload.optimizer.gradient_offload_problems`).
 
     Returns:
       One message per problem; those of options not implemented yet end with "is not
-      implemented yet" (`_NOT_YET`).
+      implemented yet" (`NOT_YET`).
     """
     found = []
 
@@ -116,16 +118,18 @@ def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
         if num_layers is not None:
             collect(found, pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
         if remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
-            found.append(f"remat='auto' with pipe > 1 {_NOT_YET}")
+            found.append(f"remat='auto' with pipe > 1 {NOT_YET}")
     elif virtual_stages > 1:
         found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
     collect(found, compression.check_scope, compress_scope)
     if compress_bits and between_processes and compress_scope != "all":
         found.append(f"compress_scope={compress_scope} between processes (--transport mpi) "
-                     f"{_NOT_YET}")
+                     f"{NOT_YET}")
     if compress_bits and not between_processes and grid.data == 1:
         found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
+    if offload_gradients:
+        found += gradient_offload_problems(grid, offload_optimizer, microbatches)
     return found
 
 
@@ -141,6 +145,10 @@ def make_train_step(model: StackedModel, optimizer: optax.GradientTransformation
         `zb-h1`), pipe > 1.
       offload_optimizer: fp32 masters and optimizer state in host memory, streamed per layer;
         `optimizer` must then be elementwise (AdamW is).
+      offload_gradients: with `offload_optimizer`, each block's gradient goes to host memory as
+        its backward finishes, and the update streams it back in with the state: no gradient
+        stack on the device (`offload.optimizer.gradient_offload_problems` says where it
+        runs).
       remat: `none` | `full` | `offload` | `auto` (KARMA's planner within `memory_budget_gb`) or an
         `offload.activations.Plan`: what each block keeps for the backward.
       compress_bits, compress_bucket, error_feedback: CGX-compressed gradient mean over `data`;
@@ -229,7 +237,8 @@ class StepParts:
         checked = {f.name: getattr(options, f.name) for f in dataclasses.fields(StepOptions)
                    if f.name in ("schedule", "microbatches", "virtual_stages", "remat",
                                  "memory_budget_gb", "compress_bits", "dtype",
-                                 "reduce_dtype", "compress_scope")}
+                                 "reduce_dtype", "compress_scope", "offload_optimizer",
+                                 "offload_gradients")}
         found = option_problems(grid, num_layers=model.num_layers,
                                 between_processes=reducer is not None, **checked)
         try:
@@ -237,7 +246,7 @@ class StepParts:
         except ValueError as e:
             found.append(str(e))
         if found:
-            raise (NotImplementedError if found[0].endswith(_NOT_YET) else ValueError)(found[0])
+            raise (NotImplementedError if found[0].endswith(NOT_YET) else ValueError)(found[0])
         return cls(model, optimizer, mesh, grid, options, reducer, engine)
 
     @functools.cached_property
@@ -946,7 +955,7 @@ class BoundStep:
 
     # ------------------------------------------------------------------ the step
 
-    def update(self, state: TrainState, grads):
+    def update(self, state: TrainState, grads, host_squares=None):
         """Phase 3 (`step.update`) on gradients laid out like their parameters.
 
         GSPMD would otherwise give a replicated parameter the layout of its gradient (e.g. a
@@ -955,22 +964,24 @@ class BoundStep:
 
         Args:
           state: the `TrainState`.
-          grads: the reduced gradients like `state.params`, times the loss scale.
+          grads: the reduced gradients like `state.params`, times the loss scale (the blocks'
+            in host memory with `offload_gradients`).
+          host_squares: the per-layer sums of squares of the gradients in host memory, or None.
 
         Returns:
           `(state, metrics)`: the new state (step + 1) and the update's metrics (`grad_norm`,
           and with mixed precision `loss_scale` and `skipped_steps`).
         """
         like_params = lambda tree: jax.tree.map(  # noqa: E731
-            lambda g, s: jax.lax.with_sharding_constraint(g, self._named(s)), tree, self.specs,
-            is_leaf=lambda x: isinstance(x, P))
+            lambda g, s: g if in_host_memory(g) else jax.lax.with_sharding_constraint(
+                g, self._named(s)), tree, self.specs, is_leaf=lambda x: isinstance(x, P))
         if self.host_engine is None:
             grads = like_params(grads)
             sum_squares = lambda s: s  # noqa: E731
         else:
             sum_squares = self.host_engine.sum_over_stages
         new, metrics = make_update(self.parts.params_update, scaler=self.scaler,
-                                   sum_squares=sum_squares)(state, grads)
+                                   sum_squares=sum_squares)(state, grads, host_squares)
         if self.host_engine is None:
             # A host state split over `data` (offload) computes each new parameter split so
             # too: gathered here back to the parameters' own layout.
@@ -986,8 +997,30 @@ class BoundStep:
         return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
             x, NamedSharding(s.mesh, s.spec)), opt_state, shardings)
 
+    def _gradient_sink(self, blocks) -> dict:
+        """Where the blocks' gradients go in the backward with `offload_gradients`: host stacks
+        placed like `blocks` (`scan_exchanging`'s sink; XLA allocates them without writing) and
+        their per-layer sums of squares."""
+        sink = {"grads": jax.tree.map(lambda b, s: jax.device_put(
+            jnp.zeros(b.shape, b.dtype), with_memory_kind(self._named(s), HOST_MEMORY_KIND)),
+            blocks, self.specs["blocks"], is_leaf=lambda x: isinstance(x, P) or x is None)}
+        return {**sink, "squares": jnp.zeros((self.model.num_layers,), jnp.float32)}
+
+    def _host_gradients_step(self, state: TrainState, batch, engine):
+        """The train step whose blocks' gradients go to host memory in the backward
+        (`offload_gradients`): no batch axis sums them, so no shard_map; the offloaded update
+        streams them back in beside its state."""
+        with tracing_in(self.parts.mesh):
+            loss, grads, metrics, squares = engine.loss_and_grads(
+                state.params, batch, state.loss_scale,
+                sink=self._gradient_sink(state.params["blocks"]))
+        new, update_metrics = self.update(state, grads, squares)
+        return new, {"loss": loss, **metrics, **update_metrics}
+
     def _train_step_fn(self, engine) -> Callable:
         def train_step(state: TrainState, batch):
+            if self.parts.options.offload_gradients:
+                return self._host_gradients_step(state, batch, engine)
             loss, grads, red, metrics = self.loss_and_grads(
                 state.params, batch, state.loss_scale, state.step_key(), state.reducer, engine)
             new, update_metrics = self.update(state, grads)

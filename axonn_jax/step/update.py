@@ -24,22 +24,34 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._compat import in_host_memory
 from ..offload.optimizer import ParamUpdate
 from ..offload.precision import LossScaler, keep_if_finite
 from .state import TrainState
 
 
-def sum_of_squares(grads) -> jax.Array:
+def sum_of_squares(grads, host_squares=None) -> jax.Array:
     """Sum of the squares of every gradient element, in fp32.
 
     Args:
       grads: a pytree of arrays (any float dtype; each is cast to float32 first).
+      host_squares: the sums of squares of the leaves in host memory (`--offload-gradients`:
+        the backward summed them before they left), an array of any shape; required when
+        `grads` has such leaves, which are not read.
 
     Returns:
       A float32 scalar: the sum over this process's arrays (global arrays sum whole).
+
+    Raises:
+      ValueError: when `grads` has leaves in host memory and `host_squares` is None.
     """
-    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)),
-               jnp.zeros((), jnp.float32))
+    leaves = jax.tree.leaves(grads)
+    on_device = [g for g in leaves if not in_host_memory(g)]
+    if len(on_device) < len(leaves) and host_squares is None:
+        raise ValueError("gradients in host memory need their sums of squares (host_squares)")
+    total = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in on_device),
+                jnp.zeros((), jnp.float32))
+    return total if host_squares is None else total + jnp.sum(host_squares)
 
 
 def _stateless(update) -> optax.GradientTransformationExtraArgs:
@@ -127,9 +139,10 @@ def update_chain(optimizer: optax.GradientTransformation, *, clip_norm: float | 
 
 def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
                 sum_squares: Callable = lambda s: s) -> Callable:
-    """`update(state, grads) -> (state, metrics)` of a `TrainState`.
+    """`update(state, grads, host_squares=None) -> (state, metrics)` of a `TrainState`.
 
-    grads: like `state.params`, multiplied by `state.loss_scale`. metrics: `grad_norm` (before
+    grads: like `state.params`, multiplied by `state.loss_scale`; host_squares: the sums of
+    squares of those in host memory (`sum_of_squares`). metrics: `grad_norm` (before
     clipping) and, for mixed precision, `loss_scale` and `skipped_steps`. The update adds 1 to
     `state.step`.
 
@@ -143,9 +156,9 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
     Returns:
       The `update` function.
     """
-    def update(state: TrainState, grads) -> tuple[TrainState, dict[str, Any]]:
+    def update(state: TrainState, grads, host_squares=None) -> tuple[TrainState, dict[str, Any]]:
         scale = state.loss_scale
-        norm = jnp.sqrt(sum_squares(sum_of_squares(grads))) / scale
+        norm = jnp.sqrt(sum_squares(sum_of_squares(grads, host_squares))) / scale
         finite = jnp.isfinite(norm)
         params, opt_state = params_update.apply(grads, state.opt_state, state.params,
                                                 loss_scale=scale, grad_norm=norm, finite=finite)

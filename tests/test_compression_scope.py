@@ -12,7 +12,7 @@ from axonn_jax.analysis import comm_model as cm, targets
 from axonn_jax.analysis.hlo import bytes_by_axes
 from axonn_jax.parallel import compression as C
 from axonn_jax.run.cli import main as cli_main
-from axonn_jax.step.train_step import option_problems
+from axonn_jax.step.train_step import StepOptions, option_problems
 from axonn_jax.train import TrainOptions, build_trainer
 
 from conftest import assert_steps_match
@@ -124,10 +124,9 @@ def test_scope_from_yaml_and_checks(tmp_path):
     assert (c.scope, c.node_size) == ("inter-node", 4)
     with pytest.raises(ValueError, match="--compress-scope must be one of all, inter-node"):
         TrainOptions(compress_bits=4, compress_scope="nodes")
-    found = option_problems(ParallelConfig(data=2), schedule="1f1b", microbatches=1,
-                            virtual_stages=1, remat="none", memory_budget_gb=None,
-                            compress_bits=4, dtype="float32", between_processes=True,
-                            compress_scope="inter-node")
+    found = option_problems(ParallelConfig(data=2),
+                            StepOptions(compress_bits=4, compress_scope="inter-node"),
+                            between_processes=True)
     assert found == ["compress_scope=inter-node between processes (--transport mpi) is not "
                      "implemented yet"]
 

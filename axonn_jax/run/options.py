@@ -728,7 +728,7 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
       The problems (empty when none).
     """
     from ..config import check_grid
-    from ..step.train_step import option_problems
+    from ..step.train_step import StepOptions, option_problems
 
     found: list[str] = []
     if num_devices is not None:
@@ -747,15 +747,8 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
             found.append(f"--context-attention {scheme.name} inside pipeline stages deadlocks "
                          "XLA:CPU (its collective-permutes wait for every stage); use "
                          f"--context-attention {others} on simulated devices")
-    found += option_problems(grid, schedule=p.schedule, microbatches=p.microbatches,
-                             virtual_stages=p.virtual_stages, remat=config.memory.remat,
-                             memory_budget_gb=config.memory.budget_gb,
-                             compress_bits=config.compression.bits, dtype=config.precision.dtype,
-                             reduce_dtype=config.precision.reduce_dtype,
-                             num_layers=num_layers, between_processes=mpi,
-                             compress_scope=config.compression.scope,
-                             offload_optimizer=config.memory.offload_optimizer,
-                             offload_gradients=config.memory.offload_gradients)
+    found += option_problems(grid, StepOptions(**step_options(config)), num_layers=num_layers,
+                             between_processes=mpi)
     collect(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
             config.precision.fp8)
     return found

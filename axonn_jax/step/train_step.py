@@ -76,60 +76,46 @@ class StepOptions:
     collective_matmul: str = "auto"
 
 
-def option_problems(grid: ParallelConfig, *, schedule: str, microbatches: int,
-                    virtual_stages: int, remat, memory_budget_gb: float | None,
-                    compress_bits: int, dtype: str, reduce_dtype: str = "float32",
-                    num_layers: int | None = None, between_processes: bool = False,
-                    compress_scope: str = "all", offload_optimizer: bool = False,
-                    offload_gradients: bool = False) -> list[str]:
+def option_problems(grid: ParallelConfig, options: StepOptions, num_layers: int | None = None,
+                    between_processes: bool = False) -> list[str]:
     """Why a step with these options cannot run on `grid`, one line each (empty: it can).
 
     Args:
       grid: the run's parallel configuration.
-      schedule: the pipeline's schedule name (checked with `pipe > 1`).
-      microbatches: the step's microbatches.
-      virtual_stages: chunks per device of an interleaved pipeline (> 1 needs `pipe > 1`).
-      remat: the activation option (`StepOptions.remat`).
-      memory_budget_gb: the planner's budget for `remat='auto'`.
-      compress_bits: CGX's width (0: no compression).
-      dtype: the compute dtype.
-      reduce_dtype: what the exact gradient mean sends.
+      options: the step's modes (`make_train_step`'s options).
       num_layers: the model's layers (checked against the pipeline's stages), or None.
       between_processes: the gradients are reduced between processes (MPI).
-      compress_scope: where CGX compresses (`all` | `inter-node`).
-      offload_optimizer, offload_gradients: where the optimizer state and the blocks'
-        gradients live (`offload.optimizer.gradient_offload_problems`).
 
     Returns:
       One message per problem; those of options not implemented yet end with "is not
       implemented yet" (`NOT_YET`).
     """
-    found = []
+    o, found = options, []
 
-    collect(found, check_dtype, dtype)
-    collect(found, exchange.check_reduce_dtype, reduce_dtype)
-    if compress_bits and reduce_dtype != "float32":
-        found.append(f"reduce_dtype={reduce_dtype} is the exact exchange's; with compress_bits="
-                     f"{compress_bits} CGX sets what the exchange sends")
-    collect(found, activations.check_options, remat, memory_budget_gb)
+    collect(found, check_dtype, o.dtype)
+    collect(found, exchange.check_reduce_dtype, o.reduce_dtype)
+    if o.compress_bits and o.reduce_dtype != "float32":
+        found.append(f"reduce_dtype={o.reduce_dtype} is the exact exchange's; with compress_bits="
+                     f"{o.compress_bits} CGX sets what the exchange sends")
+    collect(found, activations.check_options, o.remat, o.memory_budget_gb)
     if grid.pipe > 1:
-        collect(found, pipeline_lib.check_schedule, schedule, grid.pipe, microbatches,
-                virtual_stages)
+        collect(found, pipeline_lib.check_schedule, o.schedule, grid.pipe, o.microbatches,
+                o.virtual_stages)
         if num_layers is not None:
-            collect(found, pipeline_lib.check_layers, num_layers, grid.pipe, virtual_stages)
-        if remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
+            collect(found, pipeline_lib.check_layers, num_layers, grid.pipe, o.virtual_stages)
+        if o.remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
             found.append(f"remat='auto' with pipe > 1 {NOT_YET}")
-    elif virtual_stages > 1:
-        found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
-    collect(found, compression.check_scope, compress_scope)
-    if compress_bits and between_processes and compress_scope != "all":
-        found.append(f"compress_scope={compress_scope} between processes (--transport mpi) "
+    elif o.virtual_stages > 1:
+        found.append(f"--virtual-stages {o.virtual_stages} needs --pipe > 1")
+    collect(found, compression.check_scope, o.compress_scope)
+    if o.compress_bits and between_processes and o.compress_scope != "all":
+        found.append(f"compress_scope={o.compress_scope} between processes (--transport mpi) "
                      f"{NOT_YET}")
-    if compress_bits and not between_processes and grid.data == 1:
-        found.append(f"compress_bits={compress_bits} needs data > 1: with one data-parallel copy "
+    if o.compress_bits and not between_processes and grid.data == 1:
+        found.append(f"compress_bits={o.compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
-    if offload_gradients:
-        found += gradient_offload_problems(grid, offload_optimizer, microbatches)
+    if o.offload_gradients:
+        found += gradient_offload_problems(grid, o.offload_optimizer, o.microbatches)
     return found
 
 
@@ -234,13 +220,8 @@ class StepParts:
         grid = config_of(mesh)
         if engine is not None and reducer is None:
             raise ValueError("make_train_step: an engine needs a reducer between processes")
-        checked = {f.name: getattr(options, f.name) for f in dataclasses.fields(StepOptions)
-                   if f.name in ("schedule", "microbatches", "virtual_stages", "remat",
-                                 "memory_budget_gb", "compress_bits", "dtype",
-                                 "reduce_dtype", "compress_scope", "offload_optimizer",
-                                 "offload_gradients")}
-        found = option_problems(grid, num_layers=model.num_layers,
-                                between_processes=reducer is not None, **checked)
+        found = option_problems(grid, options, num_layers=model.num_layers,
+                                between_processes=reducer is not None)
         try:
             collective_matmuls_on(options.collective_matmul, mesh_platform(mesh), options.fp8)
         except ValueError as e:

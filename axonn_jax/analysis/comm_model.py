@@ -36,7 +36,7 @@ from ..parallel.experts import AXIS as EXPERT_AXIS
 from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import (PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives,
-                               summed_with_data)
+                               layers_summed_in_backward, summed_with_data)
 from ..step.reducers import exchange_collectives, scalar_collectives
 from ..tp.tensor import collective_matmuls_on
 from . import hidden_shares
@@ -194,6 +194,9 @@ class Workload:
     `compress_node_size` devices (None: the step's default, `node_shards`; `plan` sets the
     machine's `devices_per_node`)."""
     compress_node_size: int | None = None
+    compress_in_backward: bool = True
+    """CGX's exchange inside the backward (`--compress-after-backward` turns it off): layer by
+    layer where the step allows it (`step.batch_axes.layers_summed_in_backward`)."""
     reduce_dtype: str = "float32"
     """What the exact data-parallel exchange sends (`parallel.exchange`): XLA:CPU runs a bfloat16
     exchange's collectives in float32, so on `platform` cpu it counts 4 bytes an element."""
@@ -297,9 +300,7 @@ class Workload:
     def exchanges_layers(self, grid: ParallelConfig) -> bool:
         """Whether the step sums the blocks' gradients layer by layer inside the backward.
 
-        As `step.train_step` builds its engine: one microbatch, no pipeline, float32 device
-        parameters (16-bit ones under `offload_optimizer` are summed after the backward), and
-        with a batch axis besides `data` an exact exchange.
+        The engine's rule (`step.batch_axes.layers_summed_in_backward`).
 
         Args:
           grid: the mesh.
@@ -307,10 +308,10 @@ class Workload:
         Returns:
           True where `SpmdEngine.layer_reduce` runs (`StepShape.layer_sums`).
         """
-        extra = any(getattr(grid, a.name) > 1 for a in BATCH_AXIS_PLUGINS if not a.reducer_sums)
-        return self.microbatches == 1 and grid.pipe == 1 \
-            and (not self.offload_optimizer or self.compute_bytes == 4) \
-            and (not extra or not self.compress_bits)
+        return layers_summed_in_backward(
+            grid, microbatches=self.microbatches,
+            sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4,
+            compressed=bool(self.compress_bits), compressed_layers=self.compress_in_backward)
 
 
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:

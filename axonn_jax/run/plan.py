@@ -31,6 +31,7 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        compress_bits=config.compression.bits,
                        compress_scope=config.compression.scope,
                        compress_node_size=config.compression.node_size,
+                       compress_in_backward=config.compression.in_backward,
                        reduce_dtype=config.precision.reduce_dtype,
                        offload_optimizer=config.memory.offload_optimizer,
                        offload_gradients=config.memory.offload_gradients,

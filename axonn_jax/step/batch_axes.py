@@ -54,6 +54,32 @@ def extra_axes(grid) -> tuple[str, ...]:
     return tuple(a.name for a in PLUGINS if not a.reducer_sums and a.manual(grid))
 
 
+def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: bool,
+                              compressed: bool, compressed_layers: bool) -> bool:
+    """Whether the step sums the blocks' gradients over the batch axes layer by layer inside
+    the backward, each layer's sum beside the backward of the layer below (`step.layer_exchange`).
+
+    The one rule the engine (`SpmdEngine.layer_reduce`) and the communication model
+    (`StepShape.layer_sums`) both follow.
+
+    Args:
+      grid: the run's `ParallelConfig`.
+      microbatches: the step's microbatches: accumulated ones are summed after their loop.
+      sixteen_bit_offload: 16-bit device parameters under an offloaded state, whose gradients
+        are summed after the backward, in float32, and divided before the cast back.
+      compressed: CGX's exchange runs in the step.
+      compressed_layers: CGX's exchange offers per-layer stages (`compress_in_backward`), which
+        run over `data` alone: with another batch axis the compressed sum is after the
+        backward.
+
+    Returns:
+      True where the layers are summed in the backward (no pipeline, one microbatch).
+    """
+    if grid.pipe > 1 or microbatches > 1 or sixteen_bit_offload:
+        return False
+    return not compressed or (compressed_layers and not extra_axes(grid))
+
+
 def _spec(rows: tuple[str, ...], seq: tuple[str, ...]) -> P:
     """Rows (dim 0) over `rows`, the sequence (dim 1) over `seq` where any axis splits it."""
     if not seq:

@@ -716,22 +716,17 @@ class BoundStep:
         if grid.pipe > 1:
             return PipelineEngine(compute, pipeline_lib.make_schedule(
                 o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
-        in_step = o.compress_bits and self.parts.process_reducer is None
+        in_step = bool(o.compress_bits) and self.parts.process_reducer is None
         # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a
         # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
         alone = not extra and grid.data == 1 and not in_step
-        # The reduction over `data` issued layer by layer in the backward (exact, or CGX's where
-        # its reducer offers it), for float32 device parameters: a layer's sum returns in its
-        # parameters' dtype, and 16-bit ones (offloaded state) must be divided by the data size
-        # before they are cast back.
-        # With a batch axis besides `data` the layers' sums run over several axes, exact only
-        # (`ComputeFunctions.vary_layers`).
         layer = self.reducer.layer_exchange if in_step else None
-        wide = not o.offload_optimizer or o.dtype == "float32"
-        several = not extra or not in_step
+        summed = batch_axes.layers_summed_in_backward(
+            grid, microbatches=o.microbatches,
+            sixteen_bit_offload=o.offload_optimizer and o.dtype != "float32",
+            compressed=in_step, compressed_layers=layer is not None)
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=(not in_step or layer is not None) and wide and several,
-                          reduce_dtype=o.reduce_dtype,
+                          layer_reduce=summed, reduce_dtype=o.reduce_dtype,
                           layer_stages=None if layer is None else layer.stages)
 
     def _plan(self) -> activations.Plan | None:

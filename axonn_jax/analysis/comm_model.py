@@ -33,7 +33,7 @@ from ..offload.activations import UNIFORM_REMAT
 from ..offload.optimizer import gradient_offload_problems
 from ..parallel.context import check_sequence
 from ..parallel.experts import AXIS as EXPERT_AXIS
-from ..parallel.pipeline import (check_layers, check_schedule, make_schedule,
+from ..parallel.pipeline import (make_schedule, option_problems as pipeline_problems,
                                  pipeline_collectives, stage_repeats)
 from ..step.batch_axes import (PLUGINS as BATCH_AXIS_PLUGINS, batch_axes_collectives,
                                layers_summed_in_backward, summed_with_data)
@@ -1241,17 +1241,14 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
                 raise ValueError(f"{type(work.model).__name__} has no {axis} axis")
         if grid.context > 1:
             check_sequence(work.seq_len, grid.context)
-        if grid.pipe > 1:
-            check_schedule(work.schedule, grid.pipe, work.microbatches, work.virtual_stages)
-            check_layers(work.model.num_layers, grid.pipe, work.virtual_stages)
-        elif work.virtual_stages > 1:
-            raise ValueError(f"--virtual-stages {work.virtual_stages} needs --pipe > 1")
     except ValueError as e:
         return str(e)
+    found = pipeline_problems(grid.pipe, schedule=work.schedule, microbatches=work.microbatches,
+                              virtual_stages=work.virtual_stages,
+                              num_layers=work.model.num_layers)
     if work.offload_gradients:
-        return next(iter(gradient_offload_problems(grid, work.offload_optimizer,
-                                                   work.microbatches)), None)
-    return None
+        found += gradient_offload_problems(grid, work.offload_optimizer, work.microbatches)
+    return found[0] if found else None
 
 
 MICROBATCH_FACTORS = (1, 2, 4, 8, 16, 32)

@@ -59,9 +59,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
-from ..checks import check_choice
+from ..checks import NOT_YET, check_choice, collect
 from ..collectives import Collective
 from ..config import SCHEDULES
 from .backward_split import split_backward
@@ -523,6 +524,54 @@ def check_layers(num_layers: int, num_stages: int, virtual_stages: int = 1) -> i
         raise ValueError(f"num_layers = {num_layers} is not divisible by {what}: every pipeline "
                          f"stage must hold the same number of layers")
     return num_layers // chunks
+
+
+def option_problems(num_stages: int, *, schedule: str, microbatches: int, virtual_stages: int,
+                    num_layers: int | None = None, per_layer_plan: bool = False) -> list[str]:
+    """Why a step of `num_stages` pipeline stages cannot run these options, one line each.
+
+    Without a pipeline (one stage) only the virtual stages are checked: they need one.
+
+    Args:
+      num_stages: devices on `pipe`.
+      schedule: the timetable's name (`SCHEDULES`).
+      microbatches: microbatches per step.
+      virtual_stages: chunks per stage.
+      num_layers: the stack's layers (None: not checked).
+      per_layer_plan: whether the blocks run a per-layer activation plan (`--remat auto`),
+        which a stage's one program cannot.
+
+    Returns:
+      The problems (empty: none); those not built yet end with `checks.NOT_YET`.
+    """
+    found: list[str] = []
+    if num_stages == 1:
+        if virtual_stages > 1:
+            found.append(f"--virtual-stages {virtual_stages} needs --pipe > 1")
+        return found
+    collect(found, check_schedule, schedule, num_stages, microbatches, virtual_stages)
+    if num_layers is not None:
+        collect(found, check_layers, num_layers, num_stages, virtual_stages)
+    if per_layer_plan:
+        found.append(f"remat='auto' with pipe > 1 {NOT_YET}")
+    return found
+
+
+def stage_specs(specs: dict, num_stages: int) -> dict:
+    """A model's parameter specs with the blocks' layer axis split over `pipe` when there are
+    stages.
+
+    Args:
+      specs: PartitionSpecs of `{'blocks': ..., ...}` (the blocks' with a leading layer axis).
+      num_stages: devices on `pipe`.
+
+    Returns:
+      `specs`, the blocks' first entry `pipe` when `num_stages` > 1.
+    """
+    if num_stages == 1:
+        return specs
+    return {**specs, "blocks": jax.tree.map(lambda s: P(PIPE_AXIS, *s[1:]), specs["blocks"],
+                                            is_leaf=lambda s: isinstance(s, P))}
 
 
 def interleave_order(num_layers: int, num_stages: int, virtual_stages: int) -> np.ndarray:

@@ -156,7 +156,6 @@ class SpmdEngine:
             scaled, argnums=(0, 1), has_aux=True)(params, state, batch, scale)
         return loss, grads, metrics, new
 
-
     @staticmethod
     def _into_sink(compute, params, batch, scale, sink):
         """`loss_and_grads` of one microbatch whose blocks' gradients go to host memory layer by

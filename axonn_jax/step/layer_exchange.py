@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import in_host_memory
+from .update import sum_of_squares
 
 
 def _fetched(stacks: list, j) -> list:
@@ -37,9 +38,8 @@ def _fetched(stacks: list, j) -> list:
     for each of the others (sliced where they are used). A stack of one layer is left to its use:
     XLA:GPU drops the host copies of a one-layer residual stack fetched this way, keeping the
     activations on the device (tests/test_compile_h100.py)."""
-    return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False),
-                           jax.memory.Space.Device) if in_host_memory(a) and a.shape[0] > 1 else None
-            for a in stacks]
+    return [jax.device_put(lax.dynamic_index_in_dim(a, j, keepdims=False), jax.memory.Space.Device)
+            if in_host_memory(a) and a.shape[0] > 1 else None for a in stacks]
 
 
 def _down_the_runs(one: Callable, runs, carry, fetched: Callable):
@@ -93,9 +93,8 @@ def _place(stack, tree, i):
 def _sunk(sink, tree, i):
     """`sink` (`{"grads", "squares"}`, `scan_exchanging`'s) with layer `i`'s gradients `tree`
     written to its host stacks and their sum of squares (float32) to `squares[i]`."""
-    squares = sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree))
     return {"grads": _place(sink["grads"], tree, i),
-            "squares": sink["squares"].at[i].set(squares)}
+            "squares": sink["squares"].at[i].set(sum_of_squares(tree))}
 
 
 def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callable]]:

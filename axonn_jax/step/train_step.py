@@ -98,15 +98,9 @@ def option_problems(grid: ParallelConfig, options: StepOptions, num_layers: int 
         found.append(f"reduce_dtype={o.reduce_dtype} is the exact exchange's; with compress_bits="
                      f"{o.compress_bits} CGX sets what the exchange sends")
     collect(found, activations.check_options, o.remat, o.memory_budget_gb)
-    if grid.pipe > 1:
-        collect(found, pipeline_lib.check_schedule, o.schedule, grid.pipe, o.microbatches,
-                o.virtual_stages)
-        if num_layers is not None:
-            collect(found, pipeline_lib.check_layers, num_layers, grid.pipe, o.virtual_stages)
-        if o.remat == "auto":  # every stage runs one program, so a per-layer plan must be uniform
-            found.append(f"remat='auto' with pipe > 1 {NOT_YET}")
-    elif o.virtual_stages > 1:
-        found.append(f"--virtual-stages {o.virtual_stages} needs --pipe > 1")
+    found += pipeline_lib.option_problems(
+        grid.pipe, schedule=o.schedule, microbatches=o.microbatches,
+        virtual_stages=o.virtual_stages, num_layers=num_layers, per_layer_plan=o.remat == "auto")
     collect(found, compression.check_scope, o.compress_scope)
     if o.compress_bits and between_processes and o.compress_scope != "all":
         found.append(f"compress_scope={o.compress_scope} between processes (--transport mpi) "
@@ -238,7 +232,7 @@ class StepParts:
         over `pipe` in blocks (`parallel.pipeline.interleave_order`).
         """
         o = self.options
-        if self.grid.pipe == 1 or o.virtual_stages == 1:
+        if o.virtual_stages == 1:  # (more than one needs stages: `option_problems`)
             return None
         return pipeline_lib.interleave_order(self.model.num_layers, self.grid.pipe,
                                              o.virtual_stages)
@@ -763,12 +757,8 @@ class BoundStep:
 
     def _param_specs(self) -> dict:
         """Every parameter's PartitionSpec on the mesh: the tensor axes from its layer, plus `pipe`
-        on the blocks' layer axis."""
-        specs = self.fns.specs
-        if self.parts.grid.pipe > 1:
-            specs = {**specs, "blocks": jax.tree.map(lambda s: P("pipe", *s[1:]), specs["blocks"],
-                                                     is_leaf=lambda s: isinstance(s, P))}
-        return specs
+        on the blocks' layer axis (`parallel.pipeline.stage_specs`)."""
+        return pipeline_lib.stage_specs(self.fns.specs, self.parts.grid.pipe)
 
     def _named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.parts.mesh, spec)
@@ -1007,7 +997,7 @@ class BoundStep:
     def _eval(self, params, batch):
         grid = self.parts.grid
         manual = frozenset(batch_axes.manual_axes(grid))
-        if not batch_axes.extra_axes(grid) and grid.data == 1 and grid.pipe == 1:
+        if not self.engine.manual_axes:  # nothing splits the rows: no shard_map
             with tracing_in(self.parts.mesh):
                 return self.loss_fn(params, batch)
 

@@ -224,7 +224,7 @@ def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
     replayed schedule's host transfers carry the device's whole host state in each direction
     (`host_memory_per_device_bytes`), at the host link's rate, and the step waits for some of
     them. With data 2 each device holds and streams half the state (split over `data`), and the
-    new 16-bit parameters are all-gathered over `data`."""
+    new 16-bit parameters are all-gathered over `data`; `plan` counts both."""
     from axonn_jax.analysis.comm_model import MACHINES
 
     reports = {}
@@ -240,6 +240,10 @@ def test_the_replay_moves_the_offloaded_state_over_the_host_link(capsys):
             assert rows[kind]["bytes"] == host > 0, kind
             assert rows[kind]["comm_s"] == pytest.approx(host / MACHINES["h100-dgx"].host_bw)
         assert report["overlap"]["exposed_comm_s"] > 0
+        # `plan` counts the share and the gather (the split leaves a few small leaves whole)
+        assert report["predicted"]["host_memory_per_device_bytes"] == pytest.approx(host,
+                                                                                   rel=0.02)
+        assert report["predicted"]["comm_bytes_per_device"] == report["comm_bytes_per_device"]
     one, two = (reports[dp]["host_memory_per_device_bytes"] for dp in (1, 2))
     assert two == pytest.approx(one / 2, rel=0.02)
     params = one / 12  # fp32 master, mu and nu per parameter

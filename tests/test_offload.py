@@ -120,31 +120,40 @@ def test_gradients_in_host_memory_on_one_device_train_like_the_device_state(devi
 
 @pytest.mark.parametrize("dtype, grid", [
     ("bfloat16", dict(depth=2, row=2)),
+    ("float32", dict(data=2)),
     pytest.param("float16", {}, marks=pytest.mark.extended),
+    pytest.param("float16", dict(data=2), marks=pytest.mark.extended),
     pytest.param("float32", dict(row=2, col=2), marks=pytest.mark.extended),
+    pytest.param("bfloat16", dict(data=2, row=2), marks=pytest.mark.extended),
 ])
 def test_gradients_in_host_memory_train_like_device_gradients(devices, dtype, grid):
-    """`--offload-gradients` on tensor grids and in 16 bits (fp16: with its loss scale): the
-    same steps as the offloaded state with the gradients on the device."""
+    """`--offload-gradients` on data and tensor grids and in 16 bits (fp16: with its loss
+    scale): the same steps as the offloaded state with the gradients on the device. Over `data`
+    each layer's gradient is averaged in the backward (in float32, divided before the cast back)
+    where the device-gradient path averages the whole tree after it: bf16 rounds the mean of a
+    layer once either way, from sums taken in another order."""
     grid = ParallelConfig(**grid)
     runs = [run(devices[:grid.num_devices], offload_optimizer=True, offload_gradients=on,
                 dtype=dtype, parallel=grid) for on in (False, True)]
     (want, want_state, want_trainer, _), (got, got_state, got_trainer, _) = runs
-    assert_steps_match(got, want, 1e-6 if dtype == "float32" else 1e-5)
+    assert_steps_match(got, want, 1e-6 if dtype == "float32" else 1e-3)
     assert_states_match(comparable_state(got_trainer, got_state),
                         comparable_state(want_trainer, want_state), **state_tolerances(dtype))
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(offload_gradients=True), "needs offload_optimizer"),
-    (dict(offload_gradients=True, offload_optimizer=True, parallel=ParallelConfig(data=2)),
-     "offload_gradients on data 2 .* is not implemented yet"),
+    (dict(offload_gradients=True, offload_optimizer=True, parallel=ParallelConfig(context=2)),
+     "offload_gradients on context 2 .* is not implemented yet"),
+    (dict(offload_gradients=True, offload_optimizer=True, parallel=ParallelConfig(data=2),
+          compress_bits=8), "offload_gradients with compress_bits .* is not implemented yet"),
     (dict(offload_gradients=True, offload_optimizer=True, microbatches=2),
      "offload_gradients with microbatches=2 .* is not implemented yet"),
 ])
 def test_gradients_in_host_memory_refused_where_something_sums_them(devices, kw, message):
-    """Where the gradients are still summed after the backward (a batch axis, accumulated
-    microbatches) or no offloaded update reads them, the run is refused in one line."""
+    """Where the gradients are still summed after the backward (a batch axis besides `data`,
+    accumulated microbatches, CGX's exchange) or no offloaded update reads them, the run is
+    refused in one line."""
     grid = kw.get("parallel", ParallelConfig())
     with pytest.raises(ConfigError, match=message) as raised:
         build_trainer(TrainOptions(**{**SMALL, **kw}), devices[:grid.num_devices])

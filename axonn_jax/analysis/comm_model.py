@@ -25,6 +25,7 @@ import itertools
 import math
 from typing import Iterable
 
+from ..batch_axis import DATA
 from ..collectives import (FP32, KINDS, Collective, ModelCommunication, ParameterShard,  # noqa: F401
                            StepShape, ring_bytes)
 from ..config import AXES, ParallelConfig, check_grid, devices_inside
@@ -310,7 +311,8 @@ class Workload:
         """
         return layers_summed_in_backward(
             grid, microbatches=self.microbatches,
-            sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4,
+            sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4
+            and not self.offload_gradients,
             compressed=bool(self.compress_bits), compressed_layers=self.compress_in_backward)
 
 
@@ -370,6 +372,11 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
                                    piece_bytes=shape.packed_bytes,
                                    layers=stage_layers, node_shards=work.node_shards(grid)),
              *batch_axes_collectives(d, shape)]
+    if work.offload_optimizer and grid.data > 1:
+        # The new 16-bit parameters, each copy's share made from its share of the host state,
+        # gathered over `data` (`offload.optimizer`: the state split over it).
+        found.append(Collective("all-gather", (DATA.name,),
+                                parameters_per_device(work, grid) * work.compute_bytes))
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)
@@ -1132,15 +1139,17 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
       Seconds.
     """
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
-    state = host_memory_per_device(work, grid) - host_gradient_bytes(work, grid)
-    return hbm / machine.hbm_bw + (2 * state + host_gradient_bytes(work, grid)) / machine.host_bw
+    grads = host_gradient_bytes(work, grid)
+    state = host_memory_per_device(work, grid) - grads
+    return hbm / machine.hbm_bw + (2 * state + grads / grid.data) / machine.host_bw
 
 
 def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
     """Bytes of the blocks' gradients one device writes to host memory (`offload_gradients`).
 
-    They leave during the backward, on the link's other direction, and come back in the
-    update beside the state: only that second crossing is counted in `update_seconds`.
+    Every data-parallel copy writes their whole mean, during the backward, on the link's other
+    direction; in the update each reads back the share its part of the state needs (1/data):
+    only that crossing is counted in `update_seconds`.
 
     Args:
       work: the step.
@@ -1167,12 +1176,13 @@ def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
       grid: the mesh.
 
     Returns:
-      With `offload_optimizer`, its parameters' fp32 masters and Adam's two fp32 moments
-      (`offload.optimizer`), plus the blocks' gradients with `offload_gradients`; else 0.
+      With `offload_optimizer`, its share of its parameters' fp32 masters and Adam's two fp32
+      moments (`offload.optimizer`: split over `data`), plus the blocks' gradients with
+      `offload_gradients`; else 0.
     """
     if not work.offload_optimizer:
         return 0.0
-    return parameters_per_device(work, grid) * 3 * work.param_bytes + \
+    return parameters_per_device(work, grid) * 3 * work.param_bytes / grid.data + \
         host_gradient_bytes(work, grid)
 
 
@@ -1247,7 +1257,8 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
                               virtual_stages=work.virtual_stages,
                               num_layers=work.model.num_layers)
     if work.offload_gradients:
-        found += gradient_offload_problems(grid, work.offload_optimizer, work.microbatches)
+        found += gradient_offload_problems(grid, work.offload_optimizer, work.microbatches,
+                                           bool(work.compress_bits))
     return found[0] if found else None
 
 

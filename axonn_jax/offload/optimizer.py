@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._compat import HOST_MEMORY_KIND, in_host_memory, with_memory_kind
 from ..checks import NOT_YET
+from ..batch_axis import DATA
 from ..config import AXES
 from ..tp.tensor import TP_AXES
 
@@ -365,18 +366,23 @@ class _Streamed:
         return jax.tree.unflatten(param_def, param_leaves), new_opt_state
 
 
-def gradient_offload_problems(grid, offload_optimizer: bool,
-                              microbatches: int) -> list[str]:
+def gradient_offload_problems(grid, offload_optimizer: bool, microbatches: int,
+                              compressed: bool = False, between_processes: bool = False
+                              ) -> list[str]:
     """Why the blocks' gradients cannot go to host memory in the backward on `grid`.
 
-    They leave each layer's backward as it finishes (`step.layer_exchange`), so nothing may
-    still sum them afterwards: no axis but the tensor axes (whose layers sum their own) and no
-    accumulation over microbatches. The offloaded update streams them back in with its state.
+    They leave each layer's backward as it finishes (`step.layer_exchange`), after that layer's
+    exact mean over `data`, so nothing may still sum them afterwards: no axis besides `data` and
+    the tensor axes (whose layers sum their own), no accumulation over microbatches, no CGX
+    exchange and no exchange between processes. The offloaded update streams them back in with
+    its state.
 
     Args:
       grid: the run's parallel configuration.
       offload_optimizer: whether the optimizer state is in host memory.
       microbatches: the step's microbatches.
+      compressed: whether CGX compresses the data-parallel exchange.
+      between_processes: whether the gradients are reduced between processes (MPI).
 
     Returns:
       One message per problem (empty: they can).
@@ -385,13 +391,18 @@ def gradient_offload_problems(grid, offload_optimizer: bool,
     if not offload_optimizer:
         found.append("offload_gradients needs offload_optimizer: the update that reads the "
                      "gradients from host memory is the offloaded one")
-    summed = {a: getattr(grid, a) for a in AXES if a not in TP_AXES and getattr(grid, a) > 1}
+    summed = {a: getattr(grid, a) for a in AXES
+              if a not in TP_AXES and a != DATA.name and getattr(grid, a) > 1}
     if summed:
         found.append("offload_gradients on " + " × ".join(f"{a} {n}" for a, n in summed.items())
-                     + f" (gradients summed over a batch axis after the backward) {NOT_YET}")
+                     + f" (gradients summed over that axis after the backward) {NOT_YET}")
     if microbatches > 1:
         found.append(f"offload_gradients with microbatches={microbatches} (gradients "
                      f"accumulated on the device) {NOT_YET}")
+    if compressed:
+        found.append(f"offload_gradients with compress_bits (CGX's exchange) {NOT_YET}")
+    if between_processes:
+        found.append(f"offload_gradients with --transport mpi {NOT_YET}")
     return found
 
 

@@ -65,8 +65,10 @@ def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: b
     Args:
       grid: the run's `ParallelConfig`.
       microbatches: the step's microbatches: accumulated ones are summed after their loop.
-      sixteen_bit_offload: 16-bit device parameters under an offloaded state, whose gradients
-        are summed after the backward, in float32, and divided before the cast back.
+      sixteen_bit_offload: 16-bit device parameters under an offloaded state, with their
+        gradients on the device: those are summed after the backward, in float32, and divided
+        before the cast back (gradients bound for host memory are divided inside the layers'
+        sums instead: `ComputeFunctions.layer_mean`).
       compressed: CGX's exchange runs in the step.
       compressed_layers: CGX's exchange offers per-layer stages (`compress_in_backward`), which
         run over `data` alone: with another batch axis the compressed sum is after the

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import ensure_varying
+from .._compat import ensure_varying, manual_axis_size
 from ..parallel import exchange
 from .gathers import unbatched_gathers
 from .model import ModelFunctions, scan_layers
@@ -104,6 +104,10 @@ class ComputeFunctions:
     parameter): the stack's backward is written by hand
     (`step.layer_exchange`), each layer's sum running while the layer below computes its
     backward (`SpmdEngine.layer_reduce`)."""
+    layer_mean: bool = False
+    """Those sums divided by the axes' size in float32, before the cast back to the stored
+    dtype: means, for gradients that leave for host memory (`--offload-gradients`), which
+    nothing divides afterwards (16-bit ones summed whole could overflow)."""
     reduce_dtype: str = "float32"
     """The dtype those sums send (`parallel.exchange`)."""
     layer_stages: Callable | None = None
@@ -130,7 +134,8 @@ class ComputeFunctions:
             (axis,) = axes
             return self.layer_stages(axis, self._layer_specs)
         if len(axes) == 1:
-            return exchange.sum_over_stages(axes[0], self.reduce_dtype, self._layer_specs)
+            size = manual_axis_size(axes[0]) if self.layer_mean else 1
+            return exchange.sum_over_stages(axes[0], self.reduce_dtype, self._layer_specs, size)
         return exchange.sum_over_unsplit_stages(axes, self.reduce_dtype, self._layer_specs)
 
     # Each part runs with its gathers' batching dimensions written into their indices

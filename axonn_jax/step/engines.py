@@ -56,6 +56,9 @@ class SpmdEngine:
     (`ComputeFunctions.vary_layers`, `step.layer_exchange`; they come out invariant, already
     summed): for an exact reducer over one microbatch, where the reduction is the same sum issued
     earlier."""
+    layer_mean: bool = False
+    """The per-layer sums divided by the axes' size before the cast back (means): for gradients
+    that leave for host memory (`ComputeFunctions.layer_mean`)."""
     reduce_dtype: str = "float32"
     """The dtype the per-layer sums send (`parallel.exchange`)."""
     layer_stages: Callable | None = None
@@ -105,7 +108,7 @@ class SpmdEngine:
         m = self.microbatches
         compute = self.compute
         if self.exchanges_layers:
-            compute = dataclasses.replace(compute, vary_layers=axes,
+            compute = dataclasses.replace(compute, vary_layers=axes, layer_mean=self.layer_mean,
                                           reduce_dtype=self.reduce_dtype,
                                           layer_stages=self.layer_stages)
             params = {**ensure_varying({k: v for k, v in params.items() if k != "blocks"}, axes),

@@ -109,7 +109,8 @@ def option_problems(grid: ParallelConfig, options: StepOptions, num_layers: int 
         found.append(f"compress_bits={o.compress_bits} needs data > 1: with one data-parallel copy "
                      "there is no gradient exchange to compress")
     if o.offload_gradients:
-        found += gradient_offload_problems(grid, o.offload_optimizer, o.microbatches)
+        found += gradient_offload_problems(grid, o.offload_optimizer, o.microbatches,
+                                           bool(o.compress_bits), between_processes)
     return found
 
 
@@ -717,10 +718,12 @@ class BoundStep:
         layer = self.reducer.layer_exchange if in_step else None
         summed = batch_axes.layers_summed_in_backward(
             grid, microbatches=o.microbatches,
-            sixteen_bit_offload=o.offload_optimizer and o.dtype != "float32",
+            sixteen_bit_offload=o.offload_optimizer and o.dtype != "float32"
+            and not o.offload_gradients,
             compressed=in_step, compressed_layers=layer is not None)
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=summed, reduce_dtype=o.reduce_dtype,
+                          layer_reduce=summed, layer_mean=o.offload_gradients,
+                          reduce_dtype=o.reduce_dtype,
                           layer_stages=None if layer is None else layer.stages)
 
     def _plan(self) -> activations.Plan | None:
@@ -862,7 +865,7 @@ class BoundStep:
         return self.compute.loss(reorder_blocks(params, self.parts.layer_order,
                                                 self.model.num_layers, to_model=True), batch)
 
-    def loss_and_grads(self, params, batch, scale, key, red_state, engine=None):
+    def loss_and_grads(self, params, batch, scale, key, red_state, engine=None, sink=None):
         """Phases 1 and 2 on global arrays: the loss and the gradients averaged over the batch axes.
 
         Args:
@@ -872,17 +875,22 @@ class BoundStep:
           key: the step's random key (`TrainState.step_key`).
           red_state: the reducer's state, or None.
           engine: another engine than the step's (the planner's measurements), or None.
+          sink: host stacks for the blocks' gradients (`_gradient_sink`, `offload_gradients`),
+            or None.
 
         Returns:
-          `(loss, grads, reducer state, metrics)`: the mean loss, the gradients like `params`
-          (scaled by `scale`), the reducer's new state and the blocks' per-layer metrics in the
-          model's layer order.
+          `(loss, grads, reducer state, metrics, host squares)`: the mean loss, the gradients
+          like `params` (scaled by `scale`; with `sink` the blocks' are its host stacks, averaged
+          in the backward), the reducer's new state, the blocks' per-layer metrics in the model's
+          layer order, and with `sink` the host gradients' per-layer sums of squares (else None).
         """
         engine = engine or self.engine
+        sunk = {} if sink is None else {"sink": sink}
         if not engine.manual_axes:
             with tracing_in(self.parts.mesh):  # the mesh a shard_map would have put in context
-                loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
-            return loss, grads, red_state, metrics
+                loss, grads, metrics, *squares = engine.loss_and_grads(params, batch, scale,
+                                                                       **sunk)
+            return loss, grads, red_state, metrics, (squares or [None])[0]
         manual = engine.manual_axes
         p_specs = _manual_specs(self.specs, manual)
         extra = tuple(a for a in batch_axes.extra_axes(self.parts.grid) if a in manual)
@@ -891,33 +899,40 @@ class BoundStep:
         with_state = layer is not None and getattr(engine, "layer_stages", None) is not None \
             and engine.exchanges_layers
 
-        def local(params, batch, scale, key, red_state):
+        def local(params, batch, scale, key, red_state, sink):
             batch = batch_axes.lay_out(batch, manual, self.parts.grid)
+            squares = None
             if with_state:  # the blocks' reduction (and their state's update) in the backward
                 loss, grads, metrics, new = engine.loss_and_grads(
                     params, batch, scale, layer.state_in(red_state, key))
                 red_state = layer.state_out(red_state, new)
+            elif sink is not None:  # the blocks' means in host memory already
+                loss, grads, metrics, squares = engine.loss_and_grads(params, batch, scale,
+                                                                      sink=sink)
             else:
                 loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
-            grads, red_state = self.reducer.reduce(grads, red_state, key)
+            host = {} if sink is None else {"blocks": grads["blocks"]}
+            grads, red_state = self.reducer.reduce({**grads, **dict.fromkeys(host, {})},
+                                                   red_state, key)
             mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731
-            return mean(loss), grads, red_state, mean(metrics)
+            return mean(loss), {**grads, **host}, red_state, mean(metrics), squares
 
         r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
             else P("data")
-        loss, grads, red_state, metrics = shard_map(
+        sink_specs = None if sink is None else {"grads": p_specs["blocks"], "squares": P()}
+        loss, grads, red_state, metrics, squares = shard_map(
             local, mesh=self.parts.mesh,
-            in_specs=(p_specs, batch_axes.local_spec(manual), P(), P(), r_specs),
-            out_specs=(P(), p_specs, r_specs, engine.metric_spec),
-            axis_names=set(manual))(params, batch, scale, key, red_state)
+            in_specs=(p_specs, batch_axes.local_spec(manual), P(), P(), r_specs, sink_specs),
+            out_specs=(P(), p_specs, r_specs, engine.metric_spec, None if sink is None else P()),
+            axis_names=set(manual))(params, batch, scale, key, red_state, sink)
         # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
         order = self.parts.layer_order
         if order is not None:
             metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
                                    metrics)
-        return loss, grads, red_state, metrics
+        return loss, grads, red_state, metrics, squares
 
     # ------------------------------------------------------------------ the step
 
@@ -972,24 +987,14 @@ class BoundStep:
             blocks, self.specs["blocks"], is_leaf=lambda x: isinstance(x, P) or x is None)}
         return {**sink, "squares": jnp.zeros((self.model.num_layers,), jnp.float32)}
 
-    def _host_gradients_step(self, state: TrainState, batch, engine):
-        """The train step whose blocks' gradients go to host memory in the backward
-        (`offload_gradients`): no batch axis sums them, so no shard_map; the offloaded update
-        streams them back in beside its state."""
-        with tracing_in(self.parts.mesh):
-            loss, grads, metrics, squares = engine.loss_and_grads(
-                state.params, batch, state.loss_scale,
-                sink=self._gradient_sink(state.params["blocks"]))
-        new, update_metrics = self.update(state, grads, squares)
-        return new, {"loss": loss, **metrics, **update_metrics}
-
     def _train_step_fn(self, engine) -> Callable:
         def train_step(state: TrainState, batch):
-            if self.parts.options.offload_gradients:
-                return self._host_gradients_step(state, batch, engine)
-            loss, grads, red, metrics = self.loss_and_grads(
-                state.params, batch, state.loss_scale, state.step_key(), state.reducer, engine)
-            new, update_metrics = self.update(state, grads)
+            sink = self._gradient_sink(state.params["blocks"]) \
+                if self.parts.options.offload_gradients else None
+            loss, grads, red, metrics, squares = self.loss_and_grads(
+                state.params, batch, state.loss_scale, state.step_key(), state.reducer, engine,
+                sink)
+            new, update_metrics = self.update(state, grads, squares)
             return new.replace(reducer=red), {"loss": loss, **metrics, **update_metrics}
 
         return train_step

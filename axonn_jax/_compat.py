@@ -114,8 +114,9 @@ def compute_on_host(f: Callable, out_memory_spaces) -> Callable:
 
 
 def in_host_memory(x) -> bool:
-    """Whether `x` (an array or a tracer) lives in host memory: an offloaded residual of
-    `--remat offload`, a gradient of `--offload-gradients`."""
+    """Whether `x` (an array or a tracer) lives in host memory.
+
+    E.g. an offloaded residual of `--remat offload`, a gradient of `--offload-gradients`."""
     return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
 
 

@@ -558,8 +558,7 @@ def option_problems(num_stages: int, *, schedule: str, microbatches: int, virtua
 
 
 def stage_specs(specs: dict, num_stages: int) -> dict:
-    """A model's parameter specs with the blocks' layer axis split over `pipe` when there are
-    stages.
+    """A model's parameter specs, the blocks' layer axis split over `pipe` with stages.
 
     Args:
       specs: PartitionSpecs of `{'blocks': ..., ...}` (the blocks' with a leading layer axis).

@@ -56,8 +56,10 @@ def extra_axes(grid) -> tuple[str, ...]:
 
 def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: bool,
                               compressed: bool, compressed_layers: bool) -> bool:
-    """Whether the step sums the blocks' gradients over the batch axes layer by layer inside
-    the backward, each layer's sum beside the backward of the layer below (`step.layer_exchange`).
+    """Whether the step sums the blocks' gradients over the batch axes inside the backward.
+
+    Layer by layer, each layer's sum beside the backward of the layer below
+    (`step.layer_exchange`).
 
     The one rule the engine (`SpmdEngine.layer_reduce`) and the communication model
     (`StepShape.layer_sums`) both follow.

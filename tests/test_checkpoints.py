@@ -79,12 +79,16 @@ def test_resume_on_another_grid_continues_the_run(reference, corpus, devices, tm
     assert sorted(os.listdir(directory)) == ["2", "4"]
 
 
+@pytest.mark.parametrize("gradients", [False, True], ids=["state", "state-and-gradients"])
 def test_offload_checkpoint_restores_without_offload_and_back(reference, corpus, devices,
-                                                              tmp_path):
+                                                              tmp_path, gradients):
+    """Written without offload, resumed with it (the gradients in host memory too or not): the
+    uninterrupted run's losses; its checkpoint restored without offload: its state."""
     directory = copy_of(reference, tmp_path, drop_last=True)
     # Written without offload, resumed with it (on 4 devices); it writes step 4 with offload.
     resumed = train(options(corpus, parallel=ParallelConfig(data=4), offload_optimizer=True,
-                            checkpoint_dir=str(directory), resume=True), devices=devices[:4])
+                            offload_gradients=gradients, checkpoint_dir=str(directory),
+                            resume=True), devices=devices[:4])
     assert relative_difference(losses(resumed), losses(reference[0])[2:]) <= 1e-5
     # That offload checkpoint restored without offload holds the uninterrupted run's state.
     trainer = build_trainer(options(corpus, parallel=ParallelConfig(data=2)), devices[:2])

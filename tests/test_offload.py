@@ -170,6 +170,19 @@ def test_partition_spec_splits_the_host_state_over_data(spec, shape, skip, expec
     assert partition_spec(spec, shape, "data", 2, skip) == expected
 
 
+@pytest.mark.parametrize("spec, shape, sizes, expected", [
+    # a tensor grid names every dimension: the one with the most elements per device takes data
+    (P(None, ("row", "depth"), "col"), (2, 64, 64), dict(row=1, depth=2, col=1),
+     P(None, ("row", "depth"), ("col", "data"))),
+    (P(None, "row"), (2, 64), dict(row=4), P(None, ("row", "data"))),
+    (P(None, "row"), (2, 6), dict(row=2), P(None, "row")),  # 6 does not split over 2 × 2
+])
+def test_partition_spec_splits_over_data_beside_tensor_axes(spec, shape, sizes, expected):
+    """On a tensor grid the host state is split over `data` too (ZeRO-Offload): each copy holds
+    and streams its share, not the whole state."""
+    assert partition_spec(spec, shape, "data", 2, 1, {**sizes, "data": 2}) == expected
+
+
 def test_update_moves_state_per_layer_not_in_bulk(devices):
     """Lowered for a GPU (CPU drops in-jit placements): every transfer is one layer's slice or one
     small parameter, and their number does not grow with the number of layers."""

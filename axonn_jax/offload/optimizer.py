@@ -32,6 +32,7 @@ per-piece transfers can be inspected without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -185,8 +186,13 @@ def stacked_mask(params, key: str, num_layers: int) -> list[bool]:
             and x.shape[0] == num_layers for path, x in flat]
 
 
-def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: int) -> P:
-    """`spec` with `axis` added on the largest dimension it leaves unsplit and `size` divides.
+def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: int,
+                   axis_sizes: dict[str, int] | None = None) -> P:
+    """`spec` with `axis` added on the dimension with the most elements per device it divides.
+
+    A dimension another axis splits takes `axis` too (the pair as a tuple) where `size` still
+    divides its share: on a tensor-parallel grid every dimension names a tensor axis, of one
+    device or more.
 
     Args:
       spec: the parameter's PartitionSpec (not naming `axis`).
@@ -194,17 +200,24 @@ def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: 
       axis, size: the mesh axis to add and its size.
       skip: leading dimensions never split over `axis` (a stack's layer axis, which the
         update loop indexes).
+      axis_sizes: the mesh's axis sizes (None: a dimension another axis names is not split
+        further).
 
     Returns:
       The host copy's spec; `spec` itself where no dimension qualifies (a small leaf stays
       replicated over `axis`).
     """
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    free = [d for d in range(skip, len(shape)) if entries[d] is None and shape[d] % size == 0]
+    names = [() if e is None else e if isinstance(e, tuple) else (e,) for e in entries]
+    shares = [shape[d] // math.prod((axis_sizes or {}).get(n, 1) for n in names[d])
+              for d in range(len(shape))]
+    free = [d for d in range(skip, len(shape)) if (axis_sizes is not None or not names[d])
+            and shape[d] % (shape[d] // shares[d] * size) == 0]
     if not free:
         return spec
-    best = max(free, key=lambda d: shape[d])
-    return P(*entries[:best], axis, *entries[best + 1:])
+    best = max(free, key=lambda d: shares[d])
+    entry = axis if not names[best] else (*names[best], axis)
+    return P(*entries[:best], entry, *entries[best + 1:])
 
 
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -269,7 +282,8 @@ class _Streamed:
         shapes = [x.shape for x in jax.tree.leaves(master)]
         return jax.tree.unflatten(treedef, [
             NamedSharding(s.mesh, partition_spec(s.spec, shape, self.partition_axis,
-                                                 self.partition_size, int(k)))
+                                                 self.partition_size, int(k),
+                                                 dict(s.mesh.shape)))
             for s, shape, k in zip(leaves, shapes, stacked)])
 
     def canonical(self, params, opt_state):

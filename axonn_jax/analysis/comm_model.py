@@ -311,8 +311,7 @@ class Workload:
         """
         return layers_summed_in_backward(
             grid, microbatches=self.microbatches,
-            sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4
-            and not self.offload_gradients,
+            sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4,
             compressed=bool(self.compress_bits), compressed_layers=self.compress_in_backward)
 
 

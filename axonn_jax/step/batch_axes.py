@@ -67,10 +67,10 @@ def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: b
     Args:
       grid: the run's `ParallelConfig`.
       microbatches: the step's microbatches: accumulated ones are summed after their loop.
-      sixteen_bit_offload: 16-bit device parameters under an offloaded state, with their
-        gradients on the device: those are summed after the backward, in float32, and divided
-        before the cast back (gradients bound for host memory are divided inside the layers'
-        sums instead: `ComputeFunctions.layer_mean`).
+      sixteen_bit_offload: 16-bit device parameters under an offloaded state: each layer's
+        sum over `data` is then divided before its cast back (`ComputeFunctions.layer_mean`,
+        no overflow), which is built for the exact exchange over `data` alone; with CGX or
+        another batch axis they are summed after the backward, in float32.
       compressed: CGX's exchange runs in the step.
       compressed_layers: CGX's exchange offers per-layer stages (`compress_in_backward`), which
         run over `data` alone: with another batch axis the compressed sum is after the
@@ -79,9 +79,10 @@ def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: b
     Returns:
       True where the layers are summed in the backward (no pipeline, one microbatch).
     """
-    if grid.pipe > 1 or microbatches > 1 or sixteen_bit_offload:
+    extra = extra_axes(grid)
+    if grid.pipe > 1 or microbatches > 1 or sixteen_bit_offload and (compressed or extra):
         return False
-    return not compressed or (compressed_layers and not extra_axes(grid))
+    return not compressed or (compressed_layers and not extra)
 
 
 def _spec(rows: tuple[str, ...], seq: tuple[str, ...]) -> P:

@@ -105,9 +105,10 @@ class ComputeFunctions:
     (`step.layer_exchange`), each layer's sum running while the layer below computes its
     backward (`SpmdEngine.layer_reduce`)."""
     layer_mean: bool = False
-    """Those sums divided by the axes' size in float32, before the cast back to the stored
-    dtype: means, for gradients that leave for host memory (`--offload-gradients`), which
-    nothing divides afterwards (16-bit ones summed whole could overflow)."""
+    """Those sums divided by the axis' size in float32, before the cast back to the stored
+    dtype: means, for 16-bit gradients (an offloaded state's device parameters), whose sum of
+    copies could overflow, and for gradients that leave for host memory
+    (`--offload-gradients`), which nothing divides afterwards."""
     reduce_dtype: str = "float32"
     """The dtype those sums send (`parallel.exchange`)."""
     layer_stages: Callable | None = None

@@ -57,8 +57,9 @@ class SpmdEngine:
     summed): for an exact reducer over one microbatch, where the reduction is the same sum issued
     earlier."""
     layer_mean: bool = False
-    """The per-layer sums divided by the axes' size before the cast back (means): for gradients
-    that leave for host memory (`ComputeFunctions.layer_mean`)."""
+    """The per-layer sums divided by the axis' size before the cast back (means, which the
+    step's reducer then leaves alone): for 16-bit gradients, whose sum could overflow, and for
+    gradients that leave for host memory (`ComputeFunctions.layer_mean`)."""
     reduce_dtype: str = "float32"
     """The dtype the per-layer sums send (`parallel.exchange`)."""
     layer_stages: Callable | None = None

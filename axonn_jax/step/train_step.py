@@ -716,13 +716,13 @@ class BoundStep:
         # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
         alone = not extra and grid.data == 1 and not in_step
         layer = self.reducer.layer_exchange if in_step else None
+        sixteen_bit_offload = o.offload_optimizer and o.dtype != "float32"
         summed = batch_axes.layers_summed_in_backward(
-            grid, microbatches=o.microbatches,
-            sixteen_bit_offload=o.offload_optimizer and o.dtype != "float32"
-            and not o.offload_gradients,
+            grid, microbatches=o.microbatches, sixteen_bit_offload=sixteen_bit_offload,
             compressed=in_step, compressed_layers=layer is not None)
         return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=summed, layer_mean=o.offload_gradients,
+                          layer_reduce=summed,
+                          layer_mean=sixteen_bit_offload or o.offload_gradients,
                           reduce_dtype=o.reduce_dtype,
                           layer_stages=None if layer is None else layer.stages)
 
@@ -898,6 +898,7 @@ class BoundStep:
         layer = self.reducer.layer_exchange
         with_state = layer is not None and getattr(engine, "layer_stages", None) is not None \
             and engine.exchanges_layers
+        averaged = getattr(engine, "layer_mean", False) and engine.exchanges_layers
 
         def local(params, batch, scale, key, red_state, sink):
             batch = batch_axes.lay_out(batch, manual, self.parts.grid)
@@ -912,11 +913,12 @@ class BoundStep:
             else:
                 loss, grads, metrics = engine.loss_and_grads(params, batch, scale)
             grads = _sum_over_unsplit(grads, p_specs, extra, self.parts.grid)
-            host = {} if sink is None else {"blocks": grads["blocks"]}
-            grads, red_state = self.reducer.reduce({**grads, **dict.fromkeys(host, {})},
+            # The blocks averaged in the backward (`SpmdEngine.layer_mean`) skip the reducer.
+            done = {"blocks": grads["blocks"]} if averaged else {}
+            grads, red_state = self.reducer.reduce({**grads, **dict.fromkeys(done, {})},
                                                    red_state, key)
             mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731
-            return mean(loss), {**grads, **host}, red_state, mean(metrics), squares
+            return mean(loss), {**grads, **done}, red_state, mean(metrics), squares
 
         r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \

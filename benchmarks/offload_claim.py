@@ -6,7 +6,8 @@ AxoNN (IPDPS'22) keeps fp32 state in host memory: less memory per GPU, hence few
 stages or less tensor/depth splitting, hence less communication, and a faster step. For every
 row of the scale table whose grid `plan` picks (`benchmarks/scale.py`), this asks `plan` for the
 best grid with the state on the device and the best with `--offload-optimizer` (on `h100-dgx`:
-its host link, `comm_model.Machine.host_bw`, times the state's transfers) and writes the ratio to
+its host link, `comm_model.Machine.host_bw`, times the state's transfers; "gradients too" where
+`plan` also put the gradients in host memory, `--offload-gradients`) and writes the ratio to
 `results/offload_claim.md`. Rows whose replayed compiled steps were measured beside are quoted
 from `results/offload_claim_replay.json` when it exists (`axonn-jax compile --target h100
 --overlap-report --json` of both grids).
@@ -48,7 +49,9 @@ def rows() -> dict[str, dict]:
         args = ["--model", row.model, "--devices", str(row.devices), "--batch-size",
                 str(row.batch), "--seq-len", str(row.seq), "--dtype", "bfloat16"]
         device, offload = _best(args), _best([*args, "--offload-optimizer"])
-        out[name] = {k: p and {"grid": _grid(p), "microbatches": p.microbatches, "remat": p.remat,
+        out[name] = {k: p and {"grid": _grid(p) + (", gradients too" if p.offload_gradients
+                                                   else ""),
+                               "microbatches": p.microbatches, "remat": p.remat,
                               "step_s": p.step_time_s, "memory_gb": p.memory_per_device_bytes / 1e9}
                      for k, p in (("device", device), ("offload", offload))}
         print(name, out[name], flush=True)

@@ -179,6 +179,8 @@ class ComputeFunctions:
         if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
             axes = self.vary_layers
             stages = self._layer_sum(axes)
+            if sink is not None:  # each layer's write to host one iteration after its exchange,
+                stages = (*stages, lambda g: g)  # which would else be made to end before it
             if self.layer_stages is not None:
                 layer_state = (None, None) if layer_state is None else layer_state
             prepare = lambda p: cast_floating(ensure_varying(p, axes), self.dtype)  # noqa: E731

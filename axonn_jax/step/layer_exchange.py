@@ -221,8 +221,6 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
         return (x, _concatenated(auxes)), residuals
 
     stages = exchange if isinstance(exchange, tuple) else (exchange,)
-    if sink is not None:  # each layer's write to host memory one iteration after its exchange
-        stages = (*stages, lambda v: v)
     stateful = layer_state is not None
     state, key = layer_state if stateful else (None, None)
 

@@ -879,10 +879,11 @@ class BoundStep:
             or None.
 
         Returns:
-          `(loss, grads, reducer state, metrics, host squares)`: the mean loss, the gradients
-          like `params` (scaled by `scale`; with `sink` the blocks' are its host stacks, averaged
-          in the backward), the reducer's new state, the blocks' per-layer metrics in the model's
-          layer order, and with `sink` the host gradients' per-layer sums of squares (else None).
+          `(loss, grads, reducer state, metrics)`: the mean loss, the gradients like `params`
+          (scaled by `scale`; with `sink` the blocks' are its host stacks, averaged in the
+          backward), the reducer's new state and the blocks' per-layer metrics in the model's
+          layer order. With `sink`, also the host gradients' per-layer sums of squares, as a
+          fifth.
         """
         engine = engine or self.engine
         sunk = {} if sink is None else {"sink": sink}
@@ -890,7 +891,7 @@ class BoundStep:
             with tracing_in(self.parts.mesh):  # the mesh a shard_map would have put in context
                 loss, grads, metrics, *squares = engine.loss_and_grads(params, batch, scale,
                                                                        **sunk)
-            return loss, grads, red_state, metrics, (squares or [None])[0]
+            return (loss, grads, red_state, metrics, *squares)
         manual = engine.manual_axes
         p_specs = _manual_specs(self.specs, manual)
         extra = tuple(a for a in batch_axes.extra_axes(self.parts.grid) if a in manual)
@@ -934,7 +935,7 @@ class BoundStep:
         if order is not None:
             metrics = jax.tree.map(lambda a: jnp.take(a, jnp.asarray(np.argsort(order)), axis=0),
                                    metrics)
-        return loss, grads, red_state, metrics, squares
+        return (loss, grads, red_state, metrics) + (() if sink is None else (squares,))
 
     # ------------------------------------------------------------------ the step
 
@@ -993,10 +994,10 @@ class BoundStep:
         def train_step(state: TrainState, batch):
             sink = self._gradient_sink(state.params["blocks"]) \
                 if self.parts.options.offload_gradients else None
-            loss, grads, red, metrics, squares = self.loss_and_grads(
+            loss, grads, red, metrics, *squares = self.loss_and_grads(
                 state.params, batch, state.loss_scale, state.step_key(), state.reducer, engine,
                 sink)
-            new, update_metrics = self.update(state, grads, squares)
+            new, update_metrics = self.update(state, grads, *squares)
             return new.replace(reducer=red), {"loss": loss, **metrics, **update_metrics}
 
         return train_step

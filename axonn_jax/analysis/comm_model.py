@@ -1138,9 +1138,8 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
       Seconds.
     """
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
-    grads = host_gradient_bytes(work, grid)
-    state = host_memory_per_device(work, grid) - grads
-    return hbm / machine.hbm_bw + (2 * state + grads / grid.data) / machine.host_bw
+    host = 2 * _host_state_bytes(work, grid) + host_gradient_bytes(work, grid) / grid.data
+    return hbm / machine.hbm_bw + host / machine.host_bw
 
 
 def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
@@ -1179,10 +1178,15 @@ def host_memory_per_device(work: Workload, grid: ParallelConfig) -> float:
       moments (`offload.optimizer`: split over `data`), plus the blocks' gradients with
       `offload_gradients`; else 0.
     """
+    return _host_state_bytes(work, grid) + host_gradient_bytes(work, grid)
+
+
+def _host_state_bytes(work: Workload, grid: ParallelConfig) -> float:
+    """One device's share of the offloaded fp32 masters and Adam's two moments (0 without
+    `offload_optimizer`)."""
     if not work.offload_optimizer:
         return 0.0
-    return parameters_per_device(work, grid) * 3 * work.param_bytes / grid.data + \
-        host_gradient_bytes(work, grid)
+    return parameters_per_device(work, grid) * 3 * work.param_bytes / grid.data
 
 
 def _factorizations(n: int, parts: int) -> Iterable[tuple[int, ...]]:
@@ -1331,9 +1335,10 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
             for remat, (offload, bits) in itertools.product(modes, states):
                 if bits and g.data == 1:
                     continue
-                p = predict(dataclasses.replace(w, remat=remat, offload_optimizer=offload,
-                                                compress_bits=bits), g, machine)
-                p = _gradients_offloaded_if_needed(p, w, g, machine)
+                chosen = dataclasses.replace(w, remat=remat, offload_optimizer=offload,
+                                             compress_bits=bits)
+                p = _gradients_offloaded_if_needed(predict(chosen, g, machine), chosen, g,
+                                                   machine)
                 key = (p.step_time_s * (1 + lossy_margin if bits else 1),
                        p.memory_per_device_bytes)
                 if p.fits and (best is None or key < best[0]):
@@ -1346,12 +1351,11 @@ def plan(work: Workload, num_devices: int, machine: Machine, grid: ParallelConfi
 
 def _gradients_offloaded_if_needed(p: Prediction, work: Workload, grid: ParallelConfig,
                                    machine: Machine) -> Prediction:
-    """`p`, or where its offloaded state does not fit but would with the blocks' gradients in
-    host memory too (`offload_gradients`, where the grid allows it), that prediction."""
-    if p.fits or not p.offload_optimizer or work.offload_gradients:
+    """`p` (`work`'s prediction), or where its offloaded state does not fit, the prediction with
+    the blocks' gradients in host memory too (`offload_gradients`, where the grid allows it)."""
+    if p.fits or not work.offload_optimizer or work.offload_gradients:
         return p
-    moved = dataclasses.replace(work, remat=p.remat, offload_optimizer=True,
-                                compress_bits=p.compress_bits, offload_gradients=True)
+    moved = dataclasses.replace(work, offload_gradients=True)
     return p if infeasible_reason(moved, grid) else predict(moved, grid, machine)
 
 

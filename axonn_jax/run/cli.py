@@ -184,9 +184,8 @@ def _plan(args) -> int:
 def _compile_reports(config, grids, target, predict=None, dump_hlo=None, machine=None):
     """`analysis.compiled` reports of the config's step on each `(grid, microbatches, remat)`
     (or `(grid, microbatches, remat, offload_optimizer, compress_bits, offload_gradients)`),
-    compiled for `target`
-    (`analysis.targets.Target`) with `predict(*choice)`'s figures; `machine`: replay each
-    schedule on it (the reports' `overlap`)."""
+    compiled for `target` (`analysis.targets.Target`) with `predict(*choice)`'s figures;
+    `machine`: replay each schedule on it (the reports' `overlap`)."""
     import jax
 
     from ..analysis import comm_model as cm, compiled as cc

@@ -92,8 +92,9 @@ class SpmdEngine:
           layer_state: `(state stack or None, key or None)` of `layer_stages`, when
             `exchanges_layers`; one microbatch only.
           sink: `{"grads": host stacks like params['blocks'], "squares": float32 (layers,)}`
-            to write the blocks' gradients to in the backward (`--offload-gradients`); no
-            manual axes, one microbatch only.
+            to write the blocks' gradients to in the backward (`--offload-gradients`; over the
+            manual axes, after each layer's mean: `exchanges_layers` with `layer_mean`); one
+            microbatch only.
 
         Returns:
           `(loss, grads, metrics)`: this device's mean loss (unscaled), its gradients like

@@ -335,6 +335,39 @@ def all_gather_invariant(x, axis_name):
     return parallel.all_gather_invariant(x, axis_name)
 
 
+def gathered_invariant(gather: Callable, x, axis: str):
+    """`gather(x)` typed invariant over the manual axis `axis`, or None where it cannot be.
+
+    `gather` runs collectives over groups of `axis` (`axis_index_groups`) that leave every shard
+    of it the same value, e.g. an all-gather across nodes and then one inside each node. JAX types
+    only a whole-axis gather as invariant (`all_gather_invariant`); this runs `gather` in a nested
+    shard_map, manual over one axis that is not manual here (one of size 1 where there is one),
+    that does not check replication, so its result leaves typed invariant over the enclosing
+    manual axes, and is cast back to those other than `axis` that `x` varies over. Correct only
+    where the value really is equal on every shard of `axis`.
+
+    Args:
+      gather: `x -> value`, the same value on every shard of `axis`.
+      x: the operand, inside a shard_map manual over `axis`.
+      axis: the manual mesh axis the value is equal over.
+
+    Returns:
+      `gather(x)`, typed invariant over `axis`; None where every mesh axis is manual here (no
+      shard_map can nest), for the caller to gather over the whole axis instead.
+    """
+    import jax
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(manual_axes())
+    free = sorted((a for a in mesh.axis_names if a not in manual), key=lambda a: mesh.shape[a] != 1)
+    if not free:
+        return None
+    out = shard_map(gather, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                    axis_names={free[0]}, check_vma=False)(x)
+    return ensure_varying(out, tuple(sorted(varying_axes(x) - {axis})))
+
+
 def jaxpr_internals():
     """What `parallel.backward_split` needs to read and re-run jaxprs: `Literal`, `DropVar` and
     `dce_eqn`, JAX's dead-code elimination of one equation (its rules are private)."""

@@ -24,8 +24,8 @@ less than `scale`.
 Between nodes only (`node_size`, `Nodes`; CGX's hierarchical mode, `--compress-scope inter-node`):
 each compressed tensor is first summed exactly inside its node and reduce-scattered there
 (`psum_scatter` over the node's shards), steps 1–3 run on each shard's chunk among the shards at
-its place in every node, and step 4 all-gathers the packed result over the whole axis (the only
-gather JAX types as replicated over the axis).
+its place in every node, and step 4 gathers the packed result across nodes and then inside each
+node (`_by_place`), so the links between nodes carry only each place's share.
 
 Which tensors are compressed, at which width: rules on the '/'-joined parameter path
 (`parse_rule`: `PATTERN=BITS` or `PATTERN=exact`), else CGX's filter: 1-D tensors and those of
@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import quantizer
 from .exchange import spec_axes
-from .._compat import (all_gather_invariant, current_mesh, psum, psum_scatter, shard_map,
-                       to_varying, varying_axes)
+from .._compat import (all_gather_invariant, current_mesh, gathered_invariant, psum,
+                       psum_scatter, shard_map, to_varying, varying_axes)
 from ..checks import check_choice
 
 DEFAULT_BUCKET_SIZE = 1024
@@ -576,18 +576,35 @@ def _node_scatter_group(xs: list[jax.Array], residuals: list, nodes: Nodes, bits
                               for x, e in zip(xs, errors)]
 
 
+def _by_place(a: jax.Array, nodes: Nodes) -> jax.Array:
+    """Every shard's `a` (`[1, ...]`), typed invariant over the axis: `[nodes.size, nodes.count,
+    ...]`, shard (node m, place k) at `[k, m]`.
+
+    Gathered across nodes, then inside each node (`_compat.gathered_invariant`), so the NICs carry
+    `1 / nodes.size` of what one gather over the whole axis sends across them; where no shard_map
+    can nest (every mesh axis manual), that one gather, reordered.
+    """
+    def across_then_inside(a):
+        a = jax.lax.all_gather(a, nodes.axis, axis_index_groups=nodes.across(), tiled=True)
+        return jax.lax.all_gather(a, nodes.axis, axis_index_groups=nodes.inside())
+
+    out = gathered_invariant(across_then_inside, a, nodes.axis)
+    if out is None:
+        whole = all_gather_invariant(a, nodes.axis)
+        out = whole.reshape(nodes.count, nodes.size, *a.shape).swapaxes(0, 1)
+    return out
+
+
 def _node_gather_group(received: Quantized, like: list, counts: list[int], nodes: Nodes,
                        bits: int, bucket_size: int, key, mean: bool, impl: str = "auto") -> list:
     """`_gather_group` between nodes: the owned part of this shard's chunks summed over nodes
-    and quantized again, every shard's packed part gathered over the whole axis (what each node
-    gathers across nodes and then inside, in one all-gather), and each tensor put together
-    from its chunks."""
+    and quantized again, every shard's packed part gathered across nodes and then inside each
+    (`_by_place`), and each tensor put together from its chunks."""
     n, dtype = nodes.count, like[0].dtype
     q2, per_shard = _requantized(received, n, dtype, bits, bucket_size, key, mean, impl)
-    gathered = _exchange(q2, lambda a: all_gather_invariant(a, nodes.axis), per_shard)
+    gathered = _exchange(q2, lambda a: _by_place(a, nodes), per_shard)
     # Shard (node m, place k) holds part m of chunk k: chunk k is parts 0..n-1 of place k.
-    by_place = Quantized(*(a.reshape(n, nodes.size, per_shard, *a.shape[1:]).swapaxes(0, 1)
-                           .reshape(nodes.size, n * per_shard, *a.shape[1:]) for a in gathered))
+    by_place = Quantized(*(a.reshape(nodes.size, n * per_shard, *a.shape[1:]) for a in gathered))
     outs, start = [], 0
     for x, count in zip(like, counts):
         chunk = -(-x.size // nodes.size)

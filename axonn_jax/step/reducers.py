@@ -443,7 +443,7 @@ def _inter_node_collectives(shards, parts: int, node_shards: int, bits: int, buc
     chunks, one per shard of a node, reduce-scattered exactly inside the node (a group of
     `node_shards` neighbours); the chunks in whole buckets, each buffer in whole parts per node,
     sent by an all-to-all between the `parts / node_shards` nodes; the packed result all-gathered
-    over the whole axis. A block shard is exchanged layer by layer (inside the backward: one
+    between the nodes (each place's share), then inside each node. A block shard is exchanged layer by layer (inside the backward: one
     buffer per layer), the others in one buffer."""
     nodes = parts // node_shards
     elements, parts_sent = 0, 0  # reduce-scattered elements; buckets sent, buffers padded
@@ -456,7 +456,9 @@ def _inter_node_collectives(shards, parts: int, node_shards: int, bits: int, buc
     return [Collective("reduce-scatter", (axis,), elements * param_bytes,
                        group_size=node_shards, span=node_shards),
             Collective("all-to-all", (axis,), packed, group_size=nodes),
-            Collective("all-gather", (axis,), packed * node_shards)]
+            Collective("all-gather", (axis,), packed, group_size=nodes),
+            Collective("all-gather", (axis,), packed * node_shards, group_size=node_shards,
+                       span=node_shards)]
 
 
 class _Layer(NamedTuple):

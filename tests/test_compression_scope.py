@@ -9,7 +9,7 @@ import pytest
 
 from axonn_jax import ParallelConfig
 from axonn_jax.analysis import comm_model as cm, targets
-from axonn_jax.analysis.hlo import bytes_by_axes
+from axonn_jax.analysis.hlo import bytes_by_axes, collectives
 from axonn_jax.parallel import compression as C
 from axonn_jax.run.cli import main as cli_main
 from axonn_jax.step.train_step import StepOptions, option_problems
@@ -153,6 +153,9 @@ def test_inter_node_bytes_match_model_and_compiled_hlo(devices):
             got, want = measured.get(key, 0.0), predicted.get(key, 0.0)
             assert abs(got - want) <= max(0.05 * got, 64), (scope, key, got, want)
         found[scope] = measured
+        if scope == "inter-node":  # the packed result gathered across the 2 nodes, then inside
+            sizes = sorted({c.group_size for c in collectives(text) if c.kind == "all-gather"})
+            assert sizes == [2, 4], sizes
     inter, flat = found["inter-node"], found["all"]
     assert inter[("reduce-scatter", ("data",))] > 0
     assert inter[("all-to-all", ("data",))] == pytest.approx(
@@ -179,18 +182,19 @@ def test_cli_bad_scope_flags(argv, message, capsys):
 @pytest.mark.skipif(targets.cuda_compile_problem() is not None, reason="no CUDA compile plugin")
 def test_h100_compile_reports_each_link(capsys):
     """Compiled for 16 abstract H100s (2 nodes of 8, the default node size on GPUs), data 16, 4
-    bits: the replay puts the exact reduce-scatter on the intra-node link and the all-to-all and
-    all-gather on the inter-node one (`by_link`), and the compiled bytes per kind are the
-    model's."""
+    bits: the replay puts the exact reduce-scatter on the intra-node link, the all-to-all on the
+    inter-node one and the final all-gather on both (across nodes, then inside; `by_link`), and
+    the compiled bytes per kind are the model's."""
     assert cli_main(["compile", "--target", "h100", "--devices", "16", "--dp", "16",
                      "--model", "gpt-tiny", "--batch-size", "16", "--seq-len", "64",
                      "--compress-bits", "4", "--compress-scope", "inter-node",
                      "--overlap-report", "--json"]) == 0
     (report,) = json.loads(capsys.readouterr().out)
-    links = {key.split(" on ")[1] for key in report["overlap"]["by_link"]
-             if key.startswith("reduce-scatter over data")}
-    assert links == {"intra-node"}
-    for kind in ("all-to-all", "all-gather"):
-        assert f"{kind} over data on inter-node" in report["overlap"]["by_link"]
+    def links(kind):
+        return {key.split(" on ")[1] for key in report["overlap"]["by_link"]
+                if key.startswith(f"{kind} over data")}
+    assert links("reduce-scatter") == {"intra-node"}
+    assert links("all-to-all") == {"inter-node"}
+    assert links("all-gather") == {"inter-node", "intra-node"}  # across nodes, then inside
     assert report["comm_bytes_per_device"] == pytest.approx(
         report["predicted"]["comm_bytes_per_device"], rel=0.05, abs=64)

@@ -364,13 +364,18 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     """
     d, shape = declared(work, grid), work.step(grid)
     stage_layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe)
+    exchanged = [p for p in d.parameters if not summed_with_data(p, shape)]
+    shared = [p for p in exchanged if _gradient_shared(work, grid, p)]
     found = [*d.collectives, *scalar_collectives(d.parameters, grid),
-             *exchange_collectives([p for p in d.parameters if not summed_with_data(p, shape)],
+             *exchange_collectives([p for p in exchanged if p not in shared],
                                    grid.data, bits=work.compress_bits,
                                    param_bytes=work.param_bytes, reduce_dtype=work.reduce_dtype,
                                    piece_bytes=shape.packed_bytes,
                                    layers=stage_layers, node_shards=work.node_shards(grid)),
              *batch_axes_collectives(d, shape)]
+    if shared:  # each copy's share of their mean, for host memory, in float32
+        found.append(Collective("reduce-scatter", (DATA.name,),
+                                sum(p.elements for p in shared) * FP32))
     if work.offload_optimizer and grid.data > 1:
         # The new 16-bit parameters, each copy's share made from its share of the host state,
         # gathered over `data` (`offload.optimizer`: the state split over it).
@@ -1138,16 +1143,19 @@ def update_seconds(work: Workload, grid: ParallelConfig, machine: Machine,
       Seconds.
     """
     hbm = 2 * memory["params"] + memory["grads"] + 2 * memory["optimizer"]
-    host = 2 * _host_state_bytes(work, grid) + host_gradient_bytes(work, grid) / grid.data
+    host = 2 * _host_state_bytes(work, grid)
+    if work.offload_gradients:  # the share of the blocks' gradients this copy's state reads
+        host += _block_elements(declared(work, grid)) * work.compute_bytes / grid.data
     return hbm / machine.hbm_bw + host / machine.host_bw
 
 
 def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
     """Bytes of the blocks' gradients one device writes to host memory (`offload_gradients`).
 
-    Every data-parallel copy writes their whole mean, during the backward, on the link's other
-    direction; in the update each reads back the share its part of the state needs (1/data):
-    only that crossing is counted in `update_seconds`.
+    Each data-parallel copy writes its share of their mean (`_gradient_shared`; the whole mean
+    of a block beside a tensor axis), during the backward, on the link's other direction; in
+    the update each reads back the share its part of the state needs (1/data): only that
+    crossing is counted in `update_seconds`.
 
     Args:
       work: the step.
@@ -1158,7 +1166,21 @@ def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
     """
     if not work.offload_gradients:
         return 0.0
-    return _block_elements(declared(work, grid)) * work.compute_bytes
+    d = declared(work, grid)
+    elements = sum(p.elements / (grid.data if _gradient_shared(work, grid, p) else 1)
+                   for p in d.parameters if not p.outside_blocks)
+    return elements * work.compute_bytes
+
+
+def _gradient_shared(work: Workload, grid: ParallelConfig, shard: ParameterShard) -> bool:
+    """Whether each data-parallel copy writes only its share of `shard`'s gradient to host memory
+    (`offload_gradients`, `offload.optimizer.share_dimension`): a block's, where one of its
+    dimensions no tensor axis of more than one device splits (the offloaded state is split over
+    `data` there; the shard's shape per dimension is not declared, so that is the rule)."""
+    if not work.offload_gradients or grid.data == 1 or shard.outside_blocks:
+        return False
+    return len(shard.splits) < shard.ndim or any(
+        all(getattr(grid, a) == 1 for a in axes) for axes in shard.splits)
 
 
 def _block_elements(d: ModelCommunication) -> float:

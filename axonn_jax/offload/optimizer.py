@@ -220,6 +220,33 @@ def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: 
     return P(*entries[:best], entry, *entries[best + 1:])
 
 
+def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict[str, int],
+                    skip: int = 0) -> int | None:
+    """The dimension of a parameter whose offloaded state `axis` splits with no other axis of
+    more than one device beside it, or None.
+
+    There a shard_map manual over `axis` alone holds each copy's share of the state as a block
+    of its own (`--offload-gradients` writes each copy's share of a gradient there); where
+    `partition_spec` pairs `axis` with a tensor axis, or splits nothing, there is no such block.
+
+    Args:
+      spec: the parameter's PartitionSpec (not naming `axis`).
+      shape: its global shape.
+      axis: the axis the state is split over (`data`).
+      axis_sizes: the mesh's axis sizes.
+      skip: leading dimensions never split (a stack's layer axis).
+
+    Returns:
+      The dimension, or None.
+    """
+    host = partition_spec(spec, shape, axis, axis_sizes[axis], skip, axis_sizes)
+    for d, entry in enumerate(host):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if axis in names:
+            return d if all(axis_sizes.get(n, 1) == 1 for n in names if n != axis) else None
+    return None
+
+
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:
     """Group parameter `indices` greedily, in order, into lists of at most `bucket_bytes` bytes.
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import ensure_varying, manual_axis_size
+from .._compat import ensure_varying, manual_axis_size, psum_scatter
+from ..offload.optimizer import share_dimension
 from ..parallel import exchange
 from .gathers import unbatched_gathers
 from .model import ModelFunctions, scan_layers
@@ -139,6 +140,22 @@ class ComputeFunctions:
             return exchange.sum_over_stages(axes[0], self.reduce_dtype, self._layer_specs, size)
         return exchange.sum_over_unsplit_stages(axes, self.reduce_dtype, self._layer_specs)
 
+    def _layer_shares(self, axes: tuple[str, ...]) -> Callable:
+        """The exchange of one layer's gradients that leave for host memory: over one axis,
+        each leaf's mean reduce-scattered to this copy's share of it where the offloaded state
+        is split so (`offload.optimizer.share_dimension`), else its whole mean."""
+        (axis,) = axes
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+
+        def mean(g, spec):
+            d = share_dimension(spec, g.shape, axis, sizes)
+            if d is None:
+                return exchange.sum_divided(g, axis, sizes[axis])
+            share = psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=d, tiled=True)
+            return (share / sizes[axis]).astype(g.dtype)
+
+        return lambda tree: jax.tree.map(mean, tree, self._layer_specs)
+
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).
 
@@ -179,8 +196,9 @@ class ComputeFunctions:
         if self.vary_layers:  # cast per layer, after the cast to varying: the sums stay fp32
             axes = self.vary_layers
             stages = self._layer_sum(axes)
-            if sink is not None:  # each layer's write to host one iteration after its exchange,
-                stages = (*stages, lambda g: g)  # which would else be made to end before it
+            if sink is not None:  # each copy's share of the mean; written to host one
+                # iteration after its exchange, which would else be made to end before it
+                stages = (self._layer_shares(axes), lambda g: g)
             if self.layer_stages is not None:
                 layer_state = (None, None) if layer_state is None else layer_state
             prepare = lambda p: cast_floating(ensure_varying(p, axes), self.dtype)  # noqa: E731

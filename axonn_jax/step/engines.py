@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import ensure_varying, to_varying
+from .._compat import ensure_varying, psum, to_varying, varying_axes
 from ..parallel import pipeline as pipeline_lib
 from .compute import ComputeFunctions, cast_floating
 
@@ -172,9 +172,14 @@ class SpmdEngine:
             return loss * weight, (loss, metrics)
 
         rest = {k: v for k, v in params.items() if k != "blocks"}
+        # Copies that write their shares of the mean (host stacks varying over the manual axes)
+        # sum their shares' squares after the backward.
+        shared = tuple(sorted(set().union(*map(varying_axes, jax.tree.leaves(sink["grads"])))))
+        sink = {**sink, "squares": to_varying(sink["squares"], shared)}
         (_, (loss, metrics)), (grads, filled) = jax.value_and_grad(
             scaled, argnums=(0, 1), has_aux=True)(rest, sink, batch, scale)
-        return loss, {**grads, "blocks": filled["grads"]}, metrics, filled["squares"]
+        squares = psum(filled["squares"], shared) if shared else filled["squares"]
+        return loss, {**grads, "blocks": filled["grads"]}, metrics, squares
 
 
 @dataclasses.dataclass(frozen=True)

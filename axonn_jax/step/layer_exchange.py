@@ -23,13 +23,14 @@ its sum of squares, and no gradient stack is held on the device.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._compat import in_host_memory
+from .._compat import in_host_memory, manual_axis_size, varying_axes
 from .update import sum_of_squares
 
 
@@ -92,9 +93,17 @@ def _place(stack, tree, i):
 
 def _sunk(sink, tree, i):
     """`sink` (`{"grads", "squares"}`, `scan_exchanging`'s) with layer `i`'s gradients `tree`
-    written to its host stacks and their sum of squares (float32) to `squares[i]`."""
+    written to its host stacks and their sum of squares (float32) to `squares[i]`.
+
+    Where the squares vary over manual axes, so that their sum over those axes is the layer's
+    (each copy holding its share of some leaves), a leaf every copy holds whole counts once per
+    copy, divided by their number."""
+    over = varying_axes(sink["squares"])
+    copies = math.prod(manual_axis_size(a) for a in over)
+    squares = sum(sum_of_squares(g) / (1 if over <= varying_axes(g) else copies)
+                  for g in jax.tree.leaves(tree))
     return {"grads": _place(sink["grads"], tree, i),
-            "squares": sink["squares"].at[i].set(sum_of_squares(tree))}
+            "squares": sink["squares"].at[i].set(squares)}
 
 
 def layer_runs(layer: Callable, stacked, groups) -> list[tuple[int, int, Callable]]:

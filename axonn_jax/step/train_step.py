@@ -30,11 +30,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .._compat import (HOST_MEMORY_KIND, ensure_varying, in_host_memory, mesh_platform, pmean,
                        shard_map, tracing_in, with_memory_kind)
+from ..batch_axis import DATA
 from ..checks import NOT_YET, collect
 from ..config import BATCH_AXES, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
-from ..offload.optimizer import ParamUpdate, gradient_offload_problems, host_offload, on_device
+from ..offload.optimizer import (ParamUpdate, gradient_offload_problems, host_offload, on_device,
+                                 partition_spec, share_dimension)
 from ..offload.precision import DTYPES, check_dtype, loss_scaler
 from ..parallel import compression, exchange, pipeline as pipeline_lib
 from ..tp.options import KernelOptions
@@ -924,11 +926,15 @@ class BoundStep:
         r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
             else P("data")
-        sink_specs = None if sink is None else {"grads": p_specs["blocks"], "squares": P()}
+        sink_specs, g_specs = None, p_specs
+        if sink is not None:
+            sink_specs = {"grads": _manual_specs(self._sink_specs(sink["grads"]), manual),
+                          "squares": P()}
+            g_specs = {**p_specs, "blocks": sink_specs["grads"]}
         loss, grads, red_state, metrics, squares = shard_map(
             local, mesh=self.parts.mesh,
             in_specs=(p_specs, batch_axes.local_spec(manual), P(), P(), r_specs, sink_specs),
-            out_specs=(P(), p_specs, r_specs, engine.metric_spec, None if sink is None else P()),
+            out_specs=(P(), g_specs, r_specs, engine.metric_spec, None if sink is None else P()),
             axis_names=set(manual))(params, batch, scale, key, red_state, sink)
         # Per-layer metrics in the model's layer order (interleaved stages store theirs otherwise).
         order = self.parts.layer_order
@@ -981,13 +987,34 @@ class BoundStep:
         return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
             x, NamedSharding(s.mesh, s.spec)), opt_state, shardings)
 
+    def _sink_specs(self, blocks) -> Any:
+        """How the host stacks of the blocks' gradients are split (`offload_gradients`): over
+        `data` too, each copy writing its share of the mean, where the offloaded state is split
+        so (`offload.optimizer.share_dimension`), else like the blocks.
+
+        Args:
+          blocks: the block parameters (or their gradients), stacked.
+
+        Returns:
+          A PartitionSpec per leaf of `blocks`.
+        """
+        sizes, axis = dict(self.parts.mesh.shape), DATA.name
+
+        def spec(b, s):
+            if sizes[axis] == 1 or share_dimension(s, b.shape, axis, sizes, skip=1) is None:
+                return s
+            return partition_spec(s, b.shape, axis, sizes[axis], 1, sizes)
+
+        return jax.tree.map(spec, blocks, self.specs["blocks"],
+                            is_leaf=lambda x: isinstance(x, P) or x is None)
+
     def _gradient_sink(self, blocks) -> dict:
         """Where the blocks' gradients go in the backward with `offload_gradients`: host stacks
-        placed like `blocks` (`scan_exchanging`'s sink; XLA allocates them without writing) and
-        their per-layer sums of squares."""
+        split as `_sink_specs` says (`scan_exchanging`'s sink; XLA allocates them without
+        writing) and their per-layer sums of squares."""
         sink = {"grads": jax.tree.map(lambda b, s: jax.device_put(
             jnp.zeros(b.shape, b.dtype), with_memory_kind(self._named(s), HOST_MEMORY_KIND)),
-            blocks, self.specs["blocks"], is_leaf=lambda x: isinstance(x, P) or x is None)}
+            blocks, self._sink_specs(blocks), is_leaf=lambda x: isinstance(x, P) or x is None)}
         return {**sink, "squares": jnp.zeros((self.model.num_layers,), jnp.float32)}
 
     def _train_step_fn(self, engine) -> Callable:

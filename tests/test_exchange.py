@@ -157,8 +157,11 @@ def one_device(devices):
     return train(TrainOptions(**OPTS), devices=devices[:1])
 
 
-# Losses and gradient norms against one device in float32 (measured: at most 1.9e-7 with float32;
-# 8.0e-4 with bfloat16 on the wire, one rounding of every gradient sum before Adam).
+# Losses and gradient norms against one device in float32: a float32 wire within 1e-5 in the
+# loss and 5e-5 in the norm (Adam turns the reassociation noise of a near-zero gradient element
+# into a whole step of either sign: measured up to 1.1e-5 in the third step's norm with jax
+# 0.12.0.1, flax 0.12.12, numpy 2.5.5, 1.9e-7 with the versions before); bfloat16 on the wire
+# within 5e-3 (measured 8.0e-4: one rounding of every gradient sum before Adam).
 @pytest.mark.parametrize("grid, extra", [
     (dict(data=4), {}),
     (dict(data=2, row=2, col=2), dict(microbatches=2)),
@@ -169,7 +172,7 @@ def test_reduce_dtype_trajectories(devices, one_device, grid, extra):
     runs = {dtype: train(TrainOptions(**OPTS, **extra, reduce_dtype=dtype, parallel=grid),
                          devices=devices[:grid.num_devices]) for dtype in exchange.REDUCE_DTYPES}
     ref = one_device["history"]
-    assert assert_steps_match(runs["float32"]["history"], ref, 1e-5) < 1e-5
+    assert assert_steps_match(runs["float32"]["history"], ref, 1e-5, norm_rtol=5e-5) < 5e-5
     assert 0 < assert_steps_match(runs["bfloat16"]["history"], ref, 5e-3)
 
 

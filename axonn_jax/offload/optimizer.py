@@ -222,10 +222,9 @@ def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: 
 
 def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict[str, int],
                     skip: int = 0) -> int | None:
-    """The dimension of a parameter whose offloaded state `axis` splits with no other axis of
-    more than one device beside it, or None.
+    """The dimension `axis` alone splits a parameter's offloaded state on, or None.
 
-    There a shard_map manual over `axis` alone holds each copy's share of the state as a block
+    Alone: no other axis of more than one device splits that dimension too. There a shard_map manual over `axis` alone holds each copy's share of the state as a block
     of its own (`--offload-gradients` writes each copy's share of a gradient there); where
     `partition_spec` pairs `axis` with a tensor axis, or splits nothing, there is no such block.
 

@@ -224,9 +224,10 @@ def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict
                     skip: int = 0) -> int | None:
     """The dimension `axis` alone splits a parameter's offloaded state on, or None.
 
-    Alone: no other axis of more than one device splits that dimension too. There a shard_map manual over `axis` alone holds each copy's share of the state as a block
-    of its own (`--offload-gradients` writes each copy's share of a gradient there); where
-    `partition_spec` pairs `axis` with a tensor axis, or splits nothing, there is no such block.
+    Alone: no other axis of more than one device splits that dimension too. There a shard_map
+    manual over `axis` alone holds each copy's share of the state as a block of its own
+    (`--offload-gradients` writes each copy's share of a gradient there); where `partition_spec`
+    pairs `axis` with a tensor axis, or splits nothing, there is no such block.
 
     Args:
       spec: the parameter's PartitionSpec (not naming `axis`).

@@ -443,8 +443,8 @@ def _inter_node_collectives(shards, parts: int, node_shards: int, bits: int, buc
     chunks, one per shard of a node, reduce-scattered exactly inside the node (a group of
     `node_shards` neighbours); the chunks in whole buckets, each buffer in whole parts per node,
     sent by an all-to-all between the `parts / node_shards` nodes; the packed result all-gathered
-    between the nodes (each place's share), then inside each node. A block shard is exchanged layer by layer (inside the backward: one
-    buffer per layer), the others in one buffer."""
+    between the nodes (each place's share), then inside each node. A block shard is exchanged
+    layer by layer (inside the backward: one buffer per layer), the others in one buffer."""
     nodes = parts // node_shards
     elements, parts_sent = 0, 0  # reduce-scattered elements; buckets sent, buffers padded
     per_layer = [s for s in shards if _one_layer(s, layers) is not s]

@@ -198,3 +198,18 @@ def test_h100_compile_reports_each_link(capsys):
     assert links("all-gather") == {"inter-node", "intra-node"}  # across nodes, then inside
     assert report["comm_bytes_per_device"] == pytest.approx(
         report["predicted"]["comm_bytes_per_device"], rel=0.05, abs=64)
+
+
+def test_processes_stand_in_for_nodes(tmp_path):
+    """`launch` of 2 processes of 4 CPU devices, data 8, 8 bits, scope inter-node with the
+    default node size (a process's devices): the steps of one process of 8 devices with
+    `--compress-node-size 4`, so each process is a node (exact inside it, compressed between)."""
+    from test_distributed import RUN, cli, run, steps_of
+
+    args = [*RUN, "--compress-bits", "8", "--compress-scope", "inter-node"]
+    run(cli("launch", "--nprocs", "2", "--devices-per-proc", "4", "--log-dir",
+            str(tmp_path / "logs"), "--", "train", *args, "--metrics-out",
+            str(tmp_path / "two.jsonl")))
+    run(cli("train", "--devices", "8", *args, "--compress-node-size", "4", "--metrics-out",
+            str(tmp_path / "one.jsonl")))
+    assert_steps_match(steps_of(tmp_path / "two.jsonl"), steps_of(tmp_path / "one.jsonl"))

@@ -60,6 +60,22 @@ def test_inter_node_psum_within_bound_of_node_sums(data_mesh, node_size):
     np.testing.assert_allclose(np.asarray(mean["w"]) * n, out["w"], rtol=1e-5, atol=1e-6)
 
 
+def test_inter_node_gather_without_a_free_axis_equals_the_grouped_one(devices, data_mesh):
+    """On a mesh of `data` alone no shard_map can nest inside the exchange, so the packed result
+    is gathered over the whole axis and reordered (`compression._by_place`): the same values and
+    residuals as the gathers across nodes and then inside them."""
+    from jax.sharding import Mesh
+
+    keys = jax.random.split(jax.random.key(5), 2)
+    tree = {"w": jax.random.normal(keys[0], (8, 6, 50)), "b": jax.random.normal(keys[1], (8, 70))}
+    residual = jax.tree.map(lambda a: 0.05 * jnp.cos(a), tree)
+    alone = Mesh(np.asarray(devices), ("data",))
+    runs = [psum_over(mesh, tree, residual, bits=4, bucket_size=B, min_size=100, node_size=2)
+            for mesh in (alone, data_mesh)]
+    for got, want in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_inter_node_stochastic_rounding_follows_the_key(data_mesh):
     """Stochastic rounding between nodes: unbiased noise from the key (two keys, two results),
     each within twice the nearest-rounding steps of the node sums and their sum."""

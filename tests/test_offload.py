@@ -141,6 +141,31 @@ def test_gradients_in_host_memory_train_like_device_gradients(devices, dtype, gr
                         comparable_state(want_trainer, want_state), **state_tolerances(dtype))
 
 
+@pytest.mark.parametrize("grid, shares", [(dict(data=4), True), (dict(data=2, row=2), False)])
+def test_gradients_in_host_memory_exchange_each_copys_share(devices, grid, shares):
+    """`--offload-gradients` over `data`: each block leaf no tensor axis splits is
+    reduce-scattered in the backward, each copy writing its share (on data 4 every block leaf; on
+    data 2 × row 2 only the unsplit norms, the rest whole means); the compiled step's bytes per
+    kind over `data` are the communication model's."""
+    from axonn_jax.analysis import comm_model as cm
+    from axonn_jax.analysis.hlo import bytes_by_axes
+    from axonn_jax.run.plan import workload
+
+    options = TrainOptions(model="gpt-tiny", batch_size=16, seq_len=32,
+                           parallel=ParallelConfig(**grid), offload_optimizer=True,
+                           offload_gradients=True)
+    trainer = build_trainer(options, devices[:options.parallel.num_devices])
+    state = trainer.init_state(abstract=True)
+    text = trainer.step.lower(state, trainer.bound.abstract_batch()).compile().as_text()
+    got = bytes_by_axes(text, options.parallel.as_dict())
+    want = cm.bytes_by_axes(workload(options, "cpu"), options.parallel)
+    for key in {k for k in set(got) | set(want) if k[1] == ("data",)}:
+        assert got.get(key, 0.0) == pytest.approx(want.get(key, 0.0), rel=0.01, abs=64), key
+    scattered = got[("reduce-scatter", ("data",))]
+    summed = got[("all-reduce", ("data",))]
+    assert (scattered > summed) == shares, (scattered, summed)
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(offload_gradients=True), "needs offload_optimizer"),
     (dict(offload_gradients=True, offload_optimizer=True, parallel=ParallelConfig(context=2)),

@@ -1174,13 +1174,11 @@ def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
 
 def _gradient_shared(work: Workload, grid: ParallelConfig, shard: ParameterShard) -> bool:
     """Whether each data-parallel copy writes only its share of `shard`'s gradient to host memory
-    (`offload_gradients`, `offload.optimizer.share_dimension`): a block's, where one of its
-    dimensions no tensor axis of more than one device splits (the offloaded state is split over
-    `data` there; the shard's shape per dimension is not declared, so that is the rule)."""
+    (`offload_gradients`, `offload.optimizer.share_dimension`): a block's that no tensor axis of
+    more than one device splits."""
     if not work.offload_gradients or grid.data == 1 or shard.outside_blocks:
         return False
-    return len(shard.splits) < shard.ndim or any(
-        all(getattr(grid, a) == 1 for a in axes) for axes in shard.splits)
+    return all(getattr(grid, a) == 1 for axes in shard.splits for a in axes)
 
 
 def _block_elements(d: ModelCommunication) -> float:

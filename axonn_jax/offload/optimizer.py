@@ -222,12 +222,14 @@ def partition_spec(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: 
 
 def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict[str, int],
                     skip: int = 0) -> int | None:
-    """The dimension `axis` alone splits a parameter's offloaded state on, or None.
+    """The dimension `axis` splits the offloaded state of an otherwise unsplit parameter on.
 
-    Alone: no other axis of more than one device splits that dimension too. There a shard_map
-    manual over `axis` alone holds each copy's share of the state as a block of its own
-    (`--offload-gradients` writes each copy's share of a gradient there); where `partition_spec`
-    pairs `axis` with a tensor axis, or splits nothing, there is no such block.
+    Unsplit: no other axis of more than one device splits the parameter. Then a shard_map manual
+    over `axis` alone holds each copy's share of the state as a block of its own
+    (`--offload-gradients` writes each copy's share of a gradient there). A parameter a tensor
+    axis splits has none (`partition_spec` may pair `axis` with that axis; the communication
+    model, which does not know the parameter's dimensions, could not tell), nor one that no
+    dimension of which `axis` divides.
 
     Args:
       spec: the parameter's PartitionSpec (not naming `axis`).
@@ -239,12 +241,12 @@ def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict
     Returns:
       The dimension, or None.
     """
+    names = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
+    if any(axis_sizes.get(n, 1) > 1 for entry in names for n in entry):
+        return None
     host = partition_spec(spec, shape, axis, axis_sizes[axis], skip, axis_sizes)
-    for d, entry in enumerate(host):
-        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-        if axis in names:
-            return d if all(axis_sizes.get(n, 1) == 1 for n in names if n != axis) else None
-    return None
+    return next((d for d, entry in enumerate(host)
+                 if entry == axis or isinstance(entry, tuple) and axis in entry), None)
 
 
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:

@@ -44,6 +44,7 @@ from .._compat import HOST_MEMORY_KIND, in_host_memory, with_memory_kind
 from ..checks import NOT_YET
 from ..batch_axis import DATA
 from ..config import AXES
+from ..parallel.exchange import spec_axes
 from ..tp.tensor import TP_AXES
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -241,12 +242,10 @@ def share_dimension(spec: P, shape: tuple[int, ...], axis: str, axis_sizes: dict
     Returns:
       The dimension, or None.
     """
-    names = [() if e is None else e if isinstance(e, tuple) else (e,) for e in spec]
-    if any(axis_sizes.get(n, 1) > 1 for entry in names for n in entry):
+    if any(axis_sizes.get(n, 1) > 1 for n in spec_axes(spec)):
         return None
     host = partition_spec(spec, shape, axis, axis_sizes[axis], skip, axis_sizes)
-    return next((d for d, entry in enumerate(host)
-                 if entry == axis or isinstance(entry, tuple) and axis in entry), None)
+    return next((d for d, entry in enumerate(host) if axis in spec_axes((entry,))), None)
 
 
 def buckets(sizes: list[int], indices: list[int], bucket_bytes: int) -> list[list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from .config import Axis
 from .collectives import Collective, ModelCommunication, StepShape
 
 
@@ -77,5 +78,5 @@ class BatchAxis:
         return self.splits is None or self.splits(model, seq_len)
 
 
-DATA = BatchAxis("data", dim=0, reducer_sums=True)
+DATA = BatchAxis(Axis.DATA, dim=0, reducer_sums=True)
 """Data parallelism: the rows over replicas of the model; the reducer sums the gradients."""

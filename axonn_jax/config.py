@@ -7,15 +7,32 @@ import math
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 """The pipeline timetables (`axonn_jax.parallel.pipeline`), named as `--schedule` takes them."""
 
-AXES: tuple[str, ...] = ("data", "pipe", "expert", "context", "depth", "row", "col")
+
+class Axis:
+    """The mesh axes' names: code names an axis as `Axis.ROW`, never by its string."""
+
+    DATA = "data"
+    PIPE = "pipe"
+    EXPERT = "expert"
+    CONTEXT = "context"
+    DEPTH = "depth"
+    ROW = "row"
+    COL = "col"
+
+
+AXES: tuple[str, ...] = (Axis.DATA, Axis.PIPE, Axis.EXPERT, Axis.CONTEXT, Axis.DEPTH, Axis.ROW,
+                         Axis.COL)
 """Mesh axis names, outermost (slowest-changing device id, across hosts) first."""
 
-BATCH_AXES: tuple[str, ...] = ("data", "expert", "depth")
+TENSOR_AXES: tuple[str, ...] = (Axis.DEPTH, Axis.ROW, Axis.COL)
+"""The tensor-parallel axes: `depth` (3D's weight and batch split), `row` and `col` (2D)."""
+
+BATCH_AXES: tuple[str, ...] = (Axis.DATA, Axis.EXPERT, Axis.DEPTH)
 """Axes the batch's rows are split over: `data` replicates the model, `expert` splits the experts
 of mixture-of-experts layers (the rest of the model is data-parallel over it), `depth` splits
 weights and batch. `context` splits each row's sequence instead (`SEQUENCE_AXIS`)."""
 
-SEQUENCE_AXIS = "context"
+SEQUENCE_AXIS = Axis.CONTEXT
 """The axis that splits the sequence (dim 1 of every batch leaf) in load-balanced chunks."""
 
 

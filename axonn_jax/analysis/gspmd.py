@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._compat import shard_map, to_varying
 from ..collectives import FP32, KINDS, Collective, StepShape
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import make_mesh
 from ..models import gpt
 from ..step.reducers import exchange_collectives
@@ -107,7 +107,7 @@ def analytic_bytes(w: BlockShape, row: int, col: int, depth: int, data: int = 1,
     found = [c for p in parts for c in p.collectives(step)]
     if data > 1:
         found += exchange_collectives([s for p in parts for s in p.parameters(step)], data)
-        found.append(Collective("all-reduce", ("data",), FP32))  # the loss
+        found.append(Collective("all-reduce", (Axis.DATA,), FP32))  # the loss
     out = dict.fromkeys(KINDS, 0.0)
     for c in found:
         if c.group(grid) > 1:
@@ -143,15 +143,16 @@ def axonn_variant(w: BlockShape, grid: tuple[int, ...], devices):
     mesh = make_mesh(ParallelConfig(data=data, row=row, col=col, depth=depth), devices)
     model = parallelize(Blocks(w.config), mesh)
     params, shardings = _init_placed(model, mesh, nn.get_partition_spec, w)
-    x_sharding = NamedSharding(mesh, P(("data", "depth"), None, "col"))
+    x_sharding = NamedSharding(mesh, P((Axis.DATA, Axis.DEPTH), None, Axis.COL))
     local_grads = loss_and_grads = jax.value_and_grad(_loss(model))
     if data > 1:
         def local(params, x):
-            loss, grads = local_grads(to_varying(params, ("data",)), x)
-            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+            loss, grads = local_grads(to_varying(params, (Axis.DATA,)), x)
+            return jax.lax.pmean(loss, Axis.DATA), jax.lax.pmean(grads, Axis.DATA)
 
-        loss_and_grads = shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                   axis_names={"data"})
+        loss_and_grads = shard_map(local, mesh=mesh, in_specs=(P(), P(Axis.DATA)),
+                                   out_specs=(P(), P()),
+                                   axis_names={Axis.DATA})
     step = jax.jit(loss_and_grads, in_shardings=(shardings, x_sharding),
                    out_shardings=(NamedSharding(mesh, P()), shardings))
     x = jax.device_put(jax.random.normal(jax.random.key(1), (w.batch, w.seq, w.d_model)), x_sharding)

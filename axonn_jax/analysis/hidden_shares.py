@@ -27,15 +27,17 @@ rows whole; a pipeline mode takes its collective-matmul figures either way.
 """
 from __future__ import annotations
 
+from ..config import Axis
+
 SOURCE = ("benchmarks/results/overlap.md: the step's schedule compiled for abstract H100s "
           "(spmd: llama3-70b on 256, two grids; pipelines: llama-1.9b on 8; seq 4096, bf16, "
           "--xla-options library, collective matmuls), replayed by analysis.overlap")
 
 SHARES: dict[str, dict[str, float]] = {
-    "spmd": {"data": 0.966, "depth": 0.534, "row": 0.43, "col": 0.789},
-    "spmd-gathers": {"data": 0.717, "depth": 0.445, "row": 0.209, "col": 0.511},
-    "1f1b": {"data": 0.145, "pipe": 0.99, "row": 0.8},
-    "zb-h1": {"data": 0.145, "pipe": 0.99, "row": 0.782},
+    "spmd": {Axis.DATA: 0.966, Axis.DEPTH: 0.534, Axis.ROW: 0.43, Axis.COL: 0.789},
+    "spmd-gathers": {Axis.DATA: 0.717, Axis.DEPTH: 0.445, Axis.ROW: 0.209, Axis.COL: 0.511},
+    "1f1b": {Axis.DATA: 0.145, Axis.PIPE: 0.99, Axis.ROW: 0.8},
+    "zb-h1": {Axis.DATA: 0.145, Axis.PIPE: 0.99, Axis.ROW: 0.782},
 }
 """`{mode: {axis: hidden share of its communication time}}` (`axis_shares` of the measurement)."""
 

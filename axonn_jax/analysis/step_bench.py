@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import make_mesh
 from ..offload.activations import compiled_peak_bytes
 from ..offload.optimizer import on_device
@@ -138,7 +138,7 @@ def _megatron_specs(model: StackedModel, batch, tp: int, devices) -> Any:
     def rename(spec: P) -> P:
         def entry(e):
             names = e if isinstance(e, tuple) else (e,)
-            return "tp" if "row" in names else None
+            return "tp" if Axis.ROW in names else None
         return P(*(entry(e) for e in spec))
 
     return jax.tree.map(rename, specs, is_leaf=lambda s: isinstance(s, P))

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis, TENSOR_AXES
 from .._compat import mesh_platform, nested_shard_map, platform_or_default
 from ..checks import check_choice
 from ..parallel import context
@@ -109,7 +110,7 @@ def resolve(choice: str, dtype, head_dim: int | None = None, platform: str | Non
 
 
 def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None, positions=None,
-                     context_axis: str = "context", context_scheme: str = "ring",
+                     context_axis: str = Axis.CONTEXT, context_scheme: str = "ring",
                      replicated_rows: bool = False):
     """Softmax attention with a causal mask, scaled by `head_dim ** -0.5`.
 
@@ -174,7 +175,7 @@ def causal_attention(q, k, v, implementation: str = "auto", *, segment_ids=None,
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
 
 
-def positions_or_none(positions, seq_len: int, context_axis: str = "context"):
+def positions_or_none(positions, seq_len: int, context_axis: str = Axis.CONTEXT):
     """The true positions a block needs for its position encoding, or None for `arange`.
 
     Args:
@@ -251,17 +252,17 @@ def _manual_specs(q, k, auto, sizes, replicated_rows: bool = False):
     of them (a Llama's replicated key/value projections)."""
     from ..tp.tensor import split_batch
 
-    if not {"depth", "row", "col"} <= set(sizes):  # not the tensor-parallel layout's mesh
+    if not set(TENSOR_AXES) <= set(sizes):  # not the tensor-parallel layout's mesh
         batch_axes = ()
     else:
         split = split_batch(q.shape, None, False, replicated_rows)
-        batch_axes = ("depth", "col") if split else ("depth",)
+        batch_axes = (Axis.DEPTH, Axis.COL) if split else (Axis.DEPTH,)
     batch_axes = tuple(a for a in batch_axes if a in auto and sizes[a] > 1)
     if q.shape[0] % math.prod(sizes[a] for a in batch_axes):
         batch_axes = ()
-    row = sizes.get("row", 1) if "row" in auto else 1
+    row = sizes.get(Axis.ROW, 1) if Axis.ROW in auto else 1
     heads, kv_heads = q.shape[2], k.shape[2]
-    heads_axis = "row" if row > 1 and heads % row == 0 and (
+    heads_axis = Axis.ROW if row > 1 and heads % row == 0 and (
         kv_heads % row == 0 or (heads // kv_heads) % (heads // row) == 0) else None
     batch = batch_axes or None
     q_spec = P(batch, None, heads_axis, None)

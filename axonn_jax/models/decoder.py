@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config import Axis
 from ..collectives import FP32, Collective, ModelCommunication, StepShape, from_parts
 from ..parallel.context import ContextAttention
 from ..tp.layers import Norms
@@ -61,7 +62,7 @@ class CrossEntropy:
     def collectives(self, step: StepShape) -> list[Collective]:
         """Four all-reduces over `row`, each one float32 per token (over `col` too if split)."""
         tokens = step.tokens / (step.grid.col if step.split else 1)
-        return [Collective("all-reduce", ("row",), tokens * FP32, 4)]
+        return [Collective("all-reduce", (Axis.ROW,), tokens * FP32, 4)]
 
     def parameters(self, step: StepShape) -> list:
         """No parameters (an empty list)."""
@@ -100,7 +101,7 @@ def communication(shape: DecoderShape, step: StepShape, flops: float,
     head_reads = shape.vocab_size * d / (g.depth * g.row * g.col) if shape.tied else 0.0
     # Keys and values: heads over row (whole where replicated, GSPMD's layout)
     kv = shape.kv_features if shape.replicated else shape.kv_features / g.row
-    context = ContextAttention(kv, stage, None if shape.replicated else "col",
+    context = ContextAttention(kv, stage, None if shape.replicated else Axis.COL,
                                heads=shape.num_heads / g.row,
                                head_dim=shape.head_dim or shape.d_model / shape.num_heads)
     kept = sum(p.activations(step) for p in shape.parts if hasattr(p, "activations"))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives import ModelCommunication, StepShape
-from ..config import ParallelConfig, check_divisible
+from ..config import check_divisible, Axis, ParallelConfig
 from ..parallel import context
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer
@@ -152,12 +152,12 @@ class GPTConfig:
         Raises:
           ValueError: a dimension does not divide over its axes (the message names the numbers).
         """
-        check_divisible("d_model", self.d_model, ("col", "depth"), grid)
-        check_divisible("d_model", self.d_model, ("row", "depth"), grid)
-        check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
-        check_divisible("num_heads", self.num_heads, ("row",), grid)
-        check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
-        check_divisible("max_seq_len", self.max_seq_len, ("row", "depth"), grid)
+        check_divisible("d_model", self.d_model, (Axis.COL, Axis.DEPTH), grid)
+        check_divisible("d_model", self.d_model, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("d_ff", self.d_ff, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("num_heads", self.num_heads, (Axis.ROW,), grid)
+        check_divisible("vocab_size", self.vocab_size, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("max_seq_len", self.max_seq_len, (Axis.ROW, Axis.DEPTH), grid)
 
 
 PRESETS: dict[str, GPTConfig] = {

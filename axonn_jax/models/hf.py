@@ -37,7 +37,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ..checks import check_choice
-from ..config import ParallelConfig
+from ..config import TENSOR_AXES, Axis, ParallelConfig
 from ..mesh import config_of
 
 CONFIG = "config.json"
@@ -403,7 +403,7 @@ def grid_of(mesh) -> ParallelConfig | None:
 
 
 def _tensor_parallel(mesh) -> bool:
-    return mesh is not None and math.prod(mesh.shape[a] for a in ("depth", "row", "col")) > 1
+    return mesh is not None and math.prod(mesh.shape[a] for a in TENSOR_AXES) > 1
 
 
 def parallel_module(module, mesh):
@@ -436,7 +436,7 @@ def shardings(module, mesh, max_seq_len: int):
       default device without a mesh.
     """
     parallel = parallel_module(module, mesh)
-    rows = 1 if mesh is None else mesh.shape["depth"]
+    rows = 1 if mesh is None else mesh.shape[Axis.DEPTH]
     tokens = jax.ShapeDtypeStruct((rows, min(8, max_seq_len)), jnp.int32)
     boxed = jax.eval_shape(parallel.init, jax.random.key(0), tokens)["params"]
     shapes = nn.unbox(boxed)

@@ -33,7 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives import Collective, ModelCommunication, ParameterShard, StepShape
-from ..config import ParallelConfig, check_divisible
+from ..config import check_divisible, Axis, ParallelConfig
 from ..parallel import context
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer
@@ -221,12 +221,12 @@ class LlamaConfig:
         Raises:
           ValueError: a dimension does not divide over its axes (the message names the numbers).
         """
-        check_divisible("d_model", self.d_model, ("col", "depth"), grid)
-        check_divisible("d_model", self.d_model, ("row", "depth"), grid)
-        check_divisible("num_heads", self.num_heads, ("row",), grid)
-        check_divisible("num_heads·head_dim", self.q_features, ("row", "depth"), grid)
-        check_divisible("d_ff", self.d_ff, ("row", "depth"), grid)
-        check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
+        check_divisible("d_model", self.d_model, (Axis.COL, Axis.DEPTH), grid)
+        check_divisible("d_model", self.d_model, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("num_heads", self.num_heads, (Axis.ROW,), grid)
+        check_divisible("num_heads·head_dim", self.q_features, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("d_ff", self.d_ff, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("vocab_size", self.vocab_size, (Axis.ROW, Axis.DEPTH), grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,24 +257,24 @@ class KeyValueReplicated:
         r = math.gcd(self.kv_heads, g.row)
         features = step.tokens * self.fan_out / r * cb
         kernel = self.layers * self.fan_in * self.fan_out / (g.col * g.depth) * pb
-        out = [Collective("all-reduce", ("col",), features, per_stage, stage_forward=True),
-               Collective("all-reduce", ("row",), features, per_stage, group_size=g.row // r),
-               Collective("all-reduce", ("row",), step.tokens * self.fan_in / g.col * cb,
+        out = [Collective("all-reduce", (Axis.COL,), features, per_stage, stage_forward=True),
+               Collective("all-reduce", (Axis.ROW,), features, per_stage, group_size=g.row // r),
+               Collective("all-reduce", (Axis.ROW,), step.tokens * self.fan_in / g.col * cb,
                           per_stage, group_size=r),
-               Collective("all-gather", ("row",), kernel, self.count, group_size=r)]
+               Collective("all-gather", (Axis.ROW,), kernel, self.count, group_size=r)]
         if g.depth > 1:
             # The kernel's slice `b` is moved into place and gathered over depth for the forward
             # and again for the backward; its gradient summed over depth and moved back.
             b = self.fan_in * self.fan_out / (g.col * g.depth * r) * step.gathered_bytes
             # (Measured: with whole key/value heads, r = 1, GSPMD also moves the gathered
             # kernel, once for the forward and once for the backward.)
-            moves = [Collective("collective-permute", ("depth",), b * g.depth, 2 * per_stage,
+            moves = [Collective("collective-permute", (Axis.DEPTH,), b * g.depth, 2 * per_stage,
                                 per_microbatch=True)] if r == 1 else []
-            out += [*moves, Collective("collective-permute", ("depth",), b, 3 * per_stage,
+            out += [*moves, Collective("collective-permute", (Axis.DEPTH,), b, 3 * per_stage,
                                        per_microbatch=True),
-                    Collective("all-gather", ("depth",), b * g.depth, 2 * per_stage,
+                    Collective("all-gather", (Axis.DEPTH,), b * g.depth, 2 * per_stage,
                                per_microbatch=True),
-                    Collective("all-reduce", ("depth",), b, per_stage, per_microbatch=True)]
+                    Collective("all-reduce", (Axis.DEPTH,), b, per_stage, per_microbatch=True)]
         return out
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
@@ -285,7 +285,8 @@ class KeyValueReplicated:
         g = step.grid
         r = math.gcd(self.kv_heads, g.row)
         elements = self.layers * self.fan_in * self.fan_out / (g.col * g.depth)
-        return [ParameterShard(elements, 3, (("col", "depth"),), exchanged=elements / r)] * self.count
+        shard = ParameterShard(elements, 3, ((Axis.COL, Axis.DEPTH),), exchanged=elements / r)
+        return [shard] * self.count
 
 
 _LLAMA31_SCALING = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
@@ -437,7 +438,7 @@ class ReplicatedDense(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        init = nn.with_partitioning(nn.initializers.lecun_normal(), (("col", "depth"), None))
+        init = nn.with_partitioning(nn.initializers.lecun_normal(), ((Axis.COL, Axis.DEPTH), None))
         kernel = self.param("kernel", init, (x.shape[-1], self.features), jnp.float32)
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         return jnp.einsum("...i,io->...o", x, kernel)

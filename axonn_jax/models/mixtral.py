@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..collectives import ModelCommunication, StepShape
-from ..config import ParallelConfig, check_divisible
+from ..config import check_divisible, Axis, ParallelConfig
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer
 from . import attention, decoder, hf, llama
@@ -152,12 +152,12 @@ class MixtralConfig(llama.LlamaConfig):
         Raises:
           ValueError: a dimension does not divide over its axes (the message names the numbers).
         """
-        check_divisible("d_model", self.d_model, ("col", "depth"), grid)
-        check_divisible("d_model", self.d_model, ("row", "depth"), grid)
-        check_divisible("num_heads", self.num_heads, ("row",), grid)
-        check_divisible("num_heads·head_dim", self.q_features, ("row", "depth"), grid)
-        check_divisible("vocab_size", self.vocab_size, ("row", "depth"), grid)
-        self.moe.check_expert_axis(getattr(grid, "expert", 1))
+        check_divisible("d_model", self.d_model, (Axis.COL, Axis.DEPTH), grid)
+        check_divisible("d_model", self.d_model, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("num_heads", self.num_heads, (Axis.ROW,), grid)
+        check_divisible("num_heads·head_dim", self.q_features, (Axis.ROW, Axis.DEPTH), grid)
+        check_divisible("vocab_size", self.vocab_size, (Axis.ROW, Axis.DEPTH), grid)
+        self.moe.check_expert_axis(getattr(grid, Axis.EXPERT, 1))
 
 
 PRESETS: dict[str, MixtralConfig] = {

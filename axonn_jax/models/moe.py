@@ -49,6 +49,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..config import Axis
 from .._compat import psum, varying_axes
 from ..checks import check_choice
 from ..collectives import Collective, ParameterShard
@@ -207,8 +208,8 @@ class MoE(nn.Module):
 
     config: MoEConfig
     dtype: Any = jnp.float32
-    expert_axis: str = "expert"
-    batch_axes: tuple[str, ...] = ("data", "expert", "context")
+    expert_axis: str = Axis.EXPERT
+    batch_axes: tuple[str, ...] = (Axis.DATA, Axis.EXPERT, Axis.CONTEXT)
 
     @nn.compact
     def __call__(self, x):
@@ -222,9 +223,9 @@ class MoE(nn.Module):
         param = lambda name, s, names: self.param(  # noqa: E731
             name, nn.with_partitioning(_expert_init(-2), (self.expert_axis, *names)), s,
             jnp.float32)
-        w_gate = param("w_gate", (local, d, c.d_ff), ("col", "row"))
-        w_up = param("w_up", (local, d, c.d_ff), ("col", "row"))
-        w_down = param("w_down", (local, c.d_ff, d), ("row", "col"))
+        w_gate = param("w_gate", (local, d, c.d_ff), (Axis.COL, Axis.ROW))
+        w_up = param("w_up", (local, d, c.d_ff), (Axis.COL, Axis.ROW))
+        w_down = param("w_down", (local, c.d_ff, d), (Axis.ROW, Axis.COL))
         router = self.param("router", nn.initializers.lecun_normal(), (d, c.num_experts),
                             jnp.float32)
 
@@ -300,7 +301,7 @@ class MoELayers:
         """The token exchanges, routing-statistics sums and the experts' tensor-axis sums."""
         c, g = self.config, step.grid
         calls = self.layers * step.layer_calls
-        batch_axes = tuple(a for a in ("data", "expert", "context") if getattr(g, a) > 1)
+        batch_axes = tuple(a for a in (Axis.DATA, Axis.EXPERT, Axis.CONTEXT) if getattr(g, a) > 1)
         shape = dict(capacity_factor=c.capacity_factor, dispatch_factor=c.dispatch_factor,
                      dtype_bytes=step.compute_bytes, batch_axes=batch_axes,
                      ragged=self._grouped(step), imbalance=step.expert_imbalance,
@@ -334,21 +335,21 @@ class MoELayers:
         merged = 1 if step.platform == "gpu" else 2
         # Each sum is read at once by the next projection or the return exchange: the replayed
         # H100 schedule hides none of them.
-        return [Collective("all-reduce", ("col",), h, 2 * calls, stage_forward=True,
+        return [Collective("all-reduce", (Axis.COL,), h, 2 * calls, stage_forward=True,
                            rematerialized=True, waited=True),
-                Collective("all-reduce", ("row",), x, merged * calls, waited=True),
-                Collective("all-reduce", ("row",), x, calls, stage_forward=True,
+                Collective("all-reduce", (Axis.ROW,), x, merged * calls, waited=True),
+                Collective("all-reduce", (Axis.ROW,), x, calls, stage_forward=True,
                            rematerialized=True, waited=True),
-                Collective("all-reduce", ("col",), h, calls, waited=True)]
+                Collective("all-reduce", (Axis.COL,), h, calls, waited=True)]
 
     def parameters(self, step) -> list[ParameterShard]:
         """The router (whole) and the three expert weights (over `expert`, `col`, `row`)."""
         c, g, d = self.config, step.grid, self.d_model
         experts = self.layers * c.num_experts / g.expert * d * c.d_ff / (g.row * g.col)
         return [ParameterShard(self.layers * d * c.num_experts, 3, ()),
-                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
-                ParameterShard(experts, 4, (("expert",), ("col",), ("row",))),
-                ParameterShard(experts, 4, (("expert",), ("row",), ("col",)))]
+                ParameterShard(experts, 4, ((Axis.EXPERT,), (Axis.COL,), (Axis.ROW,))),
+                ParameterShard(experts, 4, ((Axis.EXPERT,), (Axis.COL,), (Axis.ROW,))),
+                ParameterShard(experts, 4, ((Axis.EXPERT,), (Axis.ROW,), (Axis.COL,)))]
 
     def activations(self, step) -> float:
         """Bytes one device keeps for the backward of its layers' expert computation.

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..collectives import ModelCommunication, StepShape, from_parts
-from ..config import ParallelConfig, check_divisible
+from ..config import check_divisible, Axis, ParallelConfig
 from ..step.model import StackedModel
 from ..tp.layers import GroupNorms
 from ..tp.tensor import ConvLayer
@@ -63,9 +63,9 @@ class ResNetConfig:
         Raises:
           ValueError: a dimension does not divide over its axes (the message names the numbers).
         """
-        for axes in (("col", "depth"), ("row", "depth")):
+        for axes in ((Axis.COL, Axis.DEPTH), (Axis.ROW, Axis.DEPTH)):
             check_divisible("channels", self.channels, axes, grid)
-        for axis in ("row", "col"):
+        for axis in (Axis.ROW, Axis.COL):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
 
     def layers(self) -> list[Layer]:
@@ -108,7 +108,7 @@ class ResNetConfig:
         boundary = step.rows / step.microbatches * pixels * width / g.col * step.compute_bytes
         activations = sum(3 * (copies[layer.part] if layer.part == "block" else 1) * step.rows
                           / step.microbatches * layer.pixels * layer.cout
-                          / getattr(g, "col" if layouts.get(layer.name, False) else "row")
+                          / getattr(g, Axis.COL if layouts.get(layer.name, False) else Axis.ROW)
                           for layer in self.layers()) * step.compute_bytes
         flops = 3 * 2 * step.batch * sum(
             layer.window * layer.cin * layer.cout * layer.pixels

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..collectives import ModelCommunication, StepShape, from_parts
-from ..config import ParallelConfig, check_divisible
+from ..config import check_divisible, Axis, ParallelConfig
 from ..step.model import StackedModel
 from ..tp.layers import GroupNorms
 from ..tp.tensor import ConvLayer
@@ -268,7 +268,7 @@ class UNetConfig:
         for layer in self.layers():
             n = self.num_layers / g.pipe if layer.part == "block" else \
                 2 if layer.part == "embed" else 1
-            fout = "col" if layouts.get(layer.name, False) else "row"
+            fout = Axis.COL if layouts.get(layer.name, False) else Axis.ROW
             total += 3 * n * images * layer.pixels * layer.cout / getattr(g, fout)
         return total * step.compute_bytes
 
@@ -292,16 +292,16 @@ class UNetConfig:
                 continue
             if self.in_channels in (layer.cin, layer.cout):  # the image's channels stay whole
                 continue
-            for axes in (("col", "depth"), ("row", "depth")):
+            for axes in ((Axis.COL, Axis.DEPTH), (Axis.ROW, Axis.DEPTH)):
                 check_divisible(f"{layer.name} channels", layer.cin, axes, grid)
                 check_divisible(f"{layer.name} channels", layer.cout, axes, grid)
         if grid.pipe > 1 and grid.tensor_parallel_size > 1:
             raise ValueError("the U-Net's pipeline stages cannot be tensor-parallel yet (its down "
                              "and up paths' re-layouts run on one stage's devices only, and "
                              "XLA:CPU deadlocks); use --pipe with row = col = depth = 1")
-        for axis in ("row", "col"):
+        for axis in (Axis.ROW, Axis.COL):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
-        check_divisible("num_heads", self.num_heads, ("row",), grid)
+        check_divisible("num_heads", self.num_heads, (Axis.ROW,), grid)
 
     def example_batch(self, batch_size: int) -> dict:
         """ShapeDtypeStructs of a batch of `batch_size` images.

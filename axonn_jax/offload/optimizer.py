@@ -43,9 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .._compat import HOST_MEMORY_KIND, in_host_memory, with_memory_kind
 from ..checks import NOT_YET
 from ..batch_axis import DATA
-from ..config import AXES
+from ..config import AXES, TENSOR_AXES
 from ..parallel.exchange import spec_axes
-from ..tp.tensor import TP_AXES
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -434,7 +433,7 @@ def gradient_offload_problems(grid, offload_optimizer: bool, microbatches: int,
         found.append("offload_gradients needs offload_optimizer: the update that reads the "
                      "gradients from host memory is the offloaded one")
     summed = {a: getattr(grid, a) for a in AXES
-              if a not in TP_AXES and a != DATA.name and getattr(grid, a) > 1}
+              if a not in TENSOR_AXES and a != DATA.name and getattr(grid, a) > 1}
     if summed:
         found.append("offload_gradients on " + " × ".join(f"{a} {n}" for a, n in summed.items())
                      + f" (gradients summed over that axis after the backward) {NOT_YET}")

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis
 from . import quantizer
 from .exchange import spec_axes
 from .._compat import (all_gather_invariant, current_mesh, gathered_invariant, psum,
@@ -832,7 +833,8 @@ def _without_axes(spec: P, axes) -> P:
     return P(*(keep(e) for e in spec))
 
 
-def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual=None, **kwargs):
+def sharded_compressed_psum(tree, specs, mesh, axis_name: str = Axis.DATA, residual=None,
+                            **kwargs):
     """`compressed_psum` over `axis_name` of arrays that other mesh axes split.
 
     For tensor or pipeline parallelism: each device quantizes and exchanges only its own shards,
@@ -889,7 +891,7 @@ def sharded_compressed_psum(tree, specs, mesh, axis_name: str = "data", residual
                      out_specs=(specs, specs), axis_names=set(free))(tree, residual, key)
 
 
-def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwargs):
+def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = Axis.DATA, **kwargs):
     """`sharded_compressed_psum(..., mean=True)`: the mean over `axis_name`.
 
     Args:
@@ -905,7 +907,7 @@ def sharded_compressed_pmean(tree, specs, mesh, axis_name: str = "data", **kwarg
     return sharded_compressed_psum(tree, specs, mesh, axis_name, mean=True, **kwargs)
 
 
-def sharded_compressed_stages(specs, mesh=None, axis_name: str = "data", **kwargs) -> tuple:
+def sharded_compressed_stages(specs, mesh=None, axis_name: str = Axis.DATA, **kwargs) -> tuple:
     """`sharded_compressed_psum` as two stages that can run apart.
 
     `step.layer_exchange` runs each beside another layer's backward.

@@ -44,11 +44,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..config import Axis
 from .._compat import manual_axes, manual_axis_size, nested_shard_map
 from ..batch_axis import BatchAxis
 from . import grouped_matmul, ragged as ragged_lib
 
-AXIS = BatchAxis("expert", dim=0,
+AXIS = BatchAxis(Axis.EXPERT, dim=0,
                  splits=lambda model, seq_len: getattr(model, "num_experts", 1) > 1)
 """Expert parallelism as a batch axis: the rows over `expert`; the experts' weights split over it
 and the rest of the model is data-parallel over it (the step sums those gradients); for mixtures
@@ -205,9 +206,9 @@ def sorted_swiglu(rows: jax.Array, sizes: jax.Array, w_gate, w_up, w_down, *,
     Returns:
       `(R, d)`.
     """
-    gate, up = expert_matmul(rows, (w_gate, w_up), sizes, axes=("col", "row"),
+    gate, up = expert_matmul(rows, (w_gate, w_up), sizes, axes=(Axis.COL, Axis.ROW),
                              routed_rows=routed_rows)
-    (out,) = expert_matmul(jax.nn.silu(gate) * up, (w_down,), sizes, axes=("row", "col"),
+    (out,) = expert_matmul(jax.nn.silu(gate) * up, (w_down,), sizes, axes=(Axis.ROW, Axis.COL),
                            routed_rows=routed_rows)
     return out
 
@@ -277,7 +278,7 @@ def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
 
 
 def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gate, w_up, w_down, *,
-                  num_experts: int, axis: str = "expert", capacity_factor: float | None = None,
+                  num_experts: int, axis: str = Axis.EXPERT, capacity_factor: float | None = None,
                   dispatch_factor: float | None = None,
                   ragged: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Each token through the experts its router chose, summed with the combine weights.
@@ -503,7 +504,7 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
       `[(kind, axes, bytes)]`, bytes as `analysis.hlo` counts them.
     """
     if batch_axes is None:
-        batch_axes = ("expert",) if expert > 1 else ()
+        batch_axes = (Axis.EXPERT,) if expert > 1 else ()
     out = []
     if expert > 1:
         groups, slots = layout(num_tokens, top_k, num_experts, expert, capacity_factor,
@@ -512,16 +513,16 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
         if ragged and capacity_factor is None:
             rows = routed_rows(num_tokens, top_k, groups * slots, imbalance)
             # Every device's rows per expert (per destination device where each holds one).
-            out.append(("all-gather", ("expert",), calls * expert * num_experts * 4))
+            out.append(("all-gather", (Axis.EXPERT,), calls * expert * num_experts * 4))
         row_bytes = rows * d_model * dtype_bytes
-        out += [("all-to-all", ("expert",), row_bytes)] * 2
+        out += [("all-to-all", (Axis.EXPERT,), row_bytes)] * 2
         if capacity_factor is None and not ragged:
-            out.append(("all-to-all", ("expert",), rows * 4))  # the rows' experts
+            out.append(("all-to-all", (Axis.EXPERT,), rows * 4))  # the rows' experts
         if backward:
-            out += [("all-to-all", ("expert",), row_bytes)] * 2
+            out += [("all-to-all", (Axis.EXPERT,), row_bytes)] * 2
             if ragged and capacity_factor is None:
                 # The two transposes' offsets: the packed send side makes all four distinct.
-                out += [("all-to-all", ("expert",), calls * expert * 4)] * 4
+                out += [("all-to-all", (Axis.EXPERT,), calls * expert * 4)] * 4
     if batch_axes:
         out.append(("all-reduce", tuple(batch_axes), calls * (num_experts + 2) * 4))
     return out

@@ -13,7 +13,7 @@ import pathlib
 import statistics
 from typing import Any
 
-from ..config import AXES
+from ..config import AXES, Axis
 from . import rundir
 
 FIGSIZE = (8, 4.5)
@@ -250,8 +250,8 @@ _LEGEND_ABOVE = dict(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=7, fontsize
                      handlelength=1.2, columnspacing=0.8)
 
 
-_AXIS_COLORS = {"data": "tab:orange", "pipe": "tab:green", "depth": "tab:red", "row": "tab:purple",
-                "col": "tab:brown"}
+_AXIS_COLORS = {Axis.DATA: "tab:orange", Axis.PIPE: "tab:green", Axis.DEPTH: "tab:red",
+                Axis.ROW: "tab:purple", Axis.COL: "tab:brown"}
 _MEMORY_COLORS = {"params": "#66c2a5", "grads": "#fc8d62", "optimizer": "#8da0cb",
                   "activations": "#e78ac3"}
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis
 from .._compat import ensure_varying, psum, to_varying, varying_axes
 from ..parallel import pipeline as pipeline_lib
 from .compute import ComputeFunctions, cast_floating
@@ -197,15 +198,15 @@ class PipelineEngine:
 
     compute: ComputeFunctions
     schedule: pipeline_lib.Schedule
-    batch_axes: tuple[str, ...] = ("data",)
+    batch_axes: tuple[str, ...] = (Axis.DATA,)
 
-    metric_spec = P("pipe")
+    metric_spec = P(Axis.PIPE)
     """Metrics (per layer) leave split over `pipe` like the blocks, in their stored order."""
 
     @property
     def manual_axes(self) -> frozenset[str]:
         """The axes manual in the step's shard_map: `batch_axes` and `pipe`."""
-        return frozenset((*self.batch_axes, "pipe"))
+        return frozenset((*self.batch_axes, Axis.PIPE))
 
     def loss_and_grads(self, params, batch, scale):
         """This device's `(loss, grads, metrics)` from the pipeline, as the module docstring says.

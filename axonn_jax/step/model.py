@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis, TENSOR_AXES
 from .layer_exchange import layer_runs, scan_exchanging, scan_runs
 
 from ..parallel import context as context_lib
@@ -61,10 +63,10 @@ def _refuse_flax_attention_over_context(next_fun, args, kwargs, context):
     """A linen interceptor: Flax's attention modules inside a step whose sequences are split
     over `context` would attend within each device's chunk only; refuse them (ValueError)."""
     if isinstance(context.module, nn.MultiHeadDotProductAttention) and \
-            context.method_name == "__call__" and context_lib.axis_size("context") > 1:
+            context.method_name == "__call__" and context_lib.axis_size(Axis.CONTEXT) > 1:
         raise ValueError(
             f"{type(context.module).__name__} ('{context.module.name}') would attend within each "
-            f"device's chunk of the sequence over --context {context_lib.axis_size('context')}; "
+            f"device's chunk of the sequence over --context {context_lib.axis_size(Axis.CONTEXT)}; "
             "call axonn_jax.models.attention.causal_attention(q, k, v) in the block instead")
     return next_fun(*args, **kwargs)
 
@@ -431,12 +433,12 @@ class ModelFunctions:
         side = model.side(batch)  # ShapeDtypeStructs
         head_extra = (e_abs,) if model.head_reads_embed else ()
         specs = None
-        has_axes = mesh is not None and all(a in mesh.axis_names for a in ("depth", "row", "col"))
+        has_axes = mesh is not None and all(a in mesh.axis_names for a in TENSOR_AXES)
         if kernels.fp8 and not has_axes:
             raise ValueError("fp8 runs the dense layers' tensor-parallel kernel: it needs a mesh "
                              "with axes depth, row, col (make_mesh)")
         tensor = has_axes and (kernels.fp8 or
-                               mesh.shape["depth"] * mesh.shape["row"] * mesh.shape["col"] > 1)
+                               math.prod(mesh.shape[a] for a in TENSOR_AXES) > 1)
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
                 embed.parallelize(mesh, kernels, batch),

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import manual_axis_size, pmean, varying_axes
 from ..collectives import FP32, Collective
-from ..config import devices_inside
+from ..config import devices_inside, Axis
 from ..parallel import compression, exchange
 
 
@@ -115,7 +115,7 @@ class GradientReducer(NamedTuple):
     layer_exchange: LayerExchange | None = None
 
 
-def exact_mean(axis: str = "data", reduce_dtype: str = "float32",
+def exact_mean(axis: str = Axis.DATA, reduce_dtype: str = "float32",
                grad_specs=None) -> GradientReducer:
     """The exact mean over the mesh axis `axis`, sending `reduce_dtype`; no state.
 
@@ -244,7 +244,7 @@ def compressed_wire_bytes(bits: int, bucket_size: int,
     return wire
 
 
-def node_shards(mesh, axis: str = "data", node_size: int | None = None) -> int:
+def node_shards(mesh, axis: str = Axis.DATA, node_size: int | None = None) -> int:
     """Shards of the mesh axis `axis` inside one node.
 
     `node_size` devices per node over the devices the axes inside `axis` hold (mesh order: those
@@ -281,7 +281,7 @@ def node_shards(mesh, axis: str = "data", node_size: int | None = None) -> int:
 
 
 def compressed_mean(mesh, grad_specs, *, bits: int, bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
-                    error_feedback: bool = True, axis: str = "data",
+                    error_feedback: bool = True, axis: str = Axis.DATA,
                     min_size: int = compression.DEFAULT_MIN_SIZE, rules=(),
                     rounding: str = "auto", in_backward: bool = True, scope: str = "all",
                     node_size: int | None = None) -> GradientReducer:
@@ -384,7 +384,7 @@ def exchange_collectives(shards, parts: int, *, bits: int = 0, param_bytes: int 
                          reduce_dtype: str = "float32", piece_bytes: int = 2,
                          bucket_size: int = compression.DEFAULT_BUCKET_SIZE,
                          min_size: int = compression.DEFAULT_MIN_SIZE,
-                         axis: str = "data", layers: int = 1,
+                         axis: str = Axis.DATA, layers: int = 1,
                          node_shards: int = 1) -> list[Collective]:
     """The collectives one device issues to reduce its gradient shards over `axis`.
 
@@ -496,5 +496,6 @@ def scalar_collectives(shards, grid) -> list[Collective]:
             axes = tuple(a for a in axes if getattr(grid, a) > 1)
             if axes:
                 per_group[axes] = per_group.get(axes, 0) + 1
-    loss = [Collective("all-reduce", ("depth",), FP32), Collective("all-reduce", ("data",), FP32)]
+    loss = [Collective("all-reduce", (Axis.DEPTH,), FP32),
+            Collective("all-reduce", (Axis.DATA,), FP32)]
     return loss + [Collective("all-reduce", axes, FP32, n) for axes, n in per_group.items()]

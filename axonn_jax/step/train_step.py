@@ -32,7 +32,7 @@ from .._compat import (HOST_MEMORY_KIND, ensure_varying, in_host_memory, mesh_pl
                        shard_map, tracing_in, with_memory_kind)
 from ..batch_axis import DATA
 from ..checks import NOT_YET, collect
-from ..config import BATCH_AXES, ParallelConfig, check_grid
+from ..config import BATCH_AXES, check_grid, Axis, ParallelConfig
 from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import (ParamUpdate, gradient_offload_problems, host_offload, on_device,
@@ -280,7 +280,7 @@ class StepParts:
                           skip_non_finite=loss_scaler(o.dtype).guards)
         if o.offload_optimizer:
             return host_offload(tx, DTYPES[o.dtype], self.model.num_layers,
-                                num_stages=self.grid.pipe, partition_axis="data",
+                                num_stages=self.grid.pipe, partition_axis=Axis.DATA,
                                 partition_size=self.grid.data)
         return on_device(tx)
 
@@ -923,9 +923,9 @@ class BoundStep:
             mean = lambda x: self.reducer.mean(pmean(x, extra) if extra else x)  # noqa: E731
             return mean(loss), {**grads, **done}, red_state, mean(metrics), squares
 
-        r_specs = jax.tree.map(lambda s: P("data", *s), p_specs,
+        r_specs = jax.tree.map(lambda s: P(Axis.DATA, *s), p_specs,
                                is_leaf=lambda s: isinstance(s, P)) if red_state is not None \
-            else P("data")
+            else P(Axis.DATA)
         sink_specs, g_specs = None, p_specs
         if sink is not None:
             sink_specs = {"grads": _manual_specs(self._sink_specs(sink["grads"]), manual),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 
+from ..config import Axis
 from .._compat import mesh_platform
 from ..checks import check_choice
 
@@ -83,7 +84,7 @@ def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | N
       ValueError: when `choice` is not in `CHOICES`.
     """
     check_setting(choice)
-    if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get("pipe", 1) > 1:
+    if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get(Axis.PIPE, 1) > 1:
         return None
     return accepted(mesh, {**GPU_OPTIONS, OVERLAP_LIMIT: overlap_limit(dict(mesh.shape))}) or None
 

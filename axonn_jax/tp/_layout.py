@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis
 from .tensor import dense_specs, feature_axes
 
 
@@ -46,7 +47,7 @@ class Layout:
     def axis_of(self, x) -> str:
         if id(x) in self._axis:
             return self._axis[id(x)][0]
-        return self._last_dense_out or "col"
+        return self._last_dense_out or Axis.COL
 
     def dense(self, path: str, x) -> bool:
         """`transpose` for the dense layer `path` applied to `x`."""
@@ -54,13 +55,13 @@ class Layout:
         # output that `checkpoint_name` re-wrapped) agree instead of alternating.
         axis = self.axis_of(x)
         self.mark(x, axis)
-        transpose = self.overrides.get(path, axis == "row")
+        transpose = self.overrides.get(path, axis == Axis.ROW)
         self.decisions[path] = transpose
         return transpose
 
     def dense_output(self, y, transpose: bool):
         """Record the output `y` of a dense layer; returns `y`."""
-        self._last_dense_out = "col" if transpose else "row"
+        self._last_dense_out = Axis.COL if transpose else Axis.ROW
         return self.mark(y, self._last_dense_out)
 
     def norm(self, path: str, x) -> str:
@@ -110,8 +111,8 @@ def dense_placement(path, kind, in_dims, out_dims, flip, out_in, mesh):
     if specs is None:  # name the first dim that does not divide, else the contiguity
         fin, fout = feature_axes(flip)
         lead = lambda dims, axes: [axes] + [None] * (len(dims) - 1)  # noqa: E731
-        naive = P(*lead(out_dims, (fout, "depth")), *lead(in_dims, fin)) if out_in \
-            else P(*lead(in_dims, (fin, "depth")), *lead(out_dims, fout))
+        naive = P(*lead(out_dims, (fout, Axis.DEPTH)), *lead(in_dims, fin)) if out_in \
+            else P(*lead(in_dims, (fin, Axis.DEPTH)), *lead(out_dims, fout))
         check_divisible(path, kind, "kernel", kernel_shape, naive, mesh)
         raise ValueError(f"parallelize: layer '{path}' ({kind}): kernel {kernel_shape} cannot be "
                          "split in contiguous blocks of its features (the leading feature dim must "

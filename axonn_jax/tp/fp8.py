@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
 
+from ..config import Axis
 from .._compat import varying_axes
 
 FORWARD = jnp.float8_e4m3fn
@@ -34,7 +35,7 @@ FORWARD = jnp.float8_e4m3fn
 BACKWARD = jnp.float8_e5m2
 """Output gradients in the backward (more range)."""
 
-TOKEN_AXES = ("data", "expert", "context")
+TOKEN_AXES = (Axis.DATA, Axis.EXPERT, Axis.CONTEXT)
 """The manual mesh axes of an enclosing step that may split a tensor's tokens: its amax is taken
 over those it varies over. Never `pipe`: each stage's tensors are other layers' tensors."""
 

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ..config import Axis
 from ..collectives import FP32, Collective, ParameterShard, StepShape
 from .options import DEFAULT, KernelOptions
 from .tensor import bias_spec, embed_spec, kernel_spec, tp_dense, tp_embed
@@ -158,9 +159,9 @@ class Norms:
         tokens = step.tokens / (g.row if step.split else 1)  # split: rows over row too
         stats = self.stats * tokens * FP32
         return [
-            Collective("all-reduce", ("col",), stats, n, stage_forward=stacked),  # forward
-            Collective("all-reduce", ("col",), stats, n),  # backward: the matching sums
-            Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
+            Collective("all-reduce", (Axis.COL,), stats, n, stage_forward=stacked),  # forward
+            Collective("all-reduce", (Axis.COL,), stats, n),  # backward: the matching sums
+            Collective("all-reduce", (Axis.DEPTH, Axis.ROW) if step.split else (Axis.DEPTH,),
                        self.vectors * self.features / g.col * step.param_bytes, n,
                        per_microbatch=True),
         ]
@@ -169,9 +170,9 @@ class Norms:
         """The scale and bias vectors, split over `col`."""
         g = step.grid
         if not self.layers:
-            return [ParameterShard(self.features / g.col, 1, (("col",),), True)] * \
+            return [ParameterShard(self.features / g.col, 1, ((Axis.COL,),), True)] * \
                 (self.count * self.vectors)
-        return [ParameterShard(self.layers * self.features / g.col, 2, (("col",),))] * \
+        return [ParameterShard(self.layers * self.features / g.col, 2, ((Axis.COL,),))] * \
             (self.count * self.vectors)
 
 
@@ -249,7 +250,7 @@ class LayerNorm(nn.Module):
     `axis` is `col` for the residual stream of a parallelized transformer.
     """
 
-    axis: str = "col"
+    axis: str = Axis.COL
     epsilon: float = 1e-6
     dtype: Any = None
     param_dtype: Any = jnp.float32

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from ..config import Axis
 from .conv import check_conv_options, conv_apply
 from .options import DEFAULT, KernelOptions
 from .tensor import (bias_spec, conv_kernel_spec, dense_specs, embed_spec, kernel_spec, tp_attend,
@@ -132,7 +133,7 @@ class LayerNorm(nnx.LayerNorm):
     turns the feature statistics into all-reduces over `axis`.
     """
 
-    def __init__(self, num_features: int, *, mesh, axis: str = "col", rngs: nnx.Rngs, **kwargs):
+    def __init__(self, num_features: int, *, mesh, axis: str = Axis.COL, rngs: nnx.Rngs, **kwargs):
         meta = {"out_sharding": (axis,), "mesh": mesh}
         super().__init__(num_features, rngs=rngs, scale_metadata=meta, bias_metadata=meta, **kwargs)
 

@@ -31,6 +31,7 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis, TENSOR_AXES
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
 from .conv import check_conv_options, conv_apply
@@ -229,7 +230,7 @@ class _Interceptor:
             return True
         self.notes[(*m.scope.path, "embedding")] = (
             f"(vocabulary, features) = {tuple(table.shape)} not divisible by (row×depth, col) = "
-            f"({self.sizes['row'] * self.sizes['depth']}, {self.sizes['col']})")
+            f"({self.sizes[Axis.ROW] * self.sizes[Axis.DEPTH]}, {self.sizes[Axis.COL]})")
         return False
 
     def _embed(self, m, next_fun, args, kwargs):
@@ -240,7 +241,7 @@ class _Interceptor:
             raise ValueError(f"Embed: input type must be an integer, got {tokens.dtype}")
         (table,) = m.promote_dtype(m.embedding, dtype=m.dtype, inexact=False)
         try:
-            return self.layout.mark(tp_embed(tokens, table, self.mesh), "col")
+            return self.layout.mark(tp_embed(tokens, table, self.mesh), Axis.COL)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{_path(m)}' (Embed): {e}") from None
 
@@ -451,7 +452,7 @@ def parallelize(module, mesh, *, transpose: Mapping[str, bool] | None = None,
       TypeError: `module` is not a Flax module, or `example_args` / `example_kwargs` are given
         for a linen module.
     """
-    missing = {"depth", "row", "col"} - set(getattr(mesh, "axis_names", ()))
+    missing = set(TENSOR_AXES) - set(getattr(mesh, "axis_names", ()))
     if missing:
         raise ValueError(f"parallelize: the mesh lacks axes {sorted(missing)}; build it with make_mesh")
     rules = check_rules(rules)

@@ -29,6 +29,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..config import Axis
 from . import layers_nnx
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
@@ -149,7 +150,7 @@ def _record(layout: Layout, path: str, kind, x, y, attend: bool = False):
     if isinstance(kind, AsDense) or kind in _DENSE or kind in _CONV:
         layout.dense_output(y, layout.dense(path, x))
     elif kind is nnx.Embed:
-        layout.dense_output(y, False) if attend else layout.mark(y, "col")
+        layout.dense_output(y, False) if attend else layout.mark(y, Axis.COL)
     else:
         layout.mark(y, layout.norm(path, x))
     return y
@@ -249,7 +250,7 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes,
             sizes = dict(mesh.shape)
             notes[f"{path}/embedding"] = (
                 f"(vocabulary, features) = {tuple(table)} not divisible by (row×depth, col) = "
-                f"({sizes['row'] * sizes['depth']}, {sizes['col']})")
+                f"({sizes[Axis.ROW] * sizes[Axis.DEPTH]}, {sizes[Axis.COL]})")
             return {}
         specs = {"embedding": (tuple(table), embed_spec())}
     elif kind in _CONV:
@@ -262,7 +263,7 @@ def _layer_specs(path, m, kind, flip, mesh, layout, notes,
             return {}
         specs = {"kernel": (tuple(kernel), spec), "bias": ((m.out_features,), bias_spec(flip))}
     else:
-        axis = layout.norm_axes.get(path, "col")
+        axis = layout.norm_axes.get(path, Axis.COL)
         features = m.num_groups * m.group_size if kind is nnx.GroupNorm else m.num_features
         if kind is nnx.GroupNorm:
             check_groups(path, name, features, m.num_groups, axis, dict(mesh.shape)[axis])

@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
+from ..config import Axis, TENSOR_AXES
 
 logger = logging.getLogger("axonn_jax.parallelize")
 
@@ -137,7 +138,7 @@ def build(entries, sizes) -> SplitReport:
     return SplitReport(tuple(ParamSplit(path, tuple(shape), str(np.dtype(dtype)), spec,
                                         parts_of(spec, sizes), note)
                              for path, shape, dtype, spec, note in entries),
-                       int(np.prod([sizes.get(a, 1) for a in ("depth", "row", "col")])))
+                       int(np.prod([sizes.get(a, 1) for a in TENSOR_AXES])))
 
 
 def act(report: SplitReport, report_to, max_replicated: int | None, what: str = "parallelize"):

@@ -46,13 +46,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from ..config import Axis, TENSOR_AXES
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 from ..checks import check_choice
 from ..collectives import Collective, ParameterShard, StepShape
 from . import fp8
 from .options import DEFAULT, KernelOptions
 
-TP_AXES = ("depth", "row", "col")
 TP_DENSE_NAME = "tp_dense"
 """The `checkpoint_name` of every `tp_dense` output: what a remat policy may keep or offload."""
 LAYER_CACHE = 256
@@ -72,7 +72,7 @@ def feature_axes(transpose: bool) -> tuple[str, str]:
       `(axis splitting the input features, axis splitting the output features)`: `("col", "row")`,
       or `("row", "col")` when `transpose`.
     """
-    return ("row", "col") if transpose else ("col", "row")
+    return (Axis.ROW, Axis.COL) if transpose else (Axis.COL, Axis.ROW)
 
 
 def kernel_spec(transpose: bool = False, out_in: bool = False) -> P:
@@ -87,7 +87,7 @@ def kernel_spec(transpose: bool = False, out_in: bool = False) -> P:
       `(out, in)` kernel (`out_in`): `out` over (out-axis, `depth`), `in` over in-axis.
     """
     fin, fout = feature_axes(transpose)
-    return P((fout, "depth"), fin) if out_in else P((fin, "depth"), fout)
+    return P((fout, Axis.DEPTH), fin) if out_in else P((fin, Axis.DEPTH), fout)
 
 
 def split_dims(dims, axes, sizes) -> tuple | None:
@@ -138,8 +138,8 @@ def dense_specs(in_dims, out_dims, sizes, transpose: bool = False, out_in: bool 
       `(kernel spec, bias spec)`, or None when the dims cannot be split so.
     """
     fin, fout = feature_axes(transpose)
-    kin = split_dims(in_dims, (fin,) if out_in else (fin, "depth"), sizes)
-    kout = split_dims(out_dims, (fout, "depth") if out_in else (fout,), sizes)
+    kin = split_dims(in_dims, (fin,) if out_in else (fin, Axis.DEPTH), sizes)
+    kout = split_dims(out_dims, (fout, Axis.DEPTH) if out_in else (fout,), sizes)
     bias = split_dims(out_dims, (fout,), sizes)
     if kin is None or kout is None or bias is None:
         return None
@@ -169,12 +169,12 @@ def activation_spec(ndim: int, features: str | None, batch: bool = True) -> P:
     Returns:
       The PartitionSpec: batch over `depth`, features over `features`.
     """
-    return P("depth" if batch else None, *([None] * (ndim - 2)), features)
+    return P(Axis.DEPTH if batch else None, *([None] * (ndim - 2)), features)
 
 
 def _sm(f, mesh, in_specs, out_specs):
     return shard_map(f, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
-                     axis_names=set(TP_AXES), check_vma=False)
+                     axis_names=set(TENSOR_AXES), check_vma=False)
 
 
 def _varying_like(y, *like):
@@ -224,7 +224,7 @@ def _untyped(a):
 
 def _gather_depth(w_shard):
     """The `(in/in-axis, out/out-axis)` block of the kernel from its `depth` shards."""
-    return jax.lax.all_gather(w_shard, "depth", axis=0, tiled=True)
+    return jax.lax.all_gather(w_shard, Axis.DEPTH, axis=0, tiled=True)
 
 
 def _check_splits(layer: str, checks):
@@ -244,10 +244,11 @@ def _check_dense(x, kernel, bias, mesh, transpose, out_in=False):
         raise ValueError(f"tp_dense: x {x.shape} does not match kernel {kernel.shape} {layout}")
     if x.ndim < 2:
         raise ValueError(f"tp_dense: x must be (batch, ..., features), got shape {x.shape}")
-    in_parts, out_parts = ((sizes[fin], f"{fin}"), (sizes[fout] * sizes["depth"], f"{fout}×depth")) \
-        if out_in else ((sizes[fin] * sizes["depth"], f"{fin}×depth"), (sizes[fout], fout))
+    depth = sizes[Axis.DEPTH]
+    in_parts, out_parts = ((sizes[fin], f"{fin}"), (sizes[fout] * depth, f"{fout}×depth")) \
+        if out_in else ((sizes[fin] * depth, f"{fin}×depth"), (sizes[fout], fout))
     checks = [("kernel in-features", n_in, *in_parts), ("kernel out-features", n_out, *out_parts),
-              ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
+              ("batch (leading dim of x)", x.shape[0], sizes[Axis.DEPTH], Axis.DEPTH)]
     _check_splits("tp_dense", checks)
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"tp_dense: bias {bias.shape} does not match kernel {kernel.shape} {layout}")
@@ -332,7 +333,7 @@ def split_batch(x_shape, mesh, transpose: bool = False, replicated_rows: bool = 
     if replicated_rows:
         return False
     sizes = mesh if isinstance(mesh, Mapping) else dict(current_mesh(mesh).shape)
-    return all(x_shape[0] % (sizes["depth"] * sizes[a]) == 0 for a in feature_axes(transpose))
+    return all(x_shape[0] % (sizes[Axis.DEPTH] * sizes[a]) == 0 for a in feature_axes(transpose))
 
 
 def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
@@ -346,7 +347,8 @@ def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
     Returns:
       The PartitionSpec: batch over (`depth`, `batch_axis`), features over `features`.
     """
-    return P(("depth", batch_axis) if batch_axis else "depth", *([None] * (ndim - 2)), features)
+    rows = (Axis.DEPTH, batch_axis) if batch_axis else Axis.DEPTH
+    return P(rows, *([None] * (ndim - 2)), features)
 
 
 @functools.lru_cache(maxsize=LAYER_CACHE)
@@ -373,7 +375,7 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
     # collective matmuls: a matmul whose rows are gathered over an axis of more than one device
     ring_over = {a for a in (fin, fout) if rings and split and sizes[a] > 1}
 
-    gemm = _Fp8Gemm((*TP_AXES, *fp8_axes)) if fp8_axes is not None else _PLAIN
+    gemm = _Fp8Gemm((*TENSOR_AXES, *fp8_axes)) if fp8_axes is not None else _PLAIN
 
     def gather_matmul_scatter(a, matmul, gather_axis, scatter_axis):
         """(sum_rows(matmul(a's rows gathered over gather_axis)), those rows), the gather in a
@@ -401,11 +403,11 @@ def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = F
 
     def scatter_grads(dw, dy):
         """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
-        dw = psum_scatter(dw, "depth", scatter_dimension=0, tiled=True)
+        dw = psum_scatter(dw, Axis.DEPTH, scatter_dimension=0, tiled=True)
         if not has_bias:
             return (dw,)
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
-        return dw, psum(jnp.sum(dy, axis=rows), ("depth", fin) if split else "depth")
+        return dw, psum(jnp.sum(dy, axis=rows), (Axis.DEPTH, fin) if split else Axis.DEPTH)
 
     def local_backward(kept, w, dy):  # kept: x's gathered rows of the forward (and scales)
         x_rows, sx, sw = gemm.unkeep(kept)
@@ -653,19 +655,20 @@ class DenseLayer:
         out += [
             # the kernel gathered over depth; its gradient reduce-scattered over depth (a tied
             # head's, laid out by GSPMD, all-reduced)
-            Collective("all-gather", ("depth",), block * wb, count, stage_forward=stacked,
+            Collective("all-gather", (Axis.DEPTH,), block * wb, count, stage_forward=stacked,
                        per_microbatch=True, loop_invariant=not stacked),
-            Collective("all-reduce" if self.table else "reduce-scatter", ("depth",), block * wb,
+            Collective("all-reduce" if self.table else "reduce-scatter", (Axis.DEPTH,), block * wb,
                        count, per_microbatch=True),
         ]
         if stacked:
             # The blocks' backward runs in its own scan loop, which gathers the kernel again; the
             # head's forward and backward share one computation, where XLA reuses the gather.
-            out.append(Collective("all-gather", ("depth",), block * wb, count, per_microbatch=True))
+            out.append(Collective("all-gather", (Axis.DEPTH,), block * wb, count,
+                                  per_microbatch=True))
         if self.bias:
             # the bias is replicated over depth (and, split, the input axis), whose devices saw
             # different tokens; its gradient is summed in the compute dtype on XLA:GPU
-            out.append(Collective("all-reduce", ("depth", fin) if step.split else ("depth",),
+            out.append(Collective("all-reduce", (Axis.DEPTH, fin) if step.split else (Axis.DEPTH,),
                                   self.fan_out / nout * wb, count, per_microbatch=True))
         return out
 
@@ -677,7 +680,7 @@ class DenseLayer:
         """
         g = step.grid
         fin, fout = feature_axes(self.transpose)
-        kernel = ((fin, "depth"), (fout,))
+        kernel = ((fin, Axis.DEPTH), (fout,))
         tp = g.depth * g.row * g.col
         if not self.layers:  # outside the stack: every pipeline stage holds it
             out = [] if self.table else \
@@ -698,13 +701,13 @@ def embed_spec() -> P:
     Returns:
       `P(("row", "depth"), "col")`: vocab over (`row`, `depth`), features over `col`.
     """
-    return P(("row", "depth"), "col")
+    return P((Axis.ROW, Axis.DEPTH), Axis.COL)
 
 
 def _check_table(table, sizes, name):
     vocab, features = table.shape
-    checks = [("vocabulary", vocab, sizes["row"] * sizes["depth"], "row×depth"),
-              ("features", features, sizes["col"], "col")]
+    checks = [("vocabulary", vocab, sizes[Axis.ROW] * sizes[Axis.DEPTH], "row×depth"),
+              ("features", features, sizes[Axis.COL], Axis.COL)]
     for what, n, parts, axes in checks:
         if n % parts:
             raise ValueError(f"{name}: {what} = {n} is not divisible by {axes} = {parts}")
@@ -721,8 +724,8 @@ def table_divides(shape, mesh) -> bool:
       True when the shape is 2-D, vocab divides over `row` × `depth` and features over `col`.
     """
     sizes = dict(mesh.shape)
-    return len(shape) == 2 and shape[0] % (sizes["row"] * sizes["depth"]) == 0 \
-        and shape[1] % sizes["col"] == 0
+    return len(shape) == 2 and shape[0] % (sizes[Axis.ROW] * sizes[Axis.DEPTH]) == 0 \
+        and shape[1] % sizes[Axis.COL] == 0
 
 
 def _vocab_slice(tokens, offset, size):
@@ -758,24 +761,25 @@ def looks_up_rows(vocab: int, tokens: int, sizes: Mapping[str, int]) -> bool:
     Returns:
       True when `depth` > 1 and `depth · tokens < vocab // row`.
     """
-    return sizes["depth"] > 1 and sizes["depth"] * tokens < vocab // sizes["row"]
+    return sizes[Axis.DEPTH] > 1 and sizes[Axis.DEPTH] * tokens < vocab // sizes[Axis.ROW]
 
 
 def _table_exchange(batched: bool):
     """`tp_embed`'s per-device parts when the table is gathered over `depth`: (forward, backward)."""
     def forward(tokens, table):
         table = _gather_depth(table)
-        idx, hit = _vocab_slice(tokens, jax.lax.axis_index("row") * table.shape[0], table.shape[0])
-        return psum(_lookup(table, idx, hit), "row")
+        start = jax.lax.axis_index(Axis.ROW) * table.shape[0]
+        idx, hit = _vocab_slice(tokens, start, table.shape[0])
+        return psum(_lookup(table, idx, hit), Axis.ROW)
 
     def backward(tokens, dy, table_shard):
-        vocab_local = table_shard.shape[0] * jax.lax.axis_size("depth")
-        idx, hit = _vocab_slice(tokens, jax.lax.axis_index("row") * vocab_local, vocab_local)
+        vocab_local = table_shard.shape[0] * jax.lax.axis_size(Axis.DEPTH)
+        idx, hit = _vocab_slice(tokens, jax.lax.axis_index(Axis.ROW) * vocab_local, vocab_local)
         dt = _scatter_rows(idx, hit, dy, vocab_local)
         if batched:  # depth devices saw different rows of the batch
-            return psum_scatter(dt, "depth", scatter_dimension=0, tiled=True)
+            return psum_scatter(dt, Axis.DEPTH, scatter_dimension=0, tiled=True)
         n = table_shard.shape[0]  # every depth device saw all tokens: keep its own block
-        return jax.lax.dynamic_slice_in_dim(dt, jax.lax.axis_index("depth") * n, n, axis=0)
+        return jax.lax.dynamic_slice_in_dim(dt, jax.lax.axis_index(Axis.DEPTH) * n, n, axis=0)
 
     return forward, backward
 
@@ -787,19 +791,20 @@ def _row_exchange():
     group's output gradients and adds the rows each shard owns. (forward, backward)."""
     def own_slice(tokens, table_shard):
         n = table_shard.shape[0]
-        shard = jax.lax.axis_index("row") * jax.lax.axis_size("depth") + jax.lax.axis_index("depth")
-        group = jax.lax.all_gather(tokens, "depth", axis=0, tiled=True)
+        shard = jax.lax.axis_index(Axis.ROW) * jax.lax.axis_size(Axis.DEPTH) \
+            + jax.lax.axis_index(Axis.DEPTH)
+        group = jax.lax.all_gather(tokens, Axis.DEPTH, axis=0, tiled=True)
         return _vocab_slice(group, shard * n, n)
 
     def forward(tokens, table_shard):
         idx, hit = own_slice(tokens, table_shard)
-        rows = psum_scatter(_lookup(table_shard, idx, hit), "depth", scatter_dimension=0,
+        rows = psum_scatter(_lookup(table_shard, idx, hit), Axis.DEPTH, scatter_dimension=0,
                             tiled=True)
-        return psum(rows, "row")
+        return psum(rows, Axis.ROW)
 
     def backward(tokens, dy, table_shard):
         idx, hit = own_slice(tokens, table_shard)
-        group_dy = jax.lax.all_gather(dy, "depth", axis=0, tiled=True)
+        group_dy = jax.lax.all_gather(dy, Axis.DEPTH, axis=0, tiled=True)
         return _scatter_rows(idx, hit, group_dy, table_shard.shape[0])
 
     return forward, backward
@@ -807,8 +812,8 @@ def _row_exchange():
 
 @functools.lru_cache(maxsize=LAYER_CACHE)
 def _embed_fn(mesh, ndim: int, batched: bool, rows_cross: bool = False):
-    t_spec = P("depth" if batched else None, *([None] * (ndim - 1)))
-    y_spec = activation_spec(ndim + 1, "col", batch=batched)
+    t_spec = P(Axis.DEPTH if batched else None, *([None] * (ndim - 1)))
+    y_spec = activation_spec(ndim + 1, Axis.COL, batch=batched)
     local_forward, local_backward = _row_exchange() if rows_cross else _table_exchange(batched)
 
     @jax.custom_vjp
@@ -851,10 +856,10 @@ def tp_embed(tokens, table, mesh=None):
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tp_embed: tokens must be integers, got {tokens.dtype}")
     _check_table(table, sizes, "tp_embed")
-    if batched and tokens.shape[0] % sizes["depth"]:
+    if batched and tokens.shape[0] % sizes[Axis.DEPTH]:
         raise ValueError(f"tp_embed: batch (leading dim of tokens) = {tokens.shape[0]} is not "
-                         f"divisible by depth = {sizes['depth']}")
-    rows_cross = batched and looks_up_rows(table.shape[0], tokens.size // sizes["depth"], sizes)
+                         f"divisible by depth = {sizes[Axis.DEPTH]}")
+    rows_cross = batched and looks_up_rows(table.shape[0], tokens.size // sizes[Axis.DEPTH], sizes)
     return _embed_fn(current_mesh(mesh), tokens.ndim, batched, rows_cross)(tokens, table)
 
 
@@ -908,20 +913,20 @@ class Table:
                 # completes the embeddings (XLA:GPU makes the sum of rows that the batch-split
                 # layout then splits over row a reduce-scatter; measured on H100)
                 Collective("reduce-scatter" if step.split and step.platform == "gpu"
-                           else "all-reduce", ("row",), lookups, stage_forward=True),
+                           else "all-reduce", (Axis.ROW,), lookups, stage_forward=True),
                 *self._depth_exchange(step, shard, lookups),
             ]
             if step.split:  # the lookup's output is replicated over row: GSPMD gathers its
-                out.append(Collective("all-gather", ("row",), lookups))  # gradient's rows
+                out.append(Collective("all-gather", (Axis.ROW,), lookups))  # gradient's rows
             return out
         return [
-            Collective("all-gather", ("depth",), shard, stage_forward=True, per_microbatch=True,
+            Collective("all-gather", (Axis.DEPTH,), shard, stage_forward=True, per_microbatch=True,
                        loop_invariant=True),
             # the lookup sum, once per position; the gradient is first summed over the batch,
             # which depth splits
-            Collective("all-reduce", ("row",), step.seq_len * self.features / g.col * cb,
+            Collective("all-reduce", (Axis.ROW,), step.seq_len * self.features / g.col * cb,
                        stage_forward=True, per_microbatch=True, loop_invariant=True),
-            Collective("all-reduce", ("depth", "row") if step.split else ("depth",),
+            Collective("all-reduce", (Axis.DEPTH, Axis.ROW) if step.split else (Axis.DEPTH,),
                        step.seq_len * self.features / g.col * step.gathered_bytes,
                        per_microbatch=True),
         ]
@@ -932,22 +937,22 @@ class Table:
         looked-up rows reduce-scattered and their gradients gathered."""
         g = step.grid
         tokens = step.tokens / step.microbatches  # one lookup's, per device
-        if looks_up_rows(self.rows, tokens, {"depth": g.depth, "row": g.row}):
+        if looks_up_rows(self.rows, tokens, {Axis.DEPTH: g.depth, Axis.ROW: g.row}):
             group = g.depth * lookups  # the depth group's rows, per step
-            return [Collective("all-gather", ("depth",), g.depth * step.tokens * 4,
+            return [Collective("all-gather", (Axis.DEPTH,), g.depth * step.tokens * 4,
                                stage_forward=True),
-                    Collective("reduce-scatter", ("depth",), group, stage_forward=True),
-                    Collective("all-gather", ("depth",), group)]
-        return [Collective("all-gather", ("depth",), shard, stage_forward=True,
+                    Collective("reduce-scatter", (Axis.DEPTH,), group, stage_forward=True),
+                    Collective("all-gather", (Axis.DEPTH,), group)]
+        return [Collective("all-gather", (Axis.DEPTH,), shard, stage_forward=True,
                            per_microbatch=True, loop_invariant=True),
                 # the table's gradient scattered back over depth
-                Collective("reduce-scatter", ("depth",), shard, per_microbatch=True)]
+                Collective("reduce-scatter", (Axis.DEPTH,), shard, per_microbatch=True)]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
         """The table's shard: rows over (`row`, `depth`), features over `col`."""
         g = step.grid
         return [ParameterShard(self.rows * self.features / (g.depth * g.row * g.col), 2,
-                               (("row", "depth"), ("col",)), True)]
+                               ((Axis.ROW, Axis.DEPTH), (Axis.COL,)), True)]
 
 
 class ConvSpec(tuple):
@@ -1011,7 +1016,7 @@ def conv_kernel_spec(ndim: int, transpose: bool = False, transpose_kernel: bool 
     """
     fin, fout = feature_axes(transpose)
     a, b = (fout, fin) if transpose_kernel else (fin, fout)
-    return P(*([None] * (ndim - 2)), (a, "depth"), b)
+    return P(*([None] * (ndim - 2)), (a, Axis.DEPTH), b)
 
 
 def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
@@ -1025,9 +1030,9 @@ def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
         raise ValueError(f"tp_conv: x {x.shape} does not match kernel {kernel.shape}")
     a, b = (n_out, n_in) if spec.transpose_kernel else (n_in, n_out)
     na, nb = ((fout, fin) if spec.transpose_kernel else (fin, fout))
-    checks = [("kernel dim -2", a, sizes[na] * sizes["depth"], f"{na}×depth"),
+    checks = [("kernel dim -2", a, sizes[na] * sizes[Axis.DEPTH], f"{na}×depth"),
               ("kernel dim -1", b, sizes[nb], nb), ("input channels", n_in, sizes[fin], fin),
-              ("batch (leading dim of x)", x.shape[0], sizes["depth"], "depth")]
+              ("batch (leading dim of x)", x.shape[0], sizes[Axis.DEPTH], Axis.DEPTH)]
     _check_splits("tp_conv", checks)
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"tp_conv: bias {bias.shape} does not match kernel {kernel.shape}")
@@ -1040,7 +1045,7 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
     w_spec, b_spec = conv_kernel_spec(ndim, transpose, spec.transpose_kernel), bias_spec(transpose)
 
     def gather(w):  # the kernel's `depth` shards sit on its second-to-last dim
-        return jax.lax.all_gather(w, "depth", axis=ndim - 2, tiled=True)
+        return jax.lax.all_gather(w, Axis.DEPTH, axis=ndim - 2, tiled=True)
 
     def local_forward(x, w, *b):
         y = psum(spec.apply(x, gather(w)), fin)
@@ -1051,10 +1056,10 @@ def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
         _, vjp = jax.vjp(spec.apply, _untyped(x), _untyped(gather(w)))
         dx, dw = vjp(_untyped(dy))
         dx = psum(dx, fout)
-        dw = psum_scatter(dw, "depth", scatter_dimension=ndim - 2, tiled=True)
+        dw = psum_scatter(dw, Axis.DEPTH, scatter_dimension=ndim - 2, tiled=True)
         if not has_bias:
             return dx, dw
-        return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), "depth")
+        return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), Axis.DEPTH)
 
     return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec, x_spec),
                   has_bias)
@@ -1132,14 +1137,14 @@ class ConvLayer:
         rows_out, rows_in = step.rows * self.pixels, step.rows * self.in_pixels
         wb = step.gathered_bytes
         return [
-            Collective("all-gather", ("depth",), block * wb, n * (2 if self.stacked else 1),
+            Collective("all-gather", (Axis.DEPTH,), block * wb, n * (2 if self.stacked else 1),
                        per_microbatch=True),
             Collective("all-reduce", (fin,), rows_out * self.cout / nout * cb, n,
                        stage_forward=self.stacked),
             Collective("all-reduce", (fout,), rows_in * self.cin / nin * cb, n,
                        overlappable=2 * rows_out * block),
-            Collective("reduce-scatter", ("depth",), block * wb, n, per_microbatch=True),
-            Collective("all-reduce", ("depth",), self.cout / nout * pb, n, per_microbatch=True),
+            Collective("reduce-scatter", (Axis.DEPTH,), block * wb, n, per_microbatch=True),
+            Collective("all-reduce", (Axis.DEPTH,), self.cout / nout * pb, n, per_microbatch=True),
         ]
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
@@ -1148,6 +1153,7 @@ class ConvLayer:
         fin, fout = feature_axes(self.transpose)
         n, outside = self.layers, not self.stacked
         kernel = self.window * self.cin * self.cout / (g.depth * g.row * g.col)
-        return [ParameterShard(n * kernel, 3 + self.stacked, ((fin, "depth"), (fout,)), outside),
+        return [ParameterShard(n * kernel, 3 + self.stacked, ((fin, Axis.DEPTH), (fout,)),
+                               outside),
                 ParameterShard(n * self.cout / getattr(g, fout), 1 + self.stacked, ((fout,),),
                                outside)]

@@ -49,8 +49,9 @@ def _values(leaf) -> str:
     if choices is not None:
         return ", ".join(_code(c) for c in choices)
     kind = leaf.kind
-    return {bool: "true / false", int: "integer", float: "number", str: "text",
+    name = {bool: "true / false", int: "integer", float: "number", str: "text",
             tuple: "list"}.get(kind, getattr(kind, "__name__", str(kind)))
+    return f"true / false / {name}" if leaf.switch_with_value else name
 
 
 def config_page() -> str:
@@ -165,8 +166,10 @@ def _usage(a) -> str:
 
 def _leaf_usage(leaf) -> str:
     flag = "/".join(leaf.flags)
-    if leaf.kind is bool and leaf.path != "checkpoint.resume":
+    if leaf.kind is bool:
         return flag
+    if leaf.switch_with_value:
+        return f"{flag} [{leaf.meta['metavar'] or 'TEXT'}]"
     choices = leaf.choices()
     if choices is not None and leaf.path != "model.name":
         return f"{flag} {'|'.join(map(str, choices))}"

@@ -21,6 +21,7 @@ Byte convention ("wire bytes"): see `axonn_jax.collectives`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Iterable
@@ -28,7 +29,7 @@ from typing import Iterable
 from ..batch_axis import DATA
 from ..collectives import (FP32, KINDS, Collective, ModelCommunication, ParameterShard,  # noqa: F401
                            StepShape, ring_bytes)
-from ..config import AXES, ParallelConfig, check_grid, devices_inside
+from ..config import AXES, check_grid, devices_inside, Axis, ParallelConfig
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..offload.activations import UNIFORM_REMAT
 from ..offload.optimizer import gradient_offload_problems
@@ -279,7 +280,7 @@ class Workload:
         if not self.compress_bits or self.compress_scope != "inter-node":
             return 1
         devices = self.compress_node_size or (8 if self.platform == "gpu" else grid.num_devices)
-        return min(grid.data, max(1, devices // devices_inside(grid.as_dict(), "data")))
+        return min(grid.data, max(1, devices // devices_inside(grid.as_dict(), Axis.DATA)))
 
     def step(self, grid: ParallelConfig) -> StepShape:
         """The step as its parts count it on `grid`.
@@ -318,14 +319,36 @@ class Workload:
 def declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
     """What the model of `work` declares about one step on `grid` (`config.communication`).
 
+    Computed once per (work, grid): `predict` reads it from a dozen helpers, and `plan` predicts
+    thousands of grids (`_once`).
+
     Args:
       work: the step.
       grid: the mesh.
 
     Returns:
-      The model's `ModelCommunication` for `work.step(grid)`.
+      The model's `ModelCommunication` for `work.step(grid)` (immutable).
     """
+    return _once(_declared, work, grid)
+
+
+def _declared(work: Workload, grid: ParallelConfig) -> ModelCommunication:
     return work.model.communication(work.step(grid))
+
+
+def _once(f, work: Workload, grid: ParallelConfig):
+    """`f(work, grid)`, computed once per hashable (work, grid) (`_remembered`); every time
+    for a model config that cannot be hashed. `f` returns something immutable."""
+    try:
+        hash((work, grid))
+    except TypeError:
+        return f(work, grid)
+    return _remembered(f, work, grid)
+
+
+@functools.lru_cache(maxsize=8192)
+def _remembered(f, work: Workload, grid: ParallelConfig):
+    return f(work, grid)
 
 
 def shape_of(model, grid: ParallelConfig):
@@ -362,6 +385,10 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     Returns:
       The `Collective`s, each with its count per step.
     """
+    return list(_once(_collectives, work, grid))
+
+
+def _collectives(work: Workload, grid: ParallelConfig) -> tuple[Collective, ...]:
     d, shape = declared(work, grid), work.step(grid)
     stage_layers = max(1, getattr(work.model, "num_layers", 1) // grid.pipe)
     exchanged = [p for p in d.parameters if not summed_with_data(p, shape)]
@@ -397,8 +424,8 @@ def collectives(work: Workload, grid: ParallelConfig) -> list[Collective]:
     if work.remat != "none":
         found = [dataclasses.replace(c, count=c.count * 2) if c.rematerialized or (
             c.recomputed_in_full and work.remat == "full") else c for c in found]
-    return stage_repeats(found, work.microbatches, 2 if grid.pipe > 1 else 1,
-                         hoisted=grid.pipe == 1 or work.platform == "cpu")
+    return tuple(stage_repeats(found, work.microbatches, 2 if grid.pipe > 1 else 1,
+                               hoisted=grid.pipe == 1 or work.platform == "cpu"))
 
 
 def bytes_by_kind(work: Workload, grid: ParallelConfig) -> dict[str, float]:
@@ -729,7 +756,7 @@ def _overlaps_backward(c: Collective) -> bool:
     """The gradient exchange over the batch axes (data's, and the sums over expert and context
     of the parameters they do not split, `step.batch_axes`), hidden behind the backward pass up
     to its compute time."""
-    return c.axes == ("data",) or (c.kind == "all-reduce" and set(c.axes) <= _BATCH_AXIS_NAMES)
+    return c.axes == (Axis.DATA,) or (c.kind == "all-reduce" and set(c.axes) <= _BATCH_AXIS_NAMES)
 
 
 _BATCH_AXIS_NAMES = frozenset(a.name for a in BATCH_AXIS_PLUGINS)
@@ -1014,7 +1041,7 @@ def exposed_communication(timed: list[tuple[Collective, float]], compute_s: floa
             out.append((c, t - hidden))
     data_time = sum(t for c, t in timed if _overlaps_backward(c))
     if data_time:
-        hidden = min(data_time * hidden_shares.hidden_share(("data",), mode), compute_s * 2 / 3)
+        hidden = min(data_time * hidden_shares.hidden_share((Axis.DATA,), mode), compute_s * 2 / 3)
         out += [(c, t * (1 - hidden / data_time)) for c, t in timed if _overlaps_backward(c)]
     return out
 

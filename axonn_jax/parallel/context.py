@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..config import Axis
 from ..batch_axis import BatchAxis
 from ..checks import check_choice
 from ..collectives import Collective
@@ -127,7 +128,7 @@ def unbalance(x, size: int, dim: int = 1):
     return _permute_chunks(x, size, dim, np.argsort(zigzag_order(size)))
 
 
-def axis_size(axis: str = "context") -> int:
+def axis_size(axis: str = Axis.CONTEXT) -> int:
     """Devices on `axis` when the enclosing shard_map is manual over it, else 1.
 
     Args:
@@ -178,8 +179,8 @@ def balanced_share(batch, size: int):
 
     def mine(a):
         local = a.shape[1]
-        whole = lax.all_gather(a, "context", axis=1, tiled=True)
-        return lax.dynamic_slice_in_dim(balance(whole, size), lax.axis_index("context") * local,
+        whole = lax.all_gather(a, Axis.CONTEXT, axis=1, tiled=True)
+        return lax.dynamic_slice_in_dim(balance(whole, size), lax.axis_index(Axis.CONTEXT) * local,
                                         local, 1)
 
     return jax.tree.map(mine, batch)
@@ -188,11 +189,11 @@ def balanced_share(batch, size: int):
 def _layout_collectives(step, declared) -> list[Collective]:
     """`balanced_share`'s all-gather: this device's rows (over data, expert, depth), whole
     sequences."""
-    return [Collective("all-gather", ("context",),
+    return [Collective("all-gather", (Axis.CONTEXT,),
                        step.rows * step.seq_len * declared.batch_token_bytes)]
 
 
-AXIS = BatchAxis("context", dim=1, layout=balanced_share, check=check_batch,
+AXIS = BatchAxis(Axis.CONTEXT, dim=1, layout=balanced_share, check=check_batch,
                  collectives=_layout_collectives,
                  splits=lambda model, seq_len: getattr(model, "kv_features", 0) > 0 and seq_len > 1)
 """Context parallelism as a batch axis: the sequence over `context`, in the zig-zag layout; for
@@ -206,7 +207,7 @@ def _chunk(half, device, size):
     return jnp.where(half == 0, device, 2 * size - 1 - device)
 
 
-def positions(local_len: int, axis: str = "context"):
+def positions(local_len: int, axis: str = Axis.CONTEXT):
     """The true positions (indices in the whole sequence) of this device's tokens.
 
     Args:
@@ -321,6 +322,29 @@ def check_scheme(scheme: str) -> None:
       ValueError: no such scheme.
     """
     check_choice("context attention scheme", scheme, SCHEMES)
+
+
+def scheme_problems(scheme: str, num_stages: int, platform: str) -> list[str]:
+    """Why `scheme` cannot run inside `num_stages` pipeline stages on `platform`, one line each.
+
+    A stage's ring hops are one collective-permute of every device of the program, which
+    XLA:CPU runs only when all of them reach it: stages idle in that tick never do.
+
+    Args:
+      scheme: a name in `SCHEMES` (an unknown one is `check_scheme`'s to refuse).
+      num_stages: devices on `pipe`.
+      platform: `cpu` or `gpu`.
+
+    Returns:
+      The problems (empty: none).
+    """
+    s = SCHEMES.get(scheme)
+    if s is None or s.cpu_pipeline or num_stages == 1 or platform != "cpu":
+        return []
+    others = " or ".join(o.name for o in SCHEMES.values() if o.cpu_pipeline)
+    return [f"--context-attention {scheme} inside pipeline stages deadlocks XLA:CPU (its "
+            f"collective-permutes wait for every stage); use --context-attention {others} on "
+            "simulated devices"]
 
 
 # ----------------------------------------------------------------------------- the block schedule
@@ -566,7 +590,7 @@ def _block_attention(forward, backward, q, k, v, segment_ids, positions, *, axis
                    side_inputs(segment_ids, positions))
 
 
-def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_ids=None,
+def attention(q, k, v, *, axis: str = Axis.CONTEXT, scheme: str = "ring", segment_ids=None,
               positions=None, query_tile: int = 512):
     """Causal softmax attention of the whole sequence, split over `axis` in the zig-zag layout.
 
@@ -608,7 +632,7 @@ def attention(q, k, v, *, axis: str = "context", scheme: str = "ring", segment_i
 # ----------------------------------------------------------------------------- communication model
 
 def collectives(scheme: str, kv_shape: tuple[int, ...], dtype, size: int, *,
-                q_shape: tuple[int, ...] | None = None, axis: str = "context",
+                q_shape: tuple[int, ...] | None = None, axis: str = Axis.CONTEXT,
                 segment_ids: bool = False, positions: bool = False, backward: bool = True,
                 home_dtype=None) -> list[tuple[str, str, int]]:
     """What one `attention` call sends per device, forward and (with `backward`) backward.
@@ -767,7 +791,7 @@ class ContextAttention:
 
     kv_features: float
     layers: int
-    rows_over: str | None = "col"
+    rows_over: str | None = Axis.COL
     heads: float = 1.0
     query_tile: int = 512
     head_dim: float = 0.0
@@ -819,12 +843,13 @@ class ContextAttention:
         forward = dict((k, b) for k, _, b in collectives(step.context_attention, kv_shape, dtype,
                                                           g.context, q_shape=q_shape,
                                                           backward=False))
-        out = [Collective(k, ("context",), b, self.layers, stage_forward=True,
+        out = [Collective(k, (Axis.CONTEXT,), b, self.layers, stage_forward=True,
                           rematerialized=True) for k, b in forward.items()]
         for kind, _, b in collectives(step.context_attention, kv_shape, dtype, g.context,
                                       q_shape=q_shape, home_dtype=home):
             if b - forward.get(kind, 0):
-                out.append(Collective(kind, ("context",), b - forward.get(kind, 0), self.layers))
+                out.append(Collective(kind, (Axis.CONTEXT,), b - forward.get(kind, 0),
+                                      self.layers))
                 forward.pop(kind, None)
         return out
 

@@ -64,10 +64,10 @@ from jax.sharding import PartitionSpec as P
 from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
 from ..checks import NOT_YET, check_choice, collect
 from ..collectives import Collective
-from ..config import SCHEDULES
+from ..config import SCHEDULES, Axis
 from .backward_split import split_backward
 
-PIPE_AXIS = "pipe"
+PIPE_AXIS = Axis.PIPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,9 +275,13 @@ def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2,
       times `microbatches` (parameter-sized collectives run once per microbatch's operation,
       pipelined or accumulated by `SpmdEngine`); hoisted loop-invariant ones unchanged.
     """
-    return [c if c.loop_invariant and hoisted else
-            dataclasses.replace(c, count=c.count * (forwards if c.stage_forward else 1)
-                                * (microbatches if c.per_microbatch else 1)) for c in found]
+    def repeats(c: Collective) -> int:
+        if c.loop_invariant and hoisted:
+            return 1
+        return (forwards if c.stage_forward else 1) * (microbatches if c.per_microbatch else 1)
+
+    return [c if repeats(c) == 1 else dataclasses.replace(c, count=c.count * repeats(c))
+            for c in found]
 
 
 def stage_order(name: str, num_stages: int, num_microbatches: int, stage: int,

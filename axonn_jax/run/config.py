@@ -56,11 +56,11 @@ def _add(group, leaf: Leaf) -> None:
     meta = leaf.meta
     kw: dict[str, Any] = dict(dest=leaf.path, default=argparse.SUPPRESS,
                               help=meta["help"] + _default_text(leaf))
-    if leaf.kind is bool and not isinstance(leaf.default, str) and leaf.path != "checkpoint.resume":
+    if leaf.kind is bool:
         kw["action"] = "store_false" if meta["switch_off"] else "store_true"
     elif leaf.kind is tuple:  # a list: the flag repeated
         kw.update(action="append", metavar=meta["metavar"])
-    elif leaf.path == "checkpoint.resume":
+    elif leaf.switch_with_value:  # `--resume`, or `--resume RUN_DIR`
         kw.update(nargs="?", const=True, metavar=meta["metavar"])
     else:
         names = {int: "N", float: "X", str: "TEXT"}
@@ -72,7 +72,7 @@ def _add(group, leaf: Leaf) -> None:
 
 
 def _default_text(leaf: Leaf) -> str:
-    if leaf.kind is bool or leaf.default in (None, ()):
+    if isinstance(leaf.default, bool) or leaf.default in (None, ()):
         return ""
     return f" (default: {leaf.default})"
 
@@ -82,9 +82,8 @@ def _typed_flag(leaf: Leaf):
     kind = leaf.kind
 
     def convert(text: str):
-        if leaf.default is None or leaf.path == "optimizer.clip_norm":
-            if text.lower() in ("none", "null"):
-                return None
+        if leaf.optional and text.lower() in ("none", "null"):
+            return None
         return kind(text)
 
     convert.__name__ = kind.__name__  # argparse names the type in its error messages
@@ -134,10 +133,9 @@ def value_of(key: str, leaf: Leaf, value) -> Any:
     if leaf.kind is tuple:
         return _list_value(key, value)
     if isinstance(value, Text):
-        if value in ("", "null", "~", "None", "none") and \
-                (leaf.default is None or leaf.path == "optimizer.clip_norm"):
+        if value in ("", "null", "~", "None", "none") and leaf.optional:
             return None
-        if leaf.kind in (bool, int, float) or leaf.path == "checkpoint.resume":
+        if leaf.kind in (bool, int, float) or leaf.switch_with_value:
             try:
                 parsed = yaml.safe_load(value)
             except yaml.YAMLError:
@@ -145,14 +143,10 @@ def value_of(key: str, leaf: Leaf, value) -> Any:
             value = parsed if isinstance(parsed, (bool, int, float)) else str(value)
         else:
             value = str(value)
-    if value is None and (leaf.default is None or leaf.path == "optimizer.clip_norm"):
+    if value is None and leaf.optional:
         return None
     inverted = leaf.meta["switch_off"] and key == leaf.key
-    if leaf.path == "checkpoint.resume":
-        if isinstance(value, bool) or value == "auto":
-            return value
-        if not isinstance(value, str):
-            raise ValueError(f"config key {key!r} must be true, false, auto or a run directory")
+    if leaf.switch_with_value and isinstance(value, bool):
         return value
     if leaf.kind is bool:
         if not isinstance(value, bool):

@@ -408,9 +408,6 @@ def _hooks(config: RunConfig, trainer: Trainer, eval_feed, feed, resume: bool, c
     if config.model.export_to:
         if not trainer.preset:
             raise ValueError("train: export_to needs a built-in or --init-from model")
-        if r.transport == "mpi" and config.parallel.pipe > 1:
-            raise NotImplementedError("--export-to with --transport mpi --pipe > 1 is not "
-                                      "implemented yet (each process holds one stage's parameters)")
         built.append(ExportPretrained(lambda state: _export(trainer, state)))
     return built, validation, sample
 

@@ -26,15 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import types
+import typing
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import optax
 
 from ..checks import check_choice, collect
-from ..config import AXES, SCHEDULES, ParallelConfig
+from ..config import AXES, SCHEDULES, Axis, ParallelConfig
 from ..offload.activations import REMAT_MODES
-from ..parallel.context import SCHEMES as CONTEXT_SCHEMES, check_sequence
+from ..parallel.context import SCHEMES as CONTEXT_SCHEMES, check_sequence, scheme_problems
 from ..parallel.compression import ROUNDINGS, SCOPES, parse_rule
 from ..parallel.exchange import REDUCE_DTYPES
 from ..step import xla_options
@@ -49,7 +51,7 @@ XLA_OPTION_CHOICES = xla_options.CHOICES
 
 
 def option(default: Any = None, help: str = "", *, flag: str | None = None,
-           aliases: tuple[str, ...] = (), legacy: str | None = None, kind: type | None = None,
+           aliases: tuple[str, ...] = (), legacy: str | None = None,
            choices: tuple | Callable[[], Any] | None = None, metavar: str | None = None,
            cli: bool = True, switch_off: bool = False):
     """A field of the tree with what the command line and YAML need to know of it.
@@ -60,7 +62,6 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None,
       flag: its long option (default `--<field name>`).
       aliases: more long options.
       legacy: its name among the flat `TrainOptions` keywords (default: the flag without dashes).
-      kind: its value's type when the default is None.
       choices: allowed values (or a function giving them).
       metavar: the flag's value's name in the help.
       cli: False for fields set only from YAML or Python.
@@ -69,7 +70,7 @@ def option(default: Any = None, help: str = "", *, flag: str | None = None,
     Returns:
       A `dataclasses.field` with these in its metadata.
     """
-    meta = dict(help=help, flag=flag, aliases=aliases, legacy=legacy, kind=kind, choices=choices,
+    meta = dict(help=help, flag=flag, aliases=aliases, legacy=legacy, choices=choices,
                 metavar=metavar, cli=cli, switch_off=switch_off)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -87,9 +88,9 @@ class ModelOptions:
     name: str = option("gpt-tiny", "model preset", flag="--model", choices=_presets)
     init_from: str | None = option(None, "fine-tune a Hugging Face Llama or GPT-2 directory "
                                    "(config.json + safetensors; its tokenizer.json tokenizes the "
-                                   "data); replaces --model", kind=str, metavar="HF_DIR")
+                                   "data); replaces --model", metavar="HF_DIR")
     export_to: str | None = option(None, "write the trained model there as a Hugging Face "
-                                   "directory", kind=str, metavar="DIR")
+                                   "directory", metavar="DIR")
     attention: str = option("auto", "attention core of built-in models: cuDNN flash attention (a "
                             "CUDA GPU, bf16/fp16), XLA's, or auto (cuDNN where it runs)",
                             choices=ATTENTION_CHOICES)
@@ -100,11 +101,11 @@ class ModelOptions:
     moe_capacity_factor: float | None = option(
         None, "mixture-of-experts layers route with a capacity: each expert takes "
         "ceil(F·tokens·top_k/experts) assignments, the rest are dropped and counted (default: "
-        "the preset's, dropless for the built-in ones)", kind=float, metavar="F")
+        "the preset's, dropless for the built-in ones)", metavar="F")
     moe_dispatch_factor: float | None = option(
         None, "dropless mixture-of-experts layers over --expert devices send each device at "
         "most ceil(F·tokens·top_k/expert) rows, the rest are dropped and counted (default: the "
-        "preset's; none: every row could go to one device, nothing dropped)", kind=float,
+        "preset's; none: every row could go to one device, nothing dropped)",
         metavar="F")
 
 
@@ -113,7 +114,7 @@ class GridOptions:
     """Sizes of the grid's axes; `data` None fills the devices the others leave."""
 
     data: int | None = option(None, "data-parallel size (default: devices / the other axes)",
-                              flag="--data-parallel", aliases=("--dp",), kind=int)
+                              flag="--data-parallel", aliases=("--dp",))
     pipe: int = option(1, "pipeline stages")
     expert: int = option(1, "devices the experts of mixture-of-experts layers are split over "
                          "(the rest of the model is data-parallel over them)")
@@ -128,8 +129,7 @@ class GridOptions:
     auto: bool = option(False, "let the planner choose the grid (and microbatches)",
                         flag="--auto-grid")
     devices: int | None = option(None, "devices of the job: simulated CPU devices to create (set "
-                                 "before JAX starts); for `plan`, the devices to plan for",
-                                 kind=int)
+                                 "before JAX starts); for `plan`, the devices to plan for")
 
     def sizes(self) -> dict[str, int | None]:
         """`{axis: size}` in mesh order (`data` may be None).
@@ -173,8 +173,7 @@ class OptimizerOptions:
     weight_decay: float = option(0.1, "AdamW's decoupled weight decay")
     b1: float = option(0.9, "AdamW's first-moment decay")
     b2: float = option(0.95, "AdamW's second-moment decay")
-    clip_norm: float | None = option(1.0, "clip the gradients' global norm to this (none: never)",
-                                     kind=float)
+    clip_norm: float | None = option(1.0, "clip the gradients' global norm to this (none: never)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +187,7 @@ class MemoryOptions:
                                      "stack on the device; grids without a batch axis)")
     remat: str = option("none", "what each block keeps for the backward (auto: KARMA's planner "
                         "within --memory-budget)", choices=REMAT_MODES)
-    budget_gb: float | None = option(None, "device memory budget of --remat auto", kind=float,
+    budget_gb: float | None = option(None, "device memory budget of --remat auto",
                                      flag="--memory-budget", legacy="memory_budget_gb",
                                      metavar="GB")
 
@@ -211,7 +210,7 @@ class CompressionOptions:
                           "regular expression PATTERN (BITS 1..8, or exact); the first matching "
                           "rule wins over --compress-bits and the size filter; repeat for more "
                           "(YAML: rules: ['embed=exact', 'mlp=8'])", flag="--compress-rule",
-                          legacy="compress_rules", kind=tuple, metavar="PATTERN=BITS")
+                          legacy="compress_rules", metavar="PATTERN=BITS")
     rounding: str = option("auto", "CGX: round values to their levels to nearest, or "
                            "stochastically (unbiased; noise from the step's key); auto: nearest "
                            "with error feedback, stochastic without",
@@ -225,7 +224,7 @@ class CompressionOptions:
                                    "inter-node (default: 8 on GPUs, an H100 node; the devices "
                                    "of one process on CPU; in `plan`, the machine's)",
                                    flag="--compress-node-size",
-                                   legacy="compress_node_size", kind=int, metavar="N")
+                                   legacy="compress_node_size", metavar="N")
     in_backward: bool = option(True, "CGX: exchange each layer's gradients inside the backward, "
                                "beside the next layers' compute (where the exact exchange runs "
                                "there too); off: all of them after the backward",
@@ -308,15 +307,15 @@ class DataOptions:
 
     path: str | None = option(None, "text file, directory of text files, or .npy/.bin token "
                               "file (default: the Python standard library's sources)",
-                              flag="--data", legacy="data_path", kind=str, metavar="PATH")
+                              flag="--data", legacy="data_path", metavar="PATH")
     sources: tuple = option((), "train on documents (packed whole into sequences, read per "
                             "host, resumed exactly) from this source: a JSONL, Parquet, "
                             "ArrayRecord, text or token file, a directory or a glob; repeat for "
                             "a weighted mixture (YAML: sources: [{path, weight, text_field | "
                             "ids_field}]); replaces --data", flag="--data-source",
-                            legacy="data_sources", kind=tuple, metavar="PATH[:WEIGHT]")
+                            legacy="data_sources", metavar="PATH[:WEIGHT]")
     eos_id: int | None = option(None, "documents: the end-of-document token (default: the "
-                                "tokenizer's; 0 for byte-level tokens)", kind=int)
+                                "tokenizer's; 0 for byte-level tokens)")
     long_documents: str = option("split", "documents: one longer than a sequence is split "
                                  "over sequences, or refused", choices=LONG_DOCUMENTS)
     val_fraction: float = option(0.01, "documents: the fraction of each source held out for "
@@ -356,7 +355,7 @@ class CheckpointOptions:
     """Where and when to save, resuming, stopping."""
 
     dir: str | None = option(None, "where checkpoints go (default: RUN_DIR/checkpoints)",
-                             flag="--checkpoint-dir", legacy="checkpoint_dir", kind=str)
+                             flag="--checkpoint-dir", legacy="checkpoint_dir")
     every: int = option(0, "save every N steps", flag="--checkpoint-every",
                         legacy="checkpoint_every")
     keep: int = option(3, "keep the newest N checkpoints", metavar="N")
@@ -379,13 +378,13 @@ class RunOutputs:
     seed: int = option(0, "seed of the parameters, the batches and stochastic rounding")
     run_dir: str | None = option(None, "where the run's config, metrics, log, checkpoints, HLO, "
                                  "TensorBoard events, profile and plots go (default: "
-                                 "runs/<model>-<time>)", kind=str, metavar="DIR")
+                                 "runs/<model>-<time>)", metavar="DIR")
     metrics_out: str | None = option(None, "one JSON object per step (default: "
-                                     "RUN_DIR/metrics.jsonl)", kind=str, metavar="FILE.jsonl")
+                                     "RUN_DIR/metrics.jsonl)", metavar="FILE.jsonl")
     dump_hlo: str | None = option(None, "write the optimized HLO of the compiled train step "
-                                  "(default: RUN_DIR/hlo)", kind=str, metavar="DIR")
+                                  "(default: RUN_DIR/hlo)", metavar="DIR")
     profile_steps: str | None = option(None, "write a jax.profiler trace of steps A to B into "
-                                       "RUN_DIR/profile", kind=str, metavar="A:B")
+                                       "RUN_DIR/profile", metavar="A:B")
     transport: str = option("xla", "how processes exchange gradients and pipeline messages",
                             choices=TRANSPORTS)
     xla_options: str = option("library", "XLA options of the step on GPUs: the library's "
@@ -445,17 +444,19 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One field of the tree: its path, its dataclass field, its flags and its flat name.
+    """One field of the tree: its path, its dataclass field, its type, its flags and its flat name.
 
     Attributes:
       path: `section.field` ('pipeline.schedule').
       field: the dataclass field (its metadata from `option`).
+      hint: the field's annotation, resolved (`int | None`).
       flags: the flags naming it (the first is its own).
       legacy: its flat name among `TrainOptions`' keywords.
     """
 
     path: str
     field: dataclasses.Field
+    hint: Any
     flags: tuple[str, ...]
     legacy: str
 
@@ -474,10 +475,24 @@ class Leaf:
         """The field's metadata (`option`'s arguments)."""
         return self.field.metadata
 
+    def _members(self) -> tuple:
+        return typing.get_args(self.hint) if isinstance(self.hint, types.UnionType) else (self.hint,)
+
+    @property
+    def optional(self) -> bool:
+        """Whether it takes None (its annotation says `| None`)."""
+        return type(None) in self._members()
+
     @property
     def kind(self) -> type:
-        """The type of its value: `option`'s `kind`, else the default's type."""
-        return self.meta["kind"] or type(self.default)
+        """The type of its value: the annotation without None (and `str` for `bool | str`)."""
+        kinds = [t for t in self._members() if t is not type(None)]
+        return next((t for t in kinds if t is not bool), bool) if len(kinds) > 1 else kinds[0]
+
+    @property
+    def switch_with_value(self) -> bool:
+        """Whether it is a switch that may also take a value (`bool | str`: `--resume [RUN_DIR]`)."""
+        return bool in self._members() and self.kind is not bool
 
     def choices(self):
         """The values it allows.
@@ -497,11 +512,12 @@ def leaves() -> list[Leaf]:
     """
     out = []
     for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             flags = (flag, *f.metadata.get("aliases", ()))
             legacy = f.metadata.get("legacy") or flag.lstrip("-").replace("-", "_")
-            out.append(Leaf(f"{section}.{f.name}", f, flags, legacy))
+            out.append(Leaf(f"{section}.{f.name}", f, hints[f.name], flags, legacy))
     return out
 
 
@@ -739,14 +755,7 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
     mpi = config.run.transport == "mpi"
     if grid.context > 1:
         collect(found, check_sequence, config.data.seq_len, grid.context)
-        scheme = CONTEXT_SCHEMES.get(config.model.context_attention)
-        if grid.pipe > 1 and scheme and not scheme.cpu_pipeline and platform == "cpu":
-            # A stage's ring hops are one collective-permute of every device of the program,
-            # which XLA:CPU runs only when all of them reach it: stages idle in that tick never do.
-            others = " or ".join(s.name for s in CONTEXT_SCHEMES.values() if s.cpu_pipeline)
-            found.append(f"--context-attention {scheme.name} inside pipeline stages deadlocks "
-                         "XLA:CPU (its collective-permutes wait for every stage); use "
-                         f"--context-attention {others} on simulated devices")
+        found += scheme_problems(config.model.context_attention, grid.pipe, platform)
     found += option_problems(grid, StepOptions(**step_options(config)), num_layers=num_layers,
                              between_processes=mpi)
     collect(found, collective_matmuls_on, config.grid.collective_matmul, platform or "cpu",
@@ -869,16 +878,16 @@ def resolve_grid(config: RunConfig, num_devices: int) -> ParallelConfig:
     g = config.grid
     inner = 1
     for axis in AXES[1:]:
-        if not (axis == "pipe" and config.run.transport == "mpi"):
+        if not (axis == Axis.PIPE and config.run.transport == "mpi"):
             inner *= getattr(g, axis)
     data = g.data
     if data is None:
         if num_devices % inner:
-            others = "·".join(a for a in AXES[1:] if not (a == "pipe" and
+            others = "·".join(a for a in AXES[1:] if not (a == Axis.PIPE and
                                                          config.run.transport == "mpi"))
             raise ConfigError([f"{others} = {inner} does not divide the {num_devices} devices"])
         data = num_devices // inner
-    return ParallelConfig(**{**g.sizes(), "data": data})
+    return ParallelConfig(**{**g.sizes(), Axis.DATA: data})
 
 
 def with_grid(config: RunConfig, grid: ParallelConfig, microbatches: int | None = None,

@@ -6,6 +6,7 @@ import dataclasses
 
 from ..analysis import comm_model as cm
 from ..config import AXES, ParallelConfig
+from ..parallel.pipeline import option_problems
 from .options import ConfigError, RunConfig, preset_of, resolve_grid
 
 
@@ -148,10 +149,12 @@ def auto_grid(config: RunConfig, num_devices: int) -> tuple[ParallelConfig, int,
     Raises:
       ConfigError: no grid of `num_devices` devices runs the model with the batch size.
     """
-    auto = config.memory.remat == "auto"
+    auto, pipeline = config.memory.remat == "auto", config.pipeline
     for p in ranked(config, num_devices, machine_for_backend()):
         # A pipeline's stages run one program, so `--remat auto` (a per-layer plan) cannot use one.
-        if not (p.grid.pipe > 1 and auto):
+        if not option_problems(p.grid.pipe, schedule=pipeline.schedule,
+                               microbatches=p.microbatches,
+                               virtual_stages=pipeline.virtual_stages, per_layer_plan=auto):
             return p.grid, p.microbatches, "auto" if auto else p.remat
     raise ConfigError([f"--auto-grid: no grid of {num_devices} devices runs "
                        f"{config.model.name} with --batch-size {config.data.batch_size}"])

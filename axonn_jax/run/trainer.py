@@ -220,7 +220,8 @@ def refused_with_mpi_pipeline(config: RunConfig) -> str | None:
                        (f"--remat {m.remat}", m.remat != "none"),
                        ("--memory-budget", m.budget_gb is not None),
                        (f"--compress-bits {config.compression.bits}", config.compression.bits),
-                       ("--sample-tokens", config.model.sample_tokens)):
+                       ("--sample-tokens", config.model.sample_tokens),
+                       ("--export-to", config.model.export_to)):  # each process: one stage
         if used:
             return flag
     return None

@@ -29,7 +29,7 @@ from typing import Iterable
 from ..batch_axis import DATA
 from ..collectives import (FP32, KINDS, Collective, ModelCommunication, ParameterShard,  # noqa: F401
                            StepShape, ring_bytes)
-from ..config import AXES, check_grid, devices_inside, Axis, ParallelConfig
+from ..config import AXES, Axis, ParallelConfig, check_grid, devices_inside
 from ..models.unet import conv_layouts  # noqa: F401  (a public name of this module)
 from ..offload.activations import UNIFORM_REMAT
 from ..offload.optimizer import gradient_offload_problems

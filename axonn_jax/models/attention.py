@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..config import Axis, TENSOR_AXES
+from ..config import TENSOR_AXES, Axis
 from .._compat import mesh_platform, nested_shard_map, platform_or_default
 from ..checks import check_choice
 from ..parallel import context

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives import ModelCommunication, StepShape
-from ..config import check_divisible, Axis, ParallelConfig
+from ..config import Axis, ParallelConfig, check_divisible
 from ..parallel import context
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer

@@ -33,7 +33,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives import Collective, ModelCommunication, ParameterShard, StepShape
-from ..config import check_divisible, Axis, ParallelConfig
+from ..config import Axis, ParallelConfig, check_divisible
 from ..parallel import context
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer

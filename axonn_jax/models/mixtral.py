@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..collectives import ModelCommunication, StepShape
-from ..config import check_divisible, Axis, ParallelConfig
+from ..config import Axis, ParallelConfig, check_divisible
 from ..step.model import StackedModel
 from ..tp.tensor import DenseLayer
 from . import attention, decoder, hf, llama

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..collectives import ModelCommunication, StepShape, from_parts
-from ..config import check_divisible, Axis, ParallelConfig
+from ..config import Axis, ParallelConfig, check_divisible
 from ..step.model import StackedModel
 from ..tp.layers import GroupNorms
 from ..tp.tensor import ConvLayer

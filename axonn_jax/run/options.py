@@ -486,8 +486,8 @@ class Leaf:
     @property
     def kind(self) -> type:
         """The type of its value: the annotation without None (and `str` for `bool | str`)."""
-        kinds = [t for t in self._members() if t is not type(None)]
-        return next((t for t in kinds if t is not bool), bool) if len(kinds) > 1 else kinds[0]
+        values = [t for t in self._members() if t not in (type(None), bool)]
+        return values[0] if values else bool
 
     @property
     def switch_with_value(self) -> bool:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from ..config import Axis, TENSOR_AXES
+from ..config import TENSOR_AXES, Axis
 from .layer_exchange import layer_runs, scan_exchanging, scan_runs
 
 from ..parallel import context as context_lib

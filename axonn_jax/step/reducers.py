@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._compat import manual_axis_size, pmean, varying_axes
 from ..collectives import FP32, Collective
-from ..config import devices_inside, Axis
+from ..config import Axis, devices_inside
 from ..parallel import compression, exchange
 
 

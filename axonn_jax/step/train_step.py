@@ -32,7 +32,7 @@ from .._compat import (HOST_MEMORY_KIND, ensure_varying, in_host_memory, mesh_pl
                        shard_map, tracing_in, with_memory_kind)
 from ..batch_axis import DATA
 from ..checks import NOT_YET, collect
-from ..config import BATCH_AXES, check_grid, Axis, ParallelConfig
+from ..config import BATCH_AXES, Axis, ParallelConfig, check_grid
 from ..mesh import config_of
 from ..offload import activations
 from ..offload.optimizer import (ParamUpdate, gradient_offload_problems, host_offload, on_device,

@@ -31,7 +31,7 @@ from flax import nnx
 from flax.core import meta
 from jax.sharding import PartitionSpec as P
 
-from ..config import Axis, TENSOR_AXES
+from ..config import TENSOR_AXES, Axis
 from . import report as _report
 from ._layout import Layout, check_divisible, check_groups, dense_placement, stacked_spec
 from .conv import check_conv_options, conv_apply

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from ..config import Axis, TENSOR_AXES
+from ..config import TENSOR_AXES, Axis
 
 logger = logging.getLogger("axonn_jax.parallelize")
 

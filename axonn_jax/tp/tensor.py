@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from ..config import Axis, TENSOR_AXES
+from ..config import TENSOR_AXES, Axis
 from .._compat import current_mesh, psum, psum_scatter, shard_map, varying_axes
 from ..checks import check_choice
 from ..collectives import Collective, ParameterShard, StepShape

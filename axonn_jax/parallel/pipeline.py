@@ -280,7 +280,7 @@ def stage_repeats(found: list[Collective], microbatches: int, forwards: int = 2,
             return 1
         return (forwards if c.stage_forward else 1) * (microbatches if c.per_microbatch else 1)
 
-    return [c if repeats(c) == 1 else dataclasses.replace(c, count=c.count * repeats(c))
+    return [c if (n := repeats(c)) == 1 else dataclasses.replace(c, count=c.count * n)
             for c in found]
 
 

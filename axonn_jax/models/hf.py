@@ -37,7 +37,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from ..checks import check_choice
-from ..config import TENSOR_AXES, Axis, ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..mesh import config_of
 
 CONFIG = "config.json"
@@ -403,7 +403,7 @@ def grid_of(mesh) -> ParallelConfig | None:
 
 
 def _tensor_parallel(mesh) -> bool:
-    return mesh is not None and math.prod(mesh.shape[a] for a in TENSOR_AXES) > 1
+    return mesh is not None and config_of(mesh).tensor_parallel_size > 1
 
 
 def parallel_module(module, mesh):

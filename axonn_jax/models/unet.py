@@ -266,7 +266,7 @@ class UNetConfig:
         images = step.rows / step.microbatches
         total = 0.0
         for layer in self.layers():
-            n = self.num_layers / g.pipe if layer.part == "block" else \
+            n = step.stage_layers(self.num_layers) if layer.part == "block" else \
                 2 if layer.part == "embed" else 1
             fout = Axis.COL if layouts.get(layer.name, False) else Axis.ROW
             total += 3 * n * images * layer.pixels * layer.cout / getattr(g, fout)

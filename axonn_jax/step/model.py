@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -41,6 +40,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ..config import TENSOR_AXES, Axis
+from ..mesh import config_of
 from .layer_exchange import layer_runs, scan_exchanging, scan_runs
 
 from ..parallel import context as context_lib
@@ -438,7 +438,7 @@ class ModelFunctions:
             raise ValueError("fp8 runs the dense layers' tensor-parallel kernel: it needs a mesh "
                              "with axes depth, row, col (make_mesh)")
         tensor = has_axes and (kernels.fp8 or
-                               math.prod(mesh.shape[a] for a in TENSOR_AXES) > 1)
+                               config_of(mesh).tensor_parallel_size > 1)
         if tensor:
             (embed, e_spec), (block, b_spec), (head, h_spec) = (
                 embed.parallelize(mesh, kernels, batch),

@@ -84,7 +84,8 @@ class Collective:
     waited: bool = False
     """The step waits for it as soon as it is issued: its result is read at once and nothing
     independent runs beside it (a mixture of experts' partial sums over the tensor axes, inside
-    its dispatch), so no compute hides any of it."""
+    its dispatch; the gather of the new parameters after an offloaded update), so no compute
+    hides any of it."""
     copied: float = 0.0
     """HBM bytes read and written per occurrence to put what it brought in place (a collective
     matmul's ring: each block's product and rows copied into the gathered result); `predict`

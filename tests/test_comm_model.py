@@ -350,6 +350,27 @@ def test_memory_counts_the_compute_copies_and_the_logits():
     assert cm.memory_per_device(work, grid)["total"] > 80e9
 
 
+def test_offloaded_update_waits_for_the_new_parameters_gather():
+    """With the state in host memory and split over `data`, each copy updates its share and the
+    step then gathers the new parameters over `data`: nothing is left to hide that gather, so
+    `plan` exposes all of it (the compiled H100 step's replay does: `offload_claim.md`)."""
+    from axonn_jax.models import get
+
+    grid = ParallelConfig(data=32, depth=8)
+    work = cm.Workload(get("gpt-20b").config, 1536, 2048, compute_bytes=2, remat="selective",
+                       offload_optimizer=True)
+    machine = cm.MACHINES["h100-dgx"]
+    gather, = [c for c in cm.collectives(work, grid) if c.kind == "all-gather" and c.waited]
+    assert gather.axes == ("data",)
+    assert gather.size == cm.parameters_per_device(work, grid) * 2
+    on_device = cm.predict(dataclasses.replace(work, offload_optimizer=False), grid, machine)
+    offloaded = cm.predict(work, grid, machine)
+    gather_s = cm._collective_time(gather, grid, machine)
+    assert offloaded.exposed_comm_by_axis["data"] >= gather_s > 0
+    assert offloaded.exposed_comm_by_axis["data"] - on_device.exposed_comm_by_axis.get(
+        "data", 0.0) > gather_s / 2
+
+
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_saved_features_are_what_selective_remat_keeps(name):
     """The planner's `selective` bytes per block (`decoder.saved_features`) equal what

@@ -145,10 +145,10 @@ def test_gradients_in_host_memory_train_like_device_gradients(devices, dtype, gr
 def test_gradients_in_host_memory_exchange_each_copys_share(devices, grid, shares):
     """`--offload-gradients` over `data`: each block leaf no tensor axis splits is
     reduce-scattered in the backward, each copy writing its share (on data 4 every block leaf; on
-    data 2 × row 2 only the unsplit norms, the rest whole means); the compiled step's bytes per
-    kind over `data` are the communication model's."""
+    data 2 × row 2 only the unsplit norms, the rest whole means), all of a layer's in one
+    collective; the compiled step's bytes per kind over `data` are the communication model's."""
     from axonn_jax.analysis import comm_model as cm
-    from axonn_jax.analysis.hlo import bytes_by_axes
+    from axonn_jax.analysis.hlo import bytes_by_axes, collectives, group_axes
     from axonn_jax.run.plan import workload
 
     options = TrainOptions(model="gpt-tiny", batch_size=16, seq_len=32,
@@ -164,6 +164,9 @@ def test_gradients_in_host_memory_exchange_each_copys_share(devices, grid, share
     scattered = got[("reduce-scatter", ("data",))]
     summed = got[("all-reduce", ("data",))]
     assert (scattered > summed) == shares, (scattered, summed)
+    per_step = sum(c.executions for c in collectives(text) if c.kind == "reduce-scatter" and
+                   group_axes(c.group, options.parallel.as_dict()) == ("data",))
+    assert per_step == trainer.model.num_layers, per_step
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -405,9 +405,11 @@ def _collectives(work: Workload, grid: ParallelConfig) -> tuple[Collective, ...]
                                 sum(p.elements for p in shared) * FP32))
     if work.offload_optimizer and grid.data > 1:
         # The new 16-bit parameters, each copy's share made from its share of the host state,
-        # gathered over `data` (`offload.optimizer`: the state split over it).
+        # gathered over `data` (`offload.optimizer`: the state split over it). It runs after the
+        # update, with no compute left in the step to hide behind.
         found.append(Collective("all-gather", (DATA.name,),
-                                parameters_per_device(work, grid) * work.compute_bytes))
+                                parameters_per_device(work, grid) * work.compute_bytes,
+                                waited=True))
     if grid.pipe > 1:
         outside = sum(p.elements for p in d.parameters if p.outside_blocks) + d.head_reads
         found += pipeline_collectives(_schedule(work, grid), d.boundary, outside * work.param_bytes)

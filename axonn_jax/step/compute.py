@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from .._compat import ensure_varying, manual_axis_size, psum_scatter
+from .._compat import ensure_varying, manual_axis_size
 from ..offload.optimizer import share_dimension
 from ..parallel import exchange
 from .gathers import unbatched_gathers
@@ -142,19 +142,26 @@ class ComputeFunctions:
 
     def _layer_shares(self, axes: tuple[str, ...]) -> Callable:
         """The exchange of one layer's gradients that leave for host memory: over one axis,
-        each leaf's mean reduce-scattered to this copy's share of it where the offloaded state
-        is split so (`offload.optimizer.share_dimension`), else its whole mean."""
+        the means of the leaves whose offloaded state is split so
+        (`offload.optimizer.share_dimension`) reduce-scattered together to this copy's shares
+        (`exchange.mean_shares`), each other leaf's whole mean."""
         (axis,) = axes
         sizes = dict(jax.sharding.get_abstract_mesh().shape)
 
-        def mean(g, spec):
-            d = share_dimension(spec, g.shape, axis, sizes)
-            if d is None:
-                return exchange.sum_divided(g, axis, sizes[axis])
-            share = psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=d, tiled=True)
-            return (share / sizes[axis]).astype(g.dtype)
+        def means(tree):
+            leaves, treedef = jax.tree.flatten(tree)
+            specs = treedef.flatten_up_to(self._layer_specs)
+            dims = [share_dimension(s, g.shape, axis, sizes) for g, s in zip(leaves, specs)]
+            out = [g if d is not None else exchange.sum_divided(g, axis, sizes[axis])
+                   for g, d in zip(leaves, dims)]
+            shared = [i for i, d in enumerate(dims) if d is not None]
+            if shared:
+                for i, share in zip(shared, exchange.mean_shares(
+                        [leaves[i] for i in shared], [dims[i] for i in shared], axis)):
+                    out[i] = share
+            return jax.tree.unflatten(treedef, out)
 
-        return lambda tree: jax.tree.map(mean, tree, self._layer_specs)
+        return means
 
     # Each part runs with its gathers' batching dimensions written into their indices
     # (`step.gathers`: XLA's partitioner aborts on such gathers split over two automatic axes).

@@ -353,7 +353,8 @@ def test_memory_counts_the_compute_copies_and_the_logits():
 def test_offloaded_update_waits_for_the_new_parameters_gather():
     """With the state in host memory and split over `data`, each copy updates its share and the
     step then gathers the new parameters over `data`: nothing is left to hide that gather, so
-    `plan` exposes all of it (the compiled H100 step's replay does: `offload_claim.md`)."""
+    `plan` exposes all of it; with the gradients in host memory too, the backward waits for
+    their writes (the compiled H100 step's replay does both: `offload_claim.md`)."""
     from axonn_jax.models import get
 
     grid = ParallelConfig(data=32, depth=8)
@@ -369,6 +370,11 @@ def test_offloaded_update_waits_for_the_new_parameters_gather():
     assert offloaded.exposed_comm_by_axis["data"] >= gather_s > 0
     assert offloaded.exposed_comm_by_axis["data"] - on_device.exposed_comm_by_axis.get(
         "data", 0.0) > gather_s / 2
+    gradients = dataclasses.replace(work, offload_gradients=True)
+    written = cm.host_gradient_bytes(gradients, grid)
+    assert written >= cm.parameters_per_device(work, grid) * 2 * 0.9  # depth splits the blocks
+    assert cm.predict(gradients, grid, machine).compute_s - offloaded.compute_s >= \
+        written / machine.host_bw
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])

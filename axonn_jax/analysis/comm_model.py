@@ -1136,6 +1136,9 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         bubble = compute * idle / (1 - idle)
     mem = memory_per_device(work, grid)
     compute += update_seconds(work, grid, machine, mem)  # after the backward: nothing hides it
+    # The compiled backward waits for each layer's gradient write to host memory at once (the
+    # replayed H100 schedule: `benchmarks/results/offload_claim.md`).
+    compute += host_gradient_bytes(work, grid) / machine.host_bw
     step = compute + sum(exposed.values()) + bubble
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
@@ -1182,9 +1185,9 @@ def host_gradient_bytes(work: Workload, grid: ParallelConfig) -> float:
     """Bytes of the blocks' gradients one device writes to host memory (`offload_gradients`).
 
     Each data-parallel copy writes its share of their mean (`_gradient_shared`; the whole mean
-    of a block beside a tensor axis), during the backward, on the link's other direction; in
-    the update each reads back the share its part of the state needs (1/data): only that
-    crossing is counted in `update_seconds`.
+    of a block beside a tensor axis), during the backward, on the link's other direction
+    (`predict` times it); in the update each reads back the share its part of the state needs
+    (1/data), which `update_seconds` times.
 
     Args:
       work: the step.

@@ -176,11 +176,10 @@ def _gather_packed(mine, axis: str, like: list) -> list:
 
 
 def mean_shares(leaves: list, dims: list[int], axis: str) -> list:
-    """Each leaf's mean over `axis`, this device's share of it on that leaf's dimension, from
-    one reduce-scatter of all of them packed in one float32 buffer.
+    """This device's share of each leaf's mean over `axis`, from one packed reduce-scatter.
 
-    One collective for a layer's small leaves instead of one each: a reduce-scatter costs its
-    latency whatever its size.
+    The leaves travel in one float32 buffer: one collective for a layer's small leaves instead
+    of one each, since a reduce-scatter costs its latency whatever its size.
 
     Args:
       leaves: arrays varying over the manual `axis`, each split on its entry of `dims` into

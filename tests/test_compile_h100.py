@@ -9,6 +9,7 @@ import json
 import pytest
 
 from axonn_jax.analysis import compiled as cc, hlo, targets
+from axonn_jax.analysis.hlo_module import program_lines
 from axonn_jax.run.cli import main as cli_main
 
 NO_CUDA = targets.cuda_compile_problem()
@@ -419,3 +420,30 @@ def test_a_lone_swapped_block_is_swapped():
         report, compiled = cc.compile_step(step, batch,
                                            capacity_bytes=targets.H100_CAPACITY_BYTES)
         assert report.host_memory_per_device_bytes > 0 and "S(5)" in compiled.as_text(), decisions
+
+
+@needs_cuda
+def test_compile_only_options_leave_the_program_unchanged():
+    """Without autotuning (`targets.COMPILE_ONLY_OPTIONS`, which `compile_step` passes for
+    compile-only GPUs) gpt-tiny's one-H100 step compiles to the same instructions as with XLA's
+    defaults: there is no GPU to time kernels on. CPU devices get no such options."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from axonn_jax import ParallelConfig, make_mesh, make_train_step
+    from axonn_jax.models import gpt
+
+    device = targets.h100_devices(1)[0]
+    assert targets.compile_options(device) == targets.COMPILE_ONLY_OPTIONS
+    assert targets.compile_options(jax.devices("cpu")[0]) is None
+    mesh = make_mesh(ParallelConfig(), (device,))
+    step = make_train_step(gpt.stacked(gpt.get_config("gpt-tiny"), jnp.bfloat16), optax.adamw(1e-3),
+                           mesh, dtype="bfloat16")
+    tokens = {k: jax.ShapeDtypeStruct((8, 64), np.int32) for k in ("inputs", "targets")}
+    bound = step.bind(tokens)
+    lowered = bound.lower(bound.abstract_state(), bound.abstract_batch())
+    texts = [lowered.compile(options).as_text()
+             for options in (None, targets.compile_options(device))]
+    assert program_lines(texts[0]) == program_lines(texts[1])

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 from ..mesh import config_of
 from ..offload.activations import compiled_peak_bytes
 from . import hlo, overlap as overlap_lib
+from .targets import compile_options
 
 FIELDS = ("memory_per_device_bytes", "host_memory_per_device_bytes", "comm_bytes_per_device",
           "flops_per_device", "fits")
@@ -146,7 +147,7 @@ def compile_step(step, batch, *, capacity_bytes: float, dump_hlo: str | None = N
     t0 = time.perf_counter()
     lowered = bound.lower(state, abstract)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compile_options(step.mesh.devices.flat[0]))
     t2 = time.perf_counter()
     text = compiled.as_text()
     if dump_hlo:

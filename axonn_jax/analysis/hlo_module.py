@@ -289,6 +289,29 @@ def instructions(hlo_text: str, computation: str | None = None) -> dict[str, Ins
     return {i.name: i for i in module.computations[computation or module.entry]}
 
 
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+_DEFAULT_BACKEND_CONFIG = re.compile(
+    r', backend_config=\{"operation_queue_id":"0","force_earliest_schedule":false,'
+    r'"reification_cost":\[\],"device_type":"DEVICE_TYPE_INVALID","native_emitter_backend_config"'
+    r':\{"type":"NATIVE_EMITTER_TYPE_INVALID","unroll_factor":0\}\}')
+
+
+def program_lines(hlo_text: str) -> list[str]:
+    """The module's lines as two compiles of one program share them.
+
+    Left out: the module's header (its fingerprint), source metadata, and the empty backend
+    configs XLA's autotuning passes write on fusions.
+
+    Args:
+      hlo_text: the module's text.
+
+    Returns:
+      Its other lines, in order.
+    """
+    return [_DEFAULT_BACKEND_CONFIG.sub("", _METADATA.sub("", line))
+            for line in hlo_text.splitlines() if not line.startswith("HloModule")]
+
+
 def depends_on(program: dict[str, Instruction], later: str, earlier: str) -> bool:
     """Whether instruction `later` reads the result of `earlier`, directly or through others.
 

@@ -45,6 +45,7 @@ from ..step.train_step import make_train_step
 from ..step.update import initial_state, make_update, update_chain
 from .flops import compiled_flops
 from .hlo import KINDS, wire_bytes
+from .targets import compile_options
 
 GSPMD_LAYOUTS = {  # name: (mesh shape as a function of n devices, axis names)
     "gspmd dp": (lambda n: (n,), ("dp",)),
@@ -263,7 +264,7 @@ def one_device_modules(model: StackedModel, optimizer, batch, device,
     texts = {}
     for name, build in builds.items():
         step, state, placed = build()
-        texts[name] = step.lower(state, placed).compile().as_text()
+        texts[name] = step.lower(state, placed).compile(compile_options(device)).as_text()
     return texts
 
 

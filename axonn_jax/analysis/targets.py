@@ -226,6 +226,26 @@ def cpu_devices(n: int) -> tuple:
     return tuple(devices[:n])
 
 
+COMPILE_ONLY_OPTIONS: dict[str, int] = {"xla_gpu_autotune_level": 0}
+"""XLA:GPU options for a program compiled for devices that are not there (`h100_devices`). The
+autotuner has no GPU to time kernels on: without it the compiled program is the same, and the
+compile takes about half the time (`benchmarks/results/compile_speed.md`)."""
+
+
+def compile_options(device) -> dict[str, int] | None:
+    """The options to compile for `device` with, beside the step's own (None: none).
+
+    Args:
+      device: a `jax.Device` of the step's mesh.
+
+    Returns:
+      `COMPILE_ONLY_OPTIONS` for a compile-only GPU (one that owns no memory), else None.
+    """
+    if device.platform == "gpu" and not device.addressable_memories():
+        return dict(COMPILE_ONLY_OPTIONS)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """A compile target: `devices(n)`, and the memory each device has.

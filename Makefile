@@ -39,7 +39,7 @@ train: $(VENV)/.core
 test: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 -m "not extended" tests
 
-# CI: also the extended tier (tests/extended.txt): every grid, schedule and process count (~30 minutes),
+# CI: also the extended tier (tests/extended.txt): every grid, schedule and process count (~70 minutes in all),
 # and the documentation site built strictly (`docs`, first: a broken page fails fast).
 test-all: $(VENV)/.test docs
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 tests

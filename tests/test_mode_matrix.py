@@ -4,8 +4,9 @@ they meet (bf16 + offloaded state + data aborted XLA:CPU while each mode alone p
 cells are generated from the config tree, not listed by hand: a new dtype or axis enters the
 matrix by itself.
 
-The quick tier runs each dtype with each memory mode once, spread so that every axis runs; the extended tier runs the rest of the product, so that `make test-all` has every pair of
-values (dtype and memory, dtype and axis, memory and axis) and every triple. A cell the library
+The quick tier runs each dtype with each memory mode once, spread so that every axis runs; the
+extended tier runs the rest of the product, so that `make test-all` has every pair of values
+(dtype and memory, dtype and axis, memory and axis) and every triple. A cell the library
 does not run yet is refused in one line, and the test says which (`REFUSED`)."""
 import itertools
 

@@ -435,6 +435,8 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
     from axonn_jax import ParallelConfig, make_mesh
     from axonn_jax.analysis import targets
     from axonn_jax.step import xla_options as xo
+    from axonn_jax.step.engines import make_engine
+    from axonn_jax.step.train_step import StepOptions
 
     cpu = make_mesh(ParallelConfig(data=2), jax.devices("cpu")[:2])
     assert xo.compiler_options(cpu) is None
@@ -455,7 +457,10 @@ def test_xla_options_only_for_gpu_meshes_without_a_pipeline():
         one_axis = xo.compiler_options(make_mesh(ParallelConfig(data=8), h100))
         assert one_axis == {**got, xo.OVERLAP_LIMIT: 1}
         assert xo.compiler_options(gpu, "xla") is None
-        assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100)) is None
+        # The pipeline's engine compiles with XLA's defaults.
+        pipelined = make_engine(None, ParallelConfig(data=4, pipe=2), StepOptions(microbatches=2))
+        assert xo.compiler_options(make_mesh(ParallelConfig(data=4, pipe=2), h100),
+                                   tuned=pipelined.gpu_overlap_options) is None
 
 
 def test_options_this_xla_refuses_are_renamed_or_dropped_with_a_warning(monkeypatch):

@@ -308,9 +308,10 @@ class Workload:
           grid: the mesh.
 
         Returns:
-          True where `SpmdEngine.layer_reduce` runs (`StepShape.layer_sums`).
+          True where `SpmdEngine.layer_reduce` runs (`StepShape.layer_sums`); never in a
+          pipeline (`PipelineEngine`).
         """
-        return layers_summed_in_backward(
+        return grid.pipe == 1 and layers_summed_in_backward(
             grid, microbatches=self.microbatches,
             sixteen_bit_offload=self.offload_optimizer and self.compute_bytes < 4,
             compressed=bool(self.compress_bits), compressed_layers=self.compress_in_backward)

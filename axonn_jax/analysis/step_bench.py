@@ -314,7 +314,8 @@ def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, r
       repeats: timed steps per variant (0: compile only).
       clip_norm: the gradient-norm clip (None: none).
       baselines: names of `GSPMD_LAYOUTS`.
-      microbatches: microbatches of the grids with a pipeline.
+      microbatches: microbatches per step, as `train` runs them (`--microbatches`: a
+        pipeline's, or gradient accumulation without one).
       log: prints one line per variant.
       loss_rtol: the largest relative spread of the first losses (a 16-bit model on a GPU, whose
         kernels sum in other orders per program, needs about 1e-2).
@@ -330,10 +331,9 @@ def run(model: StackedModel, batch, optimizer=None, *, grids=(), devices=None, r
     optimizer = optimizer or optax.adamw(1e-3)
     rows = []
     for grid in grids:
-        m = microbatches if grid.pipe > 1 else 1
         name = "axonn " + " ".join(f"{k}={v}" for k, v in grid.as_dict().items() if v > 1)
-        rows.append(measure(name, *axonn_step(grid, model, optimizer, batch, devices, clip_norm, m,
-                                              abstract=not repeats), repeats))
+        rows.append(measure(name, *axonn_step(grid, model, optimizer, batch, devices, clip_norm,
+                                              microbatches, abstract=not repeats), repeats))
         log(_line(rows[-1]))
     for name in baselines:
         rows.append(measure(name, *gspmd_step(name, model, optimizer, batch, devices, clip_norm,

@@ -77,10 +77,11 @@ def layers_summed_in_backward(grid, *, microbatches: int, sixteen_bit_offload: b
         backward.
 
     Returns:
-      True where the layers are summed in the backward (no pipeline, one microbatch).
+      True where the layers are summed in the backward (one microbatch; the rule of
+      `SpmdEngine`, the engine of grids without a pipeline).
     """
     extra = extra_axes(grid)
-    if grid.pipe > 1 or microbatches > 1 or sixteen_bit_offload and (compressed or extra):
+    if microbatches > 1 or sixteen_bit_offload and (compressed or extra):
         return False
     return not compressed or (compressed_layers and not extra)
 

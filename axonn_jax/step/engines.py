@@ -17,6 +17,8 @@ arrays without a shard_map (nothing to reduce).
   the rows when asked (a global batch that does not fit in memory at once).
 - `PipelineEngine`: the lockstep pipeline (`parallel.pipeline`) over `pipe` with a schedule.
 
+`make_engine` picks the one of a grid; nothing outside this module branches on `pipe` to choose.
+
 The message-driven MPI pipeline (`transport.mpi_pipeline`) is a host-driven engine of its own.
 """
 from __future__ import annotations
@@ -30,8 +32,44 @@ from jax.sharding import PartitionSpec as P
 
 from ..config import Axis
 from .._compat import ensure_varying, psum, to_varying, varying_axes
+from ..config import ParallelConfig
 from ..parallel import pipeline as pipeline_lib
+from . import batch_axes
 from .compute import ComputeFunctions, cast_floating
+
+
+def make_engine(compute: ComputeFunctions, grid: ParallelConfig, options, *,
+                compressed: bool = False, layer_stages: Callable | None = None):
+    """The engine of a step on `grid`: the lockstep pipeline with `pipe` > 1, else `SpmdEngine`.
+
+    Args:
+      compute: the model's functions as the step computes them.
+      grid: the mesh's `ParallelConfig`.
+      options: the step's modes (`step.train_step.StepOptions`; read: `microbatches`, `schedule`,
+        `virtual_stages`, `dtype`, `offload_optimizer`, `offload_gradients`, `reduce_dtype`).
+      compressed: CGX's exchange runs in the step (its rounding runs even on one data copy, so
+        the step keeps its shard_map there).
+      layer_stages: CGX's per-layer exchange (`LayerExchange.stages`) when it offers one, else
+        None (the exact sum).
+
+    Returns:
+      A `PipelineEngine` or an `SpmdEngine`.
+    """
+    axes = batch_axes.manual_axes(grid)
+    if grid.pipe > 1:
+        return PipelineEngine(compute, pipeline_lib.make_schedule(
+            options.schedule, grid.pipe, options.microbatches, options.virtual_stages), axes)
+    # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a mean
+    # over one device; CGX's rounds even there): no shard_map, plain autodiff.
+    alone = not batch_axes.extra_axes(grid) and grid.data == 1 and not compressed
+    sixteen_bit_offload = options.offload_optimizer and options.dtype != "float32"
+    summed = batch_axes.layers_summed_in_backward(
+        grid, microbatches=options.microbatches, sixteen_bit_offload=sixteen_bit_offload,
+        compressed=compressed, compressed_layers=layer_stages is not None)
+    return SpmdEngine(compute, frozenset() if alone else frozenset(axes), options.microbatches,
+                      layer_reduce=summed,
+                      layer_mean=sixteen_bit_offload or options.offload_gradients,
+                      reduce_dtype=options.reduce_dtype, layer_stages=layer_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +107,8 @@ class SpmdEngine:
 
     metric_spec = P()
     """Metrics (per layer, `(layers, ...)`) leave whole: every device ran every layer."""
+    gpu_overlap_options = True
+    """Whether the step compiles with `step.xla_options.GPU_OPTIONS` on GPUs."""
 
     @property
     def exchanges_layers(self) -> bool:
@@ -202,6 +242,9 @@ class PipelineEngine:
 
     metric_spec = P(Axis.PIPE)
     """Metrics (per layer) leave split over `pipe` like the blocks, in their stored order."""
+    gpu_overlap_options = False
+    """The collective pipeliner of `step.xla_options.GPU_OPTIONS` adds reduce-scatter bytes to
+    the pipeline's ticks: the step compiles with XLA's defaults."""
 
     @property
     def manual_axes(self) -> frozenset[str]:

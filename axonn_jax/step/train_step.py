@@ -43,7 +43,7 @@ from ..tp.options import KernelOptions
 from ..tp.tensor import collective_matmuls_on
 from . import batch_axes, hosted, xla_options
 from .compute import ComputeFunctions, activation_dtype
-from .engines import PipelineEngine, SpmdEngine
+from .engines import make_engine
 from .model import ModelFunctions, StackedModel
 from .reducers import GradientReducer, compressed_mean, exact_mean
 from .state import TrainState
@@ -708,25 +708,11 @@ class BoundStep:
                                 fetch_ahead=plan is not None and "offload" in plan.decisions)
 
     def _engine(self, compute: ComputeFunctions):
-        o, grid = self.parts.options, self.parts.grid
-        axes, extra = batch_axes.manual_axes(grid), batch_axes.extra_axes(grid)
-        if grid.pipe > 1:
-            return PipelineEngine(compute, pipeline_lib.make_schedule(
-                o.schedule, grid.pipe, o.microbatches, o.virtual_stages), axes)
+        o = self.parts.options
         in_step = bool(o.compress_bits) and self.parts.process_reducer is None
-        # Nothing to reduce when no batch axis splits the rows and the reduction is exact (a
-        # mean over one device; CGX's rounds even there): no shard_map, plain autodiff.
-        alone = not extra and grid.data == 1 and not in_step
         layer = self.reducer.layer_exchange if in_step else None
-        sixteen_bit_offload = o.offload_optimizer and o.dtype != "float32"
-        summed = batch_axes.layers_summed_in_backward(
-            grid, microbatches=o.microbatches, sixteen_bit_offload=sixteen_bit_offload,
-            compressed=in_step, compressed_layers=layer is not None)
-        return SpmdEngine(compute, frozenset() if alone else frozenset(axes), o.microbatches,
-                          layer_reduce=summed,
-                          layer_mean=sixteen_bit_offload or o.offload_gradients,
-                          reduce_dtype=o.reduce_dtype,
-                          layer_stages=None if layer is None else layer.stages)
+        return make_engine(compute, self.parts.grid, o, compressed=in_step,
+                           layer_stages=None if layer is None else layer.stages)
 
     def _plan(self) -> activations.Plan | None:
         o, layers = self.parts.options, self.model.num_layers
@@ -1055,7 +1041,8 @@ class BoundStep:
             return hosted.engine_programs(self)
         if self.parts.process_reducer is not None:
             return hosted.process_programs(self)
-        options = xla_options.compiler_options(self.parts.mesh, self.parts.options.xla_options)
+        options = xla_options.compiler_options(self.parts.mesh, self.parts.options.xla_options,
+                                               self.engine.gpu_overlap_options)
         return (jax.jit(self._train_step_fn(self.engine), donate_argnums=0,
                         compiler_options=options), jax.jit(self._eval))
 

@@ -10,9 +10,10 @@ this layer's gradients reduced during the previous layer's backward). `GPU_OPTIO
 and done in the compiled H100 module (`analysis.overlap`; figures in
 `benchmarks/results/overlap.md`); every option there is kept because its measurement showed a gain.
 
-`compiler_options(mesh, choice)` is what `jax.jit(..., compiler_options=...)` gets: `GPU_OPTIONS`
-for a mesh of GPUs without a pipeline under `choice="library"`, nothing for other platforms or
-under `choice="xla"` (XLA's own defaults, the "before" of the measurement). Options in the
+`compiler_options(mesh, choice, tuned)` is what `jax.jit(..., compiler_options=...)` gets:
+`GPU_OPTIONS` for a mesh of GPUs under `choice="library"` where the step's engine takes them
+(`tuned`: not the pipeline's), nothing for other platforms or under `choice="xla"` (XLA's own
+defaults, the "before" of the measurement). Options in the
 `XLA_FLAGS` environment variable still apply; the ones here override them for the step's program
 only.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import re
 
-from ..config import Axis
 from .._compat import mesh_platform
 from ..checks import check_choice
 
@@ -30,8 +30,8 @@ OVERLAP_LIMIT = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 GPU_OPTIONS: dict[str, bool | int] = {
     # The collective pipeliner for all-gathers and all-reduces in loops: the next layer's weights
-    # are gathered during this layer. It adds reduce-scatter bytes to a pipeline's ticks, so it is
-    # not set when the mesh has `pipe` > 1 (`compiler_options`).
+    # are gathered during this layer. It adds reduce-scatter bytes to a pipeline's ticks, so the
+    # pipeline's engine compiles without these options (`engines.PipelineEngine`).
     "xla_gpu_enable_pipelined_all_gather": True,
     "xla_gpu_enable_pipelined_all_reduce": True,
     # Each weight's gradient reduce-scattered over depth on its own, as soon as its matmul is
@@ -67,15 +67,17 @@ def check_setting(choice: str) -> None:
     check_choice("xla_options", choice, CHOICES)
 
 
-def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | None:
+def compiler_options(mesh, choice: str = "library",
+                     tuned: bool = True) -> dict[str, bool | int] | None:
     """The options to compile a step on `mesh` with (None: XLA's defaults).
 
     Of `GPU_OPTIONS` (with `OVERLAP_LIMIT` set by `overlap_limit`), those the installed XLA knows
-    (`accepted`); only for a mesh of GPUs without `pipe > 1`, under `choice="library"`.
+    (`accepted`); only for a mesh of GPUs, under `choice="library"`, for an engine that takes them.
 
     Args:
       mesh: the step's `jax.sharding.Mesh`.
       choice: `"library"` (the options here) or `"xla"` (XLA's own defaults).
+      tuned: the step's engine compiles with `GPU_OPTIONS` (`engine.gpu_overlap_options`).
 
     Returns:
       The options for `jax.jit(..., compiler_options=...)`, or None for XLA's defaults.
@@ -84,7 +86,7 @@ def compiler_options(mesh, choice: str = "library") -> dict[str, bool | int] | N
       ValueError: when `choice` is not in `CHOICES`.
     """
     check_setting(choice)
-    if choice == "xla" or mesh_platform(mesh) != "gpu" or dict(mesh.shape).get(Axis.PIPE, 1) > 1:
+    if choice == "xla" or mesh_platform(mesh) != "gpu" or not tuned:
         return None
     return accepted(mesh, {**GPU_OPTIONS, OVERLAP_LIMIT: overlap_limit(dict(mesh.shape))}) or None
 

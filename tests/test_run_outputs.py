@@ -84,6 +84,19 @@ def test_tensorboard_events_hold_every_metric(run_dir):
         assert scalars[f"run/{name}"][0] == pytest.approx(metrics[0][name], rel=1e-6)
 
 
+def test_tensorboard_writer_leaves_torch_unimported():
+    """tensorboardX imports PyTorch where it is installed (the test extra installs it); the run's
+    writer comes without it (start-up time), and torch still imports afterwards."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from axonn_jax.run.hooks import _summary_writer; _summary_writer(); "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "import torch; print(torch.ones(2).sum())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "tensor(2.)", out.stderr[-2000:]
+
+
 def test_config_round_trips(run_dir, tmp_path):
     written = config_lib.read_file(run_dir / rundir.CONFIG)
     again = parse(["train", "--config", str(run_dir / rundir.CONFIG)]).run_config

@@ -344,6 +344,29 @@ def _scalars(record: dict) -> dict[str, float]:
     return out
 
 
+def _summary_writer():
+    """tensorboardX's `SummaryWriter` class, imported without PyTorch.
+
+    tensorboardX imports torch where it is installed, only to accept torch tensors, which this
+    library never writes; torch's import is most of a small run's start-up
+    (`benchmarks/startup.py`). Where torch is already loaded, nothing changes.
+
+    Returns:
+      `tensorboardX.SummaryWriter`.
+    """
+    import sys
+
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's fallback
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard(Hook):
     """TensorBoard event files in `directory` (tensorboardX), written by the main process.
 
@@ -371,8 +394,7 @@ class TensorBoard(Hook):
             return
         import logging
 
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer()
         # A non-finite metric is recorded as it is; tensorboardX's warning about it would break the
         # one-line error of a diverged run.
         logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)

@@ -240,8 +240,8 @@ def test_more_bandwidth_never_slower_and_compression_cuts_data_bytes():
 
 
 def test_plan_cli_json(capsys):
-    rc = cli_main(["plan", "--model", "gpt-20b", "--devices", "64", "--devices-per-node", "4",
-                   "--batch", "1024", "--seq-len", "2048", "--json", "--top", "3"])
+    rc = cli_main(["plan", "--model", "gpt-20b", "--devices", "16", "--devices-per-node", "4",
+                   "--batch", "256", "--seq-len", "2048", "--json", "--top", "3"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 3
@@ -252,7 +252,7 @@ def test_plan_cli_json(capsys):
     rc = cli_main(["plan", "--devices", "8", "--batch", "8", "--grid", "data=3"])
     assert rc == 2 and "has 3 devices but 8" in capsys.readouterr().err
     rc = cli_main(["plan", "--model", "llama2-70b", "--devices", "64", "--batch", "512",
-                   "--seq-len", "4096", "--json", "--top", "1"])
+                   "--seq-len", "4096", "--json", "--top", "1", "--grid", "data=2,pipe=16,row=2"])
     assert rc == 0 and json.loads(capsys.readouterr().out)[0]["mfu"] > 0
 
 

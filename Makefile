@@ -33,7 +33,7 @@ $(VENV)/.docs: $(VENV)/.core
 train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
-# The quick tier: every capability, each on its representative grids (17-19 minutes on 2 cores; the target is 15). A test
+# The quick tier: every capability, each on its representative grids (about 13 minutes on 2 cores). A test
 # that crashes its worker fails the run (no worker restarts, which re-ran the crash and hung); one
 # that hangs is stopped by pytest-timeout (pyproject.toml).
 test: $(VENV)/.test

@@ -286,7 +286,7 @@ def plot_plan(predictions, device_memory: float, title: str, path: str | pathlib
     plt = pyplot()
     n = len(predictions)
     labels = [f"{i}. {'×'.join(map(str, p.grid.shape))}" + (f" M={p.microbatches}" if
-              p.grid.pipe > 1 else "") for i, p in enumerate(predictions, 1)]
+              p.microbatches > 1 else "") for i, p in enumerate(predictions, 1)]
     axes_seen = sorted({a for p in predictions for a in p.exposed_comm_by_axis},
                        key=lambda a: [AXES.index(x) for x in a.split("+")])
     fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(12, 1.6 + 0.35 * n), sharey=True,

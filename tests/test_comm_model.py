@@ -256,6 +256,20 @@ def test_plan_cli_json(capsys):
     assert rc == 0 and json.loads(capsys.readouterr().out)[0]["mfu"] > 0
 
 
+def test_plan_piped_into_head_stops_without_a_traceback():
+    """`axonn-jax plan ... | head -c 1`: the reader leaves early; plan stops without an error."""
+    import subprocess
+    import sys
+
+    plan = [sys.executable, "-m", "axonn_jax", "plan", "--model", "llama2-70b", "--devices", "64",
+            "--batch", "512", "--seq-len", "4096", "--json", "--grid", "data=2,pipe=16,row=2"]
+    with subprocess.Popen(plan, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        first = proc.stdout.read(1)
+        proc.stdout.close()  # what `head -c 1` does once it has its byte
+        err = proc.stderr.read().decode()
+    assert first == b"[" and err == "", err[-2000:]
+
+
 def test_auto_grid_trains_on_the_planners_pick(capsys, tmp_path):
     from axonn_jax.run.cli import parse
     from axonn_jax.run.plan import auto_grid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import sys
 import traceback
@@ -608,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the first step, or a second Ctrl-C
         print(f"axonn-jax {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout's reader left (`axonn-jax plan ... | head`): stop quietly
+        # Python's flush of stdout at exit would fail again and print a second error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

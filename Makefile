@@ -33,9 +33,10 @@ $(VENV)/.docs: $(VENV)/.core
 train: $(VENV)/.core
 	$(BIN)/axonn-jax train --config configs/default.yaml --devices $(DEVICES)
 
-# The quick tier: every capability, each on its representative grids (about 13 minutes on 2 cores). A test
-# that crashes its worker fails the run (no worker restarts, which re-ran the crash and hung); one
-# that hangs is stopped by pytest-timeout (pyproject.toml).
+# The quick tier: every capability, each on its representative grids (13-20 minutes on a shared
+# 2-core VM, whose speed varies 1.5x from run to run; the target is 15). A test that crashes its
+# worker fails the run (no worker restarts, which re-ran the crash and hung); one that hangs is
+# stopped by pytest-timeout (pyproject.toml).
 test: $(VENV)/.test
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=25 -m "not extended" tests
 

@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..config import Axis
 from .._compat import ensure_varying, psum, to_varying, varying_axes
-from ..config import ParallelConfig
+from ..config import Axis, ParallelConfig
 from ..parallel import pipeline as pipeline_lib
 from . import batch_axes
 from .compute import ComputeFunctions, cast_floating

@@ -239,6 +239,11 @@ def test_more_bandwidth_never_slower_and_compression_cuts_data_bytes():
     assert packed["all-to-all"] + packed["all-gather"] - exact["all-gather"] < exact["all-reduce"] / 6
 
 
+LLAMA_ON_A_GRID = ["plan", "--model", "llama2-70b", "--devices", "64", "--batch", "512",
+                   "--seq-len", "4096", "--json", "--grid", "data=2,pipe=16,row=2"]
+"""`plan` pricing one given grid of llama2-70b (no search: quick)."""
+
+
 def test_plan_cli_json(capsys):
     rc = cli_main(["plan", "--model", "gpt-20b", "--devices", "16", "--devices-per-node", "4",
                    "--batch", "256", "--seq-len", "2048", "--json", "--top", "3"])
@@ -251,8 +256,7 @@ def test_plan_cli_json(capsys):
         assert set(row["comm_bytes_per_device"]) == set(cm.KINDS)
     rc = cli_main(["plan", "--devices", "8", "--batch", "8", "--grid", "data=3"])
     assert rc == 2 and "has 3 devices but 8" in capsys.readouterr().err
-    rc = cli_main(["plan", "--model", "llama2-70b", "--devices", "64", "--batch", "512",
-                   "--seq-len", "4096", "--json", "--top", "1", "--grid", "data=2,pipe=16,row=2"])
+    rc = cli_main([*LLAMA_ON_A_GRID, "--top", "1"])
     assert rc == 0 and json.loads(capsys.readouterr().out)[0]["mfu"] > 0
 
 
@@ -261,8 +265,7 @@ def test_plan_piped_into_head_stops_without_a_traceback():
     import subprocess
     import sys
 
-    plan = [sys.executable, "-m", "axonn_jax", "plan", "--model", "llama2-70b", "--devices", "64",
-            "--batch", "512", "--seq-len", "4096", "--json", "--grid", "data=2,pipe=16,row=2"]
+    plan = [sys.executable, "-m", "axonn_jax", *LLAMA_ON_A_GRID]
     with subprocess.Popen(plan, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
         first = proc.stdout.read(1)
         proc.stdout.close()  # what `head -c 1` does once it has its byte

@@ -13,9 +13,8 @@ and done in the compiled H100 module (`analysis.overlap`; figures in
 `compiler_options(mesh, choice, tuned)` is what `jax.jit(..., compiler_options=...)` gets:
 `GPU_OPTIONS` for a mesh of GPUs under `choice="library"` where the step's engine takes them
 (`tuned`: not the pipeline's), nothing for other platforms or under `choice="xla"` (XLA's own
-defaults, the "before" of the measurement). Options in the
-`XLA_FLAGS` environment variable still apply; the ones here override them for the step's program
-only.
+defaults, the "before" of the measurement). Options in the `XLA_FLAGS` environment variable still
+apply; the ones here override them for the step's program only.
 """
 from __future__ import annotations
 

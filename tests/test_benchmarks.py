@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 from axonn_jax import ParallelConfig
 from axonn_jax.analysis import step_bench
@@ -53,6 +54,22 @@ def test_whole_step_comparison_of_a_users_model(devices):
     assert all(r["wire_bytes"] > 0 and r["flops_per_device"] > 0 for r in report["rows"])
     md = step_bench.markdown(report, "ViT")
     assert md.count("\n| ") == 4  # header and three variants
+
+
+def test_bench_microbatches_accumulate_without_a_pipeline(devices):
+    """`bench --microbatches M` on a grid without a pipeline accumulates gradients over M
+    microbatches, as `train` does: two compile, and eight, which do not split the batch, are
+    refused instead of being ignored."""
+    batch, vit, grid = um.image_batches(8)(0), um.vit(2), ParallelConfig(data=2)
+
+    def bench(microbatches):
+        return step_bench.run(vit, batch, grids=[grid], devices=devices[:2], repeats=0,
+                              microbatches=microbatches, baselines=(), log=lambda *_: None)
+
+    (row,) = bench(2)["rows"]
+    assert row["name"] == "axonn data=2" and row["flops_per_device"] > 0
+    with pytest.raises(ValueError, match="not divisible by data × microbatches = 2 × 8"):
+        bench(8)
 
 
 def test_compile_only_allocates_nothing(devices, monkeypatch):

@@ -174,18 +174,18 @@ def check_divisible(what: str, size: int, axes: str | tuple[str, ...], config: P
 
 
 def check_grid(config: ParallelConfig, *, batch_size: int, microbatches: int = 1,
-               num_layers: int | None = None, flags: bool = False) -> None:
+               flags: bool = False) -> None:
     """Raise ValueError naming the numbers unless the grid can split a step.
 
     The batch over `data`, `expert` and `depth`, each data shard into `microbatches` (a
-    pipeline's, or gradient accumulation's), the layers over `pipe`. The trainer and the planner
-    (`analysis.comm_model`) both check grids with this.
+    pipeline's, or gradient accumulation's). The trainer and the planner (`analysis.comm_model`)
+    both check grids with this; the layers over pipeline stages are the pipeline's check
+    (`parallel.pipeline.check_layers`).
 
     Args:
       config: the grid.
       batch_size: the global batch's rows.
       microbatches: microbatches per data shard.
-      num_layers: the blocks of the stack (None: not checked).
       flags: name the quantities as `axonn-jax train` flags (`--batch-size`) in the messages.
 
     Raises:
@@ -195,9 +195,6 @@ def check_grid(config: ParallelConfig, *, batch_size: int, microbatches: int = 1
     if microbatches < 1:
         raise ValueError(f"{mb} must be positive, got {microbatches}")
     check_divisible(batch, batch_size, BATCH_AXES, config)
-    if config.pipe > 1 and num_layers is not None and num_layers % config.pipe:
-        raise ValueError(f"num_layers = {num_layers} is not divisible by pipe = {config.pipe}: "
-                         f"every pipeline stage must hold the same number of layers")
     # Each microbatch of a data shard is split over `expert` and `depth` again.
     rows = config.data * config.expert * config.depth
     if microbatches > 1 and batch_size % (rows * microbatches):

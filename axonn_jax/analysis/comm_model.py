@@ -1298,8 +1298,7 @@ def infeasible_reason(work: Workload, grid: ParallelConfig) -> str | None:
       The first check's error message, or None where the grid runs.
     """
     try:
-        check_grid(grid, batch_size=work.batch, microbatches=work.microbatches,
-                   num_layers=work.model.num_layers)
+        check_grid(grid, batch_size=work.batch, microbatches=work.microbatches)
         work.model.check_grid(grid)
         searched = searched_axes(work)
         for axis in AXES:

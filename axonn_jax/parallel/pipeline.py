@@ -561,6 +561,21 @@ def option_problems(num_stages: int, *, schedule: str, microbatches: int, virtua
     return found
 
 
+def unused_schedule(schedule: str, num_stages: int) -> str | None:
+    """Why a timetable asked for by name has nothing to order, or None.
+
+    A schedule orders a pipeline's microbatches over its stages; one stage has none to order.
+
+    Args:
+      schedule: the timetable's name (`SCHEDULES`).
+      num_stages: devices on `pipe`.
+
+    Returns:
+      The refusal, naming the flags, with one stage; None with more.
+    """
+    return f"--schedule {schedule} needs a pipeline (--pipe > 1)" if num_stages == 1 else None
+
+
 def stage_specs(specs: dict, num_stages: int) -> dict:
     """A model's parameter specs, the blocks' layer axis split over `pipe` with stages.
 

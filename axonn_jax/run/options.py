@@ -39,6 +39,7 @@ from ..offload.activations import REMAT_MODES
 from ..parallel.context import SCHEMES as CONTEXT_SCHEMES, check_sequence, scheme_problems
 from ..parallel.compression import ROUNDINGS, SCOPES, parse_rule
 from ..parallel.exchange import REDUCE_DTYPES
+from ..parallel.pipeline import unused_schedule
 from ..step import xla_options
 from ..tp.tensor import COLLECTIVE_MATMUL_CHOICES, collective_matmuls_on
 from . import sources
@@ -670,10 +671,10 @@ def _ignored(config: RunConfig) -> list[str]:
     refused, not ignored (a default value, as a written-out config holds them all, is no request;
     Python callers build configs for many grids with one set of options and are not refused)."""
     found = []
-    if "pipeline.schedule" in config.given and \
-            config.pipeline.schedule != PipelineOptions().schedule and config.grid.pipe == 1 \
-            and not config.grid.auto:
-        found.append(f"--schedule {config.pipeline.schedule} needs a pipeline (--pipe > 1)")
+    schedule = config.pipeline.schedule
+    if "pipeline.schedule" in config.given and schedule != PipelineOptions().schedule \
+            and not config.grid.auto and (why := unused_schedule(schedule, config.grid.pipe)):
+        found.append(why)
     c, default = config.compression, CompressionOptions()
     if not c.bits:
         if "compression.bucket" in config.given and c.bucket != default.bucket:
@@ -751,7 +752,7 @@ def grid_problems(config: RunConfig, grid: ParallelConfig, *, num_layers: int | 
         collect(found, grid.validate, num_devices)
     p = config.pipeline
     collect(found, check_grid, grid, batch_size=rows or config.data.batch_size,
-            microbatches=p.microbatches, num_layers=num_layers, flags=True)
+            microbatches=p.microbatches, flags=True)
     mpi = config.run.transport == "mpi"
     if grid.context > 1:
         collect(found, check_sequence, config.data.seq_len, grid.context)

@@ -228,7 +228,9 @@ def refused_with_mpi_pipeline(config: RunConfig) -> str | None:
 
 
 def _build_mpi(config, model, optimizer, preset, devices):
-    from ..transport import mpi, mpi_pipeline
+    """The MPI transport's step: with a pipeline, a process per stage (`_build_mpi_pipeline`);
+    otherwise data parallelism between the processes, each process's devices one mesh."""
+    from ..transport import mpi
 
     comm, rank, size = mpi.world()
     launched = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
@@ -236,26 +238,9 @@ def _build_mpi(config, model, optimizer, preset, devices):
         raise ValueError(f"--transport mpi runs under `mpirun -n P`, but this process is one of "
                          f"{launched} started by `axonn-jax launch` (MPI sees 1); use --transport xla")
     devices = list(devices if devices is not None else jax.local_devices())
-    options = step_options(config)
-    grid, p = config.parallel, config.pipeline
-    batch_size = config.data.batch_size
-    if grid.pipe > 1:  # a process per pipeline stage, message-driven
-        if flag := refused_with_mpi_pipeline(config):
-            raise NotImplementedError(f"{flag} with --transport mpi --pipe > 1 is not implemented yet")
-        position = mpi_pipeline.stage_position(comm, grid.pipe)
-        # The processes form `data` copies of a `pipe`-stage pipeline.
-        _check(config, ParallelConfig(data=position.num_groups, pipe=grid.pipe), preset,
-               model.num_layers, batch_size)
-        reducer, engine = mpi_pipeline.mpi_pipeline(position, p.schedule, p.microbatches,
-                                                    p.virtual_stages)
-        step = make_train_step(model, optimizer, make_mesh(ParallelConfig(), devices[:1]),
-                               reducer=reducer, engine=engine,
-                               **{**options, "microbatches": 1, "schedule": "1f1b",
-                                  "virtual_stages": 1})
-        stage = f"stage-{position.stage}-of-{position.num_stages}"
-        return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
-            pathlib.Path(directory) / stage, every, position.data_comm,
-            canonical=step.canonical_state, reshard=step.reshard(), **kw)
+    grid, batch_size = config.parallel, config.data.batch_size
+    if grid.pipe > 1:
+        return _build_mpi_pipeline(config, model, optimizer, preset, devices[0], comm, rank)
     if batch_size % size:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {size} MPI processes")
     _check(config, grid, preset, model.num_layers, batch_size // size)
@@ -267,6 +252,29 @@ def _build_mpi(config, model, optimizer, preset, devices):
     else:
         reducer = mpi.mpi_mean(comm)
     step = make_train_step(model, optimizer, make_mesh(grid, devices), reducer=reducer,
-                           **{**options, "compress_bits": 0})
+                           **{**step_options(config), "compress_bits": 0})
     return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
         directory, every, comm, canonical=step.canonical_state, reshard=step.reshard(), **kw)
+
+
+def _build_mpi_pipeline(config, model, optimizer, preset, device, comm, rank):
+    """A process per pipeline stage, message-driven (`transport.mpi_pipeline`): the processes
+    form `data` copies of a `pipe`-stage pipeline, each running its stage on one `device`."""
+    from ..transport import mpi_pipeline
+
+    grid, p = config.parallel, config.pipeline
+    if flag := refused_with_mpi_pipeline(config):
+        raise NotImplementedError(f"{flag} with --transport mpi --pipe > 1 is not implemented yet")
+    position = mpi_pipeline.stage_position(comm, grid.pipe)
+    _check(config, ParallelConfig(data=position.num_groups, pipe=grid.pipe), preset,
+           model.num_layers, config.data.batch_size)
+    reducer, engine = mpi_pipeline.mpi_pipeline(position, p.schedule, p.microbatches,
+                                                p.virtual_stages)
+    step = make_train_step(model, optimizer, make_mesh(ParallelConfig(), [device]),
+                           reducer=reducer, engine=engine,
+                           **{**step_options(config), "microbatches": 1, "schedule": "1f1b",
+                              "virtual_stages": 1})
+    stage = f"stage-{position.stage}-of-{position.num_stages}"
+    return step, rank == 0, lambda directory, every, **kw: RankZeroCheckpointer(
+        pathlib.Path(directory) / stage, every, position.data_comm,
+        canonical=step.canonical_state, reshard=step.reshard(), **kw)

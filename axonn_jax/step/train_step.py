@@ -667,8 +667,7 @@ class BoundStep:
         o, grid, mesh = parts.options, parts.grid, parts.mesh
         self.model = parts.model
         rows = jax.tree.leaves(batch)[0].shape[0]
-        check_grid(grid, batch_size=rows, microbatches=o.microbatches,
-                   num_layers=parts.model.num_layers)
+        check_grid(grid, batch_size=rows, microbatches=o.microbatches)
         batch_axes.check_batch(batch, grid)
         self.fns: ModelFunctions = parts.model.bind(batch, mesh, self.kernels)
         self.compute_dtype = DTYPES[o.dtype]

@@ -173,6 +173,9 @@ class StepShape:
     a batch axis besides `data`, an exact exchange over it and `data` at once)."""
     reduce_dtype: str = "float32"
     """What the exact gradient exchange sends (`parallel.exchange`)."""
+    pipelined: bool = False
+    """The step runs through the pipeline engine (`step.engines.PipelineEngine`): each stage
+    runs its layers once per microbatch, and the embedding and the head sit on different stages."""
 
     @property
     def gathered_bytes(self) -> int:
@@ -212,7 +215,7 @@ class StepShape:
 
         A pipeline stage runs each layer once per microbatch (`microbatches`); without a pipeline
         a call's counts take every microbatch's rows together (`accumulated`), once."""
-        return self.microbatches if self.grid.pipe > 1 else 1
+        return self.microbatches if self.pipelined else 1
 
     @property
     def accumulated(self) -> int:

@@ -297,7 +297,7 @@ class Workload:
                          platform=self.platform, rings=rings,
                          expert_imbalance=self.imbalance(grid),
                          layer_sums=self.exchanges_layers(grid),
-                         reduce_dtype=self.reduce_dtype)
+                         reduce_dtype=self.reduce_dtype, pipelined=grid.pipe > 1)
 
     def exchanges_layers(self, grid: ParallelConfig) -> bool:
         """Whether the step sums the blocks' gradients layer by layer inside the backward.

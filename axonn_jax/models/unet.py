@@ -243,7 +243,7 @@ class UNetConfig:
         g, layouts = step.grid, conv_layouts(self)
         copies = {"block": step.stage_layers(self.num_layers), "embed": 1, "head": 1}
         # Without a pipeline the device also runs the head's recomputed down path.
-        runs = {"embed": 2 if g.pipe == 1 else 1}
+        runs = {"embed": 1 if step.pipelined else 2}
         convs = {part: [] for part in copies}
         for layer in self.layers():
             convs[layer.part].append(ConvLayer(

@@ -36,45 +36,91 @@ def shard_map(
     return _shard_map(f, **kwargs)
 
 
-def nested_shard_map(f: Callable, *, mesh, in_specs, out_specs, axis_names) -> Callable:
+def nested_shard_map(f: Callable, *, mesh, in_specs, out_specs, axis_names,
+                     kept_specs: tuple = ()) -> Callable:
     """`shard_map(f, ...)` manual over `axis_names` inside an enclosing shard_map (manual over
     other axes of `mesh`, the context's abstract mesh), differentiable inside `lax.scan`.
 
-    `f(*args) -> array` computes each device's block without collectives over `axis_names`;
-    `in_specs` is a tuple (one spec per argument).
+    `f(*args) -> array` computes each device's block; `in_specs` is a tuple (one spec per
+    argument). With `kept_specs`, `f(keep, *args)` passes the values the backward must not
+    compute again through `keep(value)` (one call per spec, in order): the collectives over the
+    enclosing axes, whose results the backward reads.
 
-    JAX 0.10 (check_vma) gives the residuals that partial evaluation cuts out of a nested
+    JAX 0.10 to 0.12 (check_vma) give the residuals that partial evaluation cuts out of a nested
     shard_map specs over every axis they vary over, the enclosing shard_map's manual axes
     included, and a scan over layers hoists loop-invariant pieces of the shard_map into such
     residuals: their shapes come out multiplied by those axes' sizes and the program fails to
-    lower. So the forward shard_map does not check replication (its output is given the
-    enclosing axes its arguments vary over), keeps no residuals of its own (a custom VJP keeps
-    the arguments), and the backward shard_map, which no partial evaluation cuts, runs `f`'s
-    forward again and its VJP, with replication checked (JAX sums the cotangent of an argument
-    over the axes its spec leaves it whole on where the output is split)."""
+    lower. So the forward shard_map does not check replication (its outputs are given the
+    enclosing axes its arguments vary over) and keeps as residuals only the arguments and the
+    kept values, under the specs given here; the backward shard_map, which no partial evaluation
+    cuts, runs `f`'s forward again with each kept value in place of its computation and `f`'s
+    VJP, with replication checked (JAX sums the cotangent of an argument over the axes its spec
+    leaves it whole on where the output is split). A kept value's computation differentiates as
+    before (its linear map is the one transposed) while its forward result is dead code.
+
+    Args:
+      f: the per-device function, `f(*args)`, or `f(keep, *args)` with `kept_specs`.
+      mesh: the context's abstract mesh.
+      in_specs: one PartitionSpec per argument over `axis_names`.
+      out_specs: the output's PartitionSpec (or pytree of them).
+      axis_names: the mesh axes manual inside.
+      kept_specs: one PartitionSpec per kept value, as the forward hands it to the backward.
+
+    Returns:
+      The function of the global arguments.
+    """
     import jax
 
     def outer(args):  # the enclosing axes the arguments vary over
-        return tuple(sorted(set().union(*map(varying_axes, args)) - set(axis_names)))
+        leaves = jax.tree.leaves(args)
+        return tuple(sorted(set().union(*map(varying_axes, leaves)) - set(axis_names)))
 
     def sm(fn, ins, outs, check):
         return shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs, axis_names=axis_names,
                          check_vma=check)
 
+    def recording(*args):  # (output, the kept values)
+        kept = []
+        out = f(lambda v: kept.append(v) or v, *args) if kept_specs else f(*args)
+        return out, tuple(kept)
+
+    def replaying(kept, *args):  # the output, each kept value standing in for its computation
+        values = iter(kept)
+        return f(lambda v: _stand_in(ensure_varying(next(values), tuple(varying_axes(v))), v),
+                 *args) if kept_specs else f(*args)
+
+    def forward(*args):
+        out, kept = sm(recording, in_specs, (out_specs, tuple(kept_specs)), False)(*args)
+        return ensure_varying((out, kept), outer(args))
+
     @jax.custom_vjp
     def call(*args):
-        return ensure_varying(sm(f, in_specs, out_specs, False)(*args), outer(args))
+        return forward(*args)[0]
 
     def fwd(*args):
-        return call(*args), args
+        out, kept = forward(*args)
+        return out, (args, kept)
 
-    def bwd(args, g):
-        local = lambda g, *a: jax.vjp(f, *a)[1](g)  # noqa: E731
-        cts = sm(local, (out_specs, *in_specs), in_specs, True)(g, *args)
-        return tuple(ensure_varying(ct, tuple(sorted(varying_axes(a)))) for ct, a in zip(cts, args))
+    def bwd(res, g):
+        args, kept = res
+        local = lambda g, kept, *a: jax.vjp(lambda *a: replaying(kept, *a), *a)[1](g)  # noqa: E731
+        cts = sm(local, (out_specs, tuple(kept_specs), *in_specs), in_specs, True)(g, kept, *args)
+        return jax.tree.map(lambda ct, a: ensure_varying(ct, tuple(sorted(varying_axes(a)))),
+                            tuple(cts), args)
 
     call.defvjp(fwd, bwd)
     return call
+
+
+@jax.custom_jvp
+def _stand_in(kept, computed):
+    """`kept`, differentiated as `computed` (the same shape, dtype and varying axes)."""
+    return kept
+
+
+@_stand_in.defjvp
+def _stand_in_jvp(primals, tangents):
+    return primals[0], tangents[1]
 
 
 HOST_MEMORY_KIND = "pinned_host"

@@ -144,11 +144,12 @@ NOTES = [
     "with eight (`step.xla_options.overlap_limit`), each layer's data-parallel all-reduce runs "
     "beside the row all-reduces of the layer below and its exposed time falls from 0.177 to "
     "0.048 s; `plan` (0.94×) now exposes less of it than the replay.",
-    "- **mixtral-8x7b/64** (0.94×): since the exchange keeps its rows packed (the memory-bound "
-    "kernels 4.78 → 1.12 s replayed, `plan` 1.12 s), little compute is left beside the experts' "
-    "row all-reduces of the received buffer, which the step waits for at once (1.80 s replayed, "
-    "0.0008 s hidden); `plan` exposes them whole (`Collective.waited`; the stream law hid 24% of "
-    "them: 0.88×).",
+    "- **mixtral-8x7b/64** (0.92×): the exchange keeps its rows packed (the memory-bound "
+    "kernels 4.78 → 1.12 s replayed, `plan` 1.12 s) and the experts' sums over `row` are added "
+    "per token after the return exchange (767.6 → 76.1 GB over `row`, 1.80 → 0.24 s exposed; "
+    "`moe_grouped.md`). What is left exposed is mostly the all-to-all over `expert`, across "
+    "nodes (1.98 s), which the step waits for at once; `plan` exposes it whole "
+    "(`Collective.waited`).",
     "- **unet-28b** (0.62×, 0.70×): matmuls and memory-bound kernels agree (0.63 / 0.59 s and "
     "0.10 / 0.11 s on 256), the communication does not: the compiled step moves GSPMD's "
     "re-layouts of the down and up paths (all-gathers 9× and 5× `plan`'s bytes, `scale.md`), "

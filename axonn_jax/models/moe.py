@@ -306,7 +306,10 @@ class MoELayers:
                      dtype_bytes=step.compute_bytes, batch_axes=batch_axes,
                      ragged=self._grouped(step), imbalance=step.expert_imbalance,
                      calls=step.accumulated)
-        args = (self._tokens(step), self.d_model, c.num_experts, c.top_k, g.expert)
+        # The ragged exchange runs inside the experts' manual tensor axes: each device sends
+        # its tokens' features over col.
+        features = self.d_model // g.col if self._grouped(step) else self.d_model
+        args = (self._tokens(step), features, c.num_experts, c.top_k, g.expert)
         forward = experts_lib.collectives(*args, **shape, backward=False)
         # No remat policy keeps the layer's outputs: `--remat` runs its forward exchange again.
         out = [Collective(k, axes, b, calls, stage_forward=True, rematerialized=True)
@@ -318,29 +321,50 @@ class MoELayers:
         return out + self._tensor_collectives(step, calls)
 
     def _tensor_collectives(self, step, calls: int) -> list[Collective]:
-        """The experts' matmuls split over (`col`, `row`) as GSPMD lays them out on the rows a
-        device received (`parallel.experts.layout`): like AxoNN's dense layers in the replicated
-        layout, the gate and up projections' partial sums over `col` forward and their input
-        gradients over `row` backward (XLA:GPU adds the two, which read one input, before one
-        all-reduce), the down projection's the other way round. `--remat` runs the forward
-        sums again (the combine weights' gradient reads the experts' outputs; no policy keeps
-        them). (Checked against the compiled H100 step of mixtral-8x7b on expert 8 × row 8 and,
-        on XLA:CPU, mixtral-tiny on expert=2, data=2, row=2, where jaxlib 0.10's dense
-        `ragged_dot` adds gathers: tests/test_axes_model.py.)"""
+        """The experts' matmuls split over (`col`, `row`) on the rows a device received
+        (`parallel.experts.layout`), like AxoNN's dense layers in the replicated layout: the
+        gate and up projections' partial sums over `col` forward, the down projection's input
+        gradient over `col` backward; the down projection's partial sums over `row` forward and
+        the gate and up projections' input gradients over `row` backward. `--remat` runs the
+        forward sums again (the combine weights' gradient reads the experts' outputs; no policy
+        keeps them).
+
+        Where the layer runs the grouped kernels (`_grouped`), the sums over `row` are added
+        per token after the return exchange (`parallel.experts._over_tensor_axes`: `(T, d)`,
+        and the combine weights' gradient, `(T, top_k)` float32), elsewhere GSPMD adds them per
+        received row (XLA:CPU the two input gradients apart). With the kernels the backward
+        computes the gate and up projections again from the kept received rows (their sum over
+        `col` once more; XLA merges `--remat`'s recomputed forward into it), and `--remat` runs
+        no forward sum over `row` again: it recomputes what the backward keeps, the exchanges'
+        results, not the layer's output, which only the block's residual sum reads. (With `col > 1` the
+        tokens reach the layer split over `row` and XLA turns the sums over `row` into
+        reduce-scatters, which this count does not follow.) Checked against the compiled H100
+        steps of mixtral-8x7b on expert 8 × row 8 and of a small Mixtral on expert 4 × row 2,
+        and on XLA:CPU mixtral-tiny on expert=2, data=2, row=2, where jaxlib 0.10's dense
+        `ragged_dot` adds gathers (tests/test_axes_model.py)."""
         c, g, cb = self.config, step.grid, step.compute_bytes
         if g.row * g.col == 1:
             return []
-        x = self._rows(step) * self.d_model / g.col * cb  # the rows' features over col
-        h = self._rows(step) * c.d_ff / g.row * cb  # their hidden features over row
-        merged = 1 if step.platform == "gpu" else 2
+        h = self._rows(step) * c.d_ff / g.row * cb  # the received rows' hidden features over row
         # Each sum is read at once by the next projection or the return exchange: the replayed
         # H100 schedule hides none of them.
-        return [Collective("all-reduce", (Axis.COL,), h, 2 * calls, stage_forward=True,
-                           rematerialized=True, waited=True),
-                Collective("all-reduce", (Axis.ROW,), x, merged * calls, waited=True),
-                Collective("all-reduce", (Axis.ROW,), x, calls, stage_forward=True,
-                           rematerialized=True, waited=True),
-                Collective("all-reduce", (Axis.COL,), h, calls, waited=True)]
+        gate_up = Collective("all-reduce", (Axis.COL,), h, 2 * calls, stage_forward=True,
+                             rematerialized=not self._grouped(step), waited=True)
+        down_input = Collective("all-reduce", (Axis.COL,), h, calls, waited=True)
+        if not self._grouped(step):
+            x = self._rows(step) * self.d_model / g.col * cb  # the received rows' features
+            merged = 1 if step.platform == "gpu" else 2
+            return [gate_up, Collective("all-reduce", (Axis.ROW,), x, calls, stage_forward=True,
+                                        rematerialized=True, waited=True),
+                    Collective("all-reduce", (Axis.ROW,), x, merged * calls, waited=True),
+                    down_input]
+        tokens = self._tokens(step)
+        x = tokens * self.d_model / g.col * cb  # the tokens' features over col
+        return [gate_up, Collective("all-reduce", (Axis.COL,), h, 2 * calls, waited=True),
+                Collective("all-reduce", (Axis.ROW,), x, calls, stage_forward=True, waited=True),
+                Collective("all-reduce", (Axis.ROW,), x, calls, waited=True),
+                Collective("all-reduce", (Axis.ROW,), tokens * c.top_k * 4, calls, waited=True),
+                down_input]
 
     def parameters(self, step) -> list[ParameterShard]:
         """The router (whole) and the three expert weights (over `expert`, `col`, `row`)."""

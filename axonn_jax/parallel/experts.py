@@ -38,6 +38,7 @@ choices, then all second ones), so both layouts keep that priority.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -45,7 +46,8 @@ import jax
 import jax.numpy as jnp
 
 from ..config import Axis
-from .._compat import manual_axes, manual_axis_size, nested_shard_map
+from .._compat import (ensure_varying, manual_axes, manual_axis_size, nested_shard_map,
+                      psum)
 from ..batch_axis import BatchAxis
 from . import grouped_matmul, ragged as ragged_lib
 
@@ -245,12 +247,10 @@ def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Ar
     k_axis, n_axis = (a if a in auto else None for a in axes)
 
     def local(r, s, *ws):  # (R, count, N_local), summed over the contracted features' axis
-        w = jnp.concatenate([w.astype(r.dtype) for w in ws], axis=-1)
-        y = grouped_matmul.grouped_matmul(r, w, s, routed_rows=routed_rows, platform="gpu")
-        y = y.reshape(y.shape[0], count, -1)
         # In the compute dtype, an all-reduce (GSPMD adds partial sums handed out of the
         # shard_map in float32, or by collective permutes where told to add in 16 bits).
-        return jax.lax.psum(y, k_axis) if k_axis else y
+        return _local_matmul(r, ws, s, summed_over=k_axis, routed_rows=routed_rows,
+                             platform="gpu")
 
     if auto:
         P = jax.sharding.PartitionSpec
@@ -259,6 +259,24 @@ def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Ar
             out_specs=P(None, None, n_axis), axis_names=auto)
     y = local(rows, sizes, *weights)
     return tuple(y[:, i] for i in range(count))
+
+
+def _local_matmul(rows, weights, sizes, *, summed_over: str | None, routed_rows: int | None,
+                  platform: str) -> jax.Array:
+    """`(R, len(weights), N)`: this device's blocks of `expert_matmul`'s projections, the
+    partial sums over the manual mesh axis `summed_over` (None: none) added by an all-reduce.
+
+    On GPU all weights go through one grouped matmul (`parallel.grouped_matmul`), so their
+    input gradients meet in one all-reduce; elsewhere each is a `ragged_dot` of its own."""
+    if platform != "gpu":
+        y = jnp.stack([grouped_matmul.grouped_matmul(rows, w, sizes, platform=platform)
+                       for w in weights], axis=1)
+    else:
+        w = jnp.concatenate([w.astype(rows.dtype) for w in weights], axis=-1)
+        y = grouped_matmul.grouped_matmul(rows, w, sizes, routed_rows=routed_rows,
+                                          platform=platform)
+        y = y.reshape(y.shape[0], len(weights), -1)
+    return psum(y, summed_over) if summed_over else y
 
 
 def batched_swiglu(rows: jax.Array, w_gate, w_up, w_down) -> jax.Array:
@@ -355,7 +373,8 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
     can receive) what arrived from its first row on. With one expert per device the rows go
     through the grouped kernels as they lie; with several, the sender orders its rows by expert
     and the receiver regroups them by expert from every device's counts (`_regroup`: two
-    gathers, no sort, no expert ids exchanged).
+    gathers, no sort, no expert ids exchanged). The exchanges and the experts run in
+    `_routed_block`, manual over the tensor axes.
 
     Args:
       x: `(T, d)` this device's tokens.
@@ -381,26 +400,115 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
         # lands on `assignments`, past the buffer.
         starts = jnp.concatenate([plan.input_offsets, jnp.array([assignments], jnp.int32)])
         packed = starts[chunk] + slot % slots  # (k·T,)
+        # The received rows are one expert's, from the first row on: no sort.
+        routing = dict(sizes=jnp.sum(plan.recv_sizes, keepdims=True))
     else:
         packed, plan, from_each = _send_by_expert(ids, chunk, n, local, axis)
-    rows = jnp.zeros_like(token).at[packed].set(token, mode="drop")
+        to_sorted, to_received, sizes = _regroup(from_each, plan.recv_offsets, size)
+        routing = dict(sizes=sizes, to_sorted=to_sorted, to_received=to_received)
+    fields = tuple(getattr(plan, f.name) for f in dataclasses.fields(plan))
+    routing.update(packed=packed, plan=fields,
+                   rows=jnp.zeros_like(token).at[packed].set(token, mode="drop"))
+    block = functools.partial(_routed_block, axis=axis, size=size, routed_rows=routed_rows,
+                              platform="gpu" if grouped_matmul.use_kernel() else "cpu")
+    return _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down), \
+        jnp.sum(slot == size, dtype=jnp.int32)
+
+
+def _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down) -> jax.Array:
+    """`block(keep, x, routing, weights, w_gate, w_up, w_down, row=, col=)` in a shard_map
+    manual over the automatic mesh axes (`compat.nested_shard_map`), the experts' features split
+    over (`col`, `row`) as their partitioning metadata says; called as it is without such axes.
+
+    The experts' partial sums over `row` go back through the return exchange and the combine
+    unreduced and are added once per token (`(T, d)`, where GSPMD's layout adds them per
+    received row, `n·slots ≥ k·T` of them); the tokens' gradient likewise. The backward reads
+    the two exchanges' results kept from the forward instead of exchanging again.
+
+    Args:
+      block: `_routed_block` with its static arguments bound.
+      x: `(T, d)` this device's tokens.
+      routing: `_routed_block`'s (integer arrays, whole on every device of the tensor axes).
+      weights: `(T, k)` combine weights.
+      w_gate, w_up, w_down: the local experts' weights, laid out as `routed_swiglu`'s.
+
+    Returns:
+      `(T, d)`, features over `col`.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = () if mesh.empty else tuple(
+        a for a in mesh.axis_names if a not in manual_axes() and mesh.shape[a] > 1)
+    if not auto:
+        return block(lambda v: v, x, routing, weights, w_gate, w_up, w_down, row=None, col=None)
+    row, col = (a if a in auto else None for a in (Axis.ROW, Axis.COL))
+    P = jax.sharding.PartitionSpec
+    local = nested_shard_map(
+        functools.partial(block, row=row, col=col), mesh=mesh,
+        in_specs=(P(None, col), P(), P(), P(None, col, row), P(None, col, row), P(None, row, col)),
+        out_specs=P(None, col), axis_names=auto, kept_specs=(P(None, col), P(row, col)))
+    return local(x, routing, weights, w_gate, w_up, w_down)
+
+
+def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str | None,
+                  col: str | None, axis: str, size: int, routed_rows: int,
+                  platform: str) -> jax.Array:
+    """One device's blocks of `_ragged_dropless`'s exchanges, experts and combine.
+
+    Args:
+      keep: `nested_shard_map`'s: the two exchanges' results go through it.
+      x: `(T, d/col)`.
+      routing: `packed`, `rows`, `sizes`, `plan` (`ChunkPlan`'s fields), with several local
+        experts `to_sorted` and `to_received` (`_ragged_dropless`).
+      weights: `(T, k)` combine weights.
+      w_gate, w_up: `(E_l, d/col, ff/row)`; w_down: `(E_l, ff/row, d/col)`.
+      row, col: the manual tensor axes splitting the experts' (hidden, model) features, or None.
+      axis, size, routed_rows, platform: the expert axis, rows of the receive buffer, rows
+        routed on average, and the kernels' platform.
+
+    Returns:
+      `(T, d/col)`, summed over `row`.
+    """
+    plan = ragged_lib.ChunkPlan(*routing["plan"])
+    # Varying over row from here, so that the tokens' and the combine weights' gradients are
+    # added over row once, on the tokens, not on the received rows.
+    x, weights = _summed_back((x, weights), row)
     # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff needs it).
     with ragged_lib.routed_rows(routed_rows):
-        received = ragged_lib.ragged_all_to_all(x[rows], jnp.zeros_like(x, shape=(size, x.shape[1])),
-                                                plan, axis)
-    if local == 1:  # the received rows are one expert's, from the first row on: no sort
-        out = sorted_swiglu(received, jnp.sum(plan.recv_sizes, keepdims=True), w_gate, w_up,
-                            w_down, routed_rows=routed_rows)
-    else:  # regrouped by expert by the counts, not sorted
-        to_sorted, to_received, sizes = _regroup(from_each, plan.recv_offsets, size)
-        out = sorted_swiglu(received[to_sorted], sizes, w_gate, w_up, w_down,
-                            routed_rows=routed_rows)[to_received]
+        received = keep(ragged_lib.ragged_all_to_all(
+            x[routing["rows"]], jnp.zeros_like(x, shape=(size, x.shape[1])), plan, axis))
+    if "to_sorted" in routing:
+        received = received[routing["to_sorted"]]
+    gate, up = jnp.unstack(_local_matmul(received, (w_gate, w_up), routing["sizes"],
+                                         summed_over=col, routed_rows=routed_rows,
+                                         platform=platform), axis=1)
+    hidden = _summed_back(jax.nn.silu(gate) * up, col)
+    (out,) = jnp.unstack(_local_matmul(hidden, (w_down,), routing["sizes"], summed_over=None,
+                                       routed_rows=routed_rows, platform=platform), axis=1)
+    if "to_received" in routing:
+        out = out[routing["to_received"]]
+    packed = routing["packed"]
     with ragged_lib.routed_rows(routed_rows):
-        back = ragged_lib.ragged_all_to_all(out, jnp.zeros_like(out, shape=(assignments,
-                                                                            out.shape[1])),
-                                            plan.reverse(), axis)
-    returned = back.at[packed].get(mode="fill", fill_value=0)
-    return _combine(returned, weights), jnp.sum(slot == size, dtype=jnp.int32)
+        back = keep(ragged_lib.ragged_all_to_all(
+            out, jnp.zeros_like(out, shape=(packed.shape[0], out.shape[1])), plan.reverse(), axis))
+    y = _combine(back.at[packed].get(mode="fill", fill_value=0), weights)
+    return psum(y, row) if row else y
+
+
+def _summed_back(tree, axis: str | None):
+    """`tree` cast to vary over the manual mesh `axis` (None: as it is), its cotangent added
+    over `axis` by `compat.psum` (16-bit floats in float32 on CPU, where XLA aborts on them)."""
+    if axis is None:
+        return tree
+    return _vary(tree, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _vary(tree, axis):
+    return ensure_varying(tree, (axis,))
+
+
+_vary.defvjp(lambda tree, axis: (_vary(tree, axis), None),
+             lambda axis, _, ct: (psum(ct, axis),))
 
 
 def _send_by_expert(ids, chunk, n: int, local: int, axis: str):
@@ -485,7 +593,7 @@ def collectives(num_tokens: int, d_model: int, num_experts: int, top_k: int, exp
 
     Args:
       num_tokens: this device's tokens.
-      d_model: features per token.
+      d_model: features per token a device sends.
       num_experts: experts of the layer.
       top_k: experts each token is routed to.
       expert: devices on the expert axis.

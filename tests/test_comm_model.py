@@ -442,6 +442,24 @@ def test_memory_within_ten_percent_of_the_compiled_peak(model, batch, seq, grid,
     assert cm.memory_per_device(work, grid)["total"] / 1e9 == pytest.approx(peak, rel=0.10)
 
 
+def test_memory_counts_cgx_residuals():
+    """With CGX's error feedback every device keeps a residual like its parameters, in their
+    dtype (`compression.init_residual`): mixtral-8x7b on data 4 × expert 8 × row 2, 8 bits,
+    `--remat full`, compiled for 64 abstract H100s, peaks at 84.9 GB (arguments 58.0: fp32
+    parameters, Adam's two moments and the residuals); `plan` said 75.3 GB without the
+    residuals, fitting. Without error feedback, or without `data`, there are none."""
+    from axonn_jax.models import get
+
+    work = cm.Workload(get("mixtral-8x7b").config, 64, 4096, remat="full", compress_bits=8)
+    grid = ParallelConfig(data=4, expert=8, row=2)
+    memory = cm.memory_per_device(work, grid)
+    assert memory["compression"] == memory["params"]
+    assert memory["total"] / 1e9 == pytest.approx(84.92, rel=0.10)
+    for work, grid in ((dataclasses.replace(work, error_feedback=False), grid),
+                       (work, ParallelConfig(expert=8, row=8))):
+        assert cm.memory_per_device(work, grid)["compression"] == 0.0
+
+
 
 def test_gpu_pipeline_gathers_the_tables_over_depth_every_microbatch():
     """The compiled H100 step of Llama-3-8B on data 4 × pipe 2 × depth 8 (16 microbatches,

@@ -196,6 +196,9 @@ class Workload:
     `compress_node_size` devices (None: the step's default, `node_shards`; `plan` sets the
     machine's `devices_per_node`)."""
     compress_node_size: int | None = None
+    error_feedback: bool = True
+    """CGX's error feedback (`--no-error-feedback` turns it off): each device keeps its rounding
+    error, a residual the size of its parameters, in their dtype."""
     compress_in_backward: bool = True
     """CGX's exchange inside the backward (`--compress-after-backward` turns it off): layer by
     layer where the step allows it (`step.batch_axes.layers_summed_in_backward`)."""
@@ -557,7 +560,8 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
       grid: the mesh.
 
     Returns:
-      `{"params", "grads", "optimizer", "activations", "total": bytes}`.
+      `{"params", "grads", "optimizer", "compression", "activations", "total": bytes}`
+      (`compression`: CGX's error-feedback residuals).
     """
     m, g, d = work.model, grid, declared(work, grid)
     n = sum(p.elements for p in d.parameters)
@@ -569,6 +573,9 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         # beside the accumulator (compiled H100 step of Llama-3-8B on data 8 × pipe 8)
         grads += sum(p.elements for p in d.parameters if p.outside_blocks) * FP32
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
+    # CGX's error-feedback residuals: one per device, like its parameters (`init_residual`).
+    residuals = n * work.param_bytes if work.compress_bits and work.error_feedback \
+        and g.data > 1 else 0.0
     # fp32 parameters computed with in 16 bits: the forward's cast of every parameter and its
     # gradient in the compute dtype before it is added in fp32, where the step materializes
     # them: gathered over depth, or cast once before a microbatch loop (the compiled H100 step
@@ -580,8 +587,7 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         work.compute_bytes < work.param_bytes else 0.0
     if d.activations is not None:  # a model that counts its own (a U-Net)
         activations = d.activations + copies
-        return {"params": params, "grads": grads, "optimizer": optimizer,
-                "activations": activations, "total": params + grads + optimizer + activations}
+        return _breakdown(params, grads, optimizer, residuals, activations)
     # Else a stack of transformer blocks (`d_model`, `num_heads`):
     tokens = work.tokens / (g.data * g.expert * g.context * g.depth) / work.microbatches
     rows = (g.row, g.col) if d.split else (1, 1)
@@ -615,8 +621,14 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     transient = max(logits, per_block if work.remat != "none" else 0.0)
     activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
         + transient + stash + copies + d.working + parts
-    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
-            "total": params + grads + optimizer + activations}
+    return _breakdown(params, grads, optimizer, residuals, activations)
+
+
+def _breakdown(params, grads, optimizer, residuals, activations) -> dict[str, float]:
+    """`memory_per_device`'s dict: the parts and their total."""
+    parts = {"params": params, "grads": grads, "optimizer": optimizer,
+             "compression": residuals, "activations": activations}
+    return {**parts, "total": sum(parts.values())}
 
 
 def kept_per_block(work: Workload, declared: ModelCommunication, working_set: float,

@@ -33,6 +33,7 @@ def workload(config: RunConfig, platform: str = "gpu") -> cm.Workload:
                        compress_scope=config.compression.scope,
                        compress_node_size=config.compression.node_size,
                        compress_in_backward=config.compression.in_backward,
+                       error_feedback=config.compression.error_feedback,
                        reduce_dtype=config.precision.reduce_dtype,
                        offload_optimizer=config.memory.offload_optimizer,
                        offload_gradients=config.memory.offload_gradients,

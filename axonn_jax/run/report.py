@@ -253,7 +253,7 @@ _LEGEND_ABOVE = dict(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=7, fontsize
 _AXIS_COLORS = {Axis.DATA: "tab:orange", Axis.PIPE: "tab:green", Axis.DEPTH: "tab:red",
                 Axis.ROW: "tab:purple", Axis.COL: "tab:brown"}
 _MEMORY_COLORS = {"params": "#66c2a5", "grads": "#fc8d62", "optimizer": "#8da0cb",
-                  "activations": "#e78ac3"}
+                  "compression": "#a6d854", "activations": "#e78ac3"}
 
 
 def _stacked_bars(ax, y, parts) -> None:

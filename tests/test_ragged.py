@@ -69,6 +69,32 @@ def test_ragged_exchange_matches_padded(devices, expert, dispatch_factor):
         assert float(jnp.max(jnp.abs(g - want))) <= 1e-6 * max(float(jnp.max(jnp.abs(want))), 1)
 
 
+def _sharded_inputs(mesh, batch_axis: str, experts_axis, num_experts: int):
+    """`(x, logits, r, w_gate, w_up, w_down)` of `32 × size of batch_axis` tokens, placed on
+    `mesh`: the tokens over `batch_axis`, the experts over `experts_axis` (None: whole) and
+    their features over (`col`, `row`) as the MoE layer's partitioning metadata says."""
+    keys = jax.random.split(jax.random.key(1), 6)
+    t = 32 * mesh.shape[batch_axis]
+    shapes = [(num_experts, D, FF), (num_experts, D, FF), (num_experts, FF, D)]
+    inputs = [jax.random.normal(keys[0], (t, D)), jax.random.normal(keys[1], (t, num_experts)),
+              jax.random.normal(keys[2], (t, D)),
+              *(jax.random.normal(k, s) / math.sqrt(s[1]) for k, s in zip(keys[3:], shapes))]
+    specs = [P(batch_axis)] * 3 + [P(experts_axis, "col", "row")] * 2 \
+        + [P(experts_axis, "row", "col")]
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, specs)]
+
+
+def _assert_same(layer, inputs):
+    """`layer(ragged)` with and without the GPU path: no drops, the loss (fp32, 1e-5: the partial
+    sums over row are added in another order) and every gradient (1e-6) alike."""
+    (loss, _), grads = layer(False)(*inputs)
+    (got, dropped), got_grads = layer(True)(*inputs)
+    assert int(dropped) == 0
+    np.testing.assert_allclose(got, loss, rtol=1e-5)
+    for g, want in zip(got_grads, grads):
+        assert float(jnp.max(jnp.abs(g - want))) <= 1e-6 * max(float(jnp.max(jnp.abs(want))), 1)
+
+
 @pytest.mark.parametrize("expert,row,col,num_experts", [(2, 2, 1, 8), (4, 2, 1, 4), (2, 2, 2, 4)])
 def test_ragged_exchange_over_tensor_axes_matches_padded(devices, expert, row, col, num_experts):
     """With the experts' features split over automatic `row` and `col` axes, the ragged layer
@@ -76,22 +102,37 @@ def test_ragged_exchange_over_tensor_axes_matches_padded(devices, expert, row, c
     padded layer's loss and gradients (GSPMD's layout), float32: one local expert and several."""
     mesh = Mesh(np.array(devices[:expert * row * col]).reshape(expert, row, col),
                 ("expert", "row", "col"))
-    keys = jax.random.split(jax.random.key(1), 6)
-    t = 32 * expert
-    shapes = [(num_experts, D, FF), (num_experts, D, FF), (num_experts, FF, D)]
-    inputs = [jax.random.normal(keys[0], (t, D)), jax.random.normal(keys[1], (t, num_experts)),
-              jax.random.normal(keys[2], (t, D)),
-              *(jax.random.normal(k, s) / math.sqrt(s[1]) for k, s in zip(keys[3:], shapes))]
-    specs = [P("expert")] * 3 + [P("expert", "col", "row")] * 2 + [P("expert", "row", "col")]
-    inputs = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, specs)]
-    layer = functools.partial(_layer, mesh, num_experts=num_experts, axis_names={"expert"})
-    (loss, _), grads = layer(False)(*inputs)
-    (got, dropped), got_grads = layer(True)(*inputs)
-    assert int(dropped) == 0
-    # The partial sums over row are added in another order: float32 rounding of the loss's sum.
-    np.testing.assert_allclose(got, loss, rtol=1e-5)
-    for g, want in zip(got_grads, grads):
-        assert float(jnp.max(jnp.abs(g - want))) <= 1e-6 * max(float(jnp.max(jnp.abs(want))), 1)
+    _assert_same(functools.partial(_layer, mesh, num_experts=num_experts, axis_names={"expert"}),
+                 _sharded_inputs(mesh, "expert", "expert", num_experts))
+
+
+@pytest.mark.parametrize("data,row,col", [(2, 2, 2), (1, 2, 4)])
+def test_dropless_over_tensor_axes_without_an_expert_axis(devices, data, row, col):
+    """Every expert on every device (no `expert` axis), features over automatic `row` and `col`:
+    the GPU path (the assignments sorted through the grouped kernels, manual over the tensor
+    axes, sums over `row` per token) equals GSPMD's layout of the same layer in loss and every
+    gradient, inside a shard_map over `data` and outside any (`data` = 1)."""
+    mesh = Mesh(np.array(devices[:data * row * col]).reshape(data, row, col),
+                ("data", "row", "col"))
+
+    def layer(ragged_path):
+        def local(x, logits, r, w_gate, w_up, w_down):
+            weights, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
+            y, dropped = experts.routed_swiglu(x, ids, weights, w_gate, w_up, w_down,
+                                               num_experts=4, ragged=ragged_path)
+            return jnp.sum(y * r), dropped
+
+        if data > 1:
+            f = shard_map(lambda *a: jax.lax.psum(local(*a), "data"), mesh=mesh,
+                          in_specs=(P("data"),) * 3 + (P(),) * 3, out_specs=(P(), P()),
+                          axis_names={"data"})
+        else:
+            def f(*a):
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    return local(*a)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3, 4, 5), has_aux=True))
+
+    _assert_same(layer, _sharded_inputs(mesh, "data", None, 4))
 
 
 def test_chunk_plan_offsets(devices):

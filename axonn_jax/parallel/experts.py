@@ -25,7 +25,10 @@ Two ways to lay out the send buffer:
   buffer keeps the padded size), and the receiver regroups them by expert from the counts
   instead of sorting. XLA:CPU cannot run it ("HLO opcode `ragged-all-to-all` is not supported by
   XLA:CPU"), so there the exchange is a padded all-to-all of every chunk whole; both give the
-  same result.
+  same result. On a GPU mesh the exchanges, the kernels and the combine run in one shard_map
+  manual over the tensor axes (`_over_tensor_axes`; without an expert axis the same block
+  without exchanges), so that the experts' partial sums over `row` are added once per token,
+  not once per row of the receive buffer.
 - **capacity-based** (`capacity_factor=c`): one chunk of `C = ceil(c·T·k/E)` slots per expert;
   assignments past an expert's capacity are dropped (counted), top-1 choices before top-2 (GShard's
   priority), earlier tokens first; each expert runs one dense matmul on its `expert·C` rows.
@@ -317,8 +320,9 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
       capacity_factor: None for dropless, else the capacity per expert.
       dispatch_factor: dropless over several devices: the rows sent to each device; None: every
         assignment fits.
-      ragged: whether a dropless exchange over more than one device sends only the routed rows
-        (`parallel.ragged`; None: on a GPU mesh); on CPU, forced, it runs `ragged.reference`.
+      ragged: whether a dropless layer sends only the routed rows over `axis`
+        (`parallel.ragged`) and runs manual over the tensor axes, its sums over `row` per token
+        (`_over_tensor_axes`; None: on a GPU mesh); on CPU, forced, it runs `ragged.reference`.
 
     Returns:
       `(y, dropped)`: `y (T, d)` = Σ_j weights[t, j]·SwiGLU_{expert_ids[t, j]}(x[t]) over the
@@ -342,6 +346,8 @@ def routed_swiglu(x: jax.Array, expert_ids: jax.Array, weights: jax.Array, w_gat
     if capacity_factor is None and n > 1 and ragged:
         return _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, axis=axis,
                                 slots=slots, local=local, routed_rows=min(size, t * k))
+    if capacity_factor is None and n == 1 and ragged:
+        return _local_dropless(x, token, ids, weights, w_gate, w_up, w_down)
     buffer = jnp.zeros((size, d), x.dtype).at[slot].set(x[token], mode="drop")
     received = exchange(buffer, axis, n)
     if capacity_factor is not None:  # (source, expert, slot) -> (expert, source·slot)
@@ -415,6 +421,31 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
         jnp.sum(slot == size, dtype=jnp.int32)
 
 
+def _local_dropless(x, token, ids, weights, w_gate, w_up, w_down) -> tuple[jax.Array, jax.Array]:
+    """The dropless layer without an expert axis to cross (`routed_swiglu`'s result): the
+    assignments sorted by expert through the grouped kernels, in `_routed_block` without its
+    exchanges, manual over the tensor axes.
+
+    Args:
+      x: `(T, d)` the tokens.
+      token: `(k·T,)` int32 each assignment's token.
+      ids: `(k·T,)` int32 each assignment's expert.
+      weights: `(T, k)` combine weights. Expert weights: as `routed_swiglu`'s.
+
+    Returns:
+      `(y (T, d), 0)`: nothing is dropped.
+    """
+    order = jnp.argsort(ids, stable=True)
+    routing = dict(sizes=jnp.bincount(ids, length=w_gate.shape[0]).astype(jnp.int32),
+                   rows=token[order], packed=jnp.zeros_like(order).at[order].set(
+                       jnp.arange(order.shape[0], dtype=order.dtype)))
+    block = functools.partial(_routed_block, axis=None, size=ids.shape[0],
+                              routed_rows=ids.shape[0],
+                              platform="gpu" if grouped_matmul.use_kernel() else "cpu")
+    return _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down), \
+        jnp.zeros((), jnp.int32)
+
+
 def _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down) -> jax.Array:
     """`block(keep, x, routing, weights, w_gate, w_up, w_down, row=, col=)` in a shard_map
     manual over the automatic mesh axes (`compat.nested_shard_map`), the experts' features split
@@ -462,20 +493,27 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
       weights: `(T, k)` combine weights.
       w_gate, w_up: `(E_l, d/col, ff/row)`; w_down: `(E_l, ff/row, d/col)`.
       row, col: the manual tensor axes splitting the experts' (hidden, model) features, or None.
-      axis, size, routed_rows, platform: the expert axis, rows of the receive buffer, rows
-        routed on average, and the kernels' platform.
+      axis, size, routed_rows, platform: the expert axis (None: no exchange), rows of the
+        receive buffer, rows routed on average, and the kernels' platform.
 
     Returns:
       `(T, d/col)`, summed over `row`.
     """
-    plan = ragged_lib.ChunkPlan(*routing["plan"])
+    plan = ragged_lib.ChunkPlan(*routing["plan"]) if axis else None
+
+    def exchange(rows, out_rows, plan):  # over `axis` (none without one)
+        if plan is None:
+            return rows
+        # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff
+        # needs it).
+        with ragged_lib.routed_rows(routed_rows):
+            return ragged_lib.ragged_all_to_all(
+                rows, jnp.zeros_like(rows, shape=(out_rows, rows.shape[1])), plan, axis)
+
     # Varying over row from here, so that the tokens' and the combine weights' gradients are
     # added over row once, on the tokens, not on the received rows.
     x, weights = _summed_back((x, weights), row)
-    # Fill arrays made `_like` the routed data vary over the same mesh axes (autodiff needs it).
-    with ragged_lib.routed_rows(routed_rows):
-        received = keep(ragged_lib.ragged_all_to_all(
-            x[routing["rows"]], jnp.zeros_like(x, shape=(size, x.shape[1])), plan, axis))
+    received = keep(exchange(x[routing["rows"]], size, plan))
     if "to_sorted" in routing:
         received = received[routing["to_sorted"]]
     gate, up = jnp.unstack(_local_matmul(received, (w_gate, w_up), routing["sizes"],
@@ -487,9 +525,7 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
     if "to_received" in routing:
         out = out[routing["to_received"]]
     packed = routing["packed"]
-    with ragged_lib.routed_rows(routed_rows):
-        back = keep(ragged_lib.ragged_all_to_all(
-            out, jnp.zeros_like(out, shape=(packed.shape[0], out.shape[1])), plan.reverse(), axis))
+    back = keep(exchange(out, packed.shape[0], plan and plan.reverse()))
     y = _combine(back.at[packed].get(mode="fill", fill_value=0), weights)
     return psum(y, row) if row else y
 

@@ -135,6 +135,27 @@ def test_dropless_over_tensor_axes_without_an_expert_axis(devices, data, row, co
     _assert_same(layer, _sharded_inputs(mesh, "data", None, 4))
 
 
+def test_dropless_over_tensor_axes_in_bfloat16(devices):
+    """The GPU path in bfloat16 on XLA:CPU, outside any shard_map over row × col: every sum it
+    issues (the combine weights' gradient over row and col among them) runs in float32 there,
+    where a 16-bit all-reduce in a partly manual shard_map aborts the process; the loss equals
+    GSPMD's layout's to bfloat16's precision."""
+    mesh = Mesh(np.array(devices[:8]).reshape(1, 2, 4), ("data", "row", "col"))
+    inputs = _sharded_inputs(mesh, "data", None, 4)
+    inputs[0], inputs[2] = inputs[0].astype(jnp.bfloat16), inputs[2].astype(jnp.bfloat16)
+
+    def loss(ragged_path):
+        def f(x, logits, r, w_gate, w_up, w_down):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                weights, ids = jax.lax.top_k(jax.nn.softmax(logits), K)
+                y, _ = experts.routed_swiglu(x, ids, weights, w_gate, w_up, w_down,
+                                             num_experts=4, ragged=ragged_path)
+                return jnp.sum((y * r).astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3, 4, 5)))(*inputs)[0]
+
+    np.testing.assert_allclose(loss(True), loss(False), rtol=2e-2)
+
+
 def test_chunk_plan_offsets(devices):
     """Both sides packed: each sender's chunks follow one another, each receiver stacks its rows
     in the senders' order, the receive sizes are the senders' counts clipped to the chunk, and the

@@ -329,18 +329,18 @@ class MoELayers:
         forward sums again (the combine weights' gradient reads the experts' outputs; no policy
         keeps them).
 
-        Where the layer runs the grouped kernels (`_grouped`), the sums over `row` are added
-        per token after the return exchange (`parallel.experts._over_tensor_axes`: `(T, d)`,
-        and the combine weights' gradient, `(T, top_k)` float32), elsewhere GSPMD adds them per
-        received row (XLA:CPU the two input gradients apart). With the kernels the backward
-        computes the gate and up projections again from the kept received rows (their sum over
-        `col` once more; XLA merges `--remat`'s recomputed forward into it), and `--remat` runs
-        no forward sum over `row` again: it recomputes what the backward keeps, the exchanges'
-        results, not the layer's output, which only the block's residual sum reads. (With `col > 1` the
-        tokens reach the layer split over `row` and XLA turns the sums over `row` into
-        reduce-scatters, which this count does not follow.) Checked against the compiled H100
-        steps of mixtral-8x7b on expert 8 × row 8 and of a small Mixtral on expert 4 × row 2,
-        and on XLA:CPU mixtral-tiny on expert=2, data=2, row=2, where jaxlib 0.10's dense
+        Where the layer runs the grouped kernels (`_grouped`), the sums over `row` are added per
+        token after the return exchange (`parallel.experts._over_tensor_axes`: `(T, d)`, and the
+        combine weights' gradient, `(T, top_k)` float32, over `col` too), elsewhere GSPMD adds
+        them per received row (XLA:CPU the two input gradients apart). With the kernels the
+        backward computes the gate and up projections again from the kept received rows (their sum
+        over `col` once more; XLA merges `--remat`'s recomputed forward into it), and `--remat`
+        runs no forward sum over `row` again: it recomputes what the backward keeps, the
+        exchanges' results, not the layer's output, which only the block's residual sum reads.
+        (With `col > 1` the tokens reach the layer split over `row` and XLA turns the sums over
+        `row` into reduce-scatters, which this count does not follow.) Checked against the
+        compiled H100 steps of mixtral-8x7b on expert 8 × row 8 and of a small Mixtral on expert 4
+        × row 2, and on XLA:CPU mixtral-tiny on expert=2, data=2, row=2, where jaxlib 0.10's dense
         `ragged_dot` adds gathers (tests/test_axes_model.py)."""
         c, g, cb = self.config, step.grid, step.compute_bytes
         if g.row * g.col == 1:
@@ -363,7 +363,9 @@ class MoELayers:
         return [gate_up, Collective("all-reduce", (Axis.COL,), h, 2 * calls, waited=True),
                 Collective("all-reduce", (Axis.ROW,), x, calls, stage_forward=True, waited=True),
                 Collective("all-reduce", (Axis.ROW,), x, calls, waited=True),
-                Collective("all-reduce", (Axis.ROW,), tokens * c.top_k * 4, calls, waited=True),
+                Collective("all-reduce", tuple(a for a in (Axis.ROW, Axis.COL)
+                                               if getattr(g, a) > 1),
+                           tokens * c.top_k * 4, calls, waited=True),
                 down_input]
 
     def parameters(self, step) -> list[ParameterShard]:

@@ -511,8 +511,9 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
                 rows, jnp.zeros_like(rows, shape=(out_rows, rows.shape[1])), plan, axis)
 
     # Varying over row from here, so that the tokens' and the combine weights' gradients are
-    # added over row once, on the tokens, not on the received rows.
-    x, weights = _summed_back((x, weights), row)
+    # added over row once, on the tokens, not on the received rows (the weights' over col too:
+    # they meet rows whose features are split over it).
+    x, weights = _summed_back(x, row), _summed_back(weights, row, col)
     received = keep(exchange(x[routing["rows"]], size, plan))
     if "to_sorted" in routing:
         received = received[routing["to_sorted"]]
@@ -530,21 +531,21 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
     return psum(y, row) if row else y
 
 
-def _summed_back(tree, axis: str | None):
-    """`tree` cast to vary over the manual mesh `axis` (None: as it is), its cotangent added
-    over `axis` by `compat.psum` (16-bit floats in float32 on CPU, where XLA aborts on them)."""
-    if axis is None:
-        return tree
-    return _vary(tree, axis)
+def _summed_back(tree, *axes: str | None):
+    """`tree` cast to vary over the manual mesh `axes` (None among them: left out), its
+    cotangent added over them by `compat.psum` (16-bit floats in float32 on CPU, where XLA
+    aborts on them)."""
+    axes = tuple(a for a in axes if a)
+    return _vary(tree, axes) if axes else tree
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _vary(tree, axis):
-    return ensure_varying(tree, (axis,))
+def _vary(tree, axes):
+    return ensure_varying(tree, axes)
 
 
-_vary.defvjp(lambda tree, axis: (_vary(tree, axis), None),
-             lambda axis, _, ct: (psum(ct, axis),))
+_vary.defvjp(lambda tree, axes: (_vary(tree, axes), None),
+             lambda axes, _, ct: (psum(ct, axes),))
 
 
 def _send_by_expert(ids, chunk, n: int, local: int, axis: str):

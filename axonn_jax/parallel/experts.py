@@ -534,7 +534,8 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
 def _summed_back(tree, *axes: str | None):
     """`tree` cast to vary over the manual mesh `axes` (None among them: left out), its
     cotangent added over them by `compat.psum` (16-bit floats in float32 on CPU, where XLA
-    aborts on them)."""
+    aborts on them). `tree` must be invariant over `axes` (a sum over an axis it already varies
+    over would add the devices' distinct values)."""
     axes = tuple(a for a in axes if a)
     return _vary(tree, axes) if axes else tree
 

@@ -443,6 +443,16 @@ def manual_axes() -> tuple[str, ...]:
     return () if mesh.empty else tuple(getattr(mesh, "manual_axes", ()))
 
 
+def automatic_axes() -> tuple[str, ...]:
+    """The context mesh's axes of more than one device that are automatic here (not manual in
+    an enclosing shard_map); none without a mesh in context."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(
+        a for a in mesh.axis_names if a not in manual_axes() and mesh.shape[a] > 1)
+
+
 def manual_axis_size(name: str) -> int:
     """The size of mesh axis `name` when it is manual in the enclosing shard_map, else 1 (the
     axis is absent, automatic, or there is no shard_map: the code sees the whole of it)."""

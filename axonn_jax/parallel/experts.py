@@ -41,7 +41,6 @@ choices, then all second ones), so both layouts keep that priority.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import Axis
-from .._compat import (ensure_varying, manual_axes, manual_axis_size, nested_shard_map,
+from .._compat import (automatic_axes, ensure_varying, manual_axis_size, nested_shard_map,
                       psum)
 from ..batch_axis import BatchAxis
 from . import grouped_matmul, ragged as ragged_lib
@@ -245,8 +244,7 @@ def expert_matmul(rows: jax.Array, weights: tuple[jax.Array, ...], sizes: jax.Ar
         return tuple(jax.lax.ragged_dot(rows, w.astype(rows.dtype), sizes) for w in weights)
     count = len(weights)
     mesh = jax.sharding.get_abstract_mesh()
-    auto = () if mesh.empty else tuple(
-        a for a in mesh.axis_names if a not in manual_axes() and mesh.shape[a] > 1)
+    auto = automatic_axes()
     k_axis, n_axis = (a if a in auto else None for a in axes)
 
     def local(r, s, *ws):  # (R, count, N_local), summed over the contracted features' axis
@@ -412,11 +410,9 @@ def _ragged_dropless(x, token, slot, ids, weights, w_gate, w_up, w_down, *, axis
         packed, plan, from_each = _send_by_expert(ids, chunk, n, local, axis)
         to_sorted, to_received, sizes = _regroup(from_each, plan.recv_offsets, size)
         routing = dict(sizes=sizes, to_sorted=to_sorted, to_received=to_received)
-    fields = tuple(getattr(plan, f.name) for f in dataclasses.fields(plan))
-    routing.update(packed=packed, plan=fields,
+    routing.update(packed=packed, plan=plan,
                    rows=jnp.zeros_like(token).at[packed].set(token, mode="drop"))
-    block = functools.partial(_routed_block, axis=axis, size=size, routed_rows=routed_rows,
-                              platform="gpu" if grouped_matmul.use_kernel() else "cpu")
+    block = functools.partial(_routed_block, axis=axis, size=size, routed_rows=routed_rows)
     return _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down), \
         jnp.sum(slot == size, dtype=jnp.int32)
 
@@ -440,8 +436,7 @@ def _local_dropless(x, token, ids, weights, w_gate, w_up, w_down) -> tuple[jax.A
                    rows=token[order], packed=jnp.zeros_like(order).at[order].set(
                        jnp.arange(order.shape[0], dtype=order.dtype)))
     block = functools.partial(_routed_block, axis=None, size=ids.shape[0],
-                              routed_rows=ids.shape[0],
-                              platform="gpu" if grouped_matmul.use_kernel() else "cpu")
+                              routed_rows=ids.shape[0])
     return _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down), \
         jnp.zeros((), jnp.int32)
 
@@ -457,7 +452,7 @@ def _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down) -> jax.A
     the two exchanges' results kept from the forward instead of exchanging again.
 
     Args:
-      block: `_routed_block` with its static arguments bound.
+      block: `_routed_block` with its static arguments bound but the platform.
       x: `(T, d)` this device's tokens.
       routing: `_routed_block`'s (integer arrays, whole on every device of the tensor axes).
       weights: `(T, k)` combine weights.
@@ -466,15 +461,14 @@ def _over_tensor_axes(block, x, routing, weights, w_gate, w_up, w_down) -> jax.A
     Returns:
       `(T, d)`, features over `col`.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = () if mesh.empty else tuple(
-        a for a in mesh.axis_names if a not in manual_axes() and mesh.shape[a] > 1)
+    block = functools.partial(block, platform="gpu" if grouped_matmul.use_kernel() else "cpu")
+    auto = automatic_axes()
     if not auto:
         return block(lambda v: v, x, routing, weights, w_gate, w_up, w_down, row=None, col=None)
     row, col = (a if a in auto else None for a in (Axis.ROW, Axis.COL))
     P = jax.sharding.PartitionSpec
     local = nested_shard_map(
-        functools.partial(block, row=row, col=col), mesh=mesh,
+        functools.partial(block, row=row, col=col), mesh=jax.sharding.get_abstract_mesh(),
         in_specs=(P(None, col), P(), P(), P(None, col, row), P(None, col, row), P(None, row, col)),
         out_specs=P(None, col), axis_names=auto, kept_specs=(P(None, col), P(row, col)))
     return local(x, routing, weights, w_gate, w_up, w_down)
@@ -488,8 +482,8 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
     Args:
       keep: `nested_shard_map`'s: the two exchanges' results go through it.
       x: `(T, d/col)`.
-      routing: `packed`, `rows`, `sizes`, `plan` (`ChunkPlan`'s fields), with several local
-        experts `to_sorted` and `to_received` (`_ragged_dropless`).
+      routing: `packed`, `rows`, `sizes`, with an exchange its `plan` (`ragged.ChunkPlan`), with
+        several local experts `to_sorted` and `to_received` (`_ragged_dropless`).
       weights: `(T, k)` combine weights.
       w_gate, w_up: `(E_l, d/col, ff/row)`; w_down: `(E_l, ff/row, d/col)`.
       row, col: the manual tensor axes splitting the experts' (hidden, model) features, or None.
@@ -499,7 +493,7 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
     Returns:
       `(T, d/col)`, summed over `row`.
     """
-    plan = ragged_lib.ChunkPlan(*routing["plan"]) if axis else None
+    plan = routing.get("plan")
 
     def exchange(rows, out_rows, plan):  # over `axis` (none without one)
         if plan is None:
@@ -526,7 +520,7 @@ def _routed_block(keep, x, routing, weights, w_gate, w_up, w_down, *, row: str |
     if "to_received" in routing:
         out = out[routing["to_received"]]
     packed = routing["packed"]
-    back = keep(exchange(out, packed.shape[0], plan and plan.reverse()))
+    back = keep(exchange(out, packed.shape[0], None if plan is None else plan.reverse()))
     y = _combine(back.at[packed].get(mode="fill", fill_value=0), weights)
     return psum(y, row) if row else y
 

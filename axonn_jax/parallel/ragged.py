@@ -66,6 +66,7 @@ def use_ragged(platform: str | None = None) -> bool:
     return platform in ("gpu", "cuda")
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
     """The offsets and sizes of one ragged exchange over an axis of `n` devices.
@@ -74,7 +75,7 @@ class ChunkPlan:
     rows `[input_offsets[j], input_offsets[j] + send_sizes[j])` go to device `j`, where they land
     at `output_offsets[j]`; `recv_sizes[i]` rows come from device `i`, landing here at
     `recv_offsets[i]`, where device `i` took them from its rows at `peer_input_offsets[i]`. The
-    last two make the way back (`reverse`).
+    last two make the way back (`reverse`). A pytree of its six arrays.
     """
 
     input_offsets: jax.Array

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -693,6 +693,192 @@ def split_stage_backward(backward, example_args):
     return split_backward(backward, example_args, w_free=(True,) + (False,) * 5, num_b_outputs=3)
 
 
+def _read(stash, slot):
+    """The values at `slot` of each buffer of `stash` (slot -1: any, unused)."""
+    return [a[jnp.maximum(slot, 0)] for a in stash]
+
+
+def _store(stash, slot, values):
+    """`stash` with `values` written at `slot` of each buffer, unchanged where slot is -1."""
+    safe = jnp.maximum(slot, 0)
+    return [a.at[safe].set(jnp.where(slot >= 0, x, a[safe])) for a, x in zip(stash, values)]
+
+
+def _when(pred, fn):
+    """`fn()` where `pred`, zeros of its shapes (varying like them) elsewhere, as one `lax.cond`."""
+    shapes = jax.eval_shape(lambda _: fn(), None)
+    return _cond(pred, lambda _: fn(), lambda _: jax.tree.map(_zeros_of, shapes), None)
+
+
+class _Carry(NamedTuple):
+    """What the tick loop hands from one tick to the next, on one stage."""
+    stash: list  # [(stash_slots, *act)]: stage inputs kept for their backward
+    cots: list  # [(cotangent_slots, *act)]: output cotangents kept for their backward
+    wstash: list  # [(weight_slots, *residual)]: the split backward's residuals kept for their W
+    act_in: jax.Array  # the activation received this tick
+    cot_in: jax.Array  # the cotangent received this tick
+    grads: Any  # like params: summed over the microbatches
+    loss: jax.Array  # float32 scalar: the mean loss so far
+    metrics: Any  # per layer of the stage, (V·n, ...): the mean metrics so far
+
+
+class _StageTicks:
+    """One stage's share of the timetable: what its tick runs, read from traced tables.
+
+    Built inside the pipeline's shard_map; `tick` is the body of the loop over ticks.
+    """
+
+    def __init__(self, embed_fn, stage_fn, head_fn, params, batch, schedule: Schedule,
+                 axis: str, scale):
+        self.schedule, self.axis, self.params = schedule, axis, params
+        self.m, self.v = schedule.num_microbatches, schedule.virtual_stages
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if rows % self.m:
+            raise ValueError(f"the local batch of {rows} rows is not divisible by "
+                             f"microbatches = {self.m}")
+        layers = jax.tree.leaves(params[1])[0].shape[0]
+        if layers % self.v:
+            raise ValueError(f"this stage's {layers} layers do not split into {self.v} virtual "
+                             "stages")
+        self.n = layers // self.v
+        self.batch = jax.tree.map(lambda a: a.reshape(self.m, rows // self.m, *a.shape[1:]), batch)
+        self.stage = jax.lax.axis_index(axis)
+        self.axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(params)))
+        self.tables = {k: jnp.asarray(a) for k, a in (
+            ("forward", schedule.forward), ("forward_chunk", schedule.forward_chunk),
+            ("backward", schedule.backward), ("backward_chunk", schedule.backward_chunk),
+            ("weight", schedule.weight), ("weight_chunk", schedule.weight_chunk),
+            *schedule.slots.items())}
+        self.act = jax.eval_shape(embed_fn, params[0], self.microbatch(0))
+        self.zero_act = _zeros_like_varying(jnp.zeros(self.act.shape, self.act.dtype), self.axes)
+        self.n_embed, self.n_blocks = (len(jax.tree.leaves(x)) for x in params[:2])
+        self.forward_op, self.backward_op = stage_operations(
+            embed_fn, stage_fn, head_fn, self.m, self.act.dtype, self.axes, scale)
+        # Example arguments made like the tick's: their varying axes fix the backward's jaxpr.
+        example = self.backward_args(0)
+        self.split = (split_stage_backward(self.backward_op, example)
+                      if schedule.split_backward else None)
+        self.metric_avals = jax.eval_shape(self.backward_op, *example)[2]  # per chunk: (n, ...)
+
+    def at(self, name: str, t):
+        """Entry `name` of the timetable at tick t for this stage."""
+        return self.tables[name][t, self.stage]
+
+    def microbatch(self, i):
+        """Microbatch i of this device's batch (any i where the table holds -1)."""
+        return jax.tree.map(lambda a: a[jnp.maximum(i, 0)], self.batch)
+
+    def chunk_params(self, c):
+        """(embed, chunk c's layers, head)."""
+        blocks = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * self.n, self.n),
+                              self.params[1])
+        return self.params[0], blocks, self.params[2]
+
+    def ends(self, c):
+        """Whether chunk c of this stage is the first / the last virtual stage."""
+        p = self.schedule.num_stages
+        return (self.stage == 0) & (c == 0), (self.stage == p - 1) & (c == self.v - 1)
+
+    def backward_args(self, t, carry: _Carry | None = None):
+        """The arguments of tick t's backward (zeros for the stashed values without a carry)."""
+        c = self.at("backward_chunk", t)
+        x, cot = ((_read(carry.stash, self.at("act_backward", t))[0],
+                   _read(carry.cots, self.at("cot_backward", t))[0]) if carry else
+                  (self.zero_act, self.zero_act))
+        return (self.chunk_params(c), x, self.microbatch(self.at("backward", t)), *self.ends(c),
+                cot)
+
+    def accumulate(self, grads, updates: dict, c):
+        """grads + updates {flat leaf index of (embed, chunk, head): gradient}; chunk c's
+        gradients go to its rows of the stage's layer stack."""
+        flat, tree = jax.tree.flatten(grads)
+        for i, g in updates.items():
+            if self.n_embed <= i < self.n_embed + self.n_blocks:
+                old = jax.lax.dynamic_slice_in_dim(flat[i], c * self.n, self.n)
+                flat[i] = jax.lax.dynamic_update_slice_in_dim(flat[i], old + g, c * self.n, 0)
+            else:
+                flat[i] = flat[i] + g
+        return jax.tree.unflatten(tree, flat)
+
+    def add_metrics(self, total, metrics, c, valid):
+        """total + metrics/M at chunk c's rows of the stage's layers, where `valid`."""
+        def one(acc, x):
+            old = jax.lax.dynamic_slice_in_dim(acc, c * self.n, self.n)
+            new = old + jnp.where(valid, x.astype(acc.dtype) / self.m, jnp.zeros_like(old))
+            return jax.lax.dynamic_update_slice_in_dim(acc, new, c * self.n, 0)
+        return jax.tree.map(one, total, metrics)
+
+    def initial_carry(self, accumulate_in) -> _Carry:
+        """The carry before the first tick: empty stashes, zero gradients, loss and metrics."""
+        def zeros(shape, dtype):
+            return _zeros_like_varying(jax.ShapeDtypeStruct(shape, dtype), self.axes)
+
+        s, act = self.schedule, self.act
+        dtypes = accumulate_in or jax.tree.map(lambda x: x.dtype, self.params)
+        return _Carry(
+            stash=[zeros((s.stash_slots, *act.shape), act.dtype)],
+            cots=[zeros((s.cotangent_slots, *act.shape), act.dtype)],
+            # varying over every manual axis: a residual the split traced as the same on every
+            # stage (a batch slice) is stored per stage
+            wstash=[zeros((s.weight_slots, *a.shape), a.dtype)
+                    for a in (self.split.residual_avals if self.split else [])],
+            act_in=self.zero_act, cot_in=self.zero_act,
+            grads=jax.tree.map(lambda x, d: zeros(x.shape, d), self.params, dtypes),
+            loss=zeros((), jnp.float32),
+            metrics=jax.tree.map(lambda a: zeros((self.v * self.n, *a.shape[1:]), jnp.float32),
+                                 self.metric_avals))
+
+    def forward(self, carry: _Carry, t):
+        """Tick t's forward: the activation to send (zeros on the last virtual stage, whose
+        backward recomputes its output, and where the tick holds no forward)."""
+        mb, c = self.at("forward", t), self.at("forward_chunk", t)
+        first, last = self.ends(c)
+
+        def run():
+            x = _read(carry.stash, self.at("act_forward", t))[0]
+            return self.forward_op(self.chunk_params(c), x, self.microbatch(mb), first)
+
+        return _when((mb >= 0) & ~last, run)
+
+    def backward(self, carry: _Carry, t):
+        """Tick t's backward (B, and W for a split backward): (the input cotangent to send, the
+        microbatch's loss and metrics, the carry's gradients and weight stash updated)."""
+        args = self.backward_args(t, carry)
+        mb, c = self.at("backward", t), self.at("backward_chunk", t)
+        if self.split is None:
+            def whole():
+                g_x, loss, metrics, g_prm = self.backward_op(*args)
+                return g_x, loss, metrics, jax.tree.leaves(g_prm)
+
+            g_x, loss, metrics, g_flat = _when(mb >= 0, whole)
+            return g_x, loss, metrics, self.accumulate(carry.grads, dict(enumerate(g_flat)), c), \
+                carry.wstash
+        (g_x, loss, metrics), early, res = _when(mb >= 0, lambda: self.split.b(*args))
+        grads = self.accumulate(carry.grads, dict(zip(self.split.early_index, early)), c)
+        wstash = _store(carry.wstash, self.at("weight_store", t), res)
+        w_c = self.at("weight_chunk", t)
+        late = _when(self.at("weight", t) >= 0, lambda: self.split.w(
+            (self.chunk_params(w_c),), _read(wstash, self.at("weight_read", t))))
+        return g_x, loss, metrics, self.accumulate(grads, dict(zip(self.split.late_index, late)),
+                                                   w_c), wstash
+
+    def tick(self, carry: _Carry, t, communicate: bool = True):
+        """One tick: store what arrived, run its F, B and W, send the activation and cotangent."""
+        carry = carry._replace(stash=_store(carry.stash, self.at("act_store", t), [carry.act_in]),
+                               cots=_store(carry.cots, self.at("cot_store", t), [carry.cot_in]))
+        y = self.forward(carry, t)
+        g_x, mb_loss, mb_metrics, grads, wstash = self.backward(carry, t)
+        b_mb, b_c = self.at("backward", t), self.at("backward_chunk", t)
+        carry = carry._replace(
+            grads=grads, wstash=wstash, loss=carry.loss + mb_loss / self.m,
+            metrics=self.add_metrics(carry.metrics, mb_metrics, b_c, b_mb >= 0))
+        if communicate:
+            p, wrap = self.schedule.num_stages, self.v > 1
+            carry = carry._replace(act_in=jax.lax.ppermute(y, self.axis, _ring(p, +1, wrap)),
+                                   cot_in=jax.lax.ppermute(g_x, self.axis, _ring(p, -1, wrap)))
+        return carry, None
+
+
 def pipeline_loss_and_grads(
     embed_fn: Callable[[Any, jax.Array], jax.Array],
     stage_fn: Callable[[Any, jax.Array, Any], tuple[jax.Array, jax.Array, dict]],
@@ -739,153 +925,18 @@ def pipeline_loss_and_grads(
       ValueError: the local batch does not divide into the microbatches, or the stage's layers
         into the virtual stages.
     """
-    p, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    if rows % m:
-        raise ValueError(f"the local batch of {rows} rows is not divisible by microbatches = {m}")
-    layers = jax.tree.leaves(params[1])[0].shape[0]
-    if layers % v:
-        raise ValueError(f"this stage's {layers} layers do not split into {v} virtual stages")
-    n = layers // v
-    batch = jax.tree.map(lambda a: a.reshape(m, rows // m, *a.shape[1:]), batch)
-    microbatch = lambda i: jax.tree.map(lambda a: a[i], batch)  # noqa: E731
-    stage = jax.lax.axis_index(axis)
-    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(params)))
-    tables = {k: jnp.asarray(a) for k, a in (
-        ("forward", schedule.forward), ("forward_chunk", schedule.forward_chunk),
-        ("backward", schedule.backward), ("backward_chunk", schedule.backward_chunk),
-        ("weight", schedule.weight), ("weight_chunk", schedule.weight_chunk),
-        *schedule.slots.items())}
-    at = lambda name, t: tables[name][t, stage]  # noqa: E731
-    act = jax.eval_shape(embed_fn, params[0], microbatch(0))
-    zero_act = _zeros_like_varying(jnp.zeros(act.shape, act.dtype), axes)
-    n_embed, n_blocks = (len(jax.tree.leaves(x)) for x in params[:2])
-
-    def chunk_params(c):
-        """(embed, chunk c's layers, head)."""
-        blocks = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, c * n, n), params[1])
-        return params[0], blocks, params[2]
-
-    def ends(c):
-        """Whether chunk c of this stage is the first / the last virtual stage."""
-        return (stage == 0) & (c == 0), (stage == p - 1) & (c == v - 1)
-
-    stage_forward, backward_fn = stage_operations(embed_fn, stage_fn, head_fn, m, act.dtype, axes,
-                                                  scale)
-
-    def accumulate(grads, updates: dict, c):
-        """grads + updates {flat leaf index of (embed, chunk, head): gradient}; chunk c's
-        gradients go to its rows of the stage's layer stack."""
-        flat, tree = jax.tree.flatten(grads)
-        for i, g in updates.items():
-            if n_embed <= i < n_embed + n_blocks:
-                old = jax.lax.dynamic_slice_in_dim(flat[i], c * n, n)
-                flat[i] = jax.lax.dynamic_update_slice_in_dim(flat[i], old + g, c * n, 0)
-            else:
-                flat[i] = flat[i] + g
-        return jax.tree.unflatten(tree, flat)
-
-    def read(stash, slot):
-        return [a[jnp.maximum(slot, 0)] for a in stash]
-
-    def store(stash, slot, values):
-        safe = jnp.maximum(slot, 0)
-        return [a.at[safe].set(jnp.where(slot >= 0, x, a[safe])) for a, x in zip(stash, values)]
-
-    # The example arguments of the backward, made like the tick's (their varying axes fix its jaxpr).
-    example_c = at("backward_chunk", 0)
-    example = (chunk_params(example_c), zero_act, microbatch(jnp.maximum(at("backward", 0), 0)),
-               *ends(example_c), zero_act)
-    split = split_stage_backward(backward_fn, example) if schedule.split_backward else None
-    w_avals = split.residual_avals if split else []
-    metric_avals = jax.eval_shape(backward_fn, *example)[2]  # per chunk: (n, ...) each
-
-    def add_metrics(total, metrics, c, valid):
-        """total + metrics/M at chunk c's rows of the stage's layers, where `valid`."""
-        def one(acc, x):
-            old = jax.lax.dynamic_slice_in_dim(acc, c * n, n)
-            new = old + jnp.where(valid, x.astype(acc.dtype) / m, jnp.zeros_like(old))
-            return jax.lax.dynamic_update_slice_in_dim(acc, new, c * n, 0)
-        return jax.tree.map(one, total, metrics)
-
-    def tick(carry, t, communicate=True):
-        stash, cots, wstash, act_in, cot_in, grads, loss, metrics = carry
-        stash = store(stash, at("act_store", t), [act_in])
-        cots = store(cots, at("cot_store", t), [cot_in])
-
-        f_mb, f_c = at("forward", t), at("forward_chunk", t)
-        f_first, f_last = ends(f_c)
-
-        def forward(_):
-            x = read(stash, at("act_forward", t))[0]
-            return stage_forward(chunk_params(f_c), x, microbatch(jnp.maximum(f_mb, 0)), f_first)
-
-        # The last virtual stage's forward output goes nowhere (its backward recomputes it).
-        y = _cond((f_mb >= 0) & ~f_last, forward, lambda _: zero_act, None)
-
-        b_mb, b_c = at("backward", t), at("backward_chunk", t)
-        args = (chunk_params(b_c), read(stash, at("act_backward", t))[0],
-                microbatch(jnp.maximum(b_mb, 0)), *ends(b_c), read(cots, at("cot_backward", t))[0])
-        if split is None:
-            def backward(_):
-                g_x, mb_loss, mb_metrics, g_prm = backward_fn(*args)
-                return g_x, mb_loss, mb_metrics, jax.tree.leaves(g_prm)
-
-            shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, mb_metrics, g_flat = _cond(
-                b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
-            grads = accumulate(grads, dict(enumerate(g_flat)), b_c)
-        else:
-            def backward(_):
-                (g_x, mb_loss, mb_metrics), early, res = split.b(*args)
-                return g_x, mb_loss, mb_metrics, early, res
-
-            shapes = jax.eval_shape(backward, None)
-            g_x, mb_loss, mb_metrics, early, res = _cond(
-                b_mb >= 0, backward, lambda _: jax.tree.map(_zeros_of, shapes), None)
-            grads = accumulate(grads, dict(zip(split.early_index, early)), b_c)
-            wstash = store(wstash, at("weight_store", t), res)
-            w_mb, w_c = at("weight", t), at("weight_chunk", t)
-
-            def weight(_):
-                return split.w((chunk_params(w_c),), read(wstash, at("weight_read", t)))
-
-            shapes = jax.eval_shape(weight, None)
-            late = _cond(w_mb >= 0, weight, lambda _: jax.tree.map(_zeros_of, shapes), None)
-            grads = accumulate(grads, dict(zip(split.late_index, late)), w_c)
-        loss = loss + mb_loss / m
-        metrics = add_metrics(metrics, mb_metrics, b_c, b_mb >= 0)
-        if communicate:
-            act_in = jax.lax.ppermute(y, axis, _ring(p, +1, v > 1))
-            cot_in = jax.lax.ppermute(g_x, axis, _ring(p, -1, v > 1))
-        return (stash, cots, wstash, act_in, cot_in, grads, loss, metrics), None
-
-    carry = (
-        [_zeros_like_varying(jnp.zeros((schedule.stash_slots, *act.shape), act.dtype), axes)],
-        [_zeros_like_varying(jnp.zeros((schedule.cotangent_slots, *act.shape), act.dtype), axes)],
-        # varying over every manual axis: a residual the split traced as the same on every stage
-        # (a batch slice) is stored per stage
-        [_zeros_like_varying(jnp.zeros((schedule.weight_slots, *a.shape), a.dtype), axes)
-         for a in w_avals],
-        zero_act,
-        zero_act,
-        jax.tree.map(lambda x, d: _zeros_like_varying(jax.ShapeDtypeStruct(x.shape, d), axes),
-                     params, accumulate_in or jax.tree.map(lambda x: x.dtype, params)),
-        _zeros_like_varying(jnp.zeros((), jnp.float32), axes),
-        jax.tree.map(lambda a: _zeros_like_varying(jnp.zeros((v * n, *a.shape[1:]), jnp.float32),
-                                                   axes), metric_avals),
-    )
+    ticks = _StageTicks(embed_fn, stage_fn, head_fn, params, batch, schedule, axis, scale)
+    carry = ticks.initial_carry(accumulate_in)
     sends = schedule.message_ticks
-    carry, _ = jax.lax.scan(tick, carry, jnp.arange(sends))
+    carry, _ = jax.lax.scan(ticks.tick, carry, jnp.arange(sends))
     if sends < schedule.num_ticks:  # the last Ws: nothing to send
-        carry, _ = jax.lax.scan(functools.partial(tick, communicate=False), carry,
+        carry, _ = jax.lax.scan(functools.partial(ticks.tick, communicate=False), carry,
                                 jnp.arange(sends, schedule.num_ticks))
-    *_, grads, loss, metrics = carry
-    g_embed, g_stage, g_head = grads
+    g_embed, g_stage, g_head = carry.grads
     # Only the first (last) stage has nonzero embedding (head) gradients; the head's loss is the
     # last stage's, every stage adds its layers' auxiliary losses.
-    g_embed, g_head, loss = psum((g_embed, g_head, loss), axis)  # CPU-safe for 16-bit
-    return loss, (g_embed, g_stage, g_head), metrics
+    g_embed, g_head, loss = psum((g_embed, g_head, carry.loss), axis)  # CPU-safe for 16-bit
+    return loss, (g_embed, g_stage, g_head), carry.metrics
 
 
 def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:

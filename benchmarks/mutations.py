@@ -72,9 +72,8 @@ MUTATIONS = [
         "pipeline gradients summed over microbatches (the 1/M missing)"),
     Mutation(
         "microbatch-shifted", "axonn_jax/parallel/pipeline.py",
-        "microbatch(jnp.maximum(b_mb, 0)), *ends(b_c), read(cots, at(\"cot_backward\", t))[0])",
-        "microbatch((jnp.maximum(b_mb, 0) + 1) % m), *ends(b_c), "
-        "read(cots, at(\"cot_backward\", t))[0])",
+        "self.microbatch(self.at(\"backward\", t))",
+        "self.microbatch((jnp.maximum(self.at(\"backward\", t), 0) + 1) % self.m)",
         (PIPELINE_GRADS,),
         "a stage's backward reads the next microbatch's inputs"),
     Mutation(

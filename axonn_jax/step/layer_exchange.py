@@ -179,6 +179,117 @@ def _with_params(saved: list, treedef, where: list, params) -> Callable:
                                         for source, k in where])
 
 
+def _forward_saving(runs, prepare: Callable, structure: dict, stacked, x):
+    """The stack's forward, as `scan_runs`, saving each layer's pullback without its parameters.
+
+    Args:
+      runs: `layer_runs`.
+      prepare: as `scan_exchanging`'s.
+      structure: filled with run r's pullback treedef and residual sources at key r.
+      stacked: the stack's parameters, every leaf `(layers, ...)`.
+      x: the stack's input.
+
+    Returns:
+      `((h, aux), residuals)`: the output, the stacked aux entries, and per run the list of its
+      saved arrays, each stacked over the run's layers.
+    """
+    residuals, auxes = [], []
+    for r, (begin, count, f) in enumerate(runs):
+        def step(h, p, r=r, f=f):
+            prepared = prepare(p)
+            (y, aux), pullback = jax.vjp(f, prepared, h)
+            kept, treedef, where = _without_params(pullback, prepared)
+            structure[r] = (treedef, where)
+            return y, (aux, kept)
+
+        part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
+        x, (aux, kept) = lax.scan(step, x, part)
+        auxes.append(aux)
+        residuals.append(kept)
+    return (x, _concatenated(auxes)), residuals
+
+
+class _ExchangingBackward:
+    """`scan_exchanging`'s backward: the layers' backwards down the runs, each layer's exchange
+    stages running beside the backwards of the layers below it.
+
+    Built from the custom VJP's saved values `(stacked, residuals, state, key_data, sink)` and the
+    cotangent of the aux entries; `run` takes the output's cotangent.
+    """
+
+    def __init__(self, runs, stages: tuple, prepare: Callable, structure: dict, stateful: bool,
+                 saved, ct_aux):
+        self.runs, self.stages, self.prepare, self.structure = runs, stages, prepare, structure
+        self.stateful, self.ct_aux = stateful, ct_aux
+        self.stacked, self.residuals, self.state, self.key_data, self.sink = saved
+        self.store = _place if self.sink is None else _sunk
+
+    def first(self, v, layer, new_state):
+        """Stage 0 of layer `layer`'s gradients `v`, given its state and key; the state stack
+        with the layer's new slice written over its old one (read just before: XLA updates
+        the stack in place)."""
+        if not self.stateful:
+            return self.stages[0](v), new_state
+        layer_key = None if self.key_data is None else \
+            jax.random.fold_in(jax.random.wrap_key_data(self.key_data), layer)
+        v, new = self.stages[0](v, None if self.state is None else _index(new_state, layer),
+                                layer_key)
+        return v, None if new is None else _place(new_state, new, layer)
+
+    def fetched(self, layer):
+        """`_fetched` of `layer` (`(run, local index)`; None: no layer, nothing fetched)."""
+        return [] if layer is None else _fetched(self.residuals[layer[0]], layer[1])
+
+    def layer_backward(self, r, j, ct_h, ahead):
+        """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
+        and the cotangent of its input; `ahead`: its host residuals, fetched already."""
+        begin = self.runs[r][0]
+        p = _index(self.stacked, begin + j)
+        prepared = self.prepare(p)
+        kept = [lax.dynamic_index_in_dim(a, j, keepdims=False) if b is None else b
+                for a, b in zip(self.residuals[r], ahead)]
+        pullback = _with_params(kept, *self.structure[r], prepared)
+        g, ct_in = pullback((ct_h, _index(self.ct_aux, begin + j)))
+        return jax.tree.map(lambda g, q: g.astype(q.dtype), g, p), ct_in
+
+    def advance(self, grads, flight, below):
+        """Every layer in `flight` one exchange stage on (`flight[k]`: layer `below + 1 + k`'s
+        value before stage k, or None), the finished one placed (`grads`: the gradient stack and
+        the new state stack or None)."""
+        grads, new_state = grads
+        moved = [None if v is None or k == 0 else self.stages[k](v) for k, v in enumerate(flight)]
+        if flight[0] is not None:
+            moved[0], new_state = self.first(flight[0], below + 1, new_state)
+        if moved[-1] is not None:
+            grads = self.store(grads, moved[-1], below + len(self.stages))
+        return (grads, new_state), moved[:-1]
+
+    def one(self, carry, r, j, below):
+        """Layer `begin + j`'s backward beside the exchanges of the layers above it and the
+        fetch of the host residuals of the layer `below` it (`(run, local index)` or None)."""
+        ct_h, flight, grads, ahead = carry
+        grads, moved = self.advance(grads, flight, self.runs[r][0] + j)
+        g, ct_h = self.layer_backward(r, j, ct_h, ahead)
+        return ct_h, [g, *moved], grads, self.fetched(below)
+
+    def run(self, ct_h):
+        """The cotangents of `(stacked, x, state, key_data, sink)` from the output's `ct_h`."""
+        # The state stack starts as the old one: each layer's slice is replaced where it is read.
+        last = len(self.runs) - 1
+        first_grads = (jax.tree.map(jnp.zeros_like, self.stacked) if self.sink is None
+                       else self.sink)
+        carry = (ct_h, [None] * len(self.stages), (first_grads, self.state),
+                 self.fetched((last, self.runs[last][1] - 1)))
+        ct_h, flight, grads, _ = _down_the_runs(self.one, self.runs, carry, self.fetched)
+        for t in range(len(self.stages)):  # the bottom layers' exchanges, after the loop
+            grads, moved = self.advance(grads, flight, -1 - t)
+            flight = [None, *moved]
+        grads, new_state = grads
+        if self.sink is None:
+            return grads, ct_h, new_state, None, None
+        return None, ct_h, new_state, None, grads
+
+
 def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, layer_state=None,
                     sink=None):
     """`x` through the stacked layers, their gradients exchanged one layer late in the backward.
@@ -212,101 +323,21 @@ def scan_exchanging(runs, stacked, x, exchange: Callable, prepare: Callable, lay
       new slices.
     """
     structure = {}  # per run: the pullback's treedef and residual sources (static, set by fwd)
-
-    def forward(stacked, x):
-        residuals, auxes = [], []
-        for r, (begin, count, f) in enumerate(runs):
-            def step(h, p, r=r, f=f):
-                prepared = prepare(p)
-                (y, aux), pullback = jax.vjp(f, prepared, h)
-                kept, treedef, where = _without_params(pullback, prepared)
-                structure[r] = (treedef, where)
-                return y, (aux, kept)
-
-            part = jax.tree.map(lambda a: a[begin:begin + count], stacked)
-            x, (aux, kept) = lax.scan(step, x, part)
-            auxes.append(aux)
-            residuals.append(kept)
-        return (x, _concatenated(auxes)), residuals
-
     stages = exchange if isinstance(exchange, tuple) else (exchange,)
     stateful = layer_state is not None
     state, key = layer_state if stateful else (None, None)
-
-    def backward(saved, cotangent):
-        stacked, residuals, state, key_data, sink = saved
-        store = _place if sink is None else _sunk
-        ct_h, ct_aux = cotangent
-
-        def first(v, layer, new_state):
-            """Stage 0 of layer `layer`'s gradients `v`, given its state and key; the state stack
-            with the layer's new slice written over its old one (read just before: XLA updates
-            the stack in place)."""
-            if not stateful:
-                return stages[0](v), new_state
-            layer_key = None if key_data is None else \
-                jax.random.fold_in(jax.random.wrap_key_data(key_data), layer)
-            v, new = stages[0](v, None if state is None else _index(new_state, layer), layer_key)
-            return v, None if new is None else _place(new_state, new, layer)
-
-        def fetched(layer):
-            """`_fetched` of `layer` (`(run, local index)`; None: no layer, nothing fetched)."""
-            return [] if layer is None else _fetched(residuals[layer[0]], layer[1])
-
-        def layer_backward(r, j, ct_h, ahead):
-            """Layer `begin + j`'s (local index j of run r) gradients (unexchanged, stored dtype)
-            and the cotangent of its input; `ahead`: its host residuals, fetched already."""
-            begin = runs[r][0]
-            p = _index(stacked, begin + j)
-            prepared = prepare(p)
-            kept = [lax.dynamic_index_in_dim(a, j, keepdims=False) if b is None else b
-                    for a, b in zip(residuals[r], ahead)]
-            pullback = _with_params(kept, *structure[r], prepared)
-            g, ct_in = pullback((ct_h, _index(ct_aux, begin + j)))
-            return jax.tree.map(lambda g, q: g.astype(q.dtype), g, p), ct_in
-
-        def advance(grads, flight, below):
-            """Every layer in `flight` one exchange stage on (`flight[k]`: layer
-            `below + 1 + k`'s value before stage k, or None), the finished one placed
-            (`grads`: the gradient stack and the new state stack or None)."""
-            grads, new_state = grads
-            moved = [None if v is None or k == 0 else stages[k](v) for k, v in enumerate(flight)]
-            if flight[0] is not None:
-                moved[0], new_state = first(flight[0], below + 1, new_state)
-            if moved[-1] is not None:
-                grads = store(grads, moved[-1], below + len(stages))
-            return (grads, new_state), moved[:-1]
-
-        def one(carry, r, j, below):
-            """Layer `begin + j`'s backward beside the exchanges of the layers above it and the
-            fetch of the host residuals of the layer `below` it (`(run, local index)` or None)."""
-            ct_h, flight, grads, ahead = carry
-            grads, moved = advance(grads, flight, runs[r][0] + j)
-            g, ct_h = layer_backward(r, j, ct_h, ahead)
-            return ct_h, [g, *moved], grads, fetched(below)
-
-        # The state stack starts as the old one: each layer's slice is replaced where it is read.
-        last = len(runs) - 1
-        first_grads = jax.tree.map(jnp.zeros_like, stacked) if sink is None else sink
-        carry = (ct_h, [None] * len(stages), (first_grads, state),
-                 fetched((last, runs[last][1] - 1)))
-        ct_h, flight, grads, _ = _down_the_runs(one, runs, carry, fetched)
-        for t in range(len(stages)):  # the bottom layers' exchanges, after the loop
-            grads, moved = advance(grads, flight, -1 - t)
-            flight = [None, *moved]
-        grads, new_state = grads
-        if sink is None:
-            return grads, ct_h, new_state, None, None
-        return None, ct_h, new_state, None, grads
 
     @jax.custom_vjp
     def run(stacked, x, state, key_data, sink):
         return scan_runs(runs, stacked, x, prepare)
 
     def run_forward(stacked, x, state, key_data, sink):
-        out, res = forward(stacked, x)
+        out, res = _forward_saving(runs, prepare, structure, stacked, x)
         return out, (stacked, res, state, key_data, sink)
 
-    run.defvjp(run_forward, backward)
-    # The key as its raw data: a custom_vjp's integer inputs take no cotangent.
+    def run_backward(saved, cotangent):
+        return _ExchangingBackward(runs, stages, prepare, structure, stateful, saved,
+                                   cotangent[1]).run(cotangent[0])
+
+    run.defvjp(run_forward, run_backward)
     return run(stacked, x, state, None if key is None else jax.random.key_data(key), sink)

@@ -30,7 +30,9 @@ def reference(devices):
 @pytest.mark.parametrize("grid, options", [
     (dict(data=2, row=2, col=2), dict(offload_optimizer=True)),
     (dict(pipe=2, data=4), dict(microbatches=2, remat="full")),
-], ids=["data2_row2_col2-offload", "pipe2_data4-remat"])
+    (dict(pipe=2, row=2, col=2), dict(microbatches=2)),
+    (dict(pipe=2, depth=2, row=2), dict(microbatches=2, schedule="zb-h1")),
+], ids=["data2_row2_col2-offload", "pipe2_data4-remat", "pipe2_row2_col2", "pipe2_depth2_row2-zb"])
 def test_unet_trajectory_equals_single_device(reference, devices, grid, options):
     got = trajectory(devices, grid, **options)
     assert_steps_match(got["history"], reference["history"])
@@ -46,8 +48,6 @@ def test_unet_shape_and_errors():
     assert 27e9 < unet.PRESETS["unet-28b"].num_params() < 29e9
     with pytest.raises(ValueError, match="num_heads = 4 is not divisible by row=8"):
         get("unet-tiny").check_grid(ParallelConfig(row=8))
-    with pytest.raises(ValueError, match="pipeline stages cannot be tensor-parallel yet"):
-        get("unet-tiny").check_grid(ParallelConfig(pipe=2, row=2))
     with pytest.raises(ValueError, match="image_size = 9 is not divisible by 2"):
         unet.UNetConfig(num_layers=1, channels=8, image_size=9)
 

@@ -277,15 +277,14 @@ class UNetConfig:
 
         Every convolution and dense layer must split (channels over col·depth and row·depth;
         the stem and the output convolution, with the image's channels, stay whole), the
-        GroupNorm groups over row and col, the heads over row; pipeline stages must not be
-        tensor-parallel.
+        GroupNorm groups over row and col, the heads over row.
 
         Args:
           grid: the parallel grid.
 
         Raises:
           ValueError: a dimension does not divide over its axes (the message names the
-            numbers), or `pipe > 1` with tensor axes of more than one device.
+            numbers).
         """
         for layer in self.layers():
             if layer.name.endswith("time1") or layer.name == "time_row":  # any input layout
@@ -295,10 +294,6 @@ class UNetConfig:
             for axes in ((Axis.COL, Axis.DEPTH), (Axis.ROW, Axis.DEPTH)):
                 check_divisible(f"{layer.name} channels", layer.cin, axes, grid)
                 check_divisible(f"{layer.name} channels", layer.cout, axes, grid)
-        if grid.pipe > 1 and grid.tensor_parallel_size > 1:
-            raise ValueError("the U-Net's pipeline stages cannot be tensor-parallel yet (its down "
-                             "and up paths' re-layouts run on one stage's devices only, and "
-                             "XLA:CPU deadlocks); use --pipe with row = col = depth = 1")
         for axis in (Axis.ROW, Axis.COL):
             check_divisible("num_groups", self.num_groups, (axis,), grid)
         check_divisible("num_heads", self.num_heads, (Axis.ROW,), grid)

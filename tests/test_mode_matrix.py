@@ -10,6 +10,7 @@ extended tier runs the rest of the product, so that `make test-all` has every pa
 does not run yet is refused in one line, and the test says which (`REFUSED`)."""
 import itertools
 
+import jax
 import pytest
 
 from axonn_jax import ParallelConfig
@@ -118,3 +119,26 @@ def test_quick_cells_cover_each_dtype_memory_pair_and_each_axis():
     assert {(d, m) for d, m, _ in quick} == set(itertools.product(DTYPES, MEMORY))
     assert {a for _, _, a in quick} == set(AXIS_GRIDS)
     assert len(cells()) == len(DTYPES) * len(MEMORY) * len(AXIS_GRIDS)
+
+
+# CGX's 8-bit exchange over data 2, where its error-feedback residuals live in the train state.
+COMPRESSED = dict(OPTS, model="gpt-tiny", compress_bits=8, parallel=ParallelConfig(data=2))
+QUANTIZED_RTOL = 1e-2
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if d == "bfloat16" else
+                                                (pytest.mark.extended,)) for d in DTYPES])
+def test_compressed_exchange_with_offloaded_state_tracks_the_device_state(devices, dtype):
+    """The residuals are made like the gradients they correct (the device copy's dtype under
+    offload): 16-bit offload once returned bfloat16 residuals for float32 ones and the second
+    step was refused ("compiled with float32 ... called with bfloat16")."""
+    runs = {memory: train(TrainOptions(**COMPRESSED, **MEMORY[memory], dtype=dtype),
+                          devices=devices[:2]) for memory in ("device", "offload")}
+    # 16 bits: a gradient element rounded differently before it is quantized can land on the
+    # next 8-bit level, which moves the norm by more than the dtype's own rounding.
+    rtol = RTOL[dtype] if dtype == "float32" else max(RTOL[dtype], QUANTIZED_RTOL)
+    assert_steps_match(runs["offload"]["history"], runs["device"]["history"], rtol,
+                       norm_rtol=max(NORM_RTOL[dtype], rtol))
+    residuals = jax.tree.leaves(runs["offload"]["state"].reducer)
+    assert residuals and {r.dtype for r in residuals} == \
+        {p.dtype for p in jax.tree.leaves(runs["offload"]["state"].params)}

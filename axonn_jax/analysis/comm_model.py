@@ -198,7 +198,7 @@ class Workload:
     compress_node_size: int | None = None
     error_feedback: bool = True
     """CGX's error feedback (`--no-error-feedback` turns it off): each device keeps its rounding
-    error, a residual the size of its parameters, in their dtype."""
+    error, a residual the size of its parameters, in the dtype of its gradients."""
     compress_in_backward: bool = True
     """CGX's exchange inside the backward (`--compress-after-backward` turns it off): layer by
     layer where the step allows it (`step.batch_axes.layers_summed_in_backward`)."""
@@ -573,9 +573,10 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
         # beside the accumulator (compiled H100 step of Llama-3-8B on data 8 × pipe 8)
         grads += sum(p.elements for p in d.parameters if p.outside_blocks) * FP32
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
-    # CGX's error-feedback residuals: one per device, like its parameters (`init_residual`).
-    residuals = n * work.param_bytes if work.compress_bits and work.error_feedback \
-        and g.data > 1 else 0.0
+    # CGX's error-feedback residuals: one per device, in the dtype of the gradients they correct
+    # (`init_residual` of the device's parameters).
+    residuals = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes) \
+        if work.compress_bits and work.error_feedback and g.data > 1 else 0.0
     # fp32 parameters computed with in 16 bits: the forward's cast of every parameter and its
     # gradient in the compute dtype before it is added in fp32, where the step materializes
     # them: gathered over depth, or cast once before a microbatch loop (the compiled H100 step

@@ -763,7 +763,7 @@ class BoundStep:
             params = self.host_engine.stage_params(params)
         return initial_state(params, params_update=parts.params_update, scaler=self.scaler,
                              rng=jax.random.key_data(key),
-                             reducer_state=self.state_reducer.init(params))
+                             reducer=self.state_reducer)
 
     def _state_shardings(self, shapes: TrainState) -> TrainState:
         replicated = self._named(P())

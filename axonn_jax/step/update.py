@@ -174,7 +174,7 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
 
 
 def initial_state(params, *, params_update: ParamUpdate, scaler: LossScaler, rng,
-                  reducer_state=None) -> TrainState:
+                  reducer=None) -> TrainState:
     """The `TrainState` of fp32 `params`, at step 0.
 
     With offload, `params` become the device copy in the compute dtype and the optimizer state
@@ -185,11 +185,14 @@ def initial_state(params, *, params_update: ParamUpdate, scaler: LossScaler, rng
       params_update: makes the optimizer state (and the offloaded device copy) of `params`.
       scaler: makes the mixed-precision state (`TrainState.precision`).
       rng: uint32[2] key data of the run's random stream.
-      reducer_state: the gradient reducer's initial state, or None.
+      reducer: the gradient reducer whose state the train state holds (`step.reducers`), or
+        None. Its state is made from the parameters the gradients are shaped like: the device
+        copy, in the compute dtype, under offload.
 
     Returns:
       The `TrainState`.
     """
     params, opt_state = params_update.init(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      rng=rng, reducer=reducer_state, precision=scaler.init())
+                      rng=rng, reducer=None if reducer is None else reducer.init(params),
+                      precision=scaler.init())

@@ -228,4 +228,8 @@ def test_processes_stand_in_for_nodes(tmp_path):
             str(tmp_path / "two.jsonl")))
     run(cli("train", "--devices", "8", *args, "--compress-node-size", "4", "--metrics-out",
             str(tmp_path / "one.jsonl")))
-    assert_steps_match(steps_of(tmp_path / "two.jsonl"), steps_of(tmp_path / "one.jsonl"))
+    # Programs of 4 and 8 devices add in different orders: fp32 roundings (about 1e-6 of the
+    # first gradient norm) pass through the 8-bit quantizer's own rounding and grow in the
+    # norms (3.5e-5 by the fourth step on one CPU, under 1e-5 on another).
+    assert_steps_match(steps_of(tmp_path / "two.jsonl"), steps_of(tmp_path / "one.jsonl"),
+                       norm_rtol=1e-4)

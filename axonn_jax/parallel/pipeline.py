@@ -61,7 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._compat import aval_varying_axes, mesh_platform, psum, varying_axes
+from .._compat import (aval_varying_axes, current_mesh, ensure_varying, manual_axis_size,
+                       mesh_platform, psum, shard_map, varying_axes)
 from ..checks import NOT_YET, check_choice, collect
 from ..collectives import Collective
 from ..config import SCHEDULES, Axis
@@ -945,6 +946,82 @@ def _ring(p: int, step: int, wrap: bool) -> list[tuple[int, int]]:
     return [(i, (i + step) % p) for i in range(p)] if wrap else pairs
 
 
+def _gpipe_forward(stage_fn, prm, xs, *, axis: str, keep_inputs: bool):
+    """GPipe's forward ticks on this stage: stage s runs microbatch t − s in tick t.
+
+    Args:
+      stage_fn: `stage_fn(stage_params, x_mb) -> same shape`.
+      prm: this stage's parameters, varying over `axis`.
+      xs: the microbatches `(M, b/M, ...)`, replicated over `axis`.
+      axis: the pipeline's manual mesh axis.
+      keep_inputs: also return this stage's inputs.
+
+    Returns:
+      The last stage's outputs `(M, ...)` (zeros on the other stages), and this stage's inputs
+      `(M, ...)` if `keep_inputs` (else an empty array).
+    """
+    p, m, s = manual_axis_size(axis), xs.shape[0], jax.lax.axis_index(axis)
+    axes = varying_axes(jax.tree.leaves(prm)[0])
+    zero = _zeros_like_varying(xs[0], axes)
+
+    def tick(carry, t):
+        recv, outs, ins = carry
+        mb = t - s
+        valid = (mb >= 0) & (mb < m)
+        slot = jnp.clip(mb, 0, m - 1)
+        inp = jnp.where(s == 0, xs[slot], recv)
+        y = _cond(valid, lambda: stage_fn(prm, inp), lambda: zero)
+        outs = outs.at[slot].set(jnp.where(valid & (s == p - 1), y, outs[slot]))
+        if keep_inputs:
+            ins = ins.at[slot].set(jnp.where(valid, inp, ins[slot]))
+        return (jax.lax.ppermute(y, axis, _ring(p, +1, False)), outs, ins), None
+
+    stack = _zeros_like_varying(xs, axes)
+    init = (zero, stack, stack if keep_inputs else jnp.zeros((0,), xs.dtype))
+    (_, outs, ins), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+    return outs, ins
+
+
+def _gpipe_backward(stage_fn, prm, ins, gs, *, axis: str):
+    """GPipe's backward ticks on this stage: stage s runs microbatch t − (P−1−s) in tick t.
+
+    Args:
+      stage_fn: as `_gpipe_forward`'s.
+      prm: this stage's parameters, varying over `axis`.
+      ins: this stage's inputs `(M, ...)` (`_gpipe_forward`'s, kept).
+      gs: the output cotangents `(M, ...)`, replicated over `axis`.
+      axis: the pipeline's manual mesh axis.
+
+    Returns:
+      `(parameter gradients, input cotangents (M, ...))`: the inputs' on the first stage, zeros
+      elsewhere.
+    """
+    p, m, s = manual_axis_size(axis), ins.shape[0], jax.lax.axis_index(axis)
+    axes = varying_axes(jax.tree.leaves(prm)[0])
+    zero = _zeros_like_varying(ins[0], axes)
+    zero_prm = jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm)
+
+    def tick(carry, t):
+        recv, g_prm, g_xs = carry
+        mb = t - (p - 1 - s)
+        valid = (mb >= 0) & (mb < m)
+        slot = jnp.clip(mb, 0, m - 1)
+        g_out = jnp.where(s == p - 1, gs[slot], recv)
+
+        def backward():
+            _, vjp = jax.vjp(stage_fn, prm, ins[slot])
+            return vjp(g_out)
+
+        gp, gx = _cond(valid, backward, lambda: (zero_prm, zero))
+        g_prm = jax.tree.map(jnp.add, g_prm, gp)
+        g_xs = g_xs.at[slot].set(jnp.where(valid & (s == 0), gx, g_xs[slot]))
+        return (jax.lax.ppermute(gx, axis, _ring(p, -1, False)), g_prm, g_xs), None
+
+    init = (zero, zero_prm, _zeros_like_varying(ins, axes))
+    (_, g_prm, g_xs), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+    return g_prm, g_xs
+
+
 def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
                     *, mesh, num_microbatches: int, axis: str = PIPE_AXIS) -> jax.Array:
     """`y = stage_{P−1}(… stage_0(x))`, the stages run as a GPipe pipeline over `axis`; differentiable.
@@ -969,95 +1046,35 @@ def pipelined_stack(stage_fn: Callable[[Any, jax.Array], jax.Array], params: Any
     Raises:
       ValueError: the batch does not divide into the microbatches.
     """
-    from jax.sharding import PartitionSpec as Spec
-
-    from .._compat import current_mesh, shard_map
-
-    p, m = int(mesh.shape[axis]), num_microbatches
+    m = num_microbatches
     if x.shape[0] % m:
         raise ValueError(f"batch of {x.shape[0]} rows is not divisible by microbatches = {m}")
-    perm_up = [(i, i + 1) for i in range(p - 1)]
-    perm_down = [(i + 1, i) for i in range(p - 1)]
-
-    def forward_ticks(prm, xs, keep_inputs):
-        """Stage s runs microbatch t − s in tick t. Returns the last stage's outputs `(m, ...)`
-        (zeros elsewhere) and, if asked, this stage's inputs `(m, ...)`."""
-        s = jax.lax.axis_index(axis)
-        axes = varying_axes(jax.tree.leaves(prm)[0])
-        zero = _zeros_like_varying(xs[0], axes)
-
-        def tick(carry, t):
-            recv, outs, ins = carry
-            mb = t - s
-            valid = (mb >= 0) & (mb < m)
-            slot = jnp.clip(mb, 0, m - 1)
-            inp = jnp.where(s == 0, xs[slot], recv)
-            y = _cond(valid, lambda: stage_fn(prm, inp), lambda: zero)
-            outs = outs.at[slot].set(jnp.where(valid & (s == p - 1), y, outs[slot]))
-            if keep_inputs:
-                ins = ins.at[slot].set(jnp.where(valid, inp, ins[slot]))
-            return (jax.lax.ppermute(y, axis, perm_up), outs, ins), None
-
-        stack = _zeros_like_varying(xs, axes)
-        init = (zero, stack, stack if keep_inputs else jnp.zeros((0,), xs.dtype))
-        (_, outs, ins), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-        return outs, ins
-
-    def split(a):
-        return a.reshape(m, a.shape[0] // m, *a.shape[1:])
+    split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # noqa: E731
 
     def local_forward(prm, xb):
-        outs, _ = forward_ticks(prm, split(xb), keep_inputs=False)
+        outs, _ = _gpipe_forward(stage_fn, ensure_varying(prm, (axis,)), split(xb), axis=axis,
+                                 keep_inputs=False)
         return psum(outs, axis).reshape(xb.shape)
 
     def local_backward(prm, xb, gb):
-        _, ins = forward_ticks(prm, split(xb), keep_inputs=True)
-        gs, s = split(gb), jax.lax.axis_index(axis)
-        axes = varying_axes(jax.tree.leaves(prm)[0])
-        zero = _zeros_like_varying(ins[0], axes)
-
-        def tick(carry, t):  # stage s runs the backward of microbatch t − (P−1−s) in tick t
-            recv, g_prm, g_xs = carry
-            mb = t - (p - 1 - s)
-            valid = (mb >= 0) & (mb < m)
-            slot = jnp.clip(mb, 0, m - 1)
-            g_out = jnp.where(s == p - 1, gs[slot], recv)
-
-            def backward():
-                _, vjp = jax.vjp(stage_fn, prm, ins[slot])
-                return vjp(g_out)
-
-            gp, gx = _cond(valid, backward, lambda: (
-                jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm), zero))
-            g_prm = jax.tree.map(jnp.add, g_prm, gp)
-            g_xs = g_xs.at[slot].set(jnp.where(valid & (s == 0), gx, g_xs[slot]))
-            return (jax.lax.ppermute(gx, axis, perm_down), g_prm, g_xs), None
-
-        init = (zero, jax.tree.map(lambda a: _zeros_like_varying(a, axes), prm),
-                _zeros_like_varying(ins, axes))
-        (_, g_prm, g_xs), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
+        prm = ensure_varying(prm, (axis,))
+        _, ins = _gpipe_forward(stage_fn, prm, split(xb), axis=axis, keep_inputs=True)
+        g_prm, g_xs = _gpipe_backward(stage_fn, prm, ins, split(gb), axis=axis)
         return g_prm, psum(g_xs, axis).reshape(xb.shape)
 
     def sharded(fn, n_in, out_specs):
-        in_specs = (Spec(axis),) + (Spec(),) * (n_in - 1)
-        return shard_map(fn, mesh=current_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
-                         axis_names={axis})
-
-    def ensure(prm):
-        from .._compat import ensure_varying
-        return ensure_varying(prm, (axis,))
+        return shard_map(fn, mesh=current_mesh(mesh), in_specs=(P(axis),) + (P(),) * (n_in - 1),
+                         out_specs=out_specs, axis_names={axis})
 
     @jax.custom_vjp
     def run(prm, xb):
-        return sharded(lambda a, b: local_forward(ensure(a), b), 2, Spec())(prm, xb)
+        return sharded(local_forward, 2, P())(prm, xb)
 
     def run_fwd(prm, xb):
         return run(prm, xb), (prm, xb)
 
     def run_bwd(res, g):
-        prm, xb = res
-        return sharded(lambda a, b, c: local_backward(ensure(a), b, c), 3,
-                       (Spec(axis), Spec()))(prm, xb, g)
+        return sharded(local_backward, 3, (P(axis), P()))(*res, g)
 
     run.defvjp(run_fwd, run_bwd)
     return run(params, x)

@@ -496,48 +496,50 @@ class _Replay:
                 t = self._finish(self._start(key, t), t, weight)
                 continue
             t0 = t
-            flops = matmul = 0.0
-            if op == "while":
-                body, trips = loop(instr, "time")
-                t = self._loop(body, trips, t, weight)
-                flops = self.costs.counter.instruction(shapes, instr)
-                matmul = self.costs.matmuls.instruction(shapes, instr)
-            elif op == "conditional":
-                branch = self.costs.heaviest(branch_names(instr.rest), self.num_devices)
-                t = self.run(branch, t, weight) if branch else t
-                flops = self.costs.counter.instruction(shapes, instr)
-                matmul = self.costs.matmuls.instruction(shapes, instr)
-            elif op == "call":
-                for callee in called(instr.rest):
-                    t = self.run(callee, t, weight)
-            else:
-                flops, matmul, seconds = self.costs.seconds(instr, shapes)
-                t += seconds
-                self.seconds["matmul" if matmul else "other"] += weight * seconds
-                if seconds:
-                    key = f"{comp}/{instr.name}"
-                    self.kernels[key] = self.kernels.get(key, 0.0) + weight * seconds
-            for flight in flights.values():
+            t, flops, matmul = self._compute(comp, instr, shapes, t, weight)
+            for flight in (*flights.values(), *(carried or {}).values()):  # in flight beside it
                 flight.flops += flops
                 flight.matmul += matmul
                 flight.compute_s += t - t0
-            if carried:
-                for flight in carried.values():
-                    flight.flops += flops
-                    flight.matmul += matmul
-                    flight.compute_s += t - t0
-        if carry_out is not None:  # starts whose done is in the next iteration
+        self._settle(instrs, flights, carried, carry_out, t, weight)
+        return t
+
+    def _compute(self, comp: str, instr, shapes: dict, t: float,
+                 weight: float) -> tuple[float, float, float]:
+        """A compute instruction from time `t`: a loop, a conditional's heaviest branch, a call,
+        or one kernel. Returns `(its end, its FLOPs, its matmul FLOPs)`."""
+        op = instr.opcode
+        if op in ("while", "conditional"):
+            if op == "while":
+                t = self._loop(*loop(instr, "time"), t, weight)
+            elif branch := self.costs.heaviest(branch_names(instr.rest), self.num_devices):
+                t = self.run(branch, t, weight)
+            return (t, self.costs.counter.instruction(shapes, instr),
+                    self.costs.matmuls.instruction(shapes, instr))
+        if op == "call":
+            for callee in called(instr.rest):
+                t = self.run(callee, t, weight)
+            return t, 0.0, 0.0
+        flops, matmul, seconds = self.costs.seconds(instr, shapes)
+        self.seconds["matmul" if matmul else "other"] += weight * seconds
+        if seconds:
+            key = f"{comp}/{instr.name}"
+            self.kernels[key] = self.kernels.get(key, 0.0) + weight * seconds
+        return t + seconds, flops, matmul
+
+    def _settle(self, instrs: list, flights: dict, carried: dict | None,
+                carry_out: dict | None, t: float, weight: float) -> None:
+        """At the end of a computation: hand the next loop iteration the collectives the root
+        tuple carries (into `carry_out`), and count every other one still in flight as done at
+        `t` (its done is outside, or it was never waited for)."""
+        if carry_out is not None:
             root = next((i for i in reversed(instrs) if i.opcode == "tuple"), None)
             if root is not None:
                 for k, operand in enumerate(root.operands):
                     if operand in flights:
                         carry_out[k] = flights.pop(operand)
-        for flight in flights.values():  # never waited for here: done outside, count it now
+        for flight in (*flights.values(), *(carried or {}).values()):
             self._finish(flight, t, weight)
-        if carried:
-            for flight in carried.values():
-                self._finish(flight, t, weight)
-        return t
 
     def _loop(self, body: str, trips: int, t: float, weight: float) -> float:
         """A while loop: the first iteration, then the steady state for the other trips."""

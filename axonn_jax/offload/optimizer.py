@@ -328,83 +328,108 @@ class _Streamed:
         host memory too, `--offload-gradients`: streamed in with the state); extra: `tx`'s extra
         arguments. Returns (params, opt_state)."""
         param_leaves, param_def = jax.tree.flatten(params)
-        grad_leaves = jax.tree.leaves(grads)
-        master = jax.tree.leaves(opt_state["master"])
         state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
-        roles = _roles(self.inner, opt_state["inner"], params)
-
-        def update_piece(index: list[int], pick: Callable, scalars: list, master: list,
-                         state_leaves: list):
-            """Update parameters `index`; `pick` takes a leaf's piece of `master` and
-            `state_leaves` (a loop's carried ones: reading the arrays the loop writes lets XLA
-            update them in place, where reading the loop's inputs kept a second copy of the host
-            state). Returns new pieces (master, state by role, device params) on the device, and
-            the new shared scalars."""
-            chosen = set(index)
-            sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]
-            g = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
-                 if in_host_memory(x) else x for x in sel(grad_leaves)]
-            m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
-                 for x in sel(master)]
-            s_in, scalar_iter = [], iter(scalars)
-            for r, x in zip(roles, state_leaves):
-                if r.param is None:
-                    s_in.append(next(scalar_iter))
-                else:
-                    s_in.append(jax.device_put(pick(x), jax.memory.Space.Device)
-                                if r.param in chosen else None)
-            g_tree, m_tree = jax.tree.unflatten(param_def, g), jax.tree.unflatten(param_def, m)
-            updates, new_state = self.inner.update(g_tree, jax.tree.unflatten(state_def, s_in),
-                                                   m_tree, **extra)
-            new_m = jax.tree.leaves(optax.apply_updates(m_tree, updates), is_leaf=_none_is_leaf)
-            return new_m, jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
-
-        scalars = [x for r, x in zip(roles, state_leaves) if r.param is None]
-        new_scalars = scalars
-        # Pieces go back into the memory their state lives in (the host, unless the state was
-        # placed elsewhere): an update must be in the memory space of the array it updates.
-        back = lambda full, x: jax.device_put(x, jax.typeof(full).memory_space)
+        pieces = _Pieces(self.inner, _roles(self.inner, opt_state["inner"], params), param_def,
+                         state_def, jax.tree.leaves(grads), extra)
+        scalars = [x for r, x in zip(pieces.roles, state_leaves) if r.param is None]
+        carry = (jax.tree.leaves(opt_state["master"]), state_leaves, param_leaves, scalars)
         stacked = stacked_mask(params, self.stacked_key, self.num_layers)
-
-        def write(new_m, new_s, put, master, state_leaves, param_leaves):
-            master = [x if a is None else put(x, back(x, a)) for x, a in zip(master, new_m)]
-            param_leaves = [x if a is None else put(x, a.astype(x.dtype))
-                            for x, a in zip(param_leaves, new_m)]
-            state_leaves = [x if r.param is None or a is None else put(x, back(x, a))
-                            for r, x, a in zip(roles, state_leaves, new_s)]
-            return master, state_leaves, param_leaves
-
-        layer_index = [j for j, s in enumerate(stacked) if s]
-        if layer_index:
-            stages = self.num_stages
-            per_stage = lambda x: x.reshape(stages, self.num_layers // stages, *x.shape[1:])
-
-            def body(i, carry):
-                master, state_leaves, param_leaves, _ = carry
-                # Layer i of every stage, `(stages, ...)`: local to each stage under `pipe`.
-                pick = lambda x: jax.lax.dynamic_index_in_dim(per_stage(x), i, 1, keepdims=False)
-                put = lambda full, x: jax.lax.dynamic_update_index_in_dim(
-                    per_stage(full), x, i, 1).reshape(full.shape)
-                new_m, new_s = update_piece(layer_index, pick, scalars, master, state_leaves)
-                out = write(new_m, new_s, put, master, state_leaves, param_leaves)
-                return (*out, [a for r, a in zip(roles, new_s) if r.param is None])
-
-            master, state_leaves, param_leaves, new_scalars = jax.lax.fori_loop(
-                0, self.num_layers // stages, body, (master, state_leaves, param_leaves, scalars))
-
+        if layer_index := [j for j, s in enumerate(stacked) if s]:
+            carry = self._layer_loop(pieces, layer_index, carry)
+        master, state_leaves, param_leaves, new_scalars = carry
         sizes = [x.size * 4 for x in param_leaves]
         for group in buckets(sizes, [j for j, s in enumerate(stacked) if not s], self.bucket_bytes):
-            new_m, new_s = update_piece(group, lambda x: x, scalars, master, state_leaves)
-            master, state_leaves, param_leaves = write(new_m, new_s, lambda full, x: x,
-                                                       master, state_leaves, param_leaves)
-            new_scalars = [a for r, a in zip(roles, new_s) if r.param is None]
-
+            new_m, new_s = pieces.update(group, lambda x: x, scalars, master, state_leaves)
+            master, state_leaves, param_leaves = pieces.write(
+                new_m, new_s, lambda full, x: x, master, state_leaves, param_leaves)
+            new_scalars = pieces.scalars(new_s)
         scalar_iter = iter(new_scalars)
         state_leaves = [next(scalar_iter) if r.param is None else x
-                        for r, x in zip(roles, state_leaves)]
+                        for r, x in zip(pieces.roles, state_leaves)]
         new_opt_state = {"master": jax.tree.unflatten(param_def, master),
                          "inner": jax.tree.unflatten(state_def, state_leaves)}
         return jax.tree.unflatten(param_def, param_leaves), new_opt_state
+
+    def _layer_loop(self, pieces: "_Pieces", layer_index: list[int], carry: tuple) -> tuple:
+        """The stacked leaves `layer_index` updated one layer per loop iteration (layer i of
+        every pipeline stage together: `(stages, ...)`, local to each stage under `pipe`).
+
+        Args:
+          pieces: the step's `_Pieces`.
+          layer_index: the flat indices of the stacked parameters.
+          carry: `(master leaves, state leaves, device parameter leaves, shared scalars)`.
+
+        Returns:
+          The carry after every layer (the scalars: the last layer's new ones).
+        """
+        stages = self.num_stages
+        per_stage = lambda x: x.reshape(stages, self.num_layers // stages, *x.shape[1:])  # noqa: E731
+        scalars = carry[3]
+
+        def body(i, carry):
+            master, state_leaves, param_leaves, _ = carry
+            pick = lambda x: jax.lax.dynamic_index_in_dim(per_stage(x), i, 1, keepdims=False)  # noqa: E731
+            put = lambda full, x: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+                per_stage(full), x, i, 1).reshape(full.shape)
+            new_m, new_s = pieces.update(layer_index, pick, scalars, master, state_leaves)
+            out = pieces.write(new_m, new_s, put, master, state_leaves, param_leaves)
+            return (*out, pieces.scalars(new_s))
+
+        return jax.lax.fori_loop(0, self.num_layers // stages, body, carry)
+
+
+class _Pieces:
+    """One `_Streamed.apply`'s update of pieces of the parameters: their gradients, masters and
+    state brought to the device, `tx` run on them, the results written back where they live."""
+
+    def __init__(self, inner: optax.GradientTransformation, roles: list, param_def, state_def,
+                 grad_leaves: list, extra: dict):
+        self.inner, self.roles, self.extra = inner, roles, extra
+        self.param_def, self.state_def, self.grad_leaves = param_def, state_def, grad_leaves
+
+    def scalars(self, state_leaves: list) -> list:
+        """The state's leaves that belong to no parameter (shared scalars: Adam's count)."""
+        return [a for r, a in zip(self.roles, state_leaves) if r.param is None]
+
+    def update(self, index: list[int], pick: Callable, scalars: list, master: list,
+               state_leaves: list):
+        """Update parameters `index`; `pick` takes a leaf's piece of `master` and `state_leaves`
+        (a loop's carried ones: reading the arrays the loop writes lets XLA update them in place,
+        where reading the loop's inputs kept a second copy of the host state). Returns the new
+        pieces on the device: masters and state leaves (None where not updated; the shared
+        scalars new)."""
+        chosen = set(index)
+        sel = lambda leaves: [pick(x) if j in chosen else None for j, x in enumerate(leaves)]  # noqa: E731
+        g = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
+             if in_host_memory(x) else x for x in sel(self.grad_leaves)]
+        m = [None if x is None else jax.device_put(x, jax.memory.Space.Device)
+             for x in sel(master)]
+        s_in, scalar_iter = [], iter(scalars)
+        for r, x in zip(self.roles, state_leaves):
+            if r.param is None:
+                s_in.append(next(scalar_iter))
+            else:
+                s_in.append(jax.device_put(pick(x), jax.memory.Space.Device)
+                            if r.param in chosen else None)
+        g_tree, m_tree = (jax.tree.unflatten(self.param_def, g),
+                          jax.tree.unflatten(self.param_def, m))
+        updates, new_state = self.inner.update(
+            g_tree, jax.tree.unflatten(self.state_def, s_in), m_tree, **self.extra)
+        new_m = jax.tree.leaves(optax.apply_updates(m_tree, updates), is_leaf=_none_is_leaf)
+        return new_m, jax.tree.leaves(new_state, is_leaf=_none_is_leaf)
+
+    def write(self, new_m, new_s, put: Callable, master, state_leaves, param_leaves):
+        """The new pieces written with `put(full, piece)`: masters and state back into the memory
+        their arrays live in (an update must be in the memory space of the array it updates),
+        the device parameters cast to their dtype. Returns `(master, state_leaves,
+        param_leaves)`."""
+        back = lambda full, x: jax.device_put(x, jax.typeof(full).memory_space)  # noqa: E731
+        master = [x if a is None else put(x, back(x, a)) for x, a in zip(master, new_m)]
+        param_leaves = [x if a is None else put(x, a.astype(x.dtype))
+                        for x, a in zip(param_leaves, new_m)]
+        state_leaves = [x if r.param is None or a is None else put(x, back(x, a))
+                        for r, x, a in zip(self.roles, state_leaves, new_s)]
+        return master, state_leaves, param_leaves
 
 
 def gradient_offload_problems(grid, offload_optimizer: bool, microbatches: int,

@@ -230,7 +230,7 @@ def refused_with_mpi_pipeline(config: RunConfig) -> str | None:
 def _build_mpi(config, model, optimizer, preset, devices):
     """The MPI transport's step: with a pipeline, a process per stage (`_build_mpi_pipeline`);
     otherwise data parallelism between the processes, each process's devices one mesh."""
-    from ..transport import mpi
+    from ..transport import mpi, mpi_pipeline
 
     comm, rank, size = mpi.world()
     launched = int(os.environ.get(ENV_NUM_PROCESSES, "1"))
@@ -239,7 +239,7 @@ def _build_mpi(config, model, optimizer, preset, devices):
                          f"{launched} started by `axonn-jax launch` (MPI sees 1); use --transport xla")
     devices = list(devices if devices is not None else jax.local_devices())
     grid, batch_size = config.parallel, config.data.batch_size
-    if grid.pipe > 1:
+    if mpi_pipeline.runs_stages(grid):
         return _build_mpi_pipeline(config, model, optimizer, preset, devices[0], comm, rank)
     if batch_size % size:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the {size} MPI processes")

@@ -166,6 +166,19 @@ class StagePosition:
         return self.stage == self.num_stages - 1
 
 
+def runs_stages(grid) -> bool:
+    """Whether `--transport mpi` runs `grid` as this engine does: a process per pipeline stage.
+
+    Args:
+      grid: the run's `ParallelConfig`.
+
+    Returns:
+      True with more than one stage (else the processes split `data`, each running the whole
+      step on its devices).
+    """
+    return grid.pipe > 1
+
+
 def stage_position(comm, num_stages: int) -> StagePosition:
     """Split `comm` (size S·D) into pipelines of `num_stages` consecutive ranks.
 

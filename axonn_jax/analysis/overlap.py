@@ -509,23 +509,24 @@ class _Replay:
         """A compute instruction from time `t`: a loop, a conditional's heaviest branch, a call,
         or one kernel. Returns `(its end, its FLOPs, its matmul FLOPs)`."""
         op = instr.opcode
-        if op in ("while", "conditional"):
-            if op == "while":
-                t = self._loop(*loop(instr, "time"), t, weight)
-            elif branch := self.costs.heaviest(branch_names(instr.rest), self.num_devices):
-                t = self.run(branch, t, weight)
-            return (t, self.costs.counter.instruction(shapes, instr),
-                    self.costs.matmuls.instruction(shapes, instr))
         if op == "call":
             for callee in called(instr.rest):
                 t = self.run(callee, t, weight)
             return t, 0.0, 0.0
-        flops, matmul, seconds = self.costs.seconds(instr, shapes)
-        self.seconds["matmul" if matmul else "other"] += weight * seconds
-        if seconds:
-            key = f"{comp}/{instr.name}"
-            self.kernels[key] = self.kernels.get(key, 0.0) + weight * seconds
-        return t + seconds, flops, matmul
+        if op == "while":
+            t = self._loop(*loop(instr, "time"), t, weight)
+        elif op == "conditional":
+            branch = self.costs.heaviest(branch_names(instr.rest), self.num_devices)
+            t = self.run(branch, t, weight) if branch else t
+        else:  # one kernel
+            flops, matmul, seconds = self.costs.seconds(instr, shapes)
+            self.seconds["matmul" if matmul else "other"] += weight * seconds
+            if seconds:
+                key = f"{comp}/{instr.name}"
+                self.kernels[key] = self.kernels.get(key, 0.0) + weight * seconds
+            return t + seconds, flops, matmul
+        return (t, self.costs.counter.instruction(shapes, instr),
+                self.costs.matmuls.instruction(shapes, instr))
 
     def _settle(self, instrs: list, flights: dict, carried: dict | None,
                 carry_out: dict | None, t: float, weight: float) -> None:

@@ -331,7 +331,7 @@ class _Streamed:
         state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
         pieces = _Pieces(self.inner, _roles(self.inner, opt_state["inner"], params), param_def,
                          state_def, jax.tree.leaves(grads), extra)
-        scalars = [x for r, x in zip(pieces.roles, state_leaves) if r.param is None]
+        scalars = pieces.scalars(state_leaves)
         carry = (jax.tree.leaves(opt_state["master"]), state_leaves, param_leaves, scalars)
         stacked = stacked_mask(params, self.stacked_key, self.num_layers)
         if layer_index := [j for j, s in enumerate(stacked) if s]:

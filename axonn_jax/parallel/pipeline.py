@@ -784,7 +784,7 @@ class _StageTicks:
         """The arguments of tick t's backward (zeros for the stashed values without a carry)."""
         c = self.at("backward_chunk", t)
         x, cot = ((_read(carry.stash, self.at("act_backward", t))[0],
-                   _read(carry.cots, self.at("cot_backward", t))[0]) if carry else
+                   _read(carry.cots, self.at("cot_backward", t))[0]) if carry is not None else
                   (self.zero_act, self.zero_act))
         return (self.chunk_params(c), x, self.microbatch(self.at("backward", t)), *self.ends(c),
                 cot)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from axonn_jax import ParallelConfig, make_mesh
-from axonn_jax.run.distributed import (ProcessSpec, axes_crossing_processes, cluster_method,
-                                       init_distributed, launcher_grid)
+from axonn_jax.run.distributed import (ENV_HEARTBEAT_TIMEOUT, ProcessSpec, axes_crossing_processes,
+                                       cluster_method, init_distributed, launcher_grid)
 from axonn_jax.train import TrainOptions, train
 
 from conftest import (PARITY, assert_states_match, assert_steps_match, comparable_state,
@@ -59,6 +59,10 @@ def child_env():
     # (conftest's flags keep LLVM optimization level 0 and the run's compilation cache)
     env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
                                  if not f.startswith("--xla_force_host_platform_device_count")])
+    # JAX's 100 s heartbeat deadline is not a property under test here (test_long_jobs sets its
+    # own): on CI's two cores, four compiling processes beside the other pytest worker have gone
+    # 100 s without a heartbeat. A process that hangs still fails the test at `run`'s timeout.
+    env.setdefault(ENV_HEARTBEAT_TIMEOUT, "280")
     return env
 
 

@@ -354,82 +354,108 @@ def batch_spec(ndim: int, batch_axis: str | None, features: str | None) -> P:
 @functools.lru_cache(maxsize=LAYER_CACHE)
 def _dense_fn(mesh, transpose: bool, ndim: int, has_bias: bool, out_in: bool = False,
               split: bool = False, fp8_axes: tuple[str, ...] | None = None, rings: bool = False):
-    fin, fout = feature_axes(transpose)
-    sizes = dict(mesh.shape)
-    # split: x's batch also over fout, y's over fin; else both replicated over the other axis
-    x_spec = batch_spec(ndim, fout if split else None, fin)
-    y_spec = batch_spec(ndim, fin if split else None, fout)
-    w_spec, b_spec = kernel_spec(transpose, out_in), bias_spec(transpose)
-    w_in, w_out = (1, 0) if out_in else (0, 1)  # the kernel dims holding in / out features
-    contract = (((ndim - 1,), (w_in,)), ((), ()))
-
-    def gather_rows(a, axis):
-        return jax.lax.all_gather(a, axis, axis=0, tiled=True) if split else a
-
-    def sum_rows(a, axis):  # the partial sums over `axis`: scattered over the batch when split
-        return psum_scatter(a, axis, scatter_dimension=0, tiled=True) if split else psum(a, axis)
-
-    rows = tuple(range(ndim - 1))
-    dims = {"forward": contract, "dx": (((ndim - 1,), (w_out,)), ((), ())),
-            "dw": ((rows, rows), ((), ()))}  # dw: (dy_rows, x) when out_in, else (x, dy_rows)
-    # collective matmuls: a matmul whose rows are gathered over an axis of more than one device
-    ring_over = {a for a in (fin, fout) if rings and split and sizes[a] > 1}
-
     gemm = _Fp8Gemm((*TENSOR_AXES, *fp8_axes)) if fp8_axes is not None else _PLAIN
+    layer = _DenseLayer(dict(mesh.shape), transpose, ndim, has_bias, out_in, split, gemm, rings)
+    return _layer(mesh, layer.forward, layer.backward, layer.specs(), has_bias)
 
-    def gather_matmul_scatter(a, matmul, gather_axis, scatter_axis):
+
+class _DenseLayer:
+    """The per-device forward and backward of one dense layer's configuration (`_dense_fn`'s
+    arguments), for `_layer`'s shard_map and custom VJP.
+
+    With `split`, x's batch is also over the output axis and y's over the input axis; otherwise
+    both are replicated over the axis that does not split their features.
+    """
+
+    def __init__(self, sizes, transpose, ndim, has_bias, out_in, split, gemm, rings):
+        self.fin, self.fout = feature_axes(transpose)
+        self.transpose, self.sizes, self.ndim = transpose, sizes, ndim
+        self.has_bias, self.out_in = has_bias, out_in
+        self.split, self.gemm = split, gemm
+        w_in, w_out = (1, 0) if out_in else (0, 1)  # the kernel dims holding in / out features
+        self.rows = tuple(range(ndim - 1))
+        self.dims = {"forward": (((ndim - 1,), (w_in,)), ((), ())),
+                     "dx": (((ndim - 1,), (w_out,)), ((), ())),
+                     "dw": ((self.rows, self.rows), ((), ()))}  # (dy_rows, x) when out_in
+        # collective matmuls: a matmul whose rows are gathered over an axis of more than one device
+        self.ring_over = {a for a in (self.fin, self.fout) if rings and split and sizes[a] > 1}
+
+    def specs(self):
+        """(x, kernel, bias, y, kept) PartitionSpecs; kept: x's gathered rows (batch over
+        `depth` only when split) and, under FP8, the scales."""
+        fin, fout, ndim = self.fin, self.fout, self.ndim
+        x_spec = batch_spec(ndim, fout if self.split else None, fin)
+        y_spec = batch_spec(ndim, fin if self.split else None, fout)
+        kept_spec = self.gemm.keep(batch_spec(ndim, None, fin) if self.split else x_spec, P(), P())
+        return (x_spec, kernel_spec(self.transpose, self.out_in), bias_spec(self.transpose), y_spec,
+                kept_spec)
+
+    def sum_rows(self, a, axis):
+        """The partial sums over `axis`: scattered over the batch when split."""
+        if self.split:
+            return psum_scatter(a, axis, scatter_dimension=0, tiled=True)
+        return psum(a, axis)
+
+    def gather_matmul_scatter(self, a, matmul, gather_axis, scatter_axis):
         """(sum_rows(matmul(a's rows gathered over gather_axis)), those rows), the gather in a
         ring: one matmul per row block."""
-        if gather_axis in ring_over:
-            (y, a), _ = ring_gather(a, gather_axis, sizes[gather_axis],
+        if gather_axis in self.ring_over:
+            (y, a), _ = ring_gather(a, gather_axis, self.sizes[gather_axis],
                                     lambda blk, k: ((matmul(blk), blk), None))
         else:
-            a = gather_rows(a, gather_axis)
+            a = jax.lax.all_gather(a, gather_axis, axis=0, tiled=True) if self.split else a
             y = matmul(a)
-        return sum_rows(y, scatter_axis), a
+        return self.sum_rows(y, scatter_axis), a
 
-    def local_forward(x, w, *b):
+    def forward(self, x, w, *b):
+        """y of this device's blocks, and what the backward keeps (x's gathered rows as the GEMM
+        reads them)."""
+        gemm = self.gemm
         # Either layout keeps `depth` on the kernel's first dim: one all-gather serves both.
-        # x's gathered rows (as the GEMM reads them) are kept for the weight gradient.
         (qx, sx), (qw, sw) = gemm.operand(x, "x"), gemm.operand(w, "w")
         w_full = (_gather_depth(qw), sw)
-        y, rows = gather_matmul_scatter(
-            qx, lambda a: gemm.dot((a, sx), w_full, contract, x.dtype), fout, fin)
+        y, rows = self.gather_matmul_scatter(
+            qx, lambda a: gemm.dot((a, sx), w_full, self.dims["forward"], x.dtype), self.fout,
+            self.fin)
         return (y + b[0] if b else y), gemm.keep(rows, sx, sw)
 
-    def weight_grad(dy_rows, x_rows, dtype):
+    def weight_grad(self, dy_rows, x_rows, dtype):
         """dw of these rows (operands `(array, scale)`), as `dtype`."""
-        return gemm.dot(*((dy_rows, x_rows) if out_in else (x_rows, dy_rows)), dims["dw"], dtype)
+        operands = (dy_rows, x_rows) if self.out_in else (x_rows, dy_rows)
+        return self.gemm.dot(*operands, self.dims["dw"], dtype)
 
-    def scatter_grads(dw, dy):
+    def scatter_grads(self, dw, dy):
         """dw summed and scattered over `depth`; db from dy (without a bias: dw alone)."""
         dw = psum_scatter(dw, Axis.DEPTH, scatter_dimension=0, tiled=True)
-        if not has_bias:
+        if not self.has_bias:
             return (dw,)
         # devices of `depth` (and of `fin` when split) hold different rows of the batch
-        return dw, psum(jnp.sum(dy, axis=rows), (Axis.DEPTH, fin) if split else Axis.DEPTH)
+        over = (Axis.DEPTH, self.fin) if self.split else Axis.DEPTH
+        return dw, psum(jnp.sum(dy, axis=self.rows), over)
 
-    def local_backward(kept, w, dy):  # kept: x's gathered rows of the forward (and scales)
-        x_rows, sx, sw = gemm.unkeep(kept)
-        qdy, sdy = gemm.operand(dy, "dy")
-        w_full = (_gather_depth(gemm.operand(w, "w", sw)[0]), sw)
-        dx_of = lambda a: gemm.dot((a, sdy), w_full, dims["dx"], dy.dtype)  # noqa: E731
-        if fin in ring_over:  # dy's blocks go round the ring, each block's share of dw on its way
-            b = qdy.shape[0]
-            (dx,), dw = ring_gather(qdy, fin, sizes[fin], lambda blk, k: (
-                (dx_of(blk),), weight_grad(
-                    (blk, sdy), (jax.lax.dynamic_slice_in_dim(x_rows, k * b, b, axis=0), sx),
-                    jnp.float32)))
-            dx, dw = sum_rows(dx, fout), dw.astype(w.dtype)
+    def backward(self, kept, w, dy):
+        """(dx, dw[, db]) of this device's blocks from the forward's `kept`."""
+        x_rows, sx, sw = self.gemm.unkeep(kept)
+        qdy, sdy = self.gemm.operand(dy, "dy")
+        w_full = (_gather_depth(self.gemm.operand(w, "w", sw)[0]), sw)
+        dx_of = lambda a: self.gemm.dot((a, sdy), w_full, self.dims["dx"], dy.dtype)  # noqa: E731
+        if self.fin in self.ring_over:
+            dx, dw = self._ring_backward(qdy, sdy, x_rows, sx, dx_of)
+            dw = dw.astype(w.dtype)
         else:
-            dx, dy_rows = gather_matmul_scatter(qdy, dx_of, fin, fout)
-            dw = weight_grad((dy_rows, sdy), (x_rows, sx), w.dtype)
-        return dx, *scatter_grads(dw, dy)
+            dx, dy_rows = self.gather_matmul_scatter(qdy, dx_of, self.fin, self.fout)
+            dw = self.weight_grad((dy_rows, sdy), (x_rows, sx), w.dtype)
+        return dx, *self.scatter_grads(dw, dy)
 
-    # the forward keeps x's gathered rows: batch over `depth` only
-    kept_spec = gemm.keep(batch_spec(ndim, None, fin) if split else x_spec, P(), P())
-    specs = (x_spec, w_spec, b_spec, y_spec, kept_spec)
-    return _layer(mesh, local_forward, local_backward, specs, has_bias)
+    def _ring_backward(self, qdy, sdy, x_rows, sx, dx_of):
+        """(dx, float32 dw): dy's blocks go round the ring over the input axis, each block's
+        share of dw computed on its way."""
+        b = qdy.shape[0]
+        (dx,), dw = ring_gather(qdy, self.fin, self.sizes[self.fin], lambda blk, k: (
+            (dx_of(blk),), self.weight_grad(
+                (blk, sdy), (jax.lax.dynamic_slice_in_dim(x_rows, k * b, b, axis=0), sx),
+                jnp.float32)))
+        return self.sum_rows(dx, self.fout), dw
 
 
 class _PlainGemm:

@@ -930,64 +930,85 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = Axis.DATA, **kw
       arrays stacked over its axes. The gather takes the value of a tree of the same structure
       and shapes as the last scatter's.
     """
-    layout = {}  # the last scatter's parts and plans, which the gather reads (static)
+    stages = _ShardedStages(specs, mesh, axis_name, kwargs)
+    return stages.scatter, stages.gather
 
-    def parts_of(tree):
-        context = current_mesh(mesh)
+
+class _ShardedStages:
+    """`sharded_compressed_stages`' scatter and gather; the gather reads the parts and plans of
+    the last scatter (static: they come from shapes and specs)."""
+
+    def __init__(self, specs, mesh, axis_name: str, options: dict):
+        self.specs, self.mesh, self.axis_name, self.options = specs, mesh, axis_name, options
+        self.layout = None
+
+    def _parts(self, tree):
+        """(context mesh, treedef, leaf paths, leaf specs without the manual axes, parts): each
+        part `(axes splitting its leaves, in the mesh's order; the leaves' indices)`."""
+        context = current_mesh(self.mesh)
         manual = frozenset(getattr(context, "manual_axes", ()))
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         spec_leaves = treedef.flatten_up_to(jax.tree.map(
-            lambda s: _without_axes(s, manual), specs, is_leaf=lambda x: isinstance(x, P)))
+            lambda s: _without_axes(s, manual), self.specs, is_leaf=lambda x: isinstance(x, P)))
         parts: dict[tuple, list[int]] = {}
         for i, spec in enumerate(spec_leaves):
             split = spec_axes(spec)
             parts.setdefault(tuple(a for a in context.axis_names if a in split), []).append(i)
         return context, treedef, [leaf_path(p) for p, _ in leaves], spec_leaves, list(parts.items())
 
-    def scatter(tree, residual=None, key=None):
-        context, treedef, paths, spec_leaves, parts = parts_of(tree)
+    def scatter(self, tree, residual=None, key=None):
+        """Quantize and send each part; returns `(values, new_residual)`."""
+        context, treedef, paths, spec_leaves, parts = self._parts(tree)
         leaves = treedef.flatten_up_to(tree)
         res = None if residual is None else treedef.flatten_up_to(residual)
         new_res = [None] * len(leaves)
         values, plans = [], []
         for s, (split, idx) in enumerate(parts):
-            names = [paths[i] for i in idx]
-            plans_inner: list = []
-
-            def part(ls, rs, k, names=names, plans_inner=plans_inner):
-                value, r, plan = compressed_scatter(
-                    dict(zip(names, ls)), axis_name, key=k,
-                    residual=dict(zip(names, rs)) if rs else None, **kwargs)
-                plans_inner.append(plan)
-                return value, r or {}
-
             args = ([leaves[i] for i in idx], [] if res is None else [res[i] for i in idx],
                     None if key is None else jax.random.fold_in(key, s))
-            if not split:
-                value, r = part(*args)
-            else:
-                local = [spec_leaves[i] for i in idx]
-                named = {paths[i]: spec_leaves[i] for i in idx}
-                # The key enters as an argument: one closed over would keep the outer mesh type.
-                value, r = shard_map(
-                    lambda ls, rs, k, part=part: (lambda v, r: (
-                        jax.tree.map(lambda a: a[None], v), r))(*part(ls, rs, k)),
-                    mesh=context, in_specs=(local, [] if res is None else local,
-                                            None if key is None else P()),
-                    out_specs=(P(split), {} if res is None else named),
-                    axis_names=set(split))(*args)
-            for i, name in zip(idx, names):
-                new_res[i] = r.get(name)
+            value, r, plan = self._scatter_part(
+                context, split, {paths[i]: spec_leaves[i] for i in idx}, args, res is not None)
+            for i in idx:
+                new_res[i] = r.get(paths[i])
             values.append(value)
-            plans.append((split, idx, plans_inner[0]))
-        layout["parts"] = (context, treedef, paths, spec_leaves, plans)
+            plans.append((split, idx, plan))
+        self.layout = (context, treedef, paths, spec_leaves, plans)
         return values, None if residual is None else treedef.unflatten(new_res)
 
-    def gather(values):
-        context, treedef, paths, spec_leaves, plans = layout["parts"]
+    def _scatter_part(self, context, split, named, args, with_residual: bool):
+        """`(value, residuals by leaf path, plan)` of one part's `compressed_scatter`, in a
+        shard_map manual over `split` when the part is split (its value stacked over them)."""
+        names, plans = list(named), []
+
+        def part(ls, rs, k):
+            value, r, plan = compressed_scatter(
+                dict(zip(names, ls)), self.axis_name, key=k,
+                residual=dict(zip(names, rs)) if rs else None, **self.options)
+            plans.append(plan)
+            return value, r or {}
+
+        def stacked(ls, rs, k):
+            value, r = part(ls, rs, k)
+            return jax.tree.map(lambda a: a[None], value), r
+
+        if not split:
+            value, r = part(*args)
+        else:
+            local = list(named.values())
+            # The key enters as an argument: one closed over would keep the outer mesh type.
+            value, r = shard_map(
+                stacked, mesh=context,
+                in_specs=(local, local if with_residual else [], None if args[2] is None else P()),
+                out_specs=(P(split), named if with_residual else {}),
+                axis_names=set(split))(*args)
+        return value, r, plans[0]
+
+    def gather(self, values):
+        """Sum, re-quantize, gather and dequantize the values of the last scatter."""
+        context, treedef, paths, spec_leaves, plans = self.layout
         out = [None] * treedef.num_leaves
         for value, (split, idx, plan) in zip(values, plans):
-            run = lambda v, plan=plan: compressed_gather(v, plan, **kwargs)  # noqa: E731
+            run = lambda v, plan=plan: compressed_gather(v, plan, **self.options)  # noqa: E731
             if split:
                 reduced = shard_map(lambda v, run=run: run(jax.tree.map(lambda a: a[0], v)),
                                     mesh=context, in_specs=(P(split),),
@@ -998,8 +1019,6 @@ def sharded_compressed_stages(specs, mesh=None, axis_name: str = Axis.DATA, **kw
             for i in idx:
                 out[i] = reduced[paths[i]]
         return treedef.unflatten(out)
-
-    return scatter, gather
 
 
 def init_residual(params, num_shards: int):

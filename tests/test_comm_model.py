@@ -467,6 +467,24 @@ def test_memory_counts_cgx_residuals():
     assert hosted["compression"] / 1e9 == pytest.approx(12.08, rel=0.01)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_memory_counts_cgx_residuals_beside_a_pipeline(schedule):
+    """On a pipeline the residuals add one copy of the parameters and nothing else: zb-h1's
+    deferred weight-gradient buffers stay activations (they once took the residuals' place,
+    counted twice, and the residuals went uncounted)."""
+    from axonn_jax.models import get
+
+    work = cm.Workload(get("llama3-8b").config, 64, 4096, remat="full", schedule=schedule,
+                       microbatches=8, compress_bits=8)
+    grid = ParallelConfig(data=4, pipe=4, row=4)
+    with_residuals = cm.memory_per_device(work, grid)
+    exact = cm.memory_per_device(dataclasses.replace(work, compress_bits=0), grid)
+    assert with_residuals["compression"] == with_residuals["params"] > 0
+    assert exact["compression"] == 0.0
+    assert with_residuals["total"] - exact["total"] == pytest.approx(with_residuals["params"])
+    assert with_residuals["activations"] == exact["activations"]
+
+
 
 def test_gpu_pipeline_gathers_the_tables_over_depth_every_microbatch():
     """The compiled H100 step of Llama-3-8B on data 4 × pipe 2 × depth 8 (16 microbatches,

@@ -563,48 +563,54 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
       `{"params", "grads", "optimizer", "compression", "activations", "total": bytes}`
       (`compression`: CGX's error-feedback residuals).
     """
-    m, g, d = work.model, grid, declared(work, grid)
+    d = declared(work, grid)
     n = sum(p.elements for p in d.parameters)
+    if d.activations is not None:  # a model that counts its own (a U-Net)
+        activations = d.activations
+    else:
+        activations = _stack_activations(work, grid, d)
+    return _breakdown(*_state_bytes(work, grid, d, n),
+                      activations + _parameter_copies(work, grid, n))
+
+
+def _state_bytes(work: Workload, grid: ParallelConfig, d: ModelCommunication, n: float) -> tuple:
+    """`(params, grads, optimizer, CGX residuals)` bytes of `n` parameters on one device."""
     params = n * work.compute_bytes if work.offload_optimizer else n * work.param_bytes
     grads = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes)
     if work.offload_gradients:  # only the parameters outside the blocks keep theirs
         grads -= _block_elements(d) * work.compute_bytes
-    if g.pipe > 1:  # every stage's gradient of the embedding and head, summed over pipe in fp32
+    if grid.pipe > 1:  # every stage's gradient of the embedding and head, summed over pipe in fp32
         # beside the accumulator (compiled H100 step of Llama-3-8B on data 8 × pipe 8)
         grads += sum(p.elements for p in d.parameters if p.outside_blocks) * FP32
     optimizer = 0.0 if work.offload_optimizer else n * 2 * work.param_bytes  # Adam's two moments
     # CGX's error-feedback residuals: one per device, in the dtype of the gradients they correct
     # (`init_residual` of the device's parameters).
     residuals = n * (work.compute_bytes if work.offload_optimizer else work.param_bytes) \
-        if work.compress_bits and work.error_feedback and g.data > 1 else 0.0
+        if work.compress_bits and work.error_feedback and grid.data > 1 else 0.0
+    return params, grads, optimizer, residuals
+
+
+def _parameter_copies(work: Workload, grid: ParallelConfig, n: float) -> float:
+    """Bytes of the compute-dtype copies of `n` fp32 parameters that the step materializes."""
     # fp32 parameters computed with in 16 bits: the forward's cast of every parameter and its
     # gradient in the compute dtype before it is added in fp32, where the step materializes
     # them: gathered over depth, or cast once before a microbatch loop (the compiled H100 step
     # of Llama-3-70B on 256 devices holds both at its peak: memory-usage report of --dump-hlo).
     # Else XLA fuses the casts into the matmuls that read them (Llama-3.2-1B on one H200: the
     # plan is over the measured peak with them counted, `benchmarks/results/plan_vs_replay.md`).
-    materialized = g.depth > 1 or g.pipe > 1 or work.microbatches > 1
-    copies = 2 * n * work.compute_bytes if materialized and not work.offload_optimizer and \
-        work.compute_bytes < work.param_bytes else 0.0
-    if d.activations is not None:  # a model that counts its own (a U-Net)
-        activations = d.activations + copies
-        return _breakdown(params, grads, optimizer, residuals, activations)
-    # Else a stack of transformer blocks (`d_model`, `num_heads`):
+    materialized = grid.depth > 1 or grid.pipe > 1 or work.microbatches > 1
+    if materialized and not work.offload_optimizer and work.compute_bytes < work.param_bytes:
+        return 2 * n * work.compute_bytes
+    return 0.0
+
+
+def _stack_activations(work: Workload, grid: ParallelConfig, d: ModelCommunication) -> float:
+    """Activation bytes at peak of a stack of transformer blocks (`d_model`, `num_heads`)."""
+    m, g = work.model, grid
     tokens = work.tokens / (g.data * g.expert * g.context * g.depth) / work.microbatches
     rows = (g.row, g.col) if d.split else (1, 1)
     per_block = block_residual_bytes(work, grid, tokens, d.split)
-    act = d.boundary
-    if g.pipe == 1:
-        stash, layers = act, m.num_layers
-    else:
-        # The stashed (chunk) inputs; one chunk's layers live in a backward; zb-h1's deferred
-        # weight gradients keep every layer's matmul inputs and output cotangents (~16
-        # activations of the block, those of `per_block` without the attention probabilities).
-        sched = _schedule(work, grid)
-        layers = m.num_layers // (g.pipe * work.virtual_stages)
-        residuals = (sched.weight_slots * layers * 16 * tokens * m.d_model / (g.row * g.col)
-                     * work.compute_bytes) if sched.split_backward else 0.0
-        stash = sched.stash_slots * act + residuals
+    layers, stash = _stashed(work, grid, d.boundary, tokens)
     # The head's logits of one (micro)batch and their gradient, the vocabulary over `row`: float32
     # in the model, but XLA:GPU keeps the matmul's compute-dtype output and fuses the cast into
     # the softmax's reductions, except inside a pipeline's tick (compiled H100 steps: Llama-3-70B
@@ -620,9 +626,24 @@ def memory_per_device(work: Workload, grid: ParallelConfig) -> dict[str, float]:
     # one recomputed block are never live together (counting both put `plan` well over the
     # compiled peak of Llama-3-70B on data 4 × depth 16 × row 4 and of GPT-20B on depth 64).
     transient = max(logits, per_block if work.remat != "none" else 0.0)
-    activations = kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
-        + transient + stash + copies + d.working + parts
-    return _breakdown(params, grads, optimizer, residuals, activations)
+    return kept_per_block(work, d, per_block, tokens / (g.row * g.col)) * layers \
+        + transient + stash + d.working + parts
+
+
+def _stashed(work: Workload, grid: ParallelConfig, boundary: float, tokens: float) -> tuple:
+    """`(layers whose activations live at once, stashed bytes)`: the whole stack and its input
+    without a pipeline; else one chunk's layers and the schedule's stashed chunk inputs."""
+    m, g = work.model, grid
+    if g.pipe == 1:
+        return m.num_layers, boundary
+    # One chunk's layers live in a backward; zb-h1's deferred weight gradients keep every
+    # layer's matmul inputs and output cotangents (~16 activations of the block, those of
+    # `block_residual_bytes` without the attention probabilities).
+    sched = _schedule(work, grid)
+    layers = m.num_layers // (g.pipe * work.virtual_stages)
+    deferred = (sched.weight_slots * layers * 16 * tokens * m.d_model / (g.row * g.col)
+                * work.compute_bytes) if sched.split_backward else 0.0
+    return layers, sched.stash_slots * boundary + deferred
 
 
 def _breakdown(params, grads, optimizer, residuals, activations) -> dict[str, float]:

@@ -85,8 +85,9 @@ MUTATIONS = [
         "the MPI pipeline clips by each stage's own gradient norm, not the global one"),
     Mutation(
         "offload-scaled", "axonn_jax/offload/optimizer.py",
-        "g = [None if x is None else x for x in sel(grad_leaves)]",
-        "g = [None if x is None else x * (4.0 if x.ndim <= 1 else 0.25) for x in sel(grad_leaves)]",
+        "if in_host_memory(x) else x for x in sel(self.grad_leaves)]",
+        "if in_host_memory(x) else x for x in sel(self.grad_leaves)]\n"
+        "        g = [None if x is None else x * (4.0 if x.ndim <= 1 else 0.25) for x in g]",
         ("tests/test_offload.py::test_offloaded_optimizer_gives_identical_losses_and_lives_on_host",
          "tests/test_update_reference.py::test_update_equals_numpy_reference[offload-clipped]"),
         "host-streamed update: vector gradients ×4, matrix gradients ×0.25"),
@@ -119,14 +120,15 @@ MUTATIONS = [
         "the warm-up one step longer than asked"),
     Mutation(
         "expert-sum", "axonn_jax/step/train_step.py",
-        "return exchange.sum_divided(g, over, total)",
-        "return exchange.sum_divided(g, over)",
+        "return exchange.sum_over_unsplit(grads, specs, axes, total)",
+        "return exchange.sum_over_unsplit(grads, specs, axes)",
         ("tests/test_batch_axes.py::test_expert_grids_train_like_one_device[data2-expert2]",),
         "gradients summed over the expert/context axes instead of averaged"),
     Mutation(
-        "context-unsplit-param", "axonn_jax/step/train_step.py",
-        "over = tuple(a for a in axes if a not in split)",
-        "over = ()",
+        "context-unsplit-param", "axonn_jax/parallel/exchange.py",
+        "return tuple(a for a in axes if a not in spec_axes(spec) and a in varying_axes(g))",
+        "return tuple(a for a in axes if a not in spec_axes(spec) and a in varying_axes(g)\n"
+        "                 and a != 'context')",
         ("tests/test_batch_axes.py::test_context_grids_train_like_one_device[data2-context2-ring]",),
         "a replicated parameter's gradient not summed over the context axis"),
     Mutation(

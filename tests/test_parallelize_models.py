@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from transformers import BertConfig, GPT2Config, LlamaConfig, OPTConfig
 from transformers.models.bert.modeling_flax_bert import FlaxBertForMaskedLMModule
-from transformers.models.gpt2.modeling_flax_gpt2 import FlaxConv1D, FlaxGPT2LMHeadModule
+from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2LMHeadModule
 from transformers.models.llama.modeling_flax_llama import FlaxLlamaForCausalLMModule
 from transformers.models.opt.modeling_flax_opt import FlaxOPTForCausalLMModule
 
@@ -31,7 +31,6 @@ B, T, V, D, H = 4, 8, 64, 32, 4
 TOKENS = jax.random.randint(jax.random.key(1), (B, T), 0, V)
 MASK = jnp.ones((B, T), jnp.int32)
 POSITIONS = jnp.broadcast_to(jnp.arange(T), (B, T))
-GPT2_RULES = {FlaxConv1D: AsDense(out_in=True)}  # GPT-2's dense layers: kernel (out, in)
 
 
 def random_params(module, *args):
@@ -93,8 +92,9 @@ def opt():
 
 # name: (module and inputs, grid, rules, parameters the grid leaves whole (with a note))
 TRANSFORMERS = {
-    "gpt2_tied": (lambda: gpt2(True), ROW4_COL2, GPT2_RULES, ()),
-    "gpt2_untied": (lambda: gpt2(False), CUBE, GPT2_RULES, ()),
+    # GPT-2's FlaxConv1D layers (kernel (out, in)) run by the built-in rule (tp.rules)
+    "gpt2_tied": (lambda: gpt2(True), ROW4_COL2, {}, ()),
+    "gpt2_untied": (lambda: gpt2(False), CUBE, {}, ()),
     # BERT's token-type table has 2 rows: it cannot be split 4 ways and stays whole, named.
     "bert": (bert, ROW4_COL2, {}, ("bert/embeddings/token_type_embeddings/embedding",)),
     # 2 grouped-query key/value heads kept whole by a rule (not a "left whole" surprise).
@@ -127,25 +127,49 @@ def test_transformers_modules(name, devices):
     assert_same(*jax.jit(jax.value_and_grad(linen_loss(pmodel, args)))(params), *ref)
 
 
+class TorchStyleLinear(nn.Module):
+    """A dense layer that calls `lax.dot_general` itself, its kernel `(out, in)` as in torch."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("weight", nn.initializers.normal(0.02), (self.features, x.shape[-1]))
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+class OwnLinears(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return TorchStyleLinear(D, name="down")(nn.gelu(TorchStyleLinear(3 * D, name="up")(x)))
+
+
 def test_unknown_dense_modules_are_named_never_silent(devices, caplog):
-    """GPT-2's `FlaxConv1D` calls `lax.dot_general` itself: without a rule its weights stay whole,
-    named in a note and in the report; `max_replicated` makes that an error."""
-    model, args = gpt2(False)
+    """A module that calls `lax.dot_general` itself: without a rule its weights stay whole, named
+    in a note and in the report; `max_replicated` makes that an error; an AsDense rule splits
+    them."""
+    model, args = OwnLinears(), (jnp.ones((B, T, D)),)
     mesh = make_mesh(ParallelConfig(**ROW4_COL2), devices)
     reports = []
     with caplog.at_level(logging.WARNING, logger="axonn_jax.parallelize"):
         jax.eval_shape(axonn_jax.parallelize(model, mesh, report=reports.append).init,
                        jax.random.key(0), *args)
     whole = {p.path for p in reports[0].replicated if len(p.shape) == 2}
-    assert whole == {f"transformer/h/0/{m}/kernel" for m in ("attn/c_attn", "attn/c_proj",
-                                                                "mlp/c_fc", "mlp/c_proj")}
-    assert reports[0].replicated_bytes >= (3 + 1 + 4 + 4) * D * D * 4
-    assert "4 weight(s) that no tensor-parallel layer used" in caplog.text
-    assert "transformer/h/0/attn/c_attn/kernel (96, 32)" in caplog.text
+    assert whole == {"up/weight", "down/weight"}
+    assert reports[0].replicated_bytes >= (3 + 3) * D * D * 4
+    assert "2 weight(s) that no tensor-parallel layer used" in caplog.text
+    assert "up/weight (96, 32)" in caplog.text
     strict = axonn_jax.parallelize(model, mesh, max_replicated=1000)
-    with pytest.raises(ValueError, match="4 parameter\\(s\\) above max_replicated = 1000 elements"
-                                         ".*'transformer/h/0/attn/c_attn/kernel' \\(96, 32\\)"):
+    with pytest.raises(ValueError, match="2 parameter\\(s\\) above max_replicated = 1000 elements"
+                                         ".*'up/weight' \\(96, 32\\)"):
         jax.eval_shape(strict.init, jax.random.key(0), *args)
+    ruled = axonn_jax.parallelize(model, mesh, report=reports.append,
+                                  rules={TorchStyleLinear: AsDense(kernel="weight", bias=None,
+                                                                   out_in=True)})
+    params = random_params(model, *args)
+    ref = jax.jit(jax.value_and_grad(linen_loss(model, args)))(params)
+    assert_same(*jax.jit(jax.value_and_grad(linen_loss(ruled, args)))(params), *ref)
+    assert_split(reports[-1])
 
 
 # -- linen: the Flax docs' transformer, scanned; subclasses

@@ -103,7 +103,7 @@ class _Interceptor:
         if not method.isidentifier():  # Flax's own helpers (nn.scan's setup-only `<lambda>`)
             return next_fun(*args, **kwargs)
         scope_path = tuple(m.scope.path) if m.scope is not None else ()
-        rule = find_rule(self.rules, "/".join(scope_path), m) if self.rules else None
+        rule = find_rule(self.rules, "/".join(scope_path), m)
         if self.kept or isinstance(rule, Replicated):
             if isinstance(rule, Replicated):
                 self.kept.add(scope_path)

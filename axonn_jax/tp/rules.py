@@ -3,9 +3,10 @@ or that a module it knows stays as written.
 
 A key is a module class (matching its instances and those of its subclasses) or a glob over the
 module's `/`-joined path (`fnmatch`: `*` also crosses `/`, e.g. `'*/k_proj'`). Path keys win over
-class keys, and a rule wins over the built-in handling of Flax's layers:
+class keys, and a rule wins over the built-in handling of Flax's layers and over `BUILTIN_RULES`
+(modules of other libraries, such as transformers' GPT-2 `FlaxConv1D`):
 
-    rules = {FlaxConv1D: AsDense(out_in=True),      # GPT-2's dense layers: kernel (out, in)
+    rules = {TorchStyleLinear: AsDense(kernel="weight", out_in=True),  # kernel (out, in)
              "*/k_proj": Replicated(),              # 2 key/value heads do not divide row = 4
              "*/v_proj": Replicated()}
 """
@@ -83,7 +84,7 @@ def find_rule(rules: Mapping, path: str, module) -> Rule | None:
 
     Returns:
       The rule of the first path glob that matches, else that of the nearest class in the
-      module's MRO, else None.
+      module's MRO, else the built-in rule of the nearest class in `BUILTIN_RULES`, else None.
     """
     for key, rule in rules.items():
         if isinstance(key, str) and fnmatch.fnmatchcase(path, key):
@@ -91,4 +92,19 @@ def find_rule(rules: Mapping, path: str, module) -> Rule | None:
     for cls in type(module).__mro__:
         if cls in rules:
             return rules[cls]
+    for cls in type(module).__mro__:
+        builtin = BUILTIN_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if builtin is not None:
+            return builtin(module)
     return None
+
+
+def _flax_conv1d(module) -> AsDense:
+    """transformers' `FlaxConv1D` (GPT-2's dense layers): `x @ kernel.T (+ bias)`, its kernel
+    stored `(out, in)`."""
+    return AsDense(out_in=True, bias="bias" if getattr(module, "use_bias", True) else None)
+
+
+BUILTIN_RULES = {"transformers.models.gpt2.modeling_flax_gpt2.FlaxConv1D": _flax_conv1d}
+"""Rules for modules of other libraries that call `lax.dot_general` themselves, keyed by the
+class's qualified name (nothing is imported): `{name: function of the module -> rule}`."""

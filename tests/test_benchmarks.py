@@ -111,3 +111,15 @@ def test_bench_defaults_scale_to_any_device_count():
     usable, dropped = step_bench.gspmd_layouts_for(256, 256, check)
     assert usable == ("gspmd dp", "gspmd fsdp")  # tp = 256 and 128 do not split 1600
     assert "row = 256" in dropped["gspmd megatron tp"] and "row = 128" in dropped["gspmd dp=2 x tp"]
+
+
+def test_every_mutation_still_finds_its_code():
+    """`benchmarks/mutations.py` (not run in the suite) refuses to start when a refactor moved the
+    code one of its bugs is written into; each snippet must stay in its file exactly once."""
+    spec = importlib.util.spec_from_file_location("mutations", REPO / "benchmarks" / "mutations.py")
+    mutations = sys.modules["mutations"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutations)
+    mutations.check_snippets(mutations.MUTATIONS)
+    for node in (node for m in mutations.MUTATIONS for node in m.tests):  # and its tests exist
+        path, _, name = node.partition("::")
+        assert f"def {name.split('[')[0]}(" in (REPO / path).read_text(), node

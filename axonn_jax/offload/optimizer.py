@@ -54,8 +54,10 @@ class ParamUpdate(NamedTuple):
 
     init(fp32 params) -> (params, opt_state): the parameters the model computes with and the
       optimizer state of `tx`.
-    apply(grads, opt_state, params, **extra) -> (params, opt_state): one step of `tx` (extra:
-      the chain's extra arguments, e.g. `loss_scale`, `grad_norm`, `finite`).
+    apply(grads, opt_state, params, param_shardings=None, **extra) -> (params, opt_state): one
+      step of `tx` (param_shardings: the parameters' NamedShardings, which a piece-wise update
+      lays its new pieces out by; extra: the chain's extra arguments, e.g. `loss_scale`,
+      `grad_norm`, `finite`).
     state_shardings(opt_state, param_shardings) -> shardings of `opt_state` (arrays or
       ShapeDtypeStructs).
     canonical(params, opt_state) -> (params, opt_state) as checkpoints hold them (fp32
@@ -88,7 +90,8 @@ def on_device(tx: optax.GradientTransformation) -> ParamUpdate:
     def init(params):
         return params, tx.init(params)
 
-    def apply(grads, opt_state, params, **extra):
+    def apply(grads, opt_state, params, param_shardings=None, **extra):
+        del param_shardings  # the update is laid out like its operands
         updates, opt_state = tx.update(grads, opt_state, params, **extra)
         return optax.apply_updates(params, updates), opt_state
 
@@ -323,14 +326,16 @@ class _Streamed:
                             master), \
             {"master": master, "inner": inner}
 
-    def apply(self, grads, opt_state, params, **extra):
+    def apply(self, grads, opt_state, params, param_shardings=None, **extra):
         """One step of `tx` over the streamed pieces. grads: like `params` (compute dtype; in
-        host memory too, `--offload-gradients`: streamed in with the state); extra: `tx`'s extra
-        arguments. Returns (params, opt_state)."""
+        host memory too, `--offload-gradients`: streamed in with the state); param_shardings:
+        the parameters' NamedShardings (None: their layout is left to GSPMD); extra: `tx`'s
+        extra arguments. Returns (params, opt_state)."""
         param_leaves, param_def = jax.tree.flatten(params)
         state_leaves, state_def = jax.tree.flatten(opt_state["inner"])
         pieces = _Pieces(self.inner, _roles(self.inner, opt_state["inner"], params), param_def,
-                         state_def, jax.tree.leaves(grads), extra)
+                         state_def, jax.tree.leaves(grads), extra,
+                         self._param_layouts(param_shardings))
         scalars = pieces.scalars(state_leaves)
         carry = (jax.tree.leaves(opt_state["master"]), state_leaves, param_leaves, scalars)
         stacked = stacked_mask(params, self.stacked_key, self.num_layers)
@@ -349,6 +354,13 @@ class _Streamed:
         new_opt_state = {"master": jax.tree.unflatten(param_def, master),
                          "inner": jax.tree.unflatten(state_def, state_leaves)}
         return jax.tree.unflatten(param_def, param_leaves), new_opt_state
+
+    def _param_layouts(self, param_shardings) -> list | None:
+        """The parameters' shardings as a flat list (device memory), where the state is split
+        over `partition_axis` and the new pieces must be gathered; else None."""
+        if param_shardings is None or self.partition_axis is None:
+            return None
+        return [NamedSharding(s.mesh, s.spec) for s in jax.tree.leaves(param_shardings)]
 
     def _layer_loop(self, pieces: "_Pieces", layer_index: list[int], carry: tuple) -> tuple:
         """The stacked leaves `layer_index` updated one layer per loop iteration (layer i of
@@ -383,9 +395,10 @@ class _Pieces:
     state brought to the device, `tx` run on them, the results written back where they live."""
 
     def __init__(self, inner: optax.GradientTransformation, roles: list, param_def, state_def,
-                 grad_leaves: list, extra: dict):
+                 grad_leaves: list, extra: dict, param_shardings: list | None = None):
         self.inner, self.roles, self.extra = inner, roles, extra
         self.param_def, self.state_def, self.grad_leaves = param_def, state_def, grad_leaves
+        self.param_shardings = param_shardings  # one NamedSharding per parameter, or None
 
     def scalars(self, state_leaves: list) -> list:
         """The state's leaves that belong to no parameter (shared scalars: Adam's count)."""
@@ -421,15 +434,22 @@ class _Pieces:
     def write(self, new_m, new_s, put: Callable, master, state_leaves, param_leaves):
         """The new pieces written with `put(full, piece)`: masters and state back into the memory
         their arrays live in (an update must be in the memory space of the array it updates),
-        the device parameters cast to their dtype. Returns `(master, state_leaves,
-        param_leaves)`."""
+        the device parameters cast to their dtype and laid out like their parameter (with a
+        state split over `data`, each piece is gathered here, beside its write-back to host
+        memory, rather than the whole stack after the update). Returns `(master,
+        state_leaves, param_leaves)`."""
         back = lambda full, x: jax.device_put(x, jax.typeof(full).memory_space)  # noqa: E731
         master = [x if a is None else put(x, back(x, a)) for x, a in zip(master, new_m)]
-        param_leaves = [x if a is None else put(x, a.astype(x.dtype))
-                        for x, a in zip(param_leaves, new_m)]
+        layouts = self.param_shardings or [None] * len(param_leaves)
+        param_leaves = [x if a is None else put(x, _laid_out(a.astype(x.dtype), s))
+                        for x, a, s in zip(param_leaves, new_m, layouts)]
         state_leaves = [x if r.param is None or a is None else put(x, back(x, a))
                         for r, x, a in zip(self.roles, state_leaves, new_s)]
         return master, state_leaves, param_leaves
+
+
+def _laid_out(x, sharding):
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 def gradient_offload_problems(grid, offload_optimizer: bool, microbatches: int,

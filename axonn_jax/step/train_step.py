@@ -955,8 +955,10 @@ class BoundStep:
             sum_squares = lambda s: s  # noqa: E731
         else:
             sum_squares = self.host_engine.sum_over_stages
+        shardings = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
         new, metrics = make_update(self.parts.params_update, scaler=self.scaler,
-                                   sum_squares=sum_squares)(state, grads, host_squares)
+                                   sum_squares=sum_squares,
+                                   param_shardings=shardings)(state, grads, host_squares)
         if self.host_engine is None:
             # A host state split over `data` (offload) computes each new parameter split so
             # too: gathered here back to the parameters' own layout.

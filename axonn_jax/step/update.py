@@ -138,7 +138,7 @@ def update_chain(optimizer: optax.GradientTransformation, *, clip_norm: float | 
 
 
 def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
-                sum_squares: Callable = lambda s: s) -> Callable:
+                sum_squares: Callable = lambda s: s, param_shardings=None) -> Callable:
     """`update(state, grads, host_squares=None) -> (state, metrics)` of a `TrainState`.
 
     grads: like `state.params`, multiplied by `state.loss_scale`; host_squares: the sums of
@@ -152,6 +152,8 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
       scaler: the loss scaler, which updates `state.precision` when that is not None.
       sum_squares: the hook that completes the squared norm of gradients spread over processes
         (identity by default: global arrays sum whole).
+      param_shardings: the parameters' NamedShardings, for `params_update.apply` (None: left
+        to GSPMD).
 
     Returns:
       The `update` function.
@@ -161,7 +163,8 @@ def make_update(params_update: ParamUpdate, *, scaler: LossScaler,
         norm = jnp.sqrt(sum_squares(sum_of_squares(grads, host_squares))) / scale
         finite = jnp.isfinite(norm)
         params, opt_state = params_update.apply(grads, state.opt_state, state.params,
-                                                loss_scale=scale, grad_norm=norm, finite=finite)
+                                                param_shardings, loss_scale=scale,
+                                                grad_norm=norm, finite=finite)
         new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"grad_norm": norm}
         if state.precision is not None:

@@ -11,8 +11,9 @@ the optimizer), and where the state of `tx` is kept.
   masters and `tx`'s state, each leaf with the sharding of its parameter, and with data
   parallelism split over `data` as well (ZeRO-Offload, `partition_spec`): each data-parallel
   copy holds, streams and updates 1/D of the host state, and the new parameters in the compute
-  dtype are all-gathered over `data` (the step constrains them to their own layout). The
-  state's shared scalars (Adam's `count`) stay on the device.
+  dtype are all-gathered over `data`, each piece as the update writes it (laid out like its
+  parameter: `apply`'s `param_shardings`). The state's shared scalars (Adam's `count`) stay on
+  the device.
 
 The offloaded update streams the host state through the device in pieces: one `fori_loop`
 iteration per layer of the stacked `blocks` parameters (leading layer axis), then buckets of at most

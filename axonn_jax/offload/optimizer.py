@@ -388,7 +388,11 @@ class _Streamed:
             out = pieces.write(new_m, new_s, put, master, state_leaves, param_leaves)
             return (*out, pieces.scalars(new_s))
 
-        return jax.lax.fori_loop(0, self.num_layers // stages, body, carry)
+        # Two layers per iteration: XLA schedules one iteration at a time, and only inside an
+        # iteration can a layer's write-back and gather run beside the next layer's reads. A
+        # loop unrolled whole replayed slower (`benchmarks/results/offload_replay.md`).
+        trips = self.num_layers // stages
+        return jax.lax.fori_loop(0, trips, body, carry, unroll=2 if trips > 2 else 1)
 
 
 class _Pieces:

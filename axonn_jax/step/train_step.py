@@ -753,6 +753,11 @@ class BoundStep:
     def _named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.parts.mesh, spec)
 
+    @functools.cached_property
+    def _param_shardings(self):
+        """The parameters' NamedShardings (a tree like the parameters)."""
+        return jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
+
     # ------------------------------------------------------------------ state
 
     def _init(self, key, params=None) -> TrainState:
@@ -769,7 +774,7 @@ class BoundStep:
         replicated = self._named(P())
         if self.host_engine is not None:  # one device per process: everything on it
             return jax.tree.map(lambda _: replicated, shapes)
-        params = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
+        params = self._param_shardings
         out = jax.tree.map(lambda _: replicated, shapes)
         out = out.replace(params=params, opt_state=self.parts.params_update.state_shardings(
             shapes.opt_state, params))
@@ -952,16 +957,15 @@ class BoundStep:
                 g, self._named(s)), tree, self.specs, is_leaf=lambda x: isinstance(x, P))
         if self.host_engine is None:
             grads = like_params(grads)
-            sum_squares = lambda s: s  # noqa: E731
-        else:
-            sum_squares = self.host_engine.sum_over_stages
-        shardings = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
+            sum_squares, laid_out = (lambda s: s), self._param_shardings  # noqa: E731
+        else:  # one device per process: nothing to lay out
+            sum_squares, laid_out = self.host_engine.sum_over_stages, None
         new, metrics = make_update(self.parts.params_update, scaler=self.scaler,
                                    sum_squares=sum_squares,
-                                   param_shardings=shardings)(state, grads, host_squares)
+                                   param_shardings=laid_out)(state, grads, host_squares)
         if self.host_engine is None:
-            # A host state split over `data` (offload) computes each new parameter split so
-            # too: gathered here back to the parameters' own layout.
+            # The offloaded update already lays each new parameter out so, each piece as it
+            # writes it; the constraint holds every leaf where the next step expects it.
             new = new.replace(params=like_params(new.params),
                               opt_state=self._laid_out_state(new.opt_state))
         return new, metrics
@@ -969,8 +973,7 @@ class BoundStep:
     def _laid_out_state(self, opt_state):
         """`opt_state` constrained to its shardings (`ParamUpdate.state_shardings`), memory kinds
         left as they are: a piece-wise update leaves the layout of what it writes to GSPMD."""
-        params = jax.tree.map(self._named, self.specs, is_leaf=lambda x: isinstance(x, P))
-        shardings = self.parts.params_update.state_shardings(opt_state, params)
+        shardings = self.parts.params_update.state_shardings(opt_state, self._param_shardings)
         return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
             x, NamedSharding(s.mesh, s.spec)), opt_state, shardings)
 

@@ -78,8 +78,8 @@ MUTATIONS = [
         "a stage's backward reads the next microbatch's inputs"),
     Mutation(
         "stage-norm", "axonn_jax/step/train_step.py",
-        "sum_squares = self.host_engine.sum_over_stages",
-        "sum_squares = lambda s: s  # noqa: E731",
+        "sum_squares, laid_out = self.host_engine.sum_over_stages, None",
+        "sum_squares, laid_out = (lambda s: s), None",
         ("tests/test_mpi_pipeline.py::test_mpirun_pipeline_equals_single_process"
          "[2-2-zb-h1-4-extra2]",),
         "the MPI pipeline clips by each stage's own gradient norm, not the global one"),

@@ -953,8 +953,8 @@ class BoundStep:
           and with mixed precision `loss_scale` and `skipped_steps`).
         """
         like_params = lambda tree: jax.tree.map(  # noqa: E731
-            lambda g, s: g if in_host_memory(g) else jax.lax.with_sharding_constraint(
-                g, self._named(s)), tree, self.specs, is_leaf=lambda x: isinstance(x, P))
+            lambda g, s: g if in_host_memory(g) else jax.lax.with_sharding_constraint(g, s),
+            tree, self._param_shardings)
         if self.host_engine is None:
             grads = like_params(grads)
             sum_squares, laid_out = (lambda s: s), self._param_shardings  # noqa: E731

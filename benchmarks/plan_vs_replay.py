@@ -150,10 +150,15 @@ NOTES = [
     "`moe_grouped.md`). What is left exposed is mostly the all-to-all over `expert`, across "
     "nodes (1.98 s), which the step waits for at once; `plan` exposes it whole "
     "(`Collective.waited`).",
-    "- **unet-28b** (0.62×, 0.70×): matmuls and memory-bound kernels agree (0.63 / 0.59 s and "
-    "0.10 / 0.11 s on 256), the communication does not: the compiled step moves GSPMD's "
-    "re-layouts of the down and up paths (all-gathers 9× and 5× `plan`'s bytes, `scale.md`), "
-    "which the byte count leaves out.",
+    "- **unet-28b** (1.14×, 0.78×; 0.62× and 0.70× before convolutions kept the images split "
+    "like the dense layers, when GSPMD gathered whole batches between them and the step "
+    "replayed at 1.77 s on 256): matmuls and memory-bound kernels agree (0.70 against 0.68 s "
+    "on 256, 0.19 against 0.21 s on 1024), and so do the bytes but for GSPMD's re-layouts of "
+    "the skips (all-to-alls and permutes, 6.7 GB on 256, 7.2 GB on 1024), which `plan` leaves "
+    "out. On 256 the stream law exposes 0.18 s of depth's weight gathers, which the schedule "
+    "prefetches behind the down and up paths (0.23 s exposed in all, `plan` 0.33); on 1024 the "
+    "step is communication-bound (0.33 s exposed against 0.21 s of kernels) and `plan` exposes "
+    "0.23 s.",
     "- **llama3.1-8b/64 context16**: the ring's XLA attention core is most of the step (11.7 s "
     "of memory-bound kernels replayed, 14.3 s counted); its kernels run per hop (213,653 "
     "launches), which `kernel_count` does not follow (launch time there about 1% of the step "

@@ -124,25 +124,32 @@ NOTES: dict[str, str] = {
         "expert and call (`--remat full` alone makes 1.33×; jaxlib's dense `ragged_dot` made "
         "8.99×), `benchmarks/results/moe_grouped.md`.",
     "unet-28b/256":
-        "FLOPs 0.93× the ideal: `analysis.hlo.flops` now counts the convolutions (XLA's and "
-        "cuDNN's `__cudnn$conv*` calls, as XLA's cost analysis does, padding excluded; before "
-        "0.11×, the attention and dense layers only). Bytes: `plan` leaves out GSPMD's "
-        "re-layouts of the down and up paths and the GroupNorms (docs/models/unet-cnn.md); the compiled "
-        "step all-gathers 56.6 GB over depth and 13.2 GB over depth+row+col, all-reduces 19.5 "
-        "GB over row and 6.2 GB over col. Memory 0.95× (0.87× at XLA's default scheduler "
-        "memory limit, 64.9 GB; 71.1 at the library's 125%): `UNetConfig` counts three arrays of "
-        "each layer's output kept for the backward (the GroupNorm's input, its SiLU and the "
-        "convolution's output); XLA keeps fewer where it fuses the norm and SiLU into their "
-        "consumer (the safe side; not traced per buffer). The GSPMD baselines do not compile "
+        "FLOPs 0.93× the ideal: `analysis.hlo.flops` counts the convolutions (XLA's and cuDNN's "
+        "`__cudnn$conv*` calls, as XLA's cost analysis does, padding excluded). Convolutions now "
+        "keep the images split like the dense layers (`tp.tensor.tp_conv`, 2026-11-29): the "
+        "all-gathers and reduce-scatters are within 13% of `plan`'s and the all-reduces equal; "
+        "the all-to-alls and permutes are GSPMD's re-layouts of the skip concatenations and 1×1 "
+        "skip convolutions, which `plan` leaves out (docs/models/unet-cnn.md). Before, with "
+        "convolutions in the replicated layout, GSPMD gathered whole batches between them and the "
+        "dense layers (on data 4 × depth 8 × row 4 × col 2, all-gathers 99.9 GB against `plan`'s "
+        "10.9). Memory 0.98×: `ConvLayer.kept_bytes`. The GSPMD baselines do not compile "
         "for the abstract H100 here: XLA:GPU's Triton GEMM tiling ('Couldn't find output tile "
         "sizes') rejects the attention output projection's dot (no autotuning without a GPU); "
         "on a real H100, or with another jaxlib, to be retried.",
+    "unet-28b/64":
+        "A pipeline (data 4 × pipe 2 × row 4 × col 2, 16 microbatches), which `plan` picks now "
+        "that its memory counts convolutions in the batch-split layout (before: no grid of 64 "
+        "fits). It fits (75.9 GB), but `plan` undercounts it (67.2 GB), and its FLOPs (1.40× "
+        "`plan`'s), gathers and scatters (1.34×, 1.40×) and GSPMD's re-layouts inside the "
+        "stages (22.7 GB of all-to-alls, 106.7 GB of permutes) are not traced yet; the rows "
+        "without a pipeline agree within 15%.",
     "unet-28b/1024":
-        "As unet-28b/256: FLOPs 0.93× the ideal with the convolutions counted; bytes apart by "
-        "GSPMD's re-layouts of the down and up paths and the GroupNorms, which `plan` leaves "
-        "out. Memory 0.61×: `UNetConfig`'s three kept arrays per layer, each split over one "
-        "tensor axis (its output's), count more than the compiled step keeps at col 8; the safe "
-        "side, not traced per buffer.",
+        "As unet-28b/256 (FLOPs 0.93× the ideal; convolutions in the dense layers' layout). "
+        "The all-gathers and collective permutes together (20.6 GB) equal `plan`'s all-gathers "
+        "(20.7 GB); the compiled step moves 6.4 GB of them as 1,441 collective permutes (5.5 GB over "
+        "col). "
+        "Memory 0.94× (0.61× while `plan` counted three kept arrays per layer in the replicated "
+        "layout).",
     "llama3-8b/1024":
         "Collectives as the compiling backend makes them (`collectives.StepShape.platform`): "
         "depth's kernel gathers and gradient reduce-scatters in the compute dtype (bf16 on the "

@@ -521,10 +521,12 @@ def test_one_device_memory_matches_the_h200s_peak(attention, remat, measured):
 
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-REPLAY_EXCEPTIONS = {"unet-28b/256": (0.55, 1.10), "unet-28b/1024": (0.55, 1.10)}
+REPLAY_EXCEPTIONS = {"unet-28b/256": (0.90, 1.20), "unet-28b/1024": (0.70, 1.10)}
 """Rows whose replayed step `plan` is not within 10% of, with the bounds it is held to and why
-(`benchmarks/results/plan_vs_replay.md`): the U-Nets' communication is mostly GSPMD's
-re-layouts, which the byte count leaves out (their matmuls and memory-bound kernels agree)."""
+(`benchmarks/results/plan_vs_replay.md`): the U-Nets' bytes agree with `plan`'s but for GSPMD's
+re-layouts of the skips (all-to-alls and permutes, left out), and their matmuls and
+memory-bound kernels agree; the stream law exposes more of depth's weight gathers than the
+schedule does on 256 and less of the communication-bound step on 1024."""
 
 
 def _recorded_workload(args):

@@ -63,6 +63,41 @@ def test_linen_conv_net_equals_original(grid, linen_reference, devices):
     check_close(value, grads, ref_value, ref_grads)
 
 
+class ReplicatedRowsNet(LinenNet):
+    tp_replicated_rows = True  # what `parallelize` reads (`tp.options.KernelOptions`)
+
+
+@pytest.mark.parametrize("model, images, split", [(LinenNet(), 4, True), (LinenNet(), 1, False),
+                                                  (ReplicatedRowsNet(), 4, False)],
+                         ids=["images_split", "images_do_not_divide", "replicated_rows"])
+def test_linen_conv_layouts_equal_original(model, images, split, devices):
+    """Both layouts of `tp_conv` on row 2 × col 2: 4 images split over each feature axis (the
+    backward reads the rows gathered over `depth` alone); 1 does not divide so, and a module
+    asking for the replicated layout keeps it."""
+    x = X[:images]
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(linen_loss(model)))(params, x)
+    mesh = make_mesh(ParallelConfig(row=2, col=2), devices[:4])
+    step = jax.value_and_grad(linen_loss(axonn_jax.parallelize(model, mesh)))
+    batch_splits = {spec[0] for spec in shard_map_input_specs(jax.make_jaxpr(step)(params, x))
+                    if len(spec) == 4}  # the convolutions' (images, height, width, channels)
+    assert batch_splits == ({("depth", "row"), ("depth", "col"), "depth"} if split else {"depth"})
+    check_close(*jax.jit(step)(params, x), ref_value, ref_grads)
+
+
+def shard_map_input_specs(jaxpr) -> list:
+    """The first input's PartitionSpec of every shard_map in `jaxpr`, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            out.append(tuple(eqn.params["in_specs"][0]))
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                out += shard_map_input_specs(inner)
+    return out
+
+
 class NnxNet(nnx.Module):
     def __init__(self, rngs):
         self.c1 = nnx.Conv(8, 16, (3, 3), rngs=rngs)

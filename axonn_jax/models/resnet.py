@@ -106,10 +106,8 @@ class ResNetConfig:
         parts += [GroupNorms(2 * width, copies["block"], stacked=True), GroupNorms(width)]
         pixels = self.layers()[2].pixels
         boundary = step.rows / step.microbatches * pixels * width / g.col * step.compute_bytes
-        activations = sum(3 * (copies[layer.part] if layer.part == "block" else 1) * step.rows
-                          / step.microbatches * layer.pixels * layer.cout
-                          / getattr(g, Axis.COL if layouts.get(layer.name, False) else Axis.ROW)
-                          for layer in self.layers()) * step.compute_bytes
+        activations = sum((copies[layer.part] if layer.part == "block" else 1) * part.kept_bytes(step)
+                          for layer, part in zip(self.layers(), parts))
         flops = 3 * 2 * step.batch * sum(
             layer.window * layer.cin * layer.cout * layer.pixels
             * (self.num_layers if layer.part == "block" else 1) for layer in self.layers())

@@ -26,9 +26,11 @@ exact (the embedding's gradient is the sum over both uses).
 Tensor-parallel layout: in a block the activation's channels stay split over `col` (conv1 normal,
 conv2 transposed; query/key/value normal, attention output transposed), so the blocks need no
 re-layout; a block's timestep projection is two dense layers, so its output lands on whatever
-axis the preceding convolution's output is split over. In the down and up paths, the 1×1 skip
-convolutions of channel changes and the channel concatenation of the skips are re-laid out by
-GSPMD.
+axis the preceding convolution's output is split over. Convolutions and dense layers keep the
+images split over the tensor axes alike (`tp.tensor.split_batch`), so in the down and up paths
+the 1×1 skip convolutions of channel changes and the channel concatenation of the skips are
+re-laid out by GSPMD with all-to-alls and permutes of one device's share, not gathers of the
+batch.
 """
 from __future__ import annotations
 
@@ -260,17 +262,16 @@ class UNetConfig:
                           activations=self._activation_bytes(step, layouts))
 
     def _activation_bytes(self, step: StepShape, layouts: dict[str, bool]) -> float:
-        """Activation bytes one device keeps for the backward: each layer's output and the
-        GroupNorm/SiLU around it (about three arrays of its size), the blocks' over a stage."""
-        g = step.grid
-        images = step.rows / step.microbatches
+        """Activation bytes one device keeps for the backward (`ConvLayer.kept_bytes`), the
+        blocks' over a stage, the down path's twice (the embedding's and the head's)."""
         total = 0.0
         for layer in self.layers():
             n = step.stage_layers(self.num_layers) if layer.part == "block" else \
                 2 if layer.part == "embed" else 1
-            fout = Axis.COL if layouts.get(layer.name, False) else Axis.ROW
-            total += 3 * n * images * layer.pixels * layer.cout / getattr(g, fout)
-        return total * step.compute_bytes
+            conv = ConvLayer(layer.window, layer.cin, layer.cout, layer.pixels, layer.in_pixels,
+                             layouts.get(layer.name, False))
+            total += n * conv.kept_bytes(step)
+        return total
 
     def check_grid(self, grid: ParallelConfig) -> None:
         """Raise ValueError naming the numbers unless the model splits evenly on `grid`.

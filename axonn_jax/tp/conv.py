@@ -42,7 +42,8 @@ def check_conv_options(path: str, m, transposed: bool):
                                   "does not run tensor-parallel")
 
 
-def conv_apply(m, x, kernel, bias, mesh, transpose: bool, transposed: bool):
+def conv_apply(m, x, kernel, bias, mesh, transpose: bool, transposed: bool, *,
+               replicated_rows: bool = False):
     """Flax's convolution `m` (its attributes) of `x` with `kernel` and `bias`, as `tp_conv`.
 
     Args:
@@ -55,6 +56,7 @@ def conv_apply(m, x, kernel, bias, mesh, transpose: bool, transposed: bool):
       mesh: the device mesh (None: the mesh in context).
       transpose: swap `row` and `col`.
       transposed: a transposed convolution (`ConvTranspose`).
+      replicated_rows: the replicated layout even where the images divide (`tp_conv`).
 
     Returns:
       `(*batch, *spatial', out)`, channels over `row` (`col` when `transpose`).
@@ -83,5 +85,5 @@ def conv_apply(m, x, kernel, bias, mesh, transpose: bool, transposed: bool):
         kernel = kernel * m.mask
     spec = ConvSpec(transposed, strides, padding, lhs_dil, rhs_dil,
                     bool(getattr(m, "transpose_kernel", False)))
-    y = tp_conv(x, kernel, bias, spec, mesh, transpose)
+    y = tp_conv(x, kernel, bias, spec, mesh, transpose, replicated_rows=replicated_rows)
     return y.reshape(*batch_shape, *y.shape[1:])

@@ -207,7 +207,8 @@ class _Interceptor:
             return next_fun(*args, **kwargs) if whole is None else whole
         x, kernel, bias = m.promote_dtype(x, kernel, bias, dtype=m.dtype)
         try:
-            y = conv_apply(m, x, kernel, bias, self.mesh, transpose, transposed)
+            y = conv_apply(m, x, kernel, bias, self.mesh, transpose, transposed,
+                           replicated_rows=_options(self.kernels, m).replicated_rows)
         except ValueError as e:
             raise ValueError(f"parallelize: layer '{path}' ({kind}): {e}") from None
         self._place(m, "kernel", kernel.shape, spec)

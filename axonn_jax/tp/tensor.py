@@ -1065,57 +1065,77 @@ def _check_conv(x, kernel, bias, mesh, transpose, spec: ConvSpec):
 
 
 @functools.lru_cache(maxsize=LAYER_CACHE)
-def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec):
+def _conv_fn(mesh, transpose: bool, ndim: int, has_bias: bool, spec: ConvSpec, split: bool):
     fin, fout = feature_axes(transpose)
-    x_spec, y_spec = activation_spec(ndim, fin), activation_spec(ndim, fout)
+    x_spec = batch_spec(ndim, fout if split else None, fin)
+    y_spec = batch_spec(ndim, fin if split else None, fout)
+    kept_spec = activation_spec(ndim, fin)
     w_spec, b_spec = conv_kernel_spec(ndim, transpose, spec.transpose_kernel), bias_spec(transpose)
 
     def gather(w):  # the kernel's `depth` shards sit on its second-to-last dim
         return jax.lax.all_gather(w, Axis.DEPTH, axis=ndim - 2, tiled=True)
 
+    def gather_rows(a, axis):
+        return jax.lax.all_gather(a, axis, axis=0, tiled=True) if split else a
+
+    def sum_rows(a, axis):
+        return psum_scatter(a, axis, scatter_dimension=0, tiled=True) if split else psum(a, axis)
+
     def local_forward(x, w, *b):
-        y = psum(spec.apply(x, gather(w)), fin)
+        x = gather_rows(x, fout)
+        y = sum_rows(spec.apply(x, gather(w)), fin)
         return (y + b[0] if b else y), x
 
     def local_backward(x, w, dy):
         # The convolution is linear in each argument: its transposes are the local backward.
         _, vjp = jax.vjp(spec.apply, _untyped(x), _untyped(gather(w)))
-        dx, dw = vjp(_untyped(dy))
-        dx = psum(dx, fout)
+        dx, dw = vjp(_untyped(gather_rows(dy, fin)))
+        dx = sum_rows(dx, fout)
         dw = psum_scatter(dw, Axis.DEPTH, scatter_dimension=ndim - 2, tiled=True)
         if not has_bias:
             return dx, dw
-        return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), Axis.DEPTH)
+        # devices of `depth` (and of `fin` when split) hold different images of the batch
+        over = (Axis.DEPTH, fin) if split else Axis.DEPTH
+        return dx, dw, psum(jnp.sum(dy, axis=tuple(range(ndim - 1))), over)
 
-    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec, x_spec),
+    return _layer(mesh, local_forward, local_backward, (x_spec, w_spec, b_spec, y_spec, kept_spec),
                   has_bias)
 
 
-def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False):
+def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False, *,
+            replicated_rows: bool = False):
     """A channels-last convolution with AxoNN's 2D/3D algorithm, the spatial dims untouched.
 
-    It is `tp_dense` over the channels of every window of `x`. Forward: the kernel all-gathered
-    over `depth`, the local convolution, an all-reduce over `col`; backward: the input gradient
-    all-reduced over `row`, the kernel's reduce-scattered over `depth`.
+    It is `tp_dense` over the channels of every window of `x`, with the images as its rows, in
+    the same two layouts (`split_batch`). Forward: the kernel all-gathered over `depth`, the
+    local convolution, an all-reduce over `col`; backward: the input gradient all-reduced over
+    `row`, the kernel's reduce-scattered over `depth`. In the batch-split layout each all-reduce
+    is the all-gather of the images before the convolution and the reduce-scatter after it, so
+    a convolution and a dense layer take and give the same layouts and a model mixing them
+    needs no re-layout between them.
 
     Args:
-      x: `(batch, *spatial, in)`, batch over `depth`, channels over `col` (`row` when
-        `transpose`).
+      x: `(batch, *spatial, in)`, channels over `col`, batch over (`depth`, `row`) (`row` and
+        `col` swapped when `transpose`; batch over `depth` only in the replicated layout).
       kernel: `(*window, in, out)` (`(*window, out, in)` for a `transpose_kernel` transposed
         convolution), split as `conv_kernel_spec`.
       bias: `(out,)` over `row` (`col`), or None.
       spec: the window arithmetic (`ConvSpec`).
       mesh: the mesh (default: the current one).
       transpose: swap `row` and `col`.
+      replicated_rows: keep the replicated layout where the images divide
+        (`tp.options.KernelOptions.replicated_rows`).
 
     Returns:
-      `(batch, *spatial', out)`, channels over `row` (`col` when `transpose`).
+      `(batch, *spatial', out)`: channels over `row` (`col` when `transpose`), batch over
+      (`depth`, `col`) (`row`), or over `depth` only when `split_batch` is False.
 
     Raises:
       ValueError: the shapes do not match or do not divide over the mesh axes.
     """
     _check_conv(x, kernel, bias, mesh, transpose, spec)
-    fn = _conv_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, spec)
+    fn = _conv_fn(current_mesh(mesh), bool(transpose), x.ndim, bias is not None, spec,
+                  split_batch(x.shape, mesh, transpose, replicated_rows))
     y = fn(x, kernel, jnp.zeros((0,), x.dtype) if bias is None else bias)
     return checkpoint_name(y, TP_DENSE_NAME)
 
@@ -1124,8 +1144,9 @@ def tp_conv(x, kernel, bias, spec: ConvSpec, mesh=None, transpose: bool = False)
 class ConvLayer:
     """The collectives and parameter shards of a `tp_conv` layer, as a model declares it.
 
-    A `collectives.Part` (a dense layer is one with a window of 1). Rows keep the replicated
-    layout: batch over depth only.
+    A `collectives.Part` (a dense layer is one with a window of 1). The images of a microbatch
+    stay split over the feature axes where they divide (`split_batch`, as `tp_conv` decides),
+    else they take the replicated layout: batch over depth only.
 
     Attributes:
       window: kernel positions.
@@ -1160,18 +1181,62 @@ class ConvLayer:
         fin, fout = feature_axes(self.transpose)
         nin, nout = getattr(g, fin), getattr(g, fout)
         block = self.window * self.cin * self.cout / (nin * nout)
-        rows_out, rows_in = step.rows * self.pixels, step.rows * self.in_pixels
+        y_bytes = step.rows * self.pixels * self.cout / nout * cb
+        x_bytes = step.rows * self.in_pixels * self.cin / nin * cb
         wb = step.gathered_bytes
+        split = self.split(step)
+        if split:  # each all-reduce is a gather of the images before and a scatter after
+            rows = [Collective("all-gather", (fout,), x_bytes, n, stage_forward=self.stacked),
+                    Collective("reduce-scatter", (fin,), y_bytes, n, stage_forward=self.stacked),
+                    Collective("all-gather", (fin,), y_bytes, n),
+                    Collective("reduce-scatter", (fout,), x_bytes, n,
+                               overlappable=2 * step.rows * self.pixels * block)]
+        else:
+            rows = [Collective("all-reduce", (fin,), y_bytes, n, stage_forward=self.stacked),
+                    Collective("all-reduce", (fout,), x_bytes, n,
+                               overlappable=2 * step.rows * self.pixels * block)]
         return [
             Collective("all-gather", (Axis.DEPTH,), block * wb, n * (2 if self.stacked else 1),
                        per_microbatch=True),
-            Collective("all-reduce", (fin,), rows_out * self.cout / nout * cb, n,
-                       stage_forward=self.stacked),
-            Collective("all-reduce", (fout,), rows_in * self.cin / nin * cb, n,
-                       overlappable=2 * rows_out * block),
+            *rows,
             Collective("reduce-scatter", (Axis.DEPTH,), block * wb, n, per_microbatch=True),
-            Collective("all-reduce", (Axis.DEPTH,), self.cout / nout * pb, n, per_microbatch=True),
+            Collective("all-reduce", (Axis.DEPTH, fin) if split else (Axis.DEPTH,),
+                       self.cout / nout * pb, n, per_microbatch=True),
         ]
+
+    def split(self, step: StepShape) -> bool:
+        """Whether a microbatch's images split over both feature axes, as `tp_conv` decides.
+
+        Args:
+          step: the train step's shape.
+
+        Returns:
+          True for the batch-split layout (`split_batch`).
+        """
+        nin, nout = (getattr(step.grid, a) for a in feature_axes(self.transpose))
+        images = step.rows / step.microbatches
+        return images == int(images) and not int(images) % math.lcm(nin, nout)
+
+    def kept_bytes(self, step: StepShape) -> float:
+        """Bytes one device keeps of one run of the layer for the backward.
+
+        The replicated layout: about three arrays of its output's size (the output, a
+        GroupNorm's input; the GroupNorm and SiLU after it; the next layer's input). The
+        batch-split layout: the next layer's input rows gathered for its GEMM, and three arrays'
+        worth also split over the input axis (the output, and the GroupNorm's input in float32).
+        Read off the memory-usage report of `unet-28b` compiled for 256 H100s (data 4 × depth 8
+        × row 4 × col 2); on two more grids the total is within 10% of the compiled peak
+        (`benchmarks/results/scale.md`).
+
+        Args:
+          step: the train step's shape.
+
+        Returns:
+          Bytes per device.
+        """
+        nin, nout = (getattr(step.grid, a) for a in feature_axes(self.transpose))
+        out = step.rows / step.microbatches * self.pixels * self.cout / nout * step.compute_bytes
+        return out * (1 + 3 / nin if self.split(step) else 3)
 
     def parameters(self, step: StepShape) -> list[ParameterShard]:
         """The kernel `(window, in, out)` split as `conv_kernel_spec`, the bias like the outputs."""

@@ -1222,11 +1222,10 @@ class ConvLayer:
 
         The replicated layout: about three arrays of its output's size (the output, a
         GroupNorm's input; the GroupNorm and SiLU after it; the next layer's input). The
-        batch-split layout: the next layer's input rows gathered for its GEMM, and three arrays'
-        worth also split over the input axis (the output, and the GroupNorm's input in float32).
-        Read off the memory-usage report of `unet-28b` compiled for 256 H100s (data 4 × depth 8
-        × row 4 × col 2); on two more grids the total is within 10% of the compiled peak
-        (`benchmarks/results/scale.md`).
+        batch-split layout: the next layer's input rows gathered for its GEMM, and about three
+        arrays' worth also split over the input axis (the output, the GroupNorm's input in
+        float32): the count that puts `plan`'s memory within 10% of the compiled peaks of
+        `unet-28b` on three grids of 256 and 1,024 H100s (`benchmarks/results/scale.md`).
 
         Args:
           step: the train step's shape.

@@ -299,6 +299,10 @@ class ModelCommunication:
     expert_flops: float = 0.0
     """Of `executed_flops` (or `flops`), the routed experts' share: what expert imbalance
     multiplies on the busiest device."""
+    busiest_stage: float = 1.0
+    """The busiest pipeline stage's FLOPs over the mean stage's (a model whose embedding or
+    head outweighs a stage's blocks: a U-Net's up path), at whose pace the pipeline runs; 1
+    without a pipeline or where the stages are even."""
     working: float = 0.0
     """Temporary bytes one block's parts hold while it runs, beyond the planner's estimate of a
     transformer block (context attention's score tiles and gathered keys/values)."""

@@ -139,13 +139,13 @@ NOTES: dict[str, str] = {
     "unet-28b/64":
         "A pipeline (data 4 × pipe 2 × row 4 × col 2, 16 microbatches), which `plan` picks now "
         "that its memory counts convolutions in the batch-split layout (before: no grid of 64 "
-        "fits). It fits (75.9 GB), but `plan` undercounts it (67.2 GB). Its FLOPs are 1.40× "
-        "`plan`'s: the last stage runs the up path and the head's recomputed down path beside "
-        "its ten blocks, 1.49× the forward FLOPs of the mean stage (`UNetConfig.layers`: 13.6 "
-        "against 9.1 TFLOP an image), and `plan` takes every stage as the mean. The gathers and "
-        "scatters (1.34×, 1.40×) and GSPMD's re-layouts inside the stages (22.7 GB of "
-        "all-to-alls, 106.7 GB of permutes) are not traced yet; the rows without a pipeline "
-        "agree within 15%.",
+        "fits). It fits (75.9 GB), but `plan` undercounts it (67.2 GB). FLOPs within 10%: the "
+        "last stage runs the up path and the head's recomputed down path beside its ten blocks, "
+        "1.32× the mean stage (13.6 against 10.3 TFLOP an image forward), and `plan` now runs "
+        "the pipeline at that stage's pace (`ModelCommunication.busiest_stage`; 0.71× the "
+        "compiled FLOPs when it took every stage as the mean). The gathers and scatters (1.34×, "
+        "1.40×) and GSPMD's re-layouts inside the stages (22.7 GB of all-to-alls, 106.7 GB of "
+        "permutes) are not traced yet; the rows without a pipeline agree within 15%.",
     "unet-28b/1024":
         "As unet-28b/256 (FLOPs 0.93× the ideal; convolutions in the dense layers' layout). "
         "The all-gathers and collective permutes together (20.6 GB) equal `plan`'s all-gathers "

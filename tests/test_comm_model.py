@@ -342,6 +342,24 @@ def test_unet_convolutions_move_what_the_model_counts(compiled_hlo):
         measured[(k, (a,))] for k in ("all-gather", "reduce-scatter") for a in ("row", "col"))
 
 
+def test_unet_pipeline_runs_at_its_busiest_stage():
+    """`plan`'s FLOPs per device on `unet-28b`'s pipeline (the scale table's data 4 × pipe 2 ×
+    row 4 × col 2, 16 microbatches) are its last stage's: its blocks, the up path and the head's
+    recomputed down path (`ModelCommunication.busiest_stage`, 1.32× the mean stage), within 10%
+    of the compiled step's (`benchmarks/results/scale.json`). Before, `plan` took every stage as
+    the mean (0.71× the compiled figure). Without a pipeline the stages do not matter."""
+    from axonn_jax.models import get
+
+    record = json.loads((RESULTS / "scale.json").read_text())["unet-28b/64"]["compiled"]
+    work = cm.Workload(get("unet-28b").config, 2048, 1, microbatches=record["microbatches"])
+    grid = ParallelConfig(**record["grid"])
+    assert grid.pipe == 2
+    predicted = cm.predict(work, grid, cm.MACHINES["h100-dgx"]).flops_per_device
+    assert predicted == pytest.approx(record["flops_per_device"], rel=0.10)
+    assert cm.declared(work, grid).busiest_stage == pytest.approx(1.32, abs=0.01)
+    assert cm.declared(work, dataclasses.replace(grid, pipe=1, data=8)).busiest_stage == 1.0
+
+
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny-mqa", "unet-tiny", "resnet-tiny"])
 def test_declared_parameters_are_the_models(name):
     """Each model's declared parts (`config.communication`) hold, on one device, exactly the

@@ -1139,7 +1139,8 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     """
     rate = machine.peak_flops * machine.efficiency
     devices = grid.num_devices
-    recompute = recompute_factor(work, grid)
+    # FLOPs run per model FLOP: recomputation, and a pipeline's pace set by its busiest stage
+    factor = recompute_factor(work, grid) * declared(work, grid).busiest_stage
     executed = work.executed_flops(grid)
     found = collectives(work, grid)
     memory_bound = sum(memory_bound_bytes(work, grid).values()) / machine.hbm_bw
@@ -1148,7 +1149,7 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
         if work.imbalance(grid) != 1.0 else 0.0
     kernels = kernel_count(work, grid)
     launch = kernels * machine.kernel_s
-    compute = executed / devices / rate * recompute + (parameter_traffic(work, grid) + sum(
+    compute = executed / devices / rate * factor + (parameter_traffic(work, grid) + sum(
         c.count * c.copied for c in found)) / machine.hbm_bw + memory_bound + launch
     # Rows go round rings only in the batch-split layout; tensor-parallel layers that keep their
     # rows whole (a microbatch too small to split over row) sum each output before the next
@@ -1178,11 +1179,11 @@ def predict(work: Workload, grid: ParallelConfig, machine: Machine) -> Predictio
     mfu = work.flops() / (step * devices * machine.peak_flops)
     return Prediction(grid, work.microbatches, step, compute, exposed, bubble, bytes_by_kind(work, grid), mem["total"],
                       mem, mfu, {a: t for a, t in by_axis.items() if t > 0},
-                      flops_per_device=executed / devices * recompute,
+                      flops_per_device=executed / devices * factor,
                       host_memory_per_device_bytes=host_memory_per_device(work, grid),
                       fits=mem["total"] <= machine.device_memory, remat=work.remat,
                       expert_imbalance_s=(work.imbalance(grid) - 1) * declared(work, grid)
-                      .expert_flops / devices / rate * recompute + skew,
+                      .expert_flops / devices / rate * factor + skew,
                       memory_bound_s=memory_bound,
                       launch_s=launch, kernels=kernels,
                       offload_optimizer=work.offload_optimizer,

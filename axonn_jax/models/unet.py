@@ -218,12 +218,27 @@ class UNetConfig:
         Returns:
           The training FLOPs of one image.
         """
+        fwd = self._forward_flops()
+        return 3 * (2 * fwd["embed"] + self.num_layers * fwd["block"] + fwd["head"])
+
+    def _forward_flops(self) -> dict[str, float]:
+        """Forward FLOPs of one image in each part (one block's for `block`)."""
         fwd = {"embed": 0.0, "block": 0.0, "head": 0.0}
         for layer in self.layers():
             fwd[layer.part] += 2 * layer.window * layer.cin * layer.cout * layer.pixels
             if layer.name.endswith("/query"):  # scores and the weighted sum
                 fwd[layer.part] += 2 * 2 * layer.pixels ** 2 * layer.cin
-        return 3 * (2 * fwd["embed"] + self.num_layers * fwd["block"] + fwd["head"])
+        return fwd
+
+    def _busiest_stage(self, step: StepShape) -> float:
+        """The last pipeline stage's FLOPs over the mean stage's: its blocks, the up path and
+        the head's recomputed down path, where the first stage runs its blocks and the down
+        path once (1 without a pipeline)."""
+        if not step.pipelined:
+            return 1.0
+        fwd = self._forward_flops()
+        last = step.stage_layers(self.num_layers) * fwd["block"] + fwd["head"] + fwd["embed"]
+        return step.grid.pipe * 3 * last / self.flops_per_image()
 
     def communication(self, step: StepShape) -> ModelCommunication:
         """What one train step communicates (`collectives.ModelCommunication`).
@@ -259,7 +274,8 @@ class UNetConfig:
         boundary = step.rows / step.microbatches * (r + 1) * r * c / g.col * step.compute_bytes
         return from_parts([p for part in convs.values() for p in part], step, boundary=boundary,
                           flops=self.flops_per_image() * step.batch, head_reads=embed,
-                          activations=self._activation_bytes(step, layouts))
+                          activations=self._activation_bytes(step, layouts),
+                          busiest_stage=self._busiest_stage(step))
 
     def _activation_bytes(self, step: StepShape, layouts: dict[str, bool]) -> float:
         """Activation bytes one device keeps for the backward (`ConvLayer.kept_bytes`), the

@@ -1184,17 +1184,16 @@ class ConvLayer:
         y_bytes = step.rows * self.pixels * self.cout / nout * cb
         x_bytes = step.rows * self.in_pixels * self.cin / nin * cb
         wb = step.gathered_bytes
+        mm_flops = 2 * step.rows * self.pixels * block  # the weight gradient's, per device
         split = self.split(step)
         if split:  # each all-reduce is a gather of the images before and a scatter after
             rows = [Collective("all-gather", (fout,), x_bytes, n, stage_forward=self.stacked),
                     Collective("reduce-scatter", (fin,), y_bytes, n, stage_forward=self.stacked),
                     Collective("all-gather", (fin,), y_bytes, n),
-                    Collective("reduce-scatter", (fout,), x_bytes, n,
-                               overlappable=2 * step.rows * self.pixels * block)]
+                    Collective("reduce-scatter", (fout,), x_bytes, n, overlappable=mm_flops)]
         else:
             rows = [Collective("all-reduce", (fin,), y_bytes, n, stage_forward=self.stacked),
-                    Collective("all-reduce", (fout,), x_bytes, n,
-                               overlappable=2 * step.rows * self.pixels * block)]
+                    Collective("all-reduce", (fout,), x_bytes, n, overlappable=mm_flops)]
         return [
             Collective("all-gather", (Axis.DEPTH,), block * wb, n * (2 if self.stacked else 1),
                        per_microbatch=True),
@@ -1213,9 +1212,7 @@ class ConvLayer:
         Returns:
           True for the batch-split layout (`split_batch`).
         """
-        nin, nout = (getattr(step.grid, a) for a in feature_axes(self.transpose))
-        images = step.rows / step.microbatches
-        return images == int(images) and not int(images) % math.lcm(nin, nout)
+        return split_batch((step.layer_rows,), step.grid.as_dict(), self.transpose)
 
     def kept_bytes(self, step: StepShape) -> float:
         """Bytes one device keeps of one run of the layer for the backward.
